@@ -1,0 +1,92 @@
+"""KV cache accounting: bytes per token, bytes for a length, and how well a paged pool is used.
+
+Plain numbers in, plain numbers out, so any config (dense attention or MLA) can be costed:
+
+    per_token = kv_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128, dtype_bytes=2)
+    kv_bytes(per_token, n_tokens=8192, batch=4)
+
+Utilisation and prefix-cache hit rate read the counters of
+`atlas_jax.cache.allocator.BlockAllocator.stats()`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class _AllocatorCounters(Protocol):
+  block_size: int
+  n_used: int
+  filled_slots: int
+  prefix_query_tokens: int
+  prefix_hit_tokens: int
+
+
+def _check(name: str, value: int, *, minimum: int = 1) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+  """Bytes of cache one token costs with MHA/GQA/MQA: a key and a value per kv head and layer.
+
+  2 * L * K * H * dtype_bytes.
+  """
+  for name, value in dict(
+    n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes
+  ).items():
+    _check(name, value)
+  return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def mla_kv_bytes_per_token(
+  n_layers: int, kv_lora_rank: int, rope_dim: int, dtype_bytes: int
+) -> int:
+  """Bytes of cache one token costs with MLA: one latent (C) plus the shared rope key (R) per layer.
+
+  L * (C + R) * dtype_bytes; keys and values are both decompressed from the latent.
+  """
+  _check("n_layers", n_layers)
+  _check("kv_lora_rank", kv_lora_rank)
+  _check("rope_dim", rope_dim, minimum=0)
+  _check("dtype_bytes", dtype_bytes)
+  return n_layers * (kv_lora_rank + rope_dim) * dtype_bytes
+
+
+def kv_bytes(bytes_per_token: int, n_tokens: int, *, batch: int = 1) -> int:
+  """Cache bytes for `batch` sequences of `n_tokens` tokens each."""
+  _check("bytes_per_token", bytes_per_token)
+  _check("n_tokens", n_tokens, minimum=0)
+  _check("batch", batch, minimum=0)
+  return bytes_per_token * n_tokens * batch
+
+
+def paged_pool_bytes(bytes_per_token: int, *, n_blocks: int, block_size: int) -> int:
+  """Bytes of a paged pool of P blocks of Z slots."""
+  _check("n_blocks", n_blocks)
+  _check("block_size", block_size)
+  return kv_bytes(bytes_per_token, n_blocks * block_size)
+
+
+def utilisation(stats: _AllocatorCounters) -> float:
+  """Slots holding real tokens / slots allocated to sequences (1.0 when nothing is allocated).
+
+  A block shared by several sequences is one physical block and counts once on both sides.
+  """
+  allocated = stats.n_used * stats.block_size
+  return 1.0 if allocated == 0 else stats.filled_slots / allocated
+
+
+def prefix_hit_rate(stats: _AllocatorCounters) -> float:
+  """Prompt tokens served from the prefix cache / prompt tokens looked up (0.0 before any)."""
+  if stats.prefix_query_tokens == 0:
+    return 0.0
+  return stats.prefix_hit_tokens / stats.prefix_query_tokens
+
+
+def preallocated_utilisation(lengths: list[int] | tuple[int, ...], *, max_length: int) -> float:
+  """Utilisation when every sequence reserves `max_length` slots up front (the naive cache)."""
+  _check("max_length", max_length)
+  if not lengths:
+    return 1.0
+  return sum(lengths) / (len(lengths) * max_length)

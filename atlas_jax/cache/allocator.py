@@ -1,0 +1,360 @@
+"""Host-side block allocator for the paged KV cache, with reference counts and prefix caching.
+
+Plain Python, never traced: the scheduler calls it between jitted steps and hands the resulting
+block tables and copy lists to the device.
+
+Every physical block is in exactly one of three states:
+
+* free: in the free list, holding nothing worth keeping;
+* used: referenced by one or more sequences (`ref_count > 0`);
+* cached: unreferenced but holding a full block of a known token prefix, so a later request with
+  that prefix can reuse it; cached blocks are evicted in LRU order when the free list runs dry.
+
+A full block is identified by a hash chained over its parent block's hash and its own tokens, so
+equal hashes mean equal whole prefixes, not just equal blocks. Only full blocks are hashed and
+shared through the cache; a partial block is shared only by `fork`, and a sequence that must write
+into a shared partial block first copies it (copy-on-write): `append` returns the (src, dst)
+block pairs whose device data the caller must copy before writing the new tokens.
+
+Every operation checks what it needs before it changes anything, so a raised error leaves the
+allocator exactly as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+SeqId = Hashable
+_ROOT_HASH = b""
+
+
+class AllocatorError(Exception):
+  """Base class of the allocator's errors."""
+
+
+class OutOfBlocksError(AllocatorError):
+  """Not enough free or evictable blocks for the request."""
+
+
+class UnknownSequenceError(AllocatorError, KeyError):
+  """The sequence id was never added or has been freed."""
+
+  def __str__(self) -> str:  # KeyError would quote the whole message
+    return str(self.args[0])
+
+
+class DuplicateSequenceError(AllocatorError, ValueError):
+  """The sequence id is already live."""
+
+
+def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
+  """The chained hash of a full block: it commits to the whole prefix ending in this block."""
+  data = np.asarray(tokens, dtype=np.int64).tobytes()
+  return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorStats:
+  """A snapshot of the allocator's occupancy and counters (see `atlas_jax.analysis.kv`)."""
+
+  n_blocks: int
+  block_size: int
+  n_free: int  # in the free list
+  n_cached: int  # unreferenced but kept for prefix hits (evictable)
+  n_used: int  # referenced by at least one sequence
+  filled_slots: int  # token slots holding real tokens in used blocks, each physical block once
+  logical_tokens: int  # tokens summed over live sequences (shared blocks counted per sequence)
+  prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
+  prefix_hit_tokens: int  # of those, served from cached blocks
+  n_evictions: int
+  n_copies: int  # copy-on-write block copies
+
+
+@dataclasses.dataclass
+class _Sequence:
+  blocks: list[int]
+  tokens: list[int]
+  hashes: list[bytes]  # chained hash of each full block, in order
+
+
+class BlockAllocator:
+  """Assigns the pool's blocks to sequences.
+
+  Args:
+    n_blocks: P, blocks in the pool.
+    block_size: Z, token slots per block.
+    enable_prefix_caching: keep and reuse full blocks by prefix hash.
+  """
+
+  def __init__(self, n_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockAllocator: {name} must be a positive int, got {value!r}")
+    self.n_blocks = n_blocks
+    self.block_size = block_size
+    self.enable_prefix_caching = enable_prefix_caching
+    # Popped from the left, so low block ids are handed out first (deterministic tables).
+    self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
+    self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+    self._ref = [0] * n_blocks
+    self._fill = [0] * n_blocks  # token slots written in each physical block
+    self._hash_of: dict[int, bytes] = {}
+    self._block_of: dict[bytes, int] = {}
+    self._seqs: dict[SeqId, _Sequence] = {}
+    self._prefix_query_tokens = 0
+    self._prefix_hit_tokens = 0
+    self._n_evictions = 0
+    self._n_copies = 0
+
+  # -- queries -------------------------------------------------------------------------------
+
+  @property
+  def n_available(self) -> int:
+    """Blocks that can be handed out now: free plus evictable cached ones."""
+    return len(self._free) + len(self._cached)
+
+  def __contains__(self, seq_id: SeqId) -> bool:
+    return seq_id in self._seqs
+
+  def sequences(self) -> list[SeqId]:
+    return list(self._seqs)
+
+  def blocks(self, seq_id: SeqId) -> list[int]:
+    return list(self._get(seq_id).blocks)
+
+  def tokens(self, seq_id: SeqId) -> list[int]:
+    return list(self._get(seq_id).tokens)
+
+  def length(self, seq_id: SeqId) -> int:
+    return len(self._get(seq_id).tokens)
+
+  def ref_count(self, block: int) -> int:
+    return self._ref[block]
+
+  def free_blocks(self) -> list[int]:
+    return list(self._free)
+
+  def cached_blocks(self) -> list[int]:
+    """Unreferenced cached blocks, least recently used first."""
+    return list(self._cached)
+
+  def slots(self, seq_id: SeqId, start: int, stop: int) -> np.ndarray:
+    """i32[stop - start]: the pool slot (block * Z + offset) of token positions [start, stop)."""
+    seq = self._get(seq_id)
+    if not 0 <= start <= stop <= len(seq.tokens):
+      raise ValueError(
+        f"slots: need 0 <= start <= stop <= length={len(seq.tokens)}, got [{start}, {stop})"
+      )
+    pos = np.arange(start, stop)
+    blocks = np.asarray(seq.blocks, np.int64)[pos // self.block_size] if stop > start else pos
+    return (blocks * self.block_size + pos % self.block_size).astype(np.int32)
+
+  def block_table(
+    self, seq_ids: Sequence[SeqId], max_blocks: int, *, pad: int = 0
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[B, max_blocks] block table, i32[B] lengths) for a batch; padding entries are `pad`."""
+    table = np.full((len(seq_ids), max_blocks), pad, np.int32)
+    lengths = np.zeros((len(seq_ids),), np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      seq = self._get(seq_id)
+      if len(seq.blocks) > max_blocks:
+        raise ValueError(
+          f"block_table: sequence {seq_id!r} holds {len(seq.blocks)} blocks > "
+          f"max_blocks={max_blocks}"
+        )
+      table[row, : len(seq.blocks)] = seq.blocks
+      lengths[row] = len(seq.tokens)
+    return table, lengths
+
+  def stats(self) -> AllocatorStats:
+    used = [b for b in range(self.n_blocks) if self._ref[b] > 0]
+    return AllocatorStats(
+      n_blocks=self.n_blocks,
+      block_size=self.block_size,
+      n_free=len(self._free),
+      n_cached=len(self._cached),
+      n_used=len(used),
+      filled_slots=sum(self._fill[b] for b in used),
+      logical_tokens=sum(len(s.tokens) for s in self._seqs.values()),
+      prefix_query_tokens=self._prefix_query_tokens,
+      prefix_hit_tokens=self._prefix_hit_tokens,
+      n_evictions=self._n_evictions,
+      n_copies=self._n_copies,
+    )
+
+  # -- operations ----------------------------------------------------------------------------
+
+  def add_sequence(self, seq_id: SeqId, prompt: Sequence[int]) -> int:
+    """Starts a sequence holding `prompt`, reusing the longest cached chain of its full blocks.
+
+    The last prompt token is never served from the cache, so the model always computes at least
+    one token (whose logits start generation); a prompt that is a whole number of cached blocks
+    recomputes its last block into a fresh block.
+
+    Returns:
+      The number of leading prompt tokens whose K/V are already in the pool (a multiple of Z);
+      the caller computes and writes tokens from there on.
+
+    Raises:
+      DuplicateSequenceError: `seq_id` is live.
+      OutOfBlocksError: the uncached part needs more blocks than are available.
+    """
+    if seq_id in self._seqs:
+      raise DuplicateSequenceError(f"add_sequence: sequence {seq_id!r} already exists")
+    prompt = [int(t) for t in prompt]
+    Z = self.block_size
+    hits: list[int] = []
+    hashes: list[bytes] = []
+    parent = _ROOT_HASH
+    if self.enable_prefix_caching:
+      for i in range((len(prompt) - 1) // Z if prompt else 0):
+        h = block_hash(parent, prompt[i * Z : (i + 1) * Z])
+        block = self._block_of.get(h)
+        if block is None:
+          break
+        hits.append(block)
+        hashes.append(h)
+        parent = h
+    n_total = -(-len(prompt) // Z)
+    n_new = n_total - len(hits)
+    # Reviving a cached hit takes it out of the evictable set, so it counts against availability.
+    n_revived = sum(1 for b in hits if self._ref[b] == 0)
+    if n_new + n_revived > self.n_available:
+      raise OutOfBlocksError(
+        f"add_sequence: sequence {seq_id!r} with {len(prompt)} prompt tokens needs {n_new} new "
+        f"blocks (+{n_revived} cached ones revived), only {self.n_available} available"
+      )
+    for block in hits:
+      self._take(block)
+    seq = _Sequence(blocks=list(hits), tokens=prompt[: len(hits) * Z], hashes=hashes)
+    self._seqs[seq_id] = seq
+    self._prefix_query_tokens += len(prompt)
+    self._prefix_hit_tokens += len(hits) * Z
+    copies = self._extend(seq, prompt[len(hits) * Z :])
+    assert not copies, "a fresh sequence owns its partial block"
+    return len(hits) * Z
+
+  def append(self, seq_id: SeqId, tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """Appends tokens to a sequence, allocating blocks as the last one fills.
+
+    Returns:
+      Copy-on-write pairs (src_block, dst_block): the sequence's partial last block was shared
+      (after `fork`), so it now writes into a private copy; the caller must copy the device data
+      of src into dst before writing the new tokens.
+
+    Raises:
+      UnknownSequenceError, OutOfBlocksError.
+    """
+    seq = self._get(seq_id)
+    tokens = [int(t) for t in tokens]
+    needed = self._blocks_needed(seq, len(tokens))
+    if needed > self.n_available:
+      raise OutOfBlocksError(
+        f"append: sequence {seq_id!r} (length {len(seq.tokens)}) needs {needed} blocks for "
+        f"{len(tokens)} tokens, only {self.n_available} available"
+      )
+    return self._extend(seq, tokens)
+
+  def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    """Starts `child_id` as a copy of `parent_id` that shares all of its blocks."""
+    parent = self._get(parent_id)
+    if child_id in self._seqs:
+      raise DuplicateSequenceError(f"fork: sequence {child_id!r} already exists")
+    for block in parent.blocks:
+      self._ref[block] += 1
+    self._seqs[child_id] = _Sequence(
+      blocks=list(parent.blocks), tokens=list(parent.tokens), hashes=list(parent.hashes)
+    )
+
+  def free(self, seq_id: SeqId) -> None:
+    """Releases a sequence's blocks; its hashed full blocks stay cached until evicted."""
+    seq = self._get(seq_id)
+    del self._seqs[seq_id]
+    # Release the tail first so that, among this sequence's blocks, the tail is evicted first
+    # and the more widely useful prefix blocks survive longest.
+    for block in reversed(seq.blocks):
+      self._ref[block] -= 1
+      if self._ref[block] > 0:
+        continue
+      if block in self._hash_of:
+        self._cached[block] = None
+      else:
+        self._fill[block] = 0
+        self._free[block] = None
+
+  # -- internals -----------------------------------------------------------------------------
+
+  def _get(self, seq_id: SeqId) -> _Sequence:
+    try:
+      return self._seqs[seq_id]
+    except KeyError:
+      raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never added, or freed)") from None
+
+  def _blocks_needed(self, seq: _Sequence, n_tokens: int) -> int:
+    if n_tokens == 0:
+      return 0
+    Z = self.block_size
+    room = len(seq.blocks) * Z - len(seq.tokens)
+    n_new = -(-(n_tokens - room) // Z) if n_tokens > room else 0
+    cow = 1 if room > 0 and self._ref[seq.blocks[-1]] > 1 else 0
+    return n_new + cow
+
+  def _take(self, block: int) -> None:
+    """Adds a reference to a hashed block found in the cache."""
+    if self._ref[block] == 0:
+      del self._cached[block]
+    self._ref[block] += 1
+
+  def _new_block(self) -> int:
+    if self._free:
+      block, _ = self._free.popitem(last=False)
+    else:
+      block, _ = self._cached.popitem(last=False)
+      del self._block_of[self._hash_of.pop(block)]
+      self._n_evictions += 1
+    self._ref[block] = 1
+    self._fill[block] = 0
+    return block
+
+  def _extend(self, seq: _Sequence, tokens: list[int]) -> list[tuple[int, int]]:
+    """Writes tokens into the sequence's blocks; availability was checked by the caller."""
+    Z = self.block_size
+    copies: list[tuple[int, int]] = []
+    pos = 0
+    while pos < len(tokens):
+      offset = len(seq.tokens) % Z
+      if offset == 0:
+        seq.blocks.append(self._new_block())
+      elif self._ref[seq.blocks[-1]] > 1:
+        src = seq.blocks[-1]
+        dst = self._new_block()
+        self._fill[dst] = self._fill[src]
+        self._ref[src] -= 1
+        seq.blocks[-1] = dst
+        copies.append((src, dst))
+        self._n_copies += 1
+      take = min(Z - offset, len(tokens) - pos)
+      seq.tokens.extend(tokens[pos : pos + take])
+      block = seq.blocks[-1]
+      self._fill[block] = offset + take
+      pos += take
+      if offset + take == Z:
+        self._seal(seq, block)
+    return copies
+
+  def _seal(self, seq: _Sequence, block: int) -> None:
+    """Hashes a block that just became full and offers it to the prefix cache."""
+    Z = self.block_size
+    i = len(seq.blocks) - 1
+    parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+    h = block_hash(parent, seq.tokens[i * Z : (i + 1) * Z])
+    seq.hashes.append(h)
+    # A duplicate of an already cached prefix stays unhashed: one block per hash.
+    if self.enable_prefix_caching and h not in self._block_of:
+      self._block_of[h] = block
+      self._hash_of[block] = h

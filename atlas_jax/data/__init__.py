@@ -1,0 +1,1 @@
+"""atlas_jax.data."""

@@ -1,0 +1,357 @@
+"""Hugging Face import and export for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+    model = atlas_jax.hf.load("path/to/folder")          # config.json + *.safetensors
+    logits_BTV = model(tokens_BT)                          # matches transformers' logits
+    tokenizer = atlas_jax.hf.load_tokenizer("path/to/folder")
+
+Weights are read with safetensors straight into jax arrays (single file or sharded with an index),
+reshaped from torch's [out, in] Linear layout into our einsum layouts, and stacked over layers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from atlas_jax.config import ConfigError, ModelConfig, RopeScaling
+from atlas_jax.model.transformer import Transformer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFLoadError(ValueError):
+  """A Hugging Face folder that cannot be imported (unsupported, incomplete or inconsistent)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise HFLoadError(f"{path.parent}: no config.json (expected a Hugging Face model folder)")
+  except json.JSONDecodeError as e:
+    raise HFLoadError(f"{path}: not valid JSON ({e})") from e
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+  """(theta, scaling) from either transformers v5's `rope_parameters` or v4's fields."""
+  params = hf.get("rope_parameters")
+  if params is None:
+    params = dict(hf.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  if rope_type == "default":
+    return theta, None
+  if rope_type == "linear":
+    return theta, RopeScaling(type="linear", factor=float(params["factor"]))
+  if rope_type == "llama3":
+    return theta, RopeScaling(
+      type="llama3",
+      factor=float(params["factor"]),
+      low_freq_factor=float(params["low_freq_factor"]),
+      high_freq_factor=float(params["high_freq_factor"]),
+      original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+  raise HFLoadError(
+    f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+  )
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32") -> ModelConfig:
+  """Maps a transformers config.json dict onto a ModelConfig, rejecting what we cannot run."""
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise HFLoadError(
+      f"model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
+      f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+  if hf.get("hidden_act", "silu") != "silu":
+    raise HFLoadError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+  if model_type in ("llama", "mistral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+    raise HFLoadError(
+      f"{model_type} with attention_bias={hf.get('attention_bias')} / mlp_bias="
+      f"{hf.get('mlp_bias')} is not supported; only bias-free Llama/Mistral projections"
+    )
+  if model_type == "qwen3" and hf.get("attention_bias"):
+    raise HFLoadError("qwen3 with attention_bias=true is not supported")
+  sliding_window = None
+  if model_type == "mistral":
+    sliding_window = hf.get("sliding_window")
+  elif hf.get("use_sliding_window"):
+    raise HFLoadError(
+      f"{model_type} with use_sliding_window=true is not supported (per-layer windows)"
+    )
+  theta, scaling = _rope_from_hf(hf)
+  n_heads = hf["num_attention_heads"]
+  try:
+    return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      d_model=hf["hidden_size"],
+      n_layers=hf["num_hidden_layers"],
+      n_heads=n_heads,
+      n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+      ffn_dim=hf["intermediate_size"],
+      max_seq_len=hf.get("max_position_embeddings", 4096),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      qkv_bias=model_type == "qwen2",
+      qk_norm=model_type == "qwen3",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      sliding_window=sliding_window,
+      dtype=dtype,
+      param_dtype=dtype,
+    )
+  except KeyError as e:
+    raise HFLoadError(f"config.json lacks the field {e.args[0]!r}") from e
+  except ConfigError as e:
+    raise HFLoadError(f"config.json maps to an invalid model config: {e}") from e
+
+
+def load_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+  return config_from_hf(_read_json(Path(path) / "config.json"), dtype=dtype)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+  index = folder / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = _read_json(index).get("weight_map", {})
+    return sorted({folder / name for name in weight_map.values()})
+  files = sorted(folder.glob("*.safetensors"))
+  if not files:
+    raise HFLoadError(f"{folder}: no *.safetensors files (only safetensors weights are supported)")
+  return files
+
+
+def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
+  """All tensors of a folder (single file or sharded), as jax arrays on the host."""
+  from safetensors import safe_open
+
+  tensors = {}
+  for file in _safetensors_files(Path(folder)):
+    if not file.is_file():
+      raise HFLoadError(f"{file} is listed in the index but missing")
+    with safe_open(str(file), framework="flax") as f:
+      for name in f.keys():
+        tensors[name] = f.get_tensor(name)
+  return tensors
+
+
+# Per-layer tensors: HF name (after `model.layers.{i}.`) -> (our path, torch -> ours).
+def _layer_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
+  N, K, H, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+
+  def proj(heads):  # torch Linear [heads*H, D] -> [D, heads, H]
+    return lambda w: w.reshape(heads, H, D).transpose(2, 0, 1)
+
+  def bias(heads):
+    return lambda b: b.reshape(heads, H)
+
+  same = lambda w: w
+  m = {
+    "input_layernorm.weight": (("attn_norm", "scale"), same),
+    "self_attn.q_proj.weight": (("attn", "wq"), proj(N)),
+    "self_attn.k_proj.weight": (("attn", "wk"), proj(K)),
+    "self_attn.v_proj.weight": (("attn", "wv"), proj(K)),
+    "self_attn.o_proj.weight": (("attn", "wo"), lambda w: w.T.reshape(N, H, D)),
+    "post_attention_layernorm.weight": (("mlp_norm", "scale"), same),
+    "mlp.gate_proj.weight": (("mlp", "w_gate"), lambda w: w.T),
+    "mlp.up_proj.weight": (("mlp", "w_up"), lambda w: w.T),
+    "mlp.down_proj.weight": (("mlp", "w_down"), lambda w: w.T),
+  }
+  if cfg.qkv_bias:
+    m["self_attn.q_proj.bias"] = (("attn", "bq"), bias(N))
+    m["self_attn.k_proj.bias"] = (("attn", "bk"), bias(K))
+    m["self_attn.v_proj.bias"] = (("attn", "bv"), bias(K))
+  if cfg.qk_norm:
+    m["self_attn.q_norm.weight"] = (("attn", "q_norm", "scale"), same)
+    m["self_attn.k_norm.weight"] = (("attn", "k_norm", "scale"), same)
+  return m
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[str, Any]:
+  """Our pure parameter dict from HF tensors; raises HFLoadError listing missing/unused names."""
+  dtype = jnp.dtype(cfg.param_dtype)
+  layer_map = _layer_map(cfg)
+  expected = ["model.embed_tokens.weight", "model.norm.weight"]
+  if not cfg.tie_embeddings:
+    expected.append("lm_head.weight")
+  expected += [f"model.layers.{i}.{n}" for i in range(cfg.n_layers) for n in layer_map]
+  missing = [n for n in expected if n not in tensors]
+  if missing:
+    shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+    raise HFLoadError(f"missing tensors: {shown}; expected {len(expected)} tensors in all")
+  unused = sorted(
+    n for n in set(tensors) - set(expected)
+    if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
+  )
+  if unused:
+    raise HFLoadError(
+      f"unexpected tensors (a feature this importer does not support?): {', '.join(unused[:8])}"
+    )
+
+  def cast(x):
+    return jnp.asarray(x).astype(dtype)
+
+  params: dict[str, Any] = {}
+  params["embed"] = cast(tensors["model.embed_tokens.weight"])
+  _set(params, ("final_norm", "scale"), cast(tensors["model.norm.weight"]))
+  if not cfg.tie_embeddings:
+    params["lm_head"] = cast(tensors["lm_head.weight"]).T
+  blocks: dict[str, Any] = {}
+  for hf_name, (path, convert) in layer_map.items():
+    layers = [convert(cast(tensors[f"model.layers.{i}.{hf_name}"])) for i in range(cfg.n_layers)]
+    _set(blocks, path, jnp.stack(layers))
+  params["blocks"] = blocks
+  _check_shapes(params, cfg)
+  return params
+
+
+def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  want = nnx.to_pure_dict(abstract)
+  flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+  flat_got = dict(jax.tree_util.tree_leaves_with_path(params))
+  for path, leaf in flat_want.items():
+    got = flat_got.get(path)
+    name = jax.tree_util.keystr(path)
+    if got is None:
+      raise HFLoadError(f"no tensor for parameter {name}")
+    if tuple(got.shape) != tuple(leaf.shape):
+      raise HFLoadError(
+        f"parameter {name} has shape {tuple(got.shape)} from the checkpoint but the config "
+        f"implies {tuple(leaf.shape)}"
+      )
+
+
+def build_model(cfg: ModelConfig, params: dict[str, Any], *,
+                implementation: str | None = None) -> Transformer:
+  """A Transformer holding `params`, without ever initialising random weights."""
+  abstract = nnx.eval_shape(
+    lambda: Transformer(cfg, rngs=nnx.Rngs(0), implementation=implementation)
+  )
+  graphdef, state = nnx.split(abstract)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def load(path: str | Path, *, dtype: str = "float32",
+         implementation: str | None = None) -> Transformer:
+  """Loads a Hugging Face folder (config.json + *.safetensors) into a Transformer.
+
+  Args:
+    path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub).
+    dtype: parameter and compute dtype, "float32", "bfloat16" or "float16".
+    implementation: attention implementation passed to `atlas_jax.kernels.attention`.
+
+  Returns:
+    The model; its ModelConfig is `model.cfg`.
+  """
+  folder = Path(path)
+  if not folder.is_dir():
+    raise HFLoadError(f"{folder} is not a folder")
+  cfg = load_config(folder, dtype=dtype)
+  params = params_from_hf(read_safetensors(folder), cfg)
+  return build_model(cfg, params, implementation=implementation)
+
+
+def load_tokenizer(path: str | Path):
+  """The `tokenizers.Tokenizer` saved beside the weights as tokenizer.json."""
+  from tokenizers import Tokenizer
+
+  file = Path(path) / "tokenizer.json"
+  if not file.is_file():
+    raise HFLoadError(f"{Path(path)}: no tokenizer.json")
+  return Tokenizer.from_file(str(file))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: our model -> a folder transformers can load.
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else (
+    "mistral" if cfg.sliding_window else "llama"
+  )
+  arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+  rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+  if cfg.rope_scaling is not None:
+    s = cfg.rope_scaling
+    rope.update(rope_type=s.type, factor=s.factor)
+    if s.type == "llama3":
+      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                  original_max_position_embeddings=s.original_max_position_embeddings)
+  return {
+    "architectures": [arch],
+    "model_type": model_type,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "intermediate_size": cfg.ffn_dim,
+    "num_hidden_layers": cfg.n_layers,
+    "num_attention_heads": cfg.n_heads,
+    "num_key_value_heads": cfg.n_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_seq_len,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": None if cfg.rope_scaling is None else {k: v for k, v in rope.items()
+                                                           if k != "rope_theta"},
+    "rope_parameters": rope,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "attention_bias": cfg.qkv_bias,
+    "sliding_window": cfg.sliding_window,
+    "use_sliding_window": False,
+    "torch_dtype": "float32",  # save() writes float32 tensors
+  }
+
+
+def save(model: Transformer, path: str | Path) -> None:
+  """Writes config.json and model.safetensors in Hugging Face's layout (round-trips with load)."""
+  from safetensors.numpy import save_file
+
+  cfg = model.cfg
+  folder = Path(path)
+  folder.mkdir(parents=True, exist_ok=True)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  N, K, H, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+  to_np = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # numpy has no bfloat16
+  out = {"model.embed_tokens.weight": to_np(params["embed"]),
+         "model.norm.weight": to_np(params["final_norm"]["scale"])}
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = to_np(params["lm_head"]).T
+  inverse = {
+    "wq": lambda w: w.transpose(1, 2, 0).reshape(N * H, D),
+    "wk": lambda w: w.transpose(1, 2, 0).reshape(K * H, D),
+    "wv": lambda w: w.transpose(1, 2, 0).reshape(K * H, D),
+    "wo": lambda w: w.reshape(N * H, D).T,
+    "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
+    "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
+    "scale": lambda w: w,
+  }
+  for hf_name, (ours, _) in _layer_map(cfg).items():
+    stacked = params["blocks"]
+    for key in ours:
+      stacked = stacked[key]
+    stacked = to_np(stacked)
+    for i in range(cfg.n_layers):
+      out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(inverse[ours[-1]](stacked[i]))
+  save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(folder / "model.safetensors"),
+            metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))

@@ -1,0 +1,128 @@
+"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3 families).
+
+Layers are stored stacked (every block parameter has a leading [L] axis) and run with
+`jax.lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from atlas_jax.cache.contiguous import KVCache
+from atlas_jax.config import ModelConfig
+from atlas_jax.model.attention import Attention
+from atlas_jax.model.layers import MLP, RMSNorm, normal
+
+Array = jax.Array
+
+
+class Block(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.attn = Attention(cfg, rngs=rngs, implementation=implementation)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.mlp = MLP(
+      cfg.d_model, cfg.ffn_dim, init_std=cfg.init_std,
+      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), rngs=rngs, param_dtype=pdt,
+    )
+
+  def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):
+    h_BTD, cache = self.attn(
+      self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
+    )
+    x_BTD = x_BTD + h_BTD
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return x_BTD, cache
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, implementation: str | None) -> Block:
+  """One Block whose parameters carry a leading [L] axis, initialised independently per layer."""
+  keys = jax.random.split(rngs.params(), cfg.n_layers)
+  graphdef = nnx.graphdef(
+    nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), implementation=implementation))
+  )
+  state = jax.vmap(
+    lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(key), implementation=implementation))
+  )(keys)
+  return nnx.merge(graphdef, state)
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+    V, D = cfg.vocab_size, cfg.d_model
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.embed = nnx.Param(normal(rngs, (V, D), cfg.init_std, pdt))  # [V, D]
+    self.blocks = _stacked_blocks(cfg, rngs, implementation)  # every parameter [L, ...]
+    self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
+    self.lm_head = None if cfg.tie_embeddings else nnx.Param(
+      normal(rngs, (D, V), cfg.init_std, pdt)  # [D, V]
+    )
+
+  def __call__(
+    self,
+    tokens_BT: Array,
+    *,
+    positions_BT: Array | None = None,
+    segment_ids_BT: Array | None = None,
+    cache: KVCache | None = None,
+  ):
+    """Next-token logits.
+
+    Args:
+      tokens_BT: i32[B, T].
+      positions_BT: i32[B, T]; default 0..T-1, or continuing from `cache.lengths`.
+      segment_ids_BT: i32[B, T] document ids of packed sequences (no cache).
+      cache: a KVCache; the tokens are appended at each sequence's length.
+
+    Returns:
+      f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
+    """
+    cfg = self.cfg
+    B, T = tokens_BT.shape
+    dtype = jnp.dtype(cfg.dtype)
+    if positions_BT is None:
+      start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+      positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+
+    graphdef, block_state = nnx.split(self.blocks)
+
+    if cache is None:
+      def body(x_BTD, state):
+        x_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
+        return x_BTD, None
+
+      x_BTD, _ = jax.lax.scan(body, x_BTD, block_state)
+      new_cache = None
+    else:
+      def body(x_BTD, layer):
+        state, k_BSKH, v_BSKH = layer
+        x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
+          x_BTD, positions_BT, cache=(k_BSKH, v_BSKH, cache.lengths)
+        )
+        return x_BTD, (k_BSKH, v_BSKH)
+
+      x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
+      new_cache = cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
+
+    x_BTD = self.final_norm(x_BTD)
+    head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    logits_BTV = jnp.einsum(
+      "BTD,DV->BTV", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
+    )
+    return logits_BTV if cache is None else (logits_BTV, new_cache)
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    cfg = self.cfg
+    return KVCache.init(
+      n_layers=cfg.n_layers, batch=batch, max_len=max_len, n_kv_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.dtype) if dtype is None else dtype,
+    )

@@ -1,0 +1,16 @@
+"""Kernels: arrays in, arrays out, each beside a pure-jnp reference of the same signature.
+
+Installed as `atlas_jax.kernels`. Models call `attention`, which dispatches to "xla" (the
+reference), "pallas" (FlashAttention) or "cudnn".
+"""
+
+from .attention import IMPLEMENTATIONS, attention, default_implementation
+from .reference import attention_mask, attention_reference
+
+__all__ = [
+  "IMPLEMENTATIONS",
+  "attention",
+  "attention_mask",
+  "attention_reference",
+  "default_implementation",
+]

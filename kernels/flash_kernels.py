@@ -1,0 +1,182 @@
+"""FlashAttention kernel bodies: forward, dq and dk/dv, each a loop over key (or query) blocks.
+
+One program owns one output tile and streams the other sequence through an in-kernel
+`fori_loop`, keeping the online-softmax state (running max m, running sum l, accumulator) in
+registers. This is the shape the Pallas GPU (Triton) backend needs, since its grid has no
+sequential axis to carry state along, and it is what interpret mode runs on CPU.
+
+Masking arrives pre-folded by the wrapper (`kernels.flash_attention`) into two per-query-row
+bounds: key s is visible to query row t iff `klo[t] <= s < khi[t]` (and, with packed sequences,
+the segment ids match). Causal masks, sliding windows, kv lengths, query positions and the padded
+tail all reduce to these bounds, so the kernels stay small, and the per-block min/max of the
+bounds gives the range of key blocks worth visiting.
+
+Ref shapes in the comments use Q = block_q, Z = block_k, and Tp / Sp for the padded lengths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # contract the first dims: a.T @ b
+
+
+def _dot(a, b, dims=None):
+  """Matmul with float32 accumulation; `dims` picks a @ b.T or a.T @ b without a transpose."""
+  dims = (((1,), (0,)), ((), ())) if dims is None else dims
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _key_block_range(klo_Q1, khi_Q1, block_k):
+  """[first, last) key blocks that hold a visible key for any row of this query block."""
+  # Empty rows carry klo = Sp, khi = 0 (set by the wrapper), so they never widen the range.
+  first = jnp.min(klo_Q1) // block_k
+  last = pl.cdiv(jnp.max(khi_Q1), block_k)
+  return first, last
+
+
+def _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref):
+  """bool[Q, Z]: which keys s0 .. s0 + Z of this block each query row may see."""
+  kpos_1Z = s0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  mask_QZ = (kpos_1Z >= klo_Q1) & (kpos_1Z < khi_Q1)
+  if kvseg_ref is not None:
+    mask_QZ &= qseg_Q1 == kvseg_ref[:, pl.ds(s0, block_k)]
+  return mask_QZ
+
+
+def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
+  """One query block of one head against all visible key blocks of its kv head.
+
+  Refs: q [Q, H], k [Sp, H], v [Sp, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1], kvseg [1, Sp]);
+  outputs o [Q, H], lse f32[Q, 1].
+  """
+  if has_segments:
+    q_ref, k_ref, v_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
+    qseg_Q1 = qseg_ref[...]
+  else:
+    q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref = refs
+    qseg_Q1 = kvseg_ref = None
+  block_q, head_dim = q_ref.shape
+  q_QH = q_ref[...]
+  klo_Q1, khi_Q1 = klo_ref[...], khi_ref[...]
+
+  def body(j, carry):
+    acc_QH, m_Q1, l_Q1 = carry
+    s0 = pl.multiple_of(j * block_k, block_k)
+    k_ZH = k_ref[pl.ds(s0, block_k), :]
+    v_ZH = v_ref[pl.ds(s0, block_k), :]
+    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
+    mask_QZ = _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref)
+    s_QZ = jnp.where(mask_QZ, s_QZ, -jnp.inf)
+    m_new_Q1 = jnp.maximum(m_Q1, jnp.max(s_QZ, axis=1, keepdims=True))
+    # A row with nothing visible yet keeps m = -inf; subtracting a finite 0 instead makes
+    # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
+    m_safe_Q1 = jnp.where(m_new_Q1 == -jnp.inf, 0.0, m_new_Q1)
+    p_QZ = jnp.exp(s_QZ - m_safe_Q1)
+    alpha_Q1 = jnp.exp(m_Q1 - m_safe_Q1)
+    l_Q1 = alpha_Q1 * l_Q1 + jnp.sum(p_QZ, axis=1, keepdims=True)
+    # p goes to the matmul in the input dtype (bf16 tensor cores), accumulating in float32.
+    acc_QH = alpha_Q1 * acc_QH + _dot(p_QZ.astype(v_ZH.dtype), v_ZH)
+    return acc_QH, m_new_Q1, l_Q1
+
+  first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
+  init = (
+    jnp.zeros((block_q, head_dim), jnp.float32),
+    jnp.full((block_q, 1), -jnp.inf, jnp.float32),
+    jnp.zeros((block_q, 1), jnp.float32),
+  )
+  acc_QH, m_Q1, l_Q1 = lax.fori_loop(first, last, body, init)
+  # Rows that saw no key have l = 0: they output zeros and log-sum-exp -inf.
+  empty_Q1 = l_Q1 == 0.0
+  l_safe_Q1 = jnp.where(empty_Q1, 1.0, l_Q1)
+  o_ref[...] = (acc_QH / l_safe_Q1).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty_Q1, -jnp.inf, m_Q1 + jnp.log(l_safe_Q1))
+
+
+def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
+  """dq for one query block of one head: the forward's loop again, recomputing p from lse.
+
+  Refs: q [Q, H], k [Sp, H], v [Sp, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
+  khi [Q, 1], (qseg [Q, 1], kvseg [1, Sp]); output dq [Q, H].
+  """
+  if has_segments:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref,
+     dq_ref) = refs
+    qseg_Q1 = qseg_ref[...]
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, dq_ref = refs
+    qseg_Q1 = kvseg_ref = None
+  block_q, head_dim = q_ref.shape
+  q_QH, do_QH = q_ref[...], do_ref[...]
+  lse_Q1, delta_Q1 = lse_ref[...], delta_ref[...]
+  klo_Q1, khi_Q1 = klo_ref[...], khi_ref[...]
+
+  def body(j, dq_QH):
+    s0 = pl.multiple_of(j * block_k, block_k)
+    k_ZH = k_ref[pl.ds(s0, block_k), :]
+    v_ZH = v_ref[pl.ds(s0, block_k), :]
+    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
+    mask_QZ = _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref)
+    p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
+    dp_QZ = _dot(do_QH, v_ZH, _NT)
+    ds_QZ = p_QZ * (dp_QZ - delta_Q1)
+    return dq_QH + _dot(ds_QZ.astype(k_ZH.dtype), k_ZH)
+
+  first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
+  dq_QH = lax.fori_loop(first, last, body, jnp.zeros((block_q, head_dim), jnp.float32))
+  dq_ref[...] = (dq_QH * scale).astype(dq_ref.dtype)
+
+
+def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segments: bool):
+  """dk, dv for one key block of one kv head, summed over the `groups` query heads that read it.
+
+  Refs: q [Tp, G, H], k [Z, H], v [Z, H], do [Tp, G, H], lse f32[G, Tp, 1], delta f32[G, Tp, 1],
+  klo [Tp, 1], khi [Tp, 1], qfirst i32[1, Z], qlast i32[1, Z], (qseg [Tp, 1], kvseg [1, Z]);
+  outputs dk [Z, H], dv [Z, H]. qfirst/qlast hold, for every key of the block, the range of
+  query blocks that can see it.
+  """
+  if has_segments:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qfirst_ref, qlast_ref,
+     qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qfirst_ref, qlast_ref,
+     dk_ref, dv_ref) = refs
+    qseg_ref = kvseg_ref = None
+  block_k, head_dim = k_ref.shape
+  k_ZH, v_ZH = k_ref[...], v_ref[...]
+  s0 = pl.program_id(2) * block_k
+  kpos_1Z = s0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  kvseg_1Z = None if kvseg_ref is None else kvseg_ref[...]
+  first = jnp.min(qfirst_ref[...])
+  last = jnp.max(qlast_ref[...])
+
+  def q_block(i, g, carry):
+    dk_ZH, dv_ZH = carry
+    t0 = pl.multiple_of(i * block_q, block_q)
+    rows = pl.ds(t0, block_q)
+    q_QH = q_ref[rows, g, :]
+    do_QH = do_ref[rows, g, :]
+    lse_Q1 = lse_ref[g, rows, :]
+    delta_Q1 = delta_ref[g, rows, :]
+    mask_QZ = (kpos_1Z >= klo_ref[rows, :]) & (kpos_1Z < khi_ref[rows, :])
+    if kvseg_1Z is not None:
+      mask_QZ &= qseg_ref[rows, :] == kvseg_1Z
+    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
+    p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
+    dv_ZH = dv_ZH + _dot(p_QZ.astype(do_QH.dtype), do_QH, _TN)
+    dp_QZ = _dot(do_QH, v_ZH, _NT)
+    ds_QZ = p_QZ * (dp_QZ - delta_Q1)
+    dk_ZH = dk_ZH + _dot(ds_QZ.astype(q_QH.dtype), q_QH, _TN)
+    return dk_ZH, dv_ZH
+
+  def head(g, carry):
+    return lax.fori_loop(first, last, lambda i, c: q_block(i, g, c), carry)
+
+  zeros_ZH = jnp.zeros((block_k, head_dim), jnp.float32)
+  dk_ZH, dv_ZH = lax.fori_loop(0, groups, head, (zeros_ZH, zeros_ZH))
+  dk_ref[...] = (dk_ZH * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv_ZH.astype(dv_ref.dtype)

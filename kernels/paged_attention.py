@@ -1,0 +1,246 @@
+"""Paged attention for decoding: a few new queries per sequence against a paged KV pool.
+
+Each sequence's keys and values live in fixed-size blocks of a shared pool [P, Z, K, H]; its row
+of the block table lists them in order (see `atlas_jax.cache.paged`). The kernel reads the pages in
+place through the block table instead of gathering them into a dense [B, S, K, H] copy.
+
+Semantics (shared with `paged_attention_reference`):
+
+* `lengths[b]` counts the tokens held for sequence b, including the T new ones, whose K/V the
+  caller has already written to the pool;
+* the T queries are the last T positions, `lengths[b] - T + t` (bottom-right alignment), causal
+  among themselves: T = 1 is ordinary decoding, T > 1 verifies speculative draft tokens;
+* block table entries at or past `cdiv(lengths[b], Z)` and pool slots at or past `lengths[b]` are
+  never read, so they may hold anything (stale tokens, NaN);
+* a query with no visible key (length 0, or a position before the start) returns zeros.
+
+Grid: one program per (sequence, kv head). It holds the queries of that kv head's whole group
+(T * G rows) and walks the sequence's pages once with an online softmax, so GQA reads each kv
+head's pages once, not G times. The block table is an ordinary input indexed inside the kernel,
+which lowers on every backend (no TPU-only scalar prefetch).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .reference import attention_reference
+
+Array = jax.Array
+Implementation = Literal["pallas", "xla"]
+
+
+def _paged_attention_kernel(
+  lengths_ref,  # i32[B]
+  table_ref,  # i32[max_blocks]: this sequence's row of the block table
+  q_ref,  # [R, H]: rows t * G + g of this kv head's group (R >= T * G, padded)
+  k_ref,  # [P, Z, H]: this kv head's slice of the key pool
+  v_ref,  # [P, Z, H]
+  o_ref,  # [R, H]
+  *,
+  scale: float,
+  group: int,
+  n_queries: int,
+):
+  length = lengths_ref[pl.program_id(0)]
+  Z = k_ref.shape[1]
+  R = q_ref.shape[0]
+  q_RH = q_ref[...]
+  # Absolute position of each query row; padding rows (t >= T) are computed and discarded.
+  row_t_R = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0) // group
+  qpos_R1 = length - n_queries + row_t_R
+  offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
+
+  def body(i, carry):
+    m_R1, l_R1, acc_RH = carry
+    page = table_ref[i]
+    k_ZH = k_ref[page]
+    v_ZH = v_ref[page]
+    kpos_1Z = i * Z + offsets_1Z
+    s_RZ = jax.lax.dot_general(
+      q_RH, k_ZH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
+    # Causal visibility; qpos < length, so it also hides the page's unused tail.
+    s_RZ = jnp.where(kpos_1Z <= qpos_R1, s_RZ, -jnp.inf)
+    m_new_R1 = jnp.maximum(m_R1, jnp.max(s_RZ, axis=1, keepdims=True))
+    # Rows that have seen no visible key keep m = -inf; shift by 0 there so exp gives 0, not NaN.
+    shift_R1 = jnp.where(m_new_R1 == -jnp.inf, 0.0, m_new_R1)
+    alpha_R1 = jnp.exp(m_R1 - shift_R1)
+    p_RZ = jnp.exp(s_RZ - shift_R1)
+    # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
+    v_ZH = jnp.where(jnp.transpose(kpos_1Z) < length, v_ZH, jnp.zeros((), v_ZH.dtype))
+    pv_RH = jax.lax.dot_general(
+      p_RZ.astype(v_ZH.dtype), v_ZH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return m_new_R1, alpha_R1 * l_R1 + jnp.sum(p_RZ, axis=1, keepdims=True), alpha_R1 * acc_RH + pv_RH
+
+  m_R1 = jnp.full((R, 1), -jnp.inf, jnp.float32)
+  l_R1 = jnp.zeros((R, 1), jnp.float32)
+  acc_RH = jnp.zeros(q_RH.shape, jnp.float32)
+  n_pages = (length + Z - 1) // Z
+  m_R1, l_R1, acc_RH = jax.lax.fori_loop(0, n_pages, body, (m_R1, l_R1, acc_RH))
+  out_RH = jnp.where(l_R1 > 0.0, acc_RH / jnp.where(l_R1 > 0.0, l_R1, 1.0), 0.0)
+  o_ref[...] = out_RH.astype(o_ref.dtype)
+
+
+def check_paged_attention_inputs(
+  q: Array, pool_k: Array, pool_v: Array, block_table: Array, lengths: Array
+) -> None:
+  """Raises ValueError naming the shapes when the inputs do not fit together."""
+  shapes = (
+    f"q.shape={tuple(q.shape)} pool_k.shape={tuple(pool_k.shape)} "
+    f"pool_v.shape={tuple(pool_v.shape)} block_table.shape={tuple(block_table.shape)} "
+    f"lengths.shape={tuple(lengths.shape)}"
+  )
+  if q.ndim not in (3, 4):
+    raise ValueError(f"paged_attention: q must be [B, N, H] or [B, T, N, H]; {shapes}")
+  if pool_k.ndim != 4 or pool_k.shape != pool_v.shape:
+    raise ValueError(f"paged_attention: pool_k and pool_v must both be [P, Z, K, H]; {shapes}")
+  B, N, H = q.shape[0], q.shape[-2], q.shape[-1]
+  _, _, K, Hk = pool_k.shape
+  if Hk != H:
+    raise ValueError(f"paged_attention: head dim of q ({H}) != pool's ({Hk}); {shapes}")
+  if N % K:
+    raise ValueError(f"paged_attention: query heads N={N} not a multiple of kv heads K={K}; {shapes}")
+  if block_table.ndim != 2 or block_table.shape[0] != B or lengths.shape != (B,):
+    raise ValueError(
+      f"paged_attention: need block_table [B, max_blocks] and lengths [B] with B={B}; {shapes}"
+    )
+  for name, x in (("block_table", block_table), ("lengths", lengths)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"paged_attention: {name} must be integer, got {x.dtype}; {shapes}")
+  if not (q.dtype == pool_k.dtype == pool_v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(
+      f"paged_attention: q, pool_k, pool_v must share a floating dtype, got {q.dtype}, "
+      f"{pool_k.dtype}, {pool_v.dtype}; {shapes}"
+    )
+
+
+def _next_power_of_2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def paged_attention_pallas(
+  q: Array,
+  pool_k: Array,
+  pool_v: Array,
+  block_table: Array,
+  lengths: Array,
+  *,
+  scale: float | None = None,
+  interpret: bool = False,
+) -> Array:
+  """The Pallas kernel; see `paged_attention` for arguments."""
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths)
+  decode = q.ndim == 3
+  q_BTNH = q[:, None] if decode else q
+  B, T, N, H = q_BTNH.shape
+  P, Z, K, _ = pool_k.shape
+  G = N // K
+  max_blocks = block_table.shape[1]
+  scale = H**-0.5 if scale is None else scale
+  # One row per (query token, head of the group), so each program does [R, H] x [H, Z] matmuls.
+  q_BKRH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+  # GPU matmul tiles want power-of-two extents; the padded rows are sliced off below.
+  R = _next_power_of_2(T * G)
+  if R != T * G:
+    q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, R - T * G), (0, 0)))
+  kernel = functools.partial(_paged_attention_kernel, scale=scale, group=G, n_queries=T)
+  out_BKRH = pl.pallas_call(
+    kernel,
+    grid=(B, K),
+    in_specs=[
+      pl.BlockSpec((B,), lambda b, h: (0,)),
+      pl.BlockSpec((None, max_blocks), lambda b, h: (b, 0)),
+      pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
+      pl.BlockSpec((P, Z, None, H), lambda b, h: (0, 0, h, 0)),
+      pl.BlockSpec((P, Z, None, H), lambda b, h: (0, 0, h, 0)),
+    ],
+    out_specs=pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
+    out_shape=jax.ShapeDtypeStruct((B, K, R, H), q.dtype),
+    interpret=interpret,
+    name="paged_attention",
+  )(lengths.astype(jnp.int32), block_table.astype(jnp.int32), q_BKRH, pool_k, pool_v)
+  out_BTNH = (
+    out_BKRH[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+  )
+  return out_BTNH[:, 0] if decode else out_BTNH
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_attention_reference(
+  q: Array,
+  pool_k: Array,
+  pool_v: Array,
+  block_table: Array,
+  lengths: Array,
+  *,
+  scale: float | None = None,
+) -> Array:
+  """Pure jnp: gather each sequence's pages into dense K/V, then causal dense attention."""
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths)
+  decode = q.ndim == 3
+  q_BTNH = q[:, None] if decode else q
+  B, max_blocks = block_table.shape
+  P, Z, K, H = pool_k.shape
+  S = max_blocks * Z
+  lengths = lengths.astype(jnp.int32)
+  # Slots past a sequence's length are zeroed: a NaN there would survive its zero weight.
+  valid_BS11 = (jnp.arange(S)[None, :] < lengths[:, None])[:, :, None, None]
+  zero = jnp.zeros((), pool_k.dtype)
+  k_BSKH = jnp.where(valid_BS11, pool_k[block_table].reshape(B, S, K, H), zero)
+  v_BSKH = jnp.where(valid_BS11, pool_v[block_table].reshape(B, S, K, H), zero)
+  out_BTNH = attention_reference(
+    q_BTNH, k_BSKH, v_BSKH, causal=True, scale=scale, kv_lengths=lengths
+  )
+  return out_BTNH[:, 0] if decode else out_BTNH
+
+
+def paged_attention(
+  q: Array,
+  pool_k: Array,
+  pool_v: Array,
+  block_table: Array,
+  lengths: Array,
+  *,
+  scale: float | None = None,
+  implementation: Implementation | None = None,
+  interpret: bool | None = None,
+) -> Array:
+  """Attention of a few new queries per sequence over its pages of a paged KV pool.
+
+  Args:
+    q: [B, N, H] (one new token per sequence) or [B, T, N, H] (T new tokens, causal among
+      themselves, e.g. speculative verification).
+    pool_k: [P, Z, K, H] one layer's key pool; N must be a multiple of K.
+    pool_v: [P, Z, K, H].
+    block_table: i32[B, max_blocks] block ids of each sequence, in order.
+    lengths: i32[B] tokens held per sequence, the T new ones included (<= max_blocks * Z).
+    scale: softmax scale, default H ** -0.5.
+    implementation: "pallas" (the kernel), "xla" (the reference) or None: the kernel on GPU, the
+      reference elsewhere (the kernel keeps a kv head's whole pool slice addressable, which suits
+      GPU memory, not TPU VMEM).
+    interpret: run the kernel in interpret mode (default: on CPU).
+
+  Returns:
+    [B, N, H] or [B, T, N, H], like q.
+  """
+  if implementation not in (None, "pallas", "xla"):
+    raise ValueError(
+      f"paged_attention: implementation={implementation!r} is not one of 'pallas', 'xla', None"
+    )
+  if implementation is None:
+    implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if implementation == "xla":
+    return paged_attention_reference(q, pool_k, pool_v, block_table, lengths, scale=scale)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  return paged_attention_pallas(
+    q, pool_k, pool_v, block_table, lengths, scale=scale, interpret=interpret
+  )

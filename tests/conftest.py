@@ -1,0 +1,13 @@
+"""Test setup: 8 fake CPU devices for sharding tests, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+# Tests compare against float32 references; keep matmuls at full float32 precision.
+jax.config.update("jax_default_matmul_precision", "highest")
