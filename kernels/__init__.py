@@ -5,6 +5,7 @@ reference), "pallas" (FlashAttention) or "cudnn".
 """
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation
+from .paged_attention import paged_attention, paged_attention_reference
 from .reference import attention_mask, attention_reference
 
 __all__ = [
@@ -13,4 +14,6 @@ __all__ = [
   "attention_mask",
   "attention_reference",
   "default_implementation",
+  "paged_attention",
+  "paged_attention_reference",
 ]

@@ -34,18 +34,53 @@ def _dot(a, b, dims=None):
 def _key_block_range(klo_Q1, khi_Q1, block_k):
   """[first, last) key blocks that hold a visible key for any row of this query block."""
   # Empty rows carry klo = Sp, khi = 0 (set by the wrapper), so they never widen the range.
-  first = jnp.min(klo_Q1) // block_k
+  first = lax.div(jnp.min(klo_Q1), block_k)
   last = pl.cdiv(jnp.max(khi_Q1), block_k)
   return first, last
 
 
-def _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref):
-  """bool[Q, Z]: which keys s0 .. s0 + Z of this block each query row may see."""
+def online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1):
+  """Folds one key block into the running (acc, m, l) of a query block (FlashAttention-2)."""
+  s_QZ = jnp.where(mask_QZ, _dot(q_QH, k_ZH, _NT) * scale, -jnp.inf)
+  m_new_Q1 = jnp.maximum(m_Q1, jnp.max(s_QZ, axis=1, keepdims=True))
+  # A row with nothing visible yet keeps m = -inf; subtracting a finite 0 instead makes
+  # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
+  m_safe_Q1 = jnp.where(m_new_Q1 == -jnp.inf, 0.0, m_new_Q1)
+  p_QZ = jnp.exp(s_QZ - m_safe_Q1)
+  alpha_Q1 = jnp.exp(m_Q1 - m_safe_Q1)
+  l_Q1 = alpha_Q1 * l_Q1 + jnp.sum(p_QZ, axis=1, keepdims=True)
+  # p goes to the matmul in the input dtype (bf16 tensor cores), accumulating in float32.
+  acc_QH = alpha_Q1 * acc_QH + _dot(p_QZ.astype(v_ZH.dtype), v_ZH)
+  return acc_QH, m_new_Q1, l_Q1
+
+
+def finalize(acc_QH, m_Q1, l_Q1):
+  """(out f32[Q, H], lse f32[Q, 1]); rows that saw no key (l = 0) give zeros and lse -inf."""
+  empty_Q1 = l_Q1 == 0.0
+  l_safe_Q1 = jnp.where(empty_Q1, 1.0, l_Q1)
+  return acc_QH / l_safe_Q1, jnp.where(empty_Q1, -jnp.inf, m_Q1 + jnp.log(l_safe_Q1))
+
+
+def probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale):
+  """Recomputes p = softmax(s) of one tile from lse, and ds = dL/ds (without the scale)."""
+  s_QZ = _dot(q_QH, k_ZH, _NT) * scale
+  # lse of a fully masked row arrives as a finite stand-in, so masked entries give exp(-inf) = 0.
+  p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
+  dp_QZ = _dot(do_QH, v_ZH, _NT)
+  return p_QZ, p_QZ * (dp_QZ - delta_Q1)
+
+
+def key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1=None, kvseg_1Z=None):
+  """bool[Q, Z]: which keys s0 .. s0 + Z of a key block each query row may see."""
   kpos_1Z = s0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
   mask_QZ = (kpos_1Z >= klo_Q1) & (kpos_1Z < khi_Q1)
-  if kvseg_ref is not None:
-    mask_QZ &= qseg_Q1 == kvseg_ref[:, pl.ds(s0, block_k)]
+  if kvseg_1Z is not None:
+    mask_QZ &= qseg_Q1 == kvseg_1Z
   return mask_QZ
+
+
+def _kv_segments(kvseg_ref, s0, block_k):
+  return None if kvseg_ref is None else kvseg_ref[:, pl.ds(s0, block_k)]
 
 
 def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
@@ -69,19 +104,9 @@ def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
     s0 = pl.multiple_of(j * block_k, block_k)
     k_ZH = k_ref[pl.ds(s0, block_k), :]
     v_ZH = v_ref[pl.ds(s0, block_k), :]
-    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
-    mask_QZ = _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref)
-    s_QZ = jnp.where(mask_QZ, s_QZ, -jnp.inf)
-    m_new_Q1 = jnp.maximum(m_Q1, jnp.max(s_QZ, axis=1, keepdims=True))
-    # A row with nothing visible yet keeps m = -inf; subtracting a finite 0 instead makes
-    # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
-    m_safe_Q1 = jnp.where(m_new_Q1 == -jnp.inf, 0.0, m_new_Q1)
-    p_QZ = jnp.exp(s_QZ - m_safe_Q1)
-    alpha_Q1 = jnp.exp(m_Q1 - m_safe_Q1)
-    l_Q1 = alpha_Q1 * l_Q1 + jnp.sum(p_QZ, axis=1, keepdims=True)
-    # p goes to the matmul in the input dtype (bf16 tensor cores), accumulating in float32.
-    acc_QH = alpha_Q1 * acc_QH + _dot(p_QZ.astype(v_ZH.dtype), v_ZH)
-    return acc_QH, m_new_Q1, l_Q1
+    kvseg_1Z = _kv_segments(kvseg_ref, s0, block_k)
+    mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
+    return online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1)
 
   first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
   init = (
@@ -90,11 +115,9 @@ def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
     jnp.zeros((block_q, 1), jnp.float32),
   )
   acc_QH, m_Q1, l_Q1 = lax.fori_loop(first, last, body, init)
-  # Rows that saw no key have l = 0: they output zeros and log-sum-exp -inf.
-  empty_Q1 = l_Q1 == 0.0
-  l_safe_Q1 = jnp.where(empty_Q1, 1.0, l_Q1)
-  o_ref[...] = (acc_QH / l_safe_Q1).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty_Q1, -jnp.inf, m_Q1 + jnp.log(l_safe_Q1))
+  out_QH, lse_Q1 = finalize(acc_QH, m_Q1, l_Q1)
+  o_ref[...] = out_QH.astype(o_ref.dtype)
+  lse_ref[...] = lse_Q1
 
 
 def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
@@ -119,11 +142,9 @@ def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
     s0 = pl.multiple_of(j * block_k, block_k)
     k_ZH = k_ref[pl.ds(s0, block_k), :]
     v_ZH = v_ref[pl.ds(s0, block_k), :]
-    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
-    mask_QZ = _visible(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_ref)
-    p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
-    dp_QZ = _dot(do_QH, v_ZH, _NT)
-    ds_QZ = p_QZ * (dp_QZ - delta_Q1)
+    kvseg_1Z = _kv_segments(kvseg_ref, s0, block_k)
+    mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
+    _, ds_QZ = probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale)
     return dq_QH + _dot(ds_QZ.astype(k_ZH.dtype), k_ZH)
 
   first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
@@ -149,7 +170,6 @@ def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segmen
   block_k, head_dim = k_ref.shape
   k_ZH, v_ZH = k_ref[...], v_ref[...]
   s0 = pl.program_id(2) * block_k
-  kpos_1Z = s0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
   kvseg_1Z = None if kvseg_ref is None else kvseg_ref[...]
   first = jnp.min(qfirst_ref[...])
   last = jnp.max(qlast_ref[...])
@@ -162,14 +182,10 @@ def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segmen
     do_QH = do_ref[rows, g, :]
     lse_Q1 = lse_ref[g, rows, :]
     delta_Q1 = delta_ref[g, rows, :]
-    mask_QZ = (kpos_1Z >= klo_ref[rows, :]) & (kpos_1Z < khi_ref[rows, :])
-    if kvseg_1Z is not None:
-      mask_QZ &= qseg_ref[rows, :] == kvseg_1Z
-    s_QZ = _dot(q_QH, k_ZH, _NT) * scale
-    p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
+    qseg_Q1 = None if qseg_ref is None else qseg_ref[rows, :]
+    mask_QZ = key_mask(s0, block_k, klo_ref[rows, :], khi_ref[rows, :], qseg_Q1, kvseg_1Z)
+    p_QZ, ds_QZ = probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale)
     dv_ZH = dv_ZH + _dot(p_QZ.astype(do_QH.dtype), do_QH, _TN)
-    dp_QZ = _dot(do_QH, v_ZH, _NT)
-    ds_QZ = p_QZ * (dp_QZ - delta_Q1)
     dk_ZH = dk_ZH + _dot(ds_QZ.astype(q_QH.dtype), q_QH, _TN)
     return dk_ZH, dv_ZH
 

@@ -1,0 +1,177 @@
+"""Paged attention kernel vs dense attention, with NaN in every slot the kernel must not read."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from atlas_jax.cache.paged import slot_mapping, write_kv
+from atlas_jax.kernels import attention_reference, paged_attention, paged_attention_reference
+from atlas_jax.kernels.paged_attention import paged_attention_pallas
+
+LENGTHS = (0, 1, 3, 255, 256, 257, 1023)
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_case(*, lengths, T, N, K, H, Z, dtype, seed=0):
+  """A paged pool built through a permuted block table, and the same K/V as dense arrays.
+
+  Every slot the kernel must not read is NaN: the unused tail of each sequence's last page, the
+  pages a sequence does not hold, and the spare pages padding table rows point at.
+  """
+  rng = np.random.default_rng(seed)
+  B = len(lengths)
+  lengths = np.asarray(lengths, np.int32)
+  max_blocks = max(1, -(-int(lengths.max()) // Z))
+  S = max_blocks * Z
+  n_held = -(-lengths // Z)
+  P = int(n_held.sum()) + 3
+  perm = rng.permutation(P)
+  table = np.full((B, max_blocks), perm[-1], np.int32)  # padding points at a NaN page
+  start = 0
+  for b in range(B):
+    table[b, : n_held[b]] = perm[start : start + n_held[b]]
+    start += n_held[b]
+  valid_BS = np.arange(S)[None, :] < lengths[:, None]
+  k_BSKH = np.where(valid_BS[..., None, None], rng.normal(size=(B, S, K, H)), 0.0)
+  v_BSKH = np.where(valid_BS[..., None, None], rng.normal(size=(B, S, K, H)), 0.0)
+  q_BTNH = rng.normal(size=(B, T, N, H))
+
+  k_BSKH, v_BSKH, q_BTNH = (jnp.asarray(x, dtype) for x in (k_BSKH, v_BSKH, q_BTNH))
+  table, lengths = jnp.asarray(table), jnp.asarray(lengths)
+  positions_BS = jnp.where(jnp.asarray(valid_BS), jnp.arange(S)[None, :], -1)
+  slots_BS = slot_mapping(table, positions_BS, block_size=Z)
+  nan_PZKH = jnp.full((P, Z, K, H), jnp.nan, dtype)
+  pool_k, pool_v = write_kv(nan_PZKH, nan_PZKH, slots_BS, k_BSKH, v_BSKH)
+  dense = dict(k=k_BSKH, v=v_BSKH)
+  return q_BTNH, pool_k, pool_v, table, lengths, dense
+
+
+def dense_expected(q_BTNH, dense, lengths):
+  return attention_reference(q_BTNH, dense["k"], dense["v"], causal=True, kv_lengths=lengths)
+
+
+class PagedAttentionTest:
+  INTERPRET = False
+
+  def run_kernel(self, *args, **kwargs):
+    return paged_attention_pallas(*args, interpret=self.INTERPRET, **kwargs)
+
+  @pytest.mark.parametrize(
+    "Z,dtype", [(8, jnp.float32), (16, jnp.bfloat16), (32, jnp.float32), (64, jnp.bfloat16)]
+  )
+  def test_decode_matches_dense(self, Z, dtype):
+    q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+      lengths=LENGTHS, T=1, N=4, K=2, H=32, Z=Z, dtype=dtype, seed=Z
+    )
+    q_BNH = q_BTNH[:, 0]
+    out_BNH = self.run_kernel(q_BNH, pool_k, pool_v, table, lengths)
+    chex.assert_shape(out_BNH, q_BNH.shape)
+    chex.assert_type(out_BNH, dtype)
+    chex.assert_tree_all_finite(out_BNH)
+    expected_BNH = dense_expected(q_BTNH, dense, lengths)[:, 0]
+    tol = TOLERANCE[dtype]
+    chex.assert_trees_all_close(out_BNH, expected_BNH, atol=tol, rtol=tol)
+    ref_BNH = paged_attention_reference(q_BNH, pool_k, pool_v, table, lengths)
+    chex.assert_trees_all_close(ref_BNH, expected_BNH, atol=tol, rtol=tol)
+    # Length 0 attends to nothing: exactly zero, not NaN.
+    np.testing.assert_array_equal(np.asarray(out_BNH[0], np.float32), 0.0)
+
+  @pytest.mark.parametrize("Z,N,K", [(8, 4, 1), (16, 6, 2), (64, 2, 2)])
+  def test_speculative_tokens_causal(self, Z, N, K):
+    # T = 3 new tokens: bottom-right causal, so lengths 0 and 1 leave some rows with no key.
+    lengths = (0, 1, 3, 257, 1023)
+    q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+      lengths=lengths, T=3, N=N, K=K, H=16, Z=Z, dtype=jnp.float32, seed=N
+    )
+    out_BTNH = self.run_kernel(q_BTNH, pool_k, pool_v, table, lengths)
+    expected_BTNH = dense_expected(q_BTNH, dense, lengths)
+    chex.assert_trees_all_close(out_BTNH, expected_BTNH, atol=1e-5, rtol=1e-5)
+    ref_BTNH = paged_attention_reference(q_BTNH, pool_k, pool_v, table, lengths)
+    chex.assert_trees_all_close(ref_BTNH, expected_BTNH, atol=1e-5, rtol=1e-5)
+    # Sequence 1 holds one token: only its last query row (position 0) sees a key.
+    np.testing.assert_array_equal(np.asarray(out_BTNH[1, :2]), 0.0)
+    chex.assert_trees_all_close(out_BTNH[1, 2], dense["v"][1, 0].repeat(N // K, axis=0))
+
+  def test_queries_see_only_their_prefix(self):
+    # Perturbing the newest token's K/V changes only the last query row's output.
+    q_BTNH, pool_k, pool_v, table, lengths, _ = make_case(
+      lengths=(20,), T=2, N=2, K=1, H=8, Z=8, dtype=jnp.float32
+    )
+    out = self.run_kernel(q_BTNH, pool_k, pool_v, table, lengths)
+    slot = int(table[0, 19 // 8]) * 8 + 19 % 8
+    pool_v2 = pool_v.reshape(-1, 1, 8).at[slot].add(10.0).reshape(pool_v.shape)
+    out2 = self.run_kernel(q_BTNH, pool_k, pool_v2, table, lengths)
+    np.testing.assert_array_equal(np.asarray(out[0, 0]), np.asarray(out2[0, 0]))
+    assert np.abs(np.asarray(out2[0, 1] - out[0, 1])).min() > 1e-3
+
+  def test_scale(self):
+    q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+      lengths=(5, 40), T=1, N=2, K=2, H=8, Z=8, dtype=jnp.float32
+    )
+    out = self.run_kernel(q_BTNH, pool_k, pool_v, table, lengths, scale=0.3)
+    expected = attention_reference(
+      q_BTNH, dense["k"], dense["v"], causal=True, kv_lengths=lengths, scale=0.3
+    )
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+class TestPagedAttentionInterpret(PagedAttentionTest):
+  INTERPRET = True
+
+
+def _inputs(B=2, T=None, N=4, K=2, H=8, P=6, Z=8, max_blocks=3, dtype=jnp.float32):
+  q = jnp.zeros((B, N, H) if T is None else (B, T, N, H), dtype)
+  pool = jnp.zeros((P, Z, K, H), dtype)
+  return [q, pool, pool, jnp.zeros((B, max_blocks), jnp.int32), jnp.zeros((B,), jnp.int32)]
+
+
+@pytest.mark.parametrize(
+  "index,bad,match",
+  [
+    (0, jnp.zeros((2, 8)), "q must be"),
+    (0, jnp.zeros((2, 3, 8)), "query heads N=3"),
+    (0, jnp.zeros((2, 4, 16)), "head dim"),
+    (1, jnp.zeros((6, 8, 8)), "pool_k and pool_v"),
+    (2, jnp.zeros((6, 8, 1, 8)), "pool_k and pool_v"),
+    (3, jnp.zeros((3, 3), jnp.int32), "block_table"),
+    (4, jnp.zeros((3,), jnp.int32), "lengths"),
+    (3, jnp.zeros((2, 3), jnp.float32), "block_table must be integer"),
+    (1, jnp.zeros((6, 8, 2, 8), jnp.bfloat16), "share a floating dtype"),
+  ],
+)
+@pytest.mark.parametrize("fn", [paged_attention_pallas, paged_attention_reference])
+def test_bad_inputs_raise_naming_shapes(fn, index, bad, match):
+  args = _inputs()
+  args[index] = bad
+  with pytest.raises(ValueError, match=match) as info:
+    fn(*args)
+  assert "q.shape=" in str(info.value) and "pool_k.shape=" in str(info.value)
+
+
+def test_dispatcher():
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(9, 17), T=1, N=2, K=1, H=8, Z=8, dtype=jnp.float32
+  )
+  expected = dense_expected(q_BTNH, dense, lengths)[:, 0]
+  for implementation in ("pallas", "xla", None):
+    out = paged_attention(
+      q_BTNH[:, 0], pool_k, pool_v, table, lengths, implementation=implementation
+    )
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="implementation='triton'"):
+    paged_attention(q_BTNH[:, 0], pool_k, pool_v, table, lengths, implementation="triton")
+
+
+def test_kernel_under_jit_with_traced_lengths():
+  # The block table and lengths change every step: they must be data, not compile-time constants.
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(30, 3), T=1, N=2, K=1, H=8, Z=8, dtype=jnp.float32
+  )
+  step = jax.jit(lambda *a: paged_attention(*a, implementation="pallas", interpret=True))
+  for lens in ((30, 3), (17, 1)):
+    lens = jnp.asarray(lens, jnp.int32)
+    out = step(q_BTNH[:, 0], pool_k, pool_v, table, lens)
+    expected = dense_expected(q_BTNH, dense, lens)[:, 0]
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
