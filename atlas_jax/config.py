@@ -80,6 +80,12 @@ class ModelConfig:
       "model", self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
       "max_seq_len", "rope_theta", "norm_eps", "init_std",
     )
+    if self.n_heads % self.n_kv_heads:
+      _fail(
+        "model.n_heads", self.n_heads,
+        f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (MHA: equal, GQA: a multiple, "
+        "MQA: n_kv_heads=1)",
+      )
     if self.head_dim is None:
       if self.d_model % self.n_heads:
         _fail(
@@ -91,12 +97,6 @@ class ModelConfig:
       _fail("model.head_dim", self.head_dim, "must be > 0")
     if self.head_dim % 2:
       _fail("model.head_dim", self.head_dim, "must be even: RoPE rotates pairs of dimensions")
-    if self.n_heads % self.n_kv_heads:
-      _fail(
-        "model.n_heads", self.n_heads,
-        f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (MHA: equal, GQA: a multiple, "
-        "MQA: n_kv_heads=1)",
-      )
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
 
@@ -235,14 +235,14 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     args = typing.get_args(tp)
     if value is None and type(None) in args:
       return None
-    errors = []
-    for arg in args:
-      if arg is type(None):
-        continue
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # Optional[X]: X's own, more precise error
+      return _coerce(options[0], value, field)
+    for arg in options:
       try:
         return _coerce(arg, value, field)
-      except ConfigError as e:
-        errors.append(e)
+      except ConfigError:
+        pass
     _fail(field, value, f"expected {_describe(tp)}")
   if origin is Literal:
     if value not in typing.get_args(tp):
@@ -263,6 +263,12 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
       _fail(field, value, "expected an integer")
     return value
   if tp is float:
+    if isinstance(value, str):
+      # YAML 1.1 reads "1e-3" (no dot) as a string; accept any string Python parses as a float.
+      try:
+        return float(value)
+      except ValueError:
+        pass
     if isinstance(value, bool) or not isinstance(value, int | float):
       _fail(field, value, "expected a number")
     return float(value)

@@ -90,8 +90,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32") -> ModelCon
       f"{model_type} with use_sliding_window=true is not supported (per-layer windows)"
     )
   theta, scaling = _rope_from_hf(hf)
-  n_heads = hf["num_attention_heads"]
   try:
+    n_heads = hf["num_attention_heads"]
     return ModelConfig(
       vocab_size=hf["vocab_size"],
       d_model=hf["hidden_size"],
@@ -229,7 +229,7 @@ def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
   flat_got = dict(jax.tree_util.tree_leaves_with_path(params))
   for path, leaf in flat_want.items():
     got = flat_got.get(path)
-    name = jax.tree_util.keystr(path)
+    name = ".".join(str(getattr(k, "key", k)) for k in path)
     if got is None:
       raise HFLoadError(f"no tensor for parameter {name}")
     if tuple(got.shape) != tuple(leaf.shape):

@@ -5,6 +5,7 @@ reference), "pallas" (FlashAttention) or "cudnn".
 """
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation
+from .flash_attention import flash_attention
 from .paged_attention import paged_attention, paged_attention_reference
 from .reference import attention_mask, attention_reference
 
@@ -14,6 +15,7 @@ __all__ = [
   "attention_mask",
   "attention_reference",
   "default_implementation",
+  "flash_attention",
   "paged_attention",
   "paged_attention_reference",
 ]

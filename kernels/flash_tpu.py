@@ -34,8 +34,20 @@ def _fwd_kernel(*refs, scale: float, has_segments: bool):
   outputs o [Q, H], lse f32[Q, 1]; scratch acc f32[Q, H], m f32[Q, 1], l f32[Q, 1].
   """
   if has_segments:
-    (q_ref, k_ref, v_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref, o_ref, lse_ref,
-     acc_ref, m_ref, l_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      klo_ref,
+      khi_ref,
+      qseg_ref,
+      kvseg_ref,
+      o_ref,
+      lse_ref,
+      acc_ref,
+      m_ref,
+      l_ref,
+    ) = refs
   else:
     q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref = refs
     qseg_ref = kvseg_ref = None
@@ -74,8 +86,20 @@ def _dq_kernel(*refs, scale: float, has_segments: bool):
   khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]); output dq [Q, H]; scratch dq f32[Q, H].
   """
   if has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref,
-     dq_ref, acc_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      qseg_ref,
+      kvseg_ref,
+      dq_ref,
+      acc_ref,
+    ) = refs
   else:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, dq_ref, acc_ref) = refs
     qseg_ref = kvseg_ref = None
@@ -112,11 +136,37 @@ def _dkdv_kernel(*refs, scale: float, has_segments: bool):
   khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]); outputs dk [Z, H], dv [Z, H]; scratch f32[Z, H] x2.
   """
   if has_segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref,
-     dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      qseg_ref,
+      kvseg_ref,
+      dk_ref,
+      dv_ref,
+      dk_acc_ref,
+      dv_acc_ref,
+    ) = refs
   else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref,
-     dk_ref, dv_ref, dk_acc_ref, dv_acc_ref) = refs
+    (
+      q_ref,
+      k_ref,
+      v_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      klo_ref,
+      khi_ref,
+      dk_ref,
+      dv_ref,
+      dk_acc_ref,
+      dv_acc_ref,
+    ) = refs
     qseg_ref = kvseg_ref = None
   g, i = pl.program_id(3), pl.program_id(4)
   block_k = k_ref.shape[0]

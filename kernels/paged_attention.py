@@ -10,14 +10,17 @@ Semantics (shared with `paged_attention_reference`):
   caller has already written to the pool;
 * the T queries are the last T positions, `lengths[b] - T + t` (bottom-right alignment), causal
   among themselves: T = 1 is ordinary decoding, T > 1 verifies speculative draft tokens;
-* block table entries at or past `cdiv(lengths[b], Z)` and pool slots at or past `lengths[b]` are
-  never read, so they may hold anything (stale tokens, NaN);
+* block table entries at or past `cdiv(lengths[b], Z)` are never read, and pool slots at or past
+  `lengths[b]` are masked before they reach the output, so both may hold anything (stale
+  tokens, NaN);
 * a query with no visible key (length 0, or a position before the start) returns zeros.
 
 Grid: one program per (sequence, kv head). It holds the queries of that kv head's whole group
 (T * G rows) and walks the sequence's pages once with an online softmax, so GQA reads each kv
-head's pages once, not G times. The block table is an ordinary input indexed inside the kernel,
-which lowers on every backend (no TPU-only scalar prefetch).
+head's pages once, not G times. The block table is an ordinary input indexed inside the kernel
+(no TPU-only scalar prefetch). The kernel targets GPUs: a kv head's pool slice stays in HBM and
+only the pages walked are loaded. Compiled there (not in interpret mode), Z and H should be powers
+of two >= 16 to fit Triton's tiles; the query rows are padded to such a size here.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def _paged_attention_kernel(
   row_t_R = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0) // group
   qpos_R1 = length - n_queries + row_t_R
   offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
+  offsets_Z1 = jax.lax.broadcasted_iota(jnp.int32, (Z, 1), 0)
 
   def body(i, carry):
     m_R1, l_R1, acc_RH = carry
@@ -73,11 +77,15 @@ def _paged_attention_kernel(
     alpha_R1 = jnp.exp(m_R1 - shift_R1)
     p_RZ = jnp.exp(s_RZ - shift_R1)
     # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
-    v_ZH = jnp.where(jnp.transpose(kpos_1Z) < length, v_ZH, jnp.zeros((), v_ZH.dtype))
+    v_ZH = jnp.where(i * Z + offsets_Z1 < length, v_ZH, jnp.zeros((), v_ZH.dtype))
     pv_RH = jax.lax.dot_general(
       p_RZ.astype(v_ZH.dtype), v_ZH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
-    return m_new_R1, alpha_R1 * l_R1 + jnp.sum(p_RZ, axis=1, keepdims=True), alpha_R1 * acc_RH + pv_RH
+    return (
+      m_new_R1,
+      alpha_R1 * l_R1 + jnp.sum(p_RZ, axis=1, keepdims=True),
+      alpha_R1 * acc_RH + pv_RH,
+    )
 
   m_R1 = jnp.full((R, 1), -jnp.inf, jnp.float32)
   l_R1 = jnp.zeros((R, 1), jnp.float32)
@@ -106,7 +114,9 @@ def check_paged_attention_inputs(
   if Hk != H:
     raise ValueError(f"paged_attention: head dim of q ({H}) != pool's ({Hk}); {shapes}")
   if N % K:
-    raise ValueError(f"paged_attention: query heads N={N} not a multiple of kv heads K={K}; {shapes}")
+    raise ValueError(
+      f"paged_attention: query heads N={N} not a multiple of kv heads K={K}; {shapes}"
+    )
   if block_table.ndim != 2 or block_table.shape[0] != B or lengths.shape != (B,):
     raise ValueError(
       f"paged_attention: need block_table [B, max_blocks] and lengths [B] with B={B}; {shapes}"
@@ -121,8 +131,9 @@ def check_paged_attention_inputs(
     )
 
 
-def _next_power_of_2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
+def _query_rows(n: int) -> int:
+  # GPU matmul tiles want a power-of-two M of at least 16; the padded rows are sliced off.
+  return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -147,8 +158,7 @@ def paged_attention_pallas(
   scale = H**-0.5 if scale is None else scale
   # One row per (query token, head of the group), so each program does [R, H] x [H, Z] matmuls.
   q_BKRH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-  # GPU matmul tiles want power-of-two extents; the padded rows are sliced off below.
-  R = _next_power_of_2(T * G)
+  R = _query_rows(T * G)
   if R != T * G:
     q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, R - T * G), (0, 0)))
   kernel = functools.partial(_paged_attention_kernel, scale=scale, group=G, n_queries=T)

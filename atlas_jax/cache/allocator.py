@@ -315,7 +315,7 @@ class BlockAllocator:
       block, _ = self._free.popitem(last=False)
     else:
       block, _ = self._cached.popitem(last=False)
-      self._hash_of.pop(block)
+      del self._block_of[self._hash_of.pop(block)]
       self._n_evictions += 1
     self._ref[block] = 1
     self._fill[block] = 0

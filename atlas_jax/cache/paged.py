@@ -120,7 +120,10 @@ def kv_pool_shape(
 ) -> tuple[int, int, int, int, int]:
   """(L, P, Z, K, H), validated."""
   dims = dict(
-    n_layers=n_layers, n_blocks=n_blocks, block_size=block_size, n_kv_heads=n_kv_heads,
+    n_layers=n_layers,
+    n_blocks=n_blocks,
+    block_size=block_size,
+    n_kv_heads=n_kv_heads,
     head_dim=head_dim,
   )
   for name, value in dims.items():
@@ -166,7 +169,10 @@ def init_kv_pool(
 ) -> KVPool:
   """A zeroed pool, created directly in its sharded layout (never as an unsharded copy)."""
   shape = kv_pool_shape(
-    n_layers=n_layers, n_blocks=n_blocks, block_size=block_size, n_kv_heads=n_kv_heads,
+    n_layers=n_layers,
+    n_blocks=n_blocks,
+    block_size=block_size,
+    n_kv_heads=n_kv_heads,
     head_dim=head_dim,
   )
   make = lambda: KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

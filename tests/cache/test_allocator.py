@@ -145,6 +145,21 @@ def test_errors_are_clear_and_change_nothing():
   check_invariants(alloc)
 
 
+def test_copy_on_write_counts_against_availability():
+  alloc = BlockAllocator(3, 4)
+  alloc.add_sequence("p", range(6))
+  alloc.fork("p", "c")
+  alloc.add_sequence("x", range(50, 53))  # the last free block
+  before = snapshot(alloc)
+  # One token fits in c's partial block, but that block is shared: it needs a copy.
+  with pytest.raises(OutOfBlocksError, match="needs 1 blocks for 1 tokens"):
+    alloc.append("c", [9])
+  assert snapshot(alloc) == before
+  alloc.free("x")
+  assert alloc.append("c", [9]) == [(1, 2)]
+  check_invariants(alloc)
+
+
 def test_prefix_caching_disabled_never_shares():
   alloc = BlockAllocator(8, 2, enable_prefix_caching=False)
   alloc.add_sequence("a", [1, 2, 3, 4])
@@ -183,7 +198,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   def _expected_hit(self, prompt):
     k = 0
-    while (k + 1) * self.Z <= len(prompt) - 1 and tuple(prompt[: (k + 1) * self.Z]) in self.completed:
+    while (k + 1) * self.Z <= len(prompt) - 1 and tuple(
+      prompt[: (k + 1) * self.Z]
+    ) in self.completed:
       k += 1
     return k * self.Z
 
@@ -286,7 +303,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-  max_examples=60,
+  max_examples=100,
   stateful_step_count=40,
   deadline=None,
   suppress_health_check=[HealthCheck.too_slow],
