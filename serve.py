@@ -24,10 +24,13 @@ from atlas_jax.training import checkpoint
 def parse_args(argv=None) -> argparse.Namespace:
   d = ServeConfig()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--checkpoint", required=True,
-                 help="a train.py run directory, or a Hugging Face folder (config.json + safetensors)")
+  p.add_argument(
+    "--checkpoint",
+    required=True,
+    help="a train.py run directory, or a Hugging Face folder (config.json + safetensors)",
+  )
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  p.add_argument("--prompts", help="JSONL file, one {\"prompt\": ...} per line")
+  p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
   p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
   p.add_argument("--temperature", type=float, default=d.temperature)
@@ -35,8 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-p", type=float, default=d.top_p)
   p.add_argument("--seed", type=int, default=d.seed)
   p.add_argument("--max-batch", type=int, default=d.max_batch)
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                 help="parameter/compute dtype for Hugging Face folders")
+  p.add_argument(
+    "--dtype",
+    default="float32",
+    choices=["float32", "bfloat16", "float16"],
+    help="parameter/compute dtype for Hugging Face folders",
+  )
   return p.parse_args(argv)
 
 
@@ -75,15 +82,26 @@ def read_prompts(args) -> list[str]:
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
-    ServeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, max_batch=args.max_batch, seed=args.seed)
+    ServeConfig(
+      max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+      max_batch=args.max_batch,
+      seed=args.seed,
+    )
     prompts = read_prompts(args)
     model, tokenizer = load_any(args.checkpoint, args.dtype)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  params = SamplingParams(
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+  )
   out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
   try:
     for start in range(0, len(prompts), args.max_batch):
@@ -95,8 +113,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
       for prompt, ids in zip(chunk, completions):
-        record = {"prompt": prompt, "completion": tokenizer.decode(ids),
-                  "completion_tokens": len(ids)}
+        record = {
+          "prompt": prompt,
+          "completion": tokenizer.decode(ids),
+          "completion_tokens": len(ids),
+        }
         out.write(json.dumps(record) + "\n")
       out.flush()
   finally:

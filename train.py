@@ -1,6 +1,6 @@
 """Train a model: config -> tokenised corpus -> jitted train step -> checkpoints, metrics, a sample.
 
-    python train.py --config configs/tiny.yaml [--set train.steps=300 ...]
+python train.py --config configs/tiny.yaml [--set train.steps=300 ...]
 """
 
 from __future__ import annotations
@@ -25,10 +25,18 @@ from atlas_jax.training.step import init_state, make_eval_step, make_train_step
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml", help="YAML preset")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a config field, e.g. --set train.steps=100 (repeatable)")
-  p.add_argument("--sample-prompt", default="def ",
-                 help="prompt to complete with the trained model at the end ('' to skip)")
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a config field, e.g. --set train.steps=100 (repeatable)",
+  )
+  p.add_argument(
+    "--sample-prompt",
+    default="def ",
+    help="prompt to complete with the trained model at the end ('' to skip)",
+  )
   p.add_argument("--sample-tokens", type=int, default=96)
   return p.parse_args(argv)
 
@@ -38,8 +46,16 @@ def evaluate(eval_step, params, corpus, cfg: Config) -> float | None:
     return None
   rng = np.random.default_rng(1234)  # the same eval windows every time
   losses = [
-    float(eval_step(params, {"tokens": sample_windows(
-      corpus, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, rng=rng)}))
+    float(
+      eval_step(
+        params,
+        {
+          "tokens": sample_windows(
+            corpus, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, rng=rng
+          )
+        },
+      )
+    )
     for _ in range(cfg.train.eval_batches)
   ]
   return float(np.mean(losses))
@@ -61,8 +77,11 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if tokenizer.vocab_size > cfg.model.vocab_size:
-    print(f"error: model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-          f"vocabulary ({tokenizer.vocab_size})", file=sys.stderr)
+    print(
+      f"error: model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+      f"vocabulary ({tokenizer.vocab_size})",
+      file=sys.stderr,
+    )
     return 2
 
   run_dir = Path(cfg.train.checkpoint_dir)
@@ -73,11 +92,14 @@ def main(argv=None) -> int:
     cfg.data.source, tokenizer, eval_fraction=cfg.data.eval_fraction
   )
   baseline = unigram_entropy(train_corpus, tokenizer.vocab_size)
-  print(f"corpus: {len(train_corpus):,} train / {len(eval_corpus):,} eval tokens "
-        f"({time.time() - t0:.1f}s); unigram baseline {baseline:.3f} nats/token")
+  print(
+    f"corpus: {len(train_corpus):,} train / {len(eval_corpus):,} eval tokens "
+    f"({time.time() - t0:.1f}s); unigram baseline {baseline:.3f} nats/token"
+  )
 
-  graphdef, state = init_state(cfg, jax.random.key(cfg.train.seed),
-                               implementation=cfg.attention.implementation)
+  graphdef, state = init_state(
+    cfg, jax.random.key(cfg.train.seed), implementation=cfg.attention.implementation
+  )
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   print(f"model: {n_params:,} parameters")
   train_step = make_train_step(cfg, graphdef)
@@ -89,8 +111,11 @@ def main(argv=None) -> int:
 
   t_last, steps_since = time.time(), 0
   for step in range(1, cfg.train.steps + 1):
-    batch = {"tokens": sample_windows(train_corpus, batch=cfg.train.batch_size,
-                                      seq_len=cfg.train.seq_len, rng=rng)}
+    batch = {
+      "tokens": sample_windows(
+        train_corpus, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, rng=rng
+      )
+    }
     state, metrics = train_step(state, batch)
     steps_since += 1
     last = step == cfg.train.steps
@@ -100,13 +125,21 @@ def main(argv=None) -> int:
         print(f"error: loss is {metrics['loss']} at step {step}; stopping", file=sys.stderr)
         return 1
       elapsed = time.time() - t_last
-      record = {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                "learning_rate": metrics["learning_rate"],
-                "tokens_per_s": steps_since * tokens_per_step / elapsed}
+      record = {
+        "step": step,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "learning_rate": metrics["learning_rate"],
+        "tokens_per_s": steps_since * tokens_per_step / elapsed,
+      }
       if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
         record["eval_loss"] = evaluate(eval_step, state.params, eval_corpus, cfg)
-      print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                      for k, v in record.items()), flush=True)
+      print(
+        "  ".join(
+          f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+        ),
+        flush=True,
+      )
       log.write(json.dumps(record) + "\n")
       log.flush()
       t_last, steps_since = time.time(), 0
@@ -119,8 +152,9 @@ def main(argv=None) -> int:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
     prompt = tokenizer.encode(args.sample_prompt)
     max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    out = generate(model, [prompt], SamplingParams(max_new_tokens=max_new),
-                   eos_id=tokenizer.eos_id)[0]
+    out = generate(
+      model, [prompt], SamplingParams(max_new_tokens=max_new), eos_id=tokenizer.eos_id
+    )[0]
     print(f"sample (greedy): {args.sample_prompt + tokenizer.decode(out)!r}")
   return 0
 

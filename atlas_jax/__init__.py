@@ -1,1 +1,48 @@
-"""atlas_jax."""
+"""atlas_jax: the modern LLM efficiency stack in JAX, written to be read.
+
+Axis glossary, used in every shape suffix (`q_BTNH`) and shape comment in the project:
+
+  B batch            T query length        S key/value length
+  N query heads      K kv heads            G group size (N / K)
+  H head dim         D model dim           F ffn dim
+  V vocab            L layers              P pages (blocks)
+  Z block size       C latent dim          R rope dim (MLA)
+"""
+
+from atlas_jax import hf, kernels
+from atlas_jax.cache.contiguous import KVCache
+from atlas_jax.config import (
+  AttentionConfig,
+  Config,
+  ConfigError,
+  DataConfig,
+  MeshConfig,
+  ModelConfig,
+  RopeScaling,
+  ServeConfig,
+  TrainConfig,
+  load_config,
+)
+from atlas_jax.decoding.generate import SamplingParams, generate
+from atlas_jax.model.transformer import Transformer
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "AttentionConfig",
+  "Config",
+  "ConfigError",
+  "DataConfig",
+  "KVCache",
+  "MeshConfig",
+  "ModelConfig",
+  "RopeScaling",
+  "SamplingParams",
+  "ServeConfig",
+  "TrainConfig",
+  "Transformer",
+  "generate",
+  "hf",
+  "kernels",
+  "load_config",
+]

@@ -77,19 +77,31 @@ class ModelConfig:
 
   def __post_init__(self):
     _positive(
-      "model", self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-      "max_seq_len", "rope_theta", "norm_eps", "init_std",
+      "model",
+      self,
+      "vocab_size",
+      "d_model",
+      "n_layers",
+      "n_heads",
+      "n_kv_heads",
+      "ffn_dim",
+      "max_seq_len",
+      "rope_theta",
+      "norm_eps",
+      "init_std",
     )
     if self.n_heads % self.n_kv_heads:
       _fail(
-        "model.n_heads", self.n_heads,
+        "model.n_heads",
+        self.n_heads,
         f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (MHA: equal, GQA: a multiple, "
         "MQA: n_kv_heads=1)",
       )
     if self.head_dim is None:
       if self.d_model % self.n_heads:
         _fail(
-          "model.d_model", self.d_model,
+          "model.d_model",
+          self.d_model,
           f"must be divisible by model.n_heads={self.n_heads} when model.head_dim is not set",
         )
       object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
@@ -163,8 +175,14 @@ class TrainConfig:
 
   def __post_init__(self):
     _positive("train", self, "steps", "batch_size", "seq_len", "learning_rate", "log_every")
-    for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
-                 "eval_batches"):
+    for name in (
+      "warmup_steps",
+      "weight_decay",
+      "grad_clip",
+      "eval_every",
+      "checkpoint_every",
+      "eval_batches",
+    ):
       if getattr(self, name) < 0:
         _fail(f"train.{name}", getattr(self, name), "must be >= 0")
     for name in ("b1", "b2", "min_lr_ratio"):
@@ -203,7 +221,8 @@ class Config:
   def __post_init__(self):
     if self.train.seq_len > self.model.max_seq_len:
       _fail(
-        "train.seq_len", self.train.seq_len,
+        "train.seq_len",
+        self.train.seq_len,
         f"must be <= model.max_seq_len={self.model.max_seq_len}",
       )
 

@@ -35,7 +35,9 @@ def _read_json(path: Path) -> dict[str, Any]:
   try:
     return json.loads(path.read_text())
   except FileNotFoundError:
-    raise HFLoadError(f"{path.parent}: no config.json (expected a Hugging Face model folder)")
+    raise HFLoadError(
+      f"{path.parent}: no config.json (expected a Hugging Face model folder)"
+    ) from None
   except json.JSONDecodeError as e:
     raise HFLoadError(f"{path}: not valid JSON ({e})") from e
 
@@ -197,7 +199,8 @@ def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[s
     shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
     raise HFLoadError(f"missing tensors: {shown}; expected {len(expected)} tensors in all")
   unused = sorted(
-    n for n in set(tensors) - set(expected)
+    n
+    for n in set(tensors) - set(expected)
     if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
   )
   if unused:
@@ -239,8 +242,9 @@ def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
       )
 
 
-def build_model(cfg: ModelConfig, params: dict[str, Any], *,
-                implementation: str | None = None) -> Transformer:
+def build_model(
+  cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None
+) -> Transformer:
   """A Transformer holding `params`, without ever initialising random weights."""
   abstract = nnx.eval_shape(
     lambda: Transformer(cfg, rngs=nnx.Rngs(0), implementation=implementation)
@@ -250,8 +254,9 @@ def build_model(cfg: ModelConfig, params: dict[str, Any], *,
   return nnx.merge(graphdef, state)
 
 
-def load(path: str | Path, *, dtype: str = "float32",
-         implementation: str | None = None) -> Transformer:
+def load(
+  path: str | Path, *, dtype: str = "float32", implementation: str | None = None
+) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) into a Transformer.
 
   Args:
@@ -285,18 +290,29 @@ def load_tokenizer(path: str | Path):
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else (
-    "mistral" if cfg.sliding_window else "llama"
+  model_type = (
+    "qwen3"
+    if cfg.qk_norm
+    else "qwen2"
+    if cfg.qkv_bias
+    else ("mistral" if cfg.sliding_window else "llama")
   )
-  arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+  arch = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+  }[model_type]
   rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
   if cfg.rope_scaling is not None:
     s = cfg.rope_scaling
     rope.update(rope_type=s.type, factor=s.factor)
     if s.type == "llama3":
-      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                  original_max_position_embeddings=s.original_max_position_embeddings)
+      rope.update(
+        low_freq_factor=s.low_freq_factor,
+        high_freq_factor=s.high_freq_factor,
+        original_max_position_embeddings=s.original_max_position_embeddings,
+      )
   return {
     "architectures": [arch],
     "model_type": model_type,
@@ -311,8 +327,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     "max_position_embeddings": cfg.max_seq_len,
     "rms_norm_eps": cfg.norm_eps,
     "rope_theta": cfg.rope_theta,
-    "rope_scaling": None if cfg.rope_scaling is None else {k: v for k, v in rope.items()
-                                                           if k != "rope_theta"},
+    "rope_scaling": None
+    if cfg.rope_scaling is None
+    else {k: v for k, v in rope.items() if k != "rope_theta"},
     "rope_parameters": rope,
     "tie_word_embeddings": cfg.tie_embeddings,
     "attention_bias": cfg.qkv_bias,
@@ -332,8 +349,10 @@ def save(model: Transformer, path: str | Path) -> None:
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   N, K, H, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
   to_np = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # numpy has no bfloat16
-  out = {"model.embed_tokens.weight": to_np(params["embed"]),
-         "model.norm.weight": to_np(params["final_norm"]["scale"])}
+  out = {
+    "model.embed_tokens.weight": to_np(params["embed"]),
+    "model.norm.weight": to_np(params["final_norm"]["scale"]),
+  }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = to_np(params["lm_head"]).T
   inverse = {
@@ -341,8 +360,12 @@ def save(model: Transformer, path: str | Path) -> None:
     "wk": lambda w: w.transpose(1, 2, 0).reshape(K * H, D),
     "wv": lambda w: w.transpose(1, 2, 0).reshape(K * H, D),
     "wo": lambda w: w.reshape(N * H, D).T,
-    "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
-    "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
+    "bq": lambda b: b.reshape(-1),
+    "bk": lambda b: b.reshape(-1),
+    "bv": lambda b: b.reshape(-1),
+    "w_gate": lambda w: w.T,
+    "w_up": lambda w: w.T,
+    "w_down": lambda w: w.T,
     "scale": lambda w: w,
   }
   for hf_name, (ours, _) in _layer_map(cfg).items():
@@ -352,6 +375,9 @@ def save(model: Transformer, path: str | Path) -> None:
     stacked = to_np(stacked)
     for i in range(cfg.n_layers):
       out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(inverse[ours[-1]](stacked[i]))
-  save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(folder / "model.safetensors"),
-            metadata={"format": "pt"})
+  save_file(
+    {k: np.ascontiguousarray(v) for k, v in out.items()},
+    str(folder / "model.safetensors"),
+    metadata={"format": "pt"},
+  )
   (folder / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))

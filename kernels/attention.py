@@ -82,16 +82,26 @@ def attention(
     [B, T, N, H] in q.dtype.
   """
   masking = dict(
-    causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    sliding_window=sliding_window, q_positions=q_positions, kv_lengths=kv_lengths,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    sliding_window=sliding_window,
+    q_positions=q_positions,
+    kv_lengths=kv_lengths,
   )
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
       f"attention: implementation={implementation!r} is not one of {IMPLEMENTATIONS} or None"
     )
   check_attention_inputs(
-    q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    q_positions=q_positions, kv_lengths=kv_lengths, sliding_window=sliding_window,
+    q,
+    k,
+    v,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_lengths=kv_lengths,
+    sliding_window=sliding_window,
   )
   if implementation is None:
     implementation = default_implementation(q, **masking)
@@ -128,6 +138,12 @@ def attention(
     raise ValueError(f"attention: implementation='cudnn' needs bfloat16 or float16, got {q.dtype}")
   local_window = None if sliding_window is None else (sliding_window - 1, 0)
   return jax.nn.dot_product_attention(
-    q, k, v, scale=scale, is_causal=causal, local_window_size=local_window,
-    key_value_seq_lengths=kv_lengths, implementation="cudnn",
+    q,
+    k,
+    v,
+    scale=scale,
+    is_causal=causal,
+    local_window_size=local_window,
+    key_value_seq_lengths=kv_lengths,
+    implementation="cudnn",
   )

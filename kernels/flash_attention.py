@@ -14,8 +14,10 @@ Lengths that are not multiples of the block sizes are padded here and the tail i
 head dims the GPU backend cannot tile directly (not a power of two) are zero-padded, which leaves
 the scores unchanged.
 
-Backends: `interpret=True` runs anywhere (CPU in CI); compiled, the same kernel bodies lower to
-Triton through the Pallas GPU backend and to Mosaic on TPU.
+Backends: `interpret=True` runs anywhere (CPU in CI). Compiled, the loop-shaped bodies in
+`kernels.flash_kernels` lower to Triton through the Pallas GPU backend, and the grid-shaped bodies
+in `kernels.flash_tpu` (same math, sequential grid axes and VMEM scratch) lower to Mosaic on TPU;
+`backend=` picks the body, and either runs in interpret mode on CPU.
 """
 
 from __future__ import annotations
@@ -179,8 +181,8 @@ def _query_block_range(klo_BT1: Array, khi_BT1: Array, block_q: int, block_k: in
   B, Tp, _ = klo_BT1.shape
   klo_BI = jnp.min(klo_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
   khi_BI = jnp.max(khi_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
-  pass
-  pass
+  khi_BI = lax.cummax(khi_BI, axis=1)
+  klo_BI = lax.cummin(klo_BI, axis=1, reverse=True)
   s0_J = jnp.arange(Sp // block_k, dtype=jnp.int32) * block_k
   qfirst_BJ = jnp.sum(khi_BI[:, None, :] <= s0_J[None, :, None], axis=-1, dtype=jnp.int32)
   qlast_BJ = jnp.sum(klo_BI[:, None, :] < s0_J[None, :, None] + block_k, axis=-1, dtype=jnp.int32)
@@ -413,6 +415,10 @@ def flash_attention(
     raise ValueError("flash_attention: the CPU backend only runs the kernels with interpret=True")
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
+  if T == 0 or S == 0:
+    raise ValueError(
+      f"flash_attention: empty sequence, q.shape={tuple(q.shape)} k.shape={tuple(k.shape)}"
+    )
   if backend == "gpu" and H > MAX_GPU_HEAD_DIM:
     raise ValueError(
       f"flash_attention: head dim H={H} (q.shape={tuple(q.shape)}) exceeds the GPU limit "

@@ -50,7 +50,9 @@ def check_attention_inputs(
     )
   Bk, S, K, Hk = k.shape
   if Bk != B:
-    raise ValueError(f"attention: batch mismatch, q.shape={tuple(q.shape)} k.shape={tuple(k.shape)}")
+    raise ValueError(
+      f"attention: batch mismatch, q.shape={tuple(q.shape)} k.shape={tuple(k.shape)}"
+    )
   if Hk != H:
     raise ValueError(
       f"attention: head dim mismatch, q.shape={tuple(q.shape)} (H={H}) "
@@ -79,7 +81,9 @@ def check_attention_inputs(
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
   if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-    raise ValueError(f"attention: sliding_window must be a positive int or None, got {sliding_window!r}")
+    raise ValueError(
+      f"attention: sliding_window must be a positive int or None, got {sliding_window!r}"
+    )
 
 
 def default_q_positions(T: int, S: int, kv_lengths: Array | None, B: int) -> Array:
@@ -145,8 +149,14 @@ def attention_reference(
     out [B, T, N, H] in q.dtype, and with `return_lse` the log-sum-exp f32[B, T, N].
   """
   check_attention_inputs(
-    q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    q_positions=q_positions, kv_lengths=kv_lengths, sliding_window=sliding_window,
+    q,
+    k,
+    v,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_lengths=kv_lengths,
+    sliding_window=sliding_window,
   )
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -158,8 +168,15 @@ def attention_reference(
     "BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32
   ) * jnp.float32(scale)
   mask_BTS = attention_mask(
-    T, S, B, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    sliding_window=sliding_window, q_positions=q_positions, kv_lengths=kv_lengths,
+    T,
+    S,
+    B,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    sliding_window=sliding_window,
+    q_positions=q_positions,
+    kv_lengths=kv_lengths,
   )
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
   # Subtract a finite row max so fully masked rows (max = -inf) give exp(-inf) = 0, not NaN.

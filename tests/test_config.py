@@ -19,8 +19,15 @@ def test_presets_load_and_round_trip(path, tmp_path):
 
 
 def test_overrides_apply_with_yaml_types():
-  cfg = load_config(None, ["model.n_layers=3", "train.learning_rate=1e-3", "model.qkv_bias=true",
-                           "model.rope_scaling={type: linear, factor: 2.0}"])
+  cfg = load_config(
+    None,
+    [
+      "model.n_layers=3",
+      "train.learning_rate=1e-3",
+      "model.qkv_bias=true",
+      "model.rope_scaling={type: linear, factor: 2.0}",
+    ],
+  )
   assert cfg.model.n_layers == 3
   assert cfg.train.learning_rate == pytest.approx(1e-3)
   assert cfg.model.qkv_bias is True

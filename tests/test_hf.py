@@ -1,4 +1,4 @@
-"""Hugging Face parity: tiny random transformers models load with the same logits and generations."""
+"""Hugging Face parity: tiny random transformers models load with equal logits and generations."""
 
 import json
 
@@ -13,15 +13,27 @@ from atlas_jax import hf  # noqa: E402
 from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
 
 V = 101
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+  "rope_type": "llama3",
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 16,
+}
 
 
 def build_hf(family: str, folder, *, std: float = 0.2, max_shard_size=None, **overrides):
   """A tiny random model of `family`, every weight (biases and norms too) drawn at random."""
   torch.manual_seed(0)
-  kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+  kw = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+  )
   kw.update(overrides)
   cfg = getattr(transformers, f"{family}Config")(**kw)
   model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
@@ -44,8 +56,10 @@ def hf_logits(model, tokens):
 CASES = {
   "llama-gqa2": ("Llama", {}),
   "llama-mha": ("Llama", {"num_key_value_heads": 4}),
-  "llama-gqa4-tied-rope3": ("Llama", {"num_attention_heads": 8, "tie_word_embeddings": True,
-                                       "rope_scaling": LLAMA3_ROPE}),
+  "llama-gqa4-tied-rope3": (
+    "Llama",
+    {"num_attention_heads": 8, "tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+  ),
   "mistral": ("Mistral", {"sliding_window": None}),
   "qwen2-bias-tied": ("Qwen2", {"tie_word_embeddings": True}),
   "qwen2-mqa": ("Qwen2", {"num_key_value_heads": 1}),
@@ -78,9 +92,14 @@ def test_greedy_generation_matches_transformers(case, tmp_path):
   got = generate(ours, prompts, SamplingParams(max_new_tokens=32))
   for prompt, ours_new in zip(prompts, got):
     with torch.no_grad():
-      out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-    assert ours_new == out[0, len(prompt):].tolist()
+      out = ref_model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=32,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
+    assert ours_new == out[0, len(prompt) :].tolist()
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -124,8 +143,9 @@ def test_tokenizer_json_loads(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2",
-                                                    "architectures": ["GPT2LMHeadModel"]}))
+  (tmp_path / "config.json").write_text(
+    json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+  )
   with pytest.raises(hf.HFLoadError, match="model_type='gpt2'.*supported model types: llama"):
     hf.load(tmp_path)
 

@@ -11,7 +11,7 @@ Utilisation and prefix-cache hit rate read the counters of
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class _AllocatorCounters(Protocol):
@@ -51,6 +51,26 @@ def mla_kv_bytes_per_token(
   _check("rope_dim", rope_dim, minimum=0)
   _check("dtype_bytes", dtype_bytes)
   return n_layers * (kv_lora_rank + rope_dim) * dtype_bytes
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+def config_kv_bytes_per_token(model: Any, *, dtype_bytes: int | None = None) -> int:
+  """`kv_bytes_per_token` for a model config (`atlas_jax.config.ModelConfig` or alike).
+
+  Reads `n_layers`, `n_kv_heads`, `head_dim` and, unless `dtype_bytes` is given, the cache dtype
+  from `dtype` (the cache holds activations). An MLA config costs `mla_kv_bytes_per_token`.
+  """
+  if dtype_bytes is None:
+    dtype = str(getattr(model, "dtype", ""))
+    if dtype not in _DTYPE_BYTES:
+      raise ValueError(
+        f"config_kv_bytes_per_token: cannot size dtype {dtype!r}; pass dtype_bytes or use one "
+        f"of {sorted(_DTYPE_BYTES)}"
+      )
+    dtype_bytes = _DTYPE_BYTES[dtype]
+  return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, dtype_bytes)
 
 
 def kv_bytes(bytes_per_token: int, n_tokens: int, *, batch: int = 1) -> int:

@@ -20,8 +20,16 @@ class KVCache:
   lengths: Array  # i32[B] tokens already written per sequence
 
   @classmethod
-  def init(cls, *, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-           dtype=jnp.float32) -> KVCache:
+  def init(
+    cls,
+    *,
+    n_layers: int,
+    batch: int,
+    max_len: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.float32,
+  ) -> KVCache:
     shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
     return cls(
       k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
@@ -32,8 +40,9 @@ class KVCache:
     return self.k.shape[2]
 
 
-def write_layer(cache_k_BSKH: Array, cache_v_BSKH: Array, k_BTKH: Array, v_BTKH: Array,
-                start_B: Array) -> tuple[Array, Array]:
+def write_layer(
+  cache_k_BSKH: Array, cache_v_BSKH: Array, k_BTKH: Array, v_BTKH: Array, start_B: Array
+) -> tuple[Array, Array]:
   """Writes T new tokens' K/V for one layer at each sequence's own offset `start_B[b]`."""
 
   def one(ck_SKH, cv_SKH, k_TKH, v_TKH, start):

@@ -11,8 +11,16 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo",
-              "dist-packages"}
+_SKIP_DIRS = {
+  "site-packages",
+  "test",
+  "tests",
+  "idlelib",
+  "lib2to3",
+  "__pycache__",
+  "turtledemo",
+  "dist-packages",
+}
 
 
 def stdlib_root() -> Path:
@@ -23,8 +31,7 @@ def stdlib_files() -> list[Path]:
   """The standard library's .py files (tests and vendored packages excluded), in a fixed order."""
   root = stdlib_root()
   files = [
-    p for p in root.rglob("*.py")
-    if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+    p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
   ]
   return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 

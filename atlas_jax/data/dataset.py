@@ -26,8 +26,9 @@ def _held_out(name: str, fraction: float) -> bool:
   return h / 2**64 < fraction
 
 
-def tokenize_corpus(source: str, tokenizer: Tokenizer, *,
-                    eval_fraction: float) -> tuple[TokenCorpus, TokenCorpus]:
+def tokenize_corpus(
+  source: str, tokenizer: Tokenizer, *, eval_fraction: float
+) -> tuple[TokenCorpus, TokenCorpus]:
   """(train, eval) corpora; each document is followed by the tokenizer's eos id."""
   parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
   for name, text in iter_documents(source):
@@ -44,8 +45,9 @@ def tokenize_corpus(source: str, tokenizer: Tokenizer, *,
   return join(parts[False]), join(parts[True])
 
 
-def sample_windows(corpus: TokenCorpus, *, batch: int, seq_len: int,
-                   rng: np.random.Generator) -> np.ndarray:
+def sample_windows(
+  corpus: TokenCorpus, *, batch: int, seq_len: int, rng: np.random.Generator
+) -> np.ndarray:
   """i32[batch, seq_len + 1] random windows of the corpus (inputs and shifted targets)."""
   if len(corpus) <= seq_len + 1:
     raise ValueError(

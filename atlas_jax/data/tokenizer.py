@@ -1,4 +1,4 @@
-"""Tokenisers that need no network: bytes, or a `tokenizers` BPE trained here or loaded from disk."""
+"""Tokenisers that need no network: bytes, or a `tokenizers` BPE trained here or read from disk."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ class ByteTokenizer:
 class HFTokenizer:
   """A `tokenizers.Tokenizer` (tokenizer.json) behind the same small interface."""
 
-  def __init__(self, tokenizer, *, bos: str | None = None, eos: str | None = None,
-               pad: str | None = None):
+  def __init__(
+    self, tokenizer, *, bos: str | None = None, eos: str | None = None, pad: str | None = None
+  ):
     self._tok = tokenizer
     self.vocab_size = tokenizer.get_vocab_size()
 
@@ -47,8 +48,9 @@ class HFTokenizer:
       return -1
 
     self.bos_id = find(bos, "<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
-    self.eos_id = find(eos, "<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|endoftext|>",
-                       "<|im_end|>")
+    self.eos_id = find(
+      eos, "<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|endoftext|>", "<|im_end|>"
+    )
     self.pad_id = find(pad, "<pad>", "<|pad|>")
 
   @classmethod
@@ -76,15 +78,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-    vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    vocab_size=vocab_size,
+    special_tokens=["<pad>", "<s>", "</s>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
   )
   tok.train_from_iterator(texts, trainer)
   return HFTokenizer(tok, bos="<s>", eos="</s>", pad="<pad>")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-  """"byte", a tokenizer.json file, or a folder holding one."""
+  """ "byte", a tokenizer.json file, or a folder holding one."""
   if spec == "byte":
     return ByteTokenizer()
   path = Path(spec)

@@ -67,8 +67,9 @@ def _decode_loop(graphdef, params, cache, logits_BV, keys_B, sampling, max_new_t
   def body(carry):
     i, cache, logits_BV, out_BN, done_B = carry
     step_keys_B = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_B)
-    token_B = sample(logits_BV, step_keys_B, temperature_B=temperature_B, top_k_B=top_k_B,
-                     top_p_B=top_p_B)
+    token_B = sample(
+      logits_BV, step_keys_B, temperature_B=temperature_B, top_k_B=top_k_B, top_p_B=top_p_B
+    )
     token_B = jnp.where(done_B, 0, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
     done_B = done_B | (token_B == eos_id)
@@ -81,9 +82,13 @@ def _decode_loop(graphdef, params, cache, logits_BV, keys_B, sampling, max_new_t
   return out_BN, steps, cache
 
 
-def generate(model: Transformer, prompts: Sequence[Sequence[int]],
-             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-             eos_id: int | None = None) -> list[list[int]]:
+def generate(
+  model: Transformer,
+  prompts: Sequence[Sequence[int]],
+  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+  *,
+  eos_id: int | None = None,
+) -> list[list[int]]:
   """Completes each prompt; returns the new tokens per prompt (ending at eos when it is drawn).
 
   Args:
@@ -123,8 +128,16 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]],
     jnp.asarray([p.top_k for p in per_row], jnp.int32),
     jnp.asarray([p.top_p for p in per_row], jnp.float32),
   )
-  out_BN, _, _ = _decode_loop(graphdef, state, cache, logits_BV, keys_B, sampling, max_new,
-                           jnp.int32(-1 if eos_id is None else eos_id))
+  out_BN, _, _ = _decode_loop(
+    graphdef,
+    state,
+    cache,
+    logits_BV,
+    keys_B,
+    sampling,
+    max_new,
+    jnp.int32(-1 if eos_id is None else eos_id),
+  )
   out = np.asarray(out_BN)
   results = []
   for b, p in enumerate(per_row):

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def sample(logits_BV: Array, key_B: Array, *, temperature_B: Array, top_k_B: Array,
-           top_p_B: Array) -> Array:
+def sample(
+  logits_BV: Array, key_B: Array, *, temperature_B: Array, top_k_B: Array, top_p_B: Array
+) -> Array:
   """Draws one token per row.
 
   Args:

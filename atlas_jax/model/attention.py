@@ -84,20 +84,32 @@ class Attention(nnx.Module):
       # The causal mask follows the index in the row; packed documents restart their RoPE
       # positions, and the segment ids keep them apart.
       out_BTNH = kernels.attention(
-        q_BTNH, k_BTKH, v_BTKH, causal=True, q_segment_ids=segment_ids_BT,
-        kv_segment_ids=segment_ids_BT, sliding_window=self.sliding_window,
+        q_BTNH,
+        k_BTKH,
+        v_BTKH,
+        causal=True,
+        q_segment_ids=segment_ids_BT,
+        kv_segment_ids=segment_ids_BT,
+        sliding_window=self.sliding_window,
         implementation=self.implementation,
       )
       new_cache = None
     else:
       cache_k_BSKH, cache_v_BSKH, lengths_B = cache
       T = x_BTD.shape[1]
-      cache_k_BSKH, cache_v_BSKH = write_layer(cache_k_BSKH, cache_v_BSKH, k_BTKH, v_BTKH, lengths_B)
+      cache_k_BSKH, cache_v_BSKH = write_layer(
+        cache_k_BSKH, cache_v_BSKH, k_BTKH, v_BTKH, lengths_B
+      )
       # Queries see the cache up to their own position; slots past lengths + T hold stale data.
       out_BTNH = kernels.attention(
-        q_BTNH, cache_k_BSKH.astype(dtype), cache_v_BSKH.astype(dtype), causal=True,
-        sliding_window=self.sliding_window, q_positions=positions_BT,
-        kv_lengths=lengths_B + T, implementation=self.implementation,
+        q_BTNH,
+        cache_k_BSKH.astype(dtype),
+        cache_v_BSKH.astype(dtype),
+        causal=True,
+        sliding_window=self.sliding_window,
+        q_positions=positions_BT,
+        kv_lengths=lengths_B + T,
+        implementation=self.implementation,
       )
       new_cache = (cache_k_BSKH, cache_v_BSKH)
     out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))

@@ -33,8 +33,16 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> Array:
 class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
-  def __init__(self, d_model: int, ffn_dim: int, *, init_std: float, out_std: float, rngs,
-               param_dtype=jnp.float32):
+  def __init__(
+    self,
+    d_model: int,
+    ffn_dim: int,
+    *,
+    init_std: float,
+    out_std: float,
+    rngs,
+    param_dtype=jnp.float32,
+  ):
     D, F = d_model, ffn_dim
     self.w_gate = nnx.Param(normal(rngs, (D, F), init_std, param_dtype))  # [D, F]
     self.w_up = nnx.Param(normal(rngs, (D, F), init_std, param_dtype))  # [D, F]

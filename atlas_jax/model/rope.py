@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE), with Llama-3 and linear frequency scaling.
 
 We use the "rotate half" layout (the first and second halves of the head dim form the pairs), the
-convention of Hugging Face's Llama, Mistral and Qwen weights, so imported weights need no permutation.
+convention of Hugging Face's Llama, Mistral and Qwen weights, so imported weights need no
+permutation.
 """
 
 from __future__ import annotations

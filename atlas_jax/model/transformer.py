@@ -29,8 +29,12 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs, implementation=implementation)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = MLP(
-      cfg.d_model, cfg.ffn_dim, init_std=cfg.init_std,
-      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers), rngs=rngs, param_dtype=pdt,
+      cfg.d_model,
+      cfg.ffn_dim,
+      init_std=cfg.init_std,
+      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
+      rngs=rngs,
+      param_dtype=pdt,
     )
 
   def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):
@@ -62,8 +66,12 @@ class Transformer(nnx.Module):
     self.embed = nnx.Param(normal(rngs, (V, D), cfg.init_std, pdt))  # [V, D]
     self.blocks = _stacked_blocks(cfg, rngs, implementation)  # every parameter [L, ...]
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
-    self.lm_head = None if cfg.tie_embeddings else nnx.Param(
-      normal(rngs, (D, V), cfg.init_std, pdt)  # [D, V]
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else nnx.Param(
+        normal(rngs, (D, V), cfg.init_std, pdt)  # [D, V]
+      )
     )
 
   def __call__(
@@ -96,6 +104,7 @@ class Transformer(nnx.Module):
     graphdef, block_state = nnx.split(self.blocks)
 
     if cache is None:
+
       def body(x_BTD, state):
         x_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
         return x_BTD, None
@@ -103,6 +112,7 @@ class Transformer(nnx.Module):
       x_BTD, _ = jax.lax.scan(body, x_BTD, block_state)
       new_cache = None
     else:
+
       def body(x_BTD, layer):
         state, k_BSKH, v_BSKH = layer
         x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
@@ -123,6 +133,10 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     cfg = self.cfg
     return KVCache.init(
-      n_layers=cfg.n_layers, batch=batch, max_len=max_len, n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.dtype) if dtype is None else dtype,
+      n_layers=cfg.n_layers,
+      batch=batch,
+      max_len=max_len,
+      n_kv_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim,
+      dtype=jnp.dtype(cfg.dtype) if dtype is None else dtype,
     )

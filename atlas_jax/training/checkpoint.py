@@ -54,8 +54,9 @@ def is_checkpoint(directory: str | Path) -> bool:
   return (Path(directory) / "config.yaml").is_file()
 
 
-def load_model(directory: str | Path, *, step: int | None = None,
-               implementation: str | None = None) -> tuple[Transformer, Config, Tokenizer]:
+def load_model(
+  directory: str | Path, *, step: int | None = None, implementation: str | None = None
+) -> tuple[Transformer, Config, Tokenizer]:
   """The trained model (latest step by default), its config and its tokenizer."""
   directory = Path(directory)
   if not is_checkpoint(directory):
@@ -69,9 +70,7 @@ def load_model(directory: str | Path, *, step: int | None = None,
     lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation)
   )
   graphdef, state = nnx.split(abstract)
-  target = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state)
-  )
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
   restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
   nnx.replace_by_pure_dict(state, restored["params"])
   tok_file = directory / "tokenizer.json"

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def cross_entropy(logits_BTV: Array, targets_BT: Array, mask_BT: Array | None = None,
-                  *, z_loss: float = 0.0) -> tuple[Array, dict[str, Array]]:
+def cross_entropy(
+  logits_BTV: Array, targets_BT: Array, mask_BT: Array | None = None, *, z_loss: float = 0.0
+) -> tuple[Array, dict[str, Array]]:
   """Mean token cross-entropy over unmasked positions (and an optional z-loss on log Z).
 
   Args:

@@ -14,8 +14,11 @@ _NO_DECAY_LEAVES = {"scale", "bq", "bk", "bv"}
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
   warmup = min(cfg.warmup_steps, cfg.steps)
   return optax.warmup_cosine_decay_schedule(
-    init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
-    decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(cfg.steps, warmup + 1),
+    end_value=cfg.learning_rate * cfg.min_lr_ratio,
   )
 
 
@@ -36,7 +39,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
   parts.append(
     optax.adamw(
-      learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+      learning_rate_schedule(cfg),
+      b1=cfg.b1,
+      b2=cfg.b2,
+      weight_decay=cfg.weight_decay,
       mask=decay_mask,
     )
   )

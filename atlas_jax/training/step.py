@@ -25,8 +25,9 @@ class TrainState:
   step: Array  # i32[]
 
 
-def init_state(cfg: Config, key: Array, *, implementation: str | None = None
-               ) -> tuple[nnx.GraphDef, TrainState]:
+def init_state(
+  cfg: Config, key: Array, *, implementation: str | None = None
+) -> tuple[nnx.GraphDef, TrainState]:
   """Initialises model and optimizer under jit, so no unjitted copy of the weights is made."""
   graphdef = nnx.graphdef(
     nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
@@ -36,8 +37,9 @@ def init_state(cfg: Config, key: Array, *, implementation: str | None = None
   @jax.jit
   def init(key):
     params = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(key), implementation=implementation))
-    return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32))
+    return TrainState(
+      params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32)
+    )
 
   return graphdef, init(key)
 
@@ -64,8 +66,12 @@ def make_train_step(cfg: Config, graphdef: nnx.GraphDef) -> Callable:
     )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-               "learning_rate": schedule(state.step), **aux}
+    metrics = {
+      "loss": loss,
+      "grad_norm": optax.tree.norm(grads),
+      "learning_rate": schedule(state.step),
+      **aux,
+    }
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
   return jax.jit(train_step, donate_argnums=0)

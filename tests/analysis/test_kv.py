@@ -3,6 +3,7 @@
 import pytest
 
 from atlas_jax.analysis.kv import (
+  config_kv_bytes_per_token,
   kv_bytes,
   kv_bytes_per_token,
   mla_kv_bytes_per_token,
@@ -12,6 +13,7 @@ from atlas_jax.analysis.kv import (
   utilisation,
 )
 from atlas_jax.cache.allocator import BlockAllocator
+from atlas_jax.config import ModelConfig
 
 
 def test_bytes_per_token_for_known_shapes():
@@ -24,6 +26,13 @@ def test_bytes_per_token_for_known_shapes():
   assert mla_kv_bytes_per_token(61, 512, 64, 2) == 61 * 576 * 2
   assert kv_bytes(128 * 1024, 8192, batch=4) == 4 * 2**30
   assert paged_pool_bytes(100, n_blocks=3, block_size=16) == 4800
+
+
+def test_bytes_per_token_for_a_model_config():
+  model = ModelConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, dtype="bfloat16")
+  # head_dim defaults to d_model / n_heads = 32.
+  assert config_kv_bytes_per_token(model) == 2 * 4 * 2 * 32 * 2
+  assert config_kv_bytes_per_token(model, dtype_bytes=1) == 2 * 4 * 2 * 32
 
 
 @pytest.mark.parametrize(

@@ -419,6 +419,7 @@ def test_dispatcher_pallas_and_default():
     (((1, 8, 2, 16), (1, 8, 2, 16)), dict(backend="metal"), r"backend='metal'"),
     (((1, 8, 2, 16), (1, 8, 2, 16)), dict(interpret=False, backend="cpu"), r"interpret=True"),
     (((1, 8, 2, 300), (1, 8, 2, 300)), dict(backend="gpu"), r"H=300.*\(1, 8, 2, 300\)"),
+    (((1, 0, 2, 16), (1, 8, 2, 16)), {}, r"empty sequence.*q.shape=\(1, 0, 2, 16\)"),
   ],
 )
 def test_bad_inputs_raise(shapes, kwargs, match):

@@ -1,4 +1,4 @@
-"""The transformer: shapes and dtypes, causality, KV-cache decoding == full forward, packing, scan."""
+"""The transformer: shapes, dtypes, causality, cached decoding == full forward, packing, scan."""
 
 import chex
 import jax
@@ -14,8 +14,16 @@ V = 61
 
 
 def make(**kw) -> Transformer:
-  base = dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-              max_seq_len=128, init_std=0.1)
+  base = dict(
+    vocab_size=V,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    max_seq_len=128,
+    init_std=0.1,
+  )
   base.update(kw)
   return Transformer(ModelConfig(**base), rngs=nnx.Rngs(0))
 
@@ -68,18 +76,27 @@ def test_causal_through_gradients(n_kv_heads):
     assert np.abs(np.asarray(g_TD[: t + 1])).sum() > 0
 
 
-@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 1, "qkv_bias": True}, {"qk_norm": True},
-                                {"sliding_window": 5},
-                                {"rope_scaling": RopeScaling(original_max_position_embeddings=16)}])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    {},
+    {"n_kv_heads": 1, "qkv_bias": True},
+    {"qk_norm": True},
+    {"sliding_window": 5},
+    {"rope_scaling": RopeScaling(original_max_position_embeddings=16)},
+  ],
+)
 def test_cache_decoding_matches_full_forward(kw):
   model = make(**kw)
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda state, t, cache: nnx.merge(graphdef, state)(t, cache=cache))
   toks = tokens(2, 20)
-  full = model(toks)
+  full = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t))(state, toks)
   cache = model.init_cache(2, 32)
-  logits, cache = model(toks[:, :7], cache=cache)
+  logits, cache = step(state, toks[:, :7], cache)
   steps = [logits]
   for t in range(7, 20):
-    logits, cache = model(toks[:, t : t + 1], cache=cache)
+    logits, cache = step(state, toks[:, t : t + 1], cache)
     steps.append(logits)
   chex.assert_trees_all_close(jnp.concatenate(steps, axis=1), full, atol=2e-5)
   np.testing.assert_array_equal(cache.lengths, [20, 20])
