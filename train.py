@@ -1,12 +1,17 @@
-"""Train a model: config -> tokenised corpus -> jitted train step -> checkpoints, metrics, a sample.
+"""Train a model: config -> mesh -> sharded init -> grain data -> jitted steps -> checkpoints.
 
-python train.py --config configs/tiny.yaml [--set train.steps=300 ...]
+    python train.py --config configs/tiny.yaml [--set train.steps=300 --set train.remat=full ...]
+
+Rerunning the same command resumes from the run directory's latest checkpoint (model, optimizer,
+step and data position), so an interrupted run continues exactly where it stopped. On several
+hosts, run the same command on each with mesh.coordinator_address / num_processes / process_id
+set (or the environment jax.distributed reads on TPU pods and SLURM).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,57 +20,59 @@ import jax
 import numpy as np
 
 from atlas_jax.config import Config, ConfigError, load_config
-from atlas_jax.data.dataset import sample_windows, tokenize_corpus
+from atlas_jax.data import pipeline
 from atlas_jax.data.tokenizer import load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
 from atlas_jax.training import checkpoint
-from atlas_jax.training.step import init_state, make_eval_step, make_train_step
+from atlas_jax.training import sharding as shd
+from atlas_jax.training.metrics import Logger, mfu, peak_memory_bytes
+from atlas_jax.training.step import make_eval_step, make_train_step, make_trainer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml", help="YAML preset")
-  p.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a config field, e.g. --set train.steps=100 (repeatable)",
-  )
-  p.add_argument(
-    "--sample-prompt",
-    default="def ",
-    help="prompt to complete with the trained model at the end ('' to skip)",
-  )
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config field, e.g. --set train.steps=100 (repeatable)")
+  p.add_argument("--data-cache", default=None,
+                 help="where tokenised corpora are stored (default: <checkpoint_dir>/../.data)")
+  p.add_argument("--sample-prompt", default="def ",
+                 help="prompt to complete with the trained model at the end ('' to skip)")
   p.add_argument("--sample-tokens", type=int, default=96)
   return p.parse_args(argv)
 
 
-def evaluate(eval_step, params, corpus, cfg: Config) -> float | None:
-  if len(corpus) <= cfg.train.seq_len + 1 or cfg.train.eval_batches == 0:
-    return None
-  rng = np.random.default_rng(1234)  # the same eval windows every time
-  losses = [
-    float(
-      eval_step(
-        params,
-        {
-          "tokens": sample_windows(
-            corpus, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, rng=rng
-          )
-        },
+def init_distributed(cfg: Config) -> None:
+  """Joins a multi-process run when the config (or the environment on pods/SLURM) asks for it."""
+  m = cfg.mesh
+  if m.coordinator_address is None and m.num_processes is None:
+    return
+  kwargs = {"coordinator_address": m.coordinator_address, "process_id": m.process_id}
+  if m.num_processes not in (None, -1):
+    kwargs["num_processes"] = m.num_processes
+  jax.distributed.initialize(**kwargs)
+
+
+# Fields that may change when a run is resumed (how it runs, not what it computes).
+RESUME_MAY_CHANGE = {"steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+                     "keep_checkpoints", "checkpoint_dir", "remat", "remat_every", "sharding",
+                     "peak_tflops"}
+
+
+def check_resumable(run_dir: Path, cfg: Config) -> None:
+  """A run directory holding checkpoints resumes only with the same model, data and training."""
+  old_path = run_dir / "config.yaml"
+  if not old_path.is_file() or not any(p.name.isdigit() for p in run_dir.iterdir()):
+    return
+  old = load_config(old_path)
+  for section in ("model", "data", "train"):
+    a, b = dataclasses.asdict(getattr(old, section)), dataclasses.asdict(getattr(cfg, section))
+    diff = [k for k in b if a.get(k) != b[k] and k not in RESUME_MAY_CHANGE]
+    if diff:
+      raise ConfigError(
+        f"{run_dir} holds a run with different {section} settings ({', '.join(diff)}); "
+        "use another train.checkpoint_dir or the same settings"
       )
-    )
-    for _ in range(cfg.train.eval_batches)
-  ]
-  return float(np.mean(losses))
-
-
-def unigram_entropy(corpus, vocab_size: int) -> float:
-  """Cross-entropy (nats) of the best context-free model: the baseline learning must beat."""
-  counts = np.bincount(corpus.tokens, minlength=vocab_size).astype(np.float64)
-  p = counts[counts > 0] / counts.sum()
-  return float(-(p * np.log(p)).sum())
 
 
 def main(argv=None) -> int:
@@ -73,88 +80,104 @@ def main(argv=None) -> int:
   try:
     cfg = load_config(args.config, args.set)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                        f"vocabulary ({tokenizer.vocab_size})")
+    run_dir = Path(cfg.train.checkpoint_dir)
+    check_resumable(run_dir, cfg)
+    init_distributed(cfg)
+    trainer = make_trainer(cfg)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if tokenizer.vocab_size > cfg.model.vocab_size:
-    print(
-      f"error: model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-      f"vocabulary ({tokenizer.vocab_size})",
-      file=sys.stderr,
-    )
-    return 2
+  main_process = jax.process_index() == 0
+  say = print if main_process else (lambda *a, **k: None)
+  if main_process:
+    checkpoint.write_run_files(run_dir, cfg)
+  say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+      f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}")
 
-  run_dir = Path(cfg.train.checkpoint_dir)
-  checkpoint.write_run_files(run_dir, cfg)
-  print(f"devices: {jax.devices()}")
   t0 = time.time()
-  train_corpus, eval_corpus = tokenize_corpus(
-    cfg.data.source, tokenizer, eval_fraction=cfg.data.eval_fraction
-  )
-  baseline = unigram_entropy(train_corpus, tokenizer.vocab_size)
-  print(
-    f"corpus: {len(train_corpus):,} train / {len(eval_corpus):,} eval tokens "
-    f"({time.time() - t0:.1f}s); unigram baseline {baseline:.3f} nats/token"
-  )
+  cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
+  files = pipeline.token_files(cfg.data, tokenizer, cache_dir)
+  train_ds = pipeline.train_dataset(
+    *files["train"], seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+    seed=cfg.train.seed, process_index=jax.process_index(), process_count=jax.process_count())
+  eval_data = pipeline.eval_batches(
+    *files["eval"], seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+    n_batches=cfg.train.eval_batches) if main_process or jax.process_count() == 1 else []
+  counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
+  p = counts[counts > 0] / counts.sum()
+  say(f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
+      f"({time.time() - t0:.1f}s); unigram baseline {float(-(p * np.log(p)).sum()):.3f} nats/token")
 
-  graphdef, state = init_state(
-    cfg, jax.random.key(cfg.train.seed), implementation=cfg.attention.implementation
-  )
+  mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
+  start = 0
+  if mngr.latest_step() is not None:
+    state, meta = checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings)
+    start = int(meta["data_index"])
+    say(f"resumed from {run_dir} at step {start}")
+  else:
+    state = trainer.init(jax.random.key(cfg.train.seed))
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  print(f"model: {n_params:,} parameters")
-  train_step = make_train_step(cfg, graphdef)
-  eval_step = make_eval_step(graphdef)
-  mngr = checkpoint.manager(run_dir)
-  rng = np.random.default_rng(cfg.train.seed)
+  say(f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
+      f"{cfg.train.remat}, sharding {cfg.train.sharding}")
+
+  train_step = make_train_step(trainer)
+  eval_step = make_eval_step(trainer)
+  batch_sharding = shd.batch_sharding(trainer.mesh)
+  to_global = lambda local: jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(batch_sharding, x), local)
+  logger = Logger(run_dir, enabled=main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-  log = (run_dir / "metrics.jsonl").open("a")
+  progress = sys.stdout.isatty() and main_process
 
   t_last, steps_since = time.time(), 0
-  for step in range(1, cfg.train.steps + 1):
-    batch = {
-      "tokens": sample_windows(
-        train_corpus, batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, rng=rng
-      )
-    }
-    state, metrics = train_step(state, batch)
+  for step in range(start + 1, cfg.train.steps + 1):
+    state, metrics = train_step(state, to_global(train_ds[step - 1]))
     steps_since += 1
     last = step == cfg.train.steps
+    if progress:
+      done = int(30 * step / cfg.train.steps)
+      print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{cfg.train.steps}", end="", flush=True)
     if step % cfg.train.log_every == 0 or last:
       metrics = {k: float(v) for k, v in metrics.items()}
-      if not np.isfinite(metrics["loss"]):
-        print(f"error: loss is {metrics['loss']} at step {step}; stopping", file=sys.stderr)
+      if not np.isfinite(metrics["loss"]) and cfg.train.on_nan == "stop":
+        print(f"\nerror: loss is {metrics['loss']} at step {step}; stopping (train.on_nan=stop; "
+              "'skip' skips such steps)", file=sys.stderr)
         return 1
       elapsed = time.time() - t_last
-      record = {
-        "step": step,
-        "loss": metrics["loss"],
-        "grad_norm": metrics["grad_norm"],
-        "learning_rate": metrics["learning_rate"],
-        "tokens_per_s": steps_since * tokens_per_step / elapsed,
-      }
-      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-        record["eval_loss"] = evaluate(eval_step, state.params, eval_corpus, cfg)
-      print(
-        "  ".join(
-          f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-        ),
-        flush=True,
-      )
-      log.write(json.dumps(record) + "\n")
-      log.flush()
+      tps = steps_since * tokens_per_step / elapsed
+      record = {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                "learning_rate": metrics["learning_rate"], "tokens_per_s": tps,
+                "mfu": mfu(tps, cfg.model, cfg.train.seq_len, n_devices=jax.device_count(),
+                           peak_tflops=cfg.train.peak_tflops)}
+      if "loss_scale" in metrics:
+        record["loss_scale"] = metrics["loss_scale"]
+      if metrics.get("skipped"):
+        record["skipped"] = int(metrics["skipped"])
+      if eval_data and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+        record["eval_loss"] = float(np.mean(
+          [float(eval_step(state.params, to_global(b))) for b in eval_data]))
+      if (peak := peak_memory_bytes()) is not None:
+        record["peak_memory_gb"] = peak / 2**30
+      say(("\r" if progress else "") + "  ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
+        flush=True)
+      logger.write(record)
       t_last, steps_since = time.time(), 0
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
-      checkpoint.save(mngr, step, state.params, state.opt_state, {"step": step})
+      checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
   mngr.wait_until_finished()
-  print(f"checkpoint: {run_dir} (step {cfg.train.steps})")
+  logger.close()
+  say(f"checkpoint: {run_dir} (step {cfg.train.steps})")
 
-  if args.sample_prompt:
+  if args.sample_prompt and jax.process_count() == 1:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
     prompt = tokenizer.encode(args.sample_prompt)
     max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    out = generate(
-      model, [prompt], SamplingParams(max_new_tokens=max_new), eos_id=tokenizer.eos_id
-    )[0]
+    out = generate(model, [prompt], SamplingParams(max_new_tokens=max_new),
+                   eos_id=tokenizer.eos_id)[0]
     print(f"sample (greedy): {args.sample_prompt + tokenizer.decode(out)!r}")
   return 0
 

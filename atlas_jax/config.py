@@ -34,22 +34,88 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Rotary frequency scaling. `llama3`: Llama-3.1's wavelength-dependent interpolation."""
+  """Rotary frequency scaling. `llama3`: Llama-3.1's wavelength-dependent interpolation.
 
-  type: Literal["llama3", "linear"] = "llama3"
+  `yarn` (DeepSeek-V2/V3): interpolate low frequencies by `factor`, keep high ones, ramp between
+  `beta_slow` and `beta_fast` rotations; cos/sin are multiplied by `attention_factor` (default
+  mscale(factor, mscale) / mscale(factor, mscale_all_dim)) and MLA's softmax scale by
+  mscale(factor, mscale_all_dim) ** 2.
+  """
+
+  type: Literal["llama3", "linear", "yarn"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0  # yarn
+  beta_slow: float = 1.0  # yarn
+  mscale: float = 1.0  # yarn
+  mscale_all_dim: float = 0.0  # yarn; 0: no softmax-scale correction
+  attention_factor: float | None = None  # yarn; None: derived from mscale / mscale_all_dim
+  truncate: bool = True  # yarn: round the correction range to whole dimensions
 
   def __post_init__(self):
     _positive("model.rope_scaling", self, "factor", "original_max_position_embeddings")
+    if self.type == "yarn":
+      _positive("model.rope_scaling", self, "beta_fast", "beta_slow")
+      if self.attention_factor is not None and self.attention_factor <= 0:
+        _fail("model.rope_scaling.attention_factor", self.attention_factor, "must be > 0 or null")
     if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
       _fail(
         "model.rope_scaling.high_freq_factor",
         self.high_freq_factor,
         f"must exceed low_freq_factor={self.low_freq_factor} > 0",
       )
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """DeepSeek-V2/V3 Multi-head Latent Attention: K and V are decompressed from a latent c_kv.
+
+  Per token and layer the cache holds c_kv [C] and the shared rope key [R] only.
+  """
+
+  kv_lora_rank: int = 64  # C
+  qk_rope_head_dim: int = 16  # R: decoupled RoPE dims, one key shared by every head
+  qk_nope_head_dim: int = 32  # Hn: per-head query/key dims without position
+  v_head_dim: int = 32  # Hv
+  q_lora_rank: int | None = None  # Q: low-rank query compression (None: a full D -> N*H query)
+
+  def __post_init__(self):
+    _positive("model.mla", self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+    _positive("model.mla", self, "v_head_dim")
+    if self.qk_rope_head_dim % 2:
+      _fail(
+        "model.mla.qk_rope_head_dim",
+        self.qk_rope_head_dim,
+        "must be even: RoPE rotates pairs of dimensions",
+      )
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      _fail("model.mla.q_lora_rank", self.q_lora_rank, "must be a positive int or null")
+
+  @property
+  def qk_head_dim(self) -> int:  # Hn + R
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+  """Multi-token prediction: extra heads predicting tokens t+2 .. t+1+n_predict.
+
+  `parallel`: n_predict independent transformer blocks on the trunk's last hidden input (Gloeckle
+  et al. 2024). `sequential`: DeepSeek-V3's chained modules (embedding of token t+j and the
+  previous depth's hidden state, each RMSNormed, concatenated, projected, one block).
+  Loss: L_main + loss_weight * mean_j L_j.
+  """
+
+  kind: Literal["parallel", "sequential"] = "sequential"
+  n_predict: int = 1  # extra tokens predicted per position
+  loss_weight: float = 0.3  # lambda
+
+  def __post_init__(self):
+    _positive("model.mtp", self, "n_predict")
+    if self.loss_weight < 0:
+      _fail("model.mtp.loss_weight", self.loss_weight, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +140,8 @@ class ModelConfig:
   init_std: float = 0.02
   dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # activations / compute
   param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  mla: MLAConfig | None = None  # DeepSeek MLA instead of GQA; n_kv_heads unused, head_dim Hn + R
+  mtp: MTPConfig | None = None  # multi-token prediction heads (training; self-speculation)
 
   def __post_init__(self):
     _positive(
@@ -90,7 +158,10 @@ class ModelConfig:
       "norm_eps",
       "init_std",
     )
-    if self.n_heads % self.n_kv_heads:
+    if self.mla is not None and self.head_dim is None:
+      # MLA has no single head dim; record the query/key one (Hn + R) for code that reads it.
+      object.__setattr__(self, "head_dim", self.mla.qk_head_dim)
+    if self.mla is None and self.n_heads % self.n_kv_heads:
       _fail(
         "model.n_heads",
         self.n_heads,
@@ -107,10 +178,18 @@ class ModelConfig:
       object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
     if self.head_dim <= 0:
       _fail("model.head_dim", self.head_dim, "must be > 0")
-    if self.head_dim % 2:
+    if self.mla is None and self.head_dim % 2:
       _fail("model.head_dim", self.head_dim, "must be even: RoPE rotates pairs of dimensions")
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
+    if self.rope_scaling is not None and self.rope_scaling.type == "yarn" and self.mla is None:
+      _fail("model.rope_scaling.type", "yarn", "needs model.mla (YaRN is implemented for MLA)")
+    if self.mla is not None:
+      for name in ("qkv_bias", "qk_norm"):
+        if getattr(self, name):
+          _fail(f"model.{name}", True, "must be false with model.mla (MLA has no such option)")
+      if self.sliding_window is not None:
+        _fail("model.sliding_window", self.sliding_window, "must be null with model.mla")
 
   @property
   def group_size(self) -> int:  # G
@@ -126,14 +205,26 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh axes; -1 takes the devices the other axes leave."""
+  """Device mesh axes; -1 takes the devices the other axes leave.
 
-  data: int = -1
-  fsdp: int = 1
+  The batch is split over (data, fsdp). `data` only replicates state; ZeRO sharding
+  (train.sharding) splits state over `fsdp`; tensor parallelism splits heads and FFN columns over
+  `tensor`.
+  """
+
+  data: int = 1
+  fsdp: int = -1
   tensor: int = 1
+  # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
+  # TPU pods / SLURM when num_processes is -1).
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
 
   def __post_init__(self):
     sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
+      _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
     for name, size in sizes.items():
       if size == 0 or size < -1:
         _fail(f"mesh.{name}", size, "must be a positive device count or -1 (the rest)")
@@ -172,9 +263,31 @@ class TrainConfig:
   eval_batches: int = 4
   checkpoint_dir: str = "checkpoints/tiny"
   checkpoint_every: int = 0  # 0: only at the end
+  keep_checkpoints: int = 3
+  grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
+  z_loss: float = 0.0
+  precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+  remat: Literal["none", "full", "every_k", "selective"] = "none"
+  remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
+  sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
+  on_nan: Literal["stop", "skip"] = "stop"
+  loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
+  peak_tflops: float | None = None  # per device; default from the device table
 
   def __post_init__(self):
-    _positive("train", self, "steps", "batch_size", "seq_len", "learning_rate", "log_every")
+    _positive(
+      "train", self, "steps", "batch_size", "seq_len", "learning_rate", "log_every", "grad_accum",
+      "keep_checkpoints", "loss_scale",
+    )
+    if self.batch_size % self.grad_accum:
+      _fail(
+        "train.batch_size", self.batch_size,
+        f"must be divisible by train.grad_accum={self.grad_accum} (micro-batches per step)",
+      )
+    if self.remat_every is not None and self.remat_every <= 0:
+      _fail("train.remat_every", self.remat_every, "must be a positive int or null")
+    if self.z_loss < 0:
+      _fail("train.z_loss", self.z_loss, "must be >= 0")
     for name in (
       "warmup_steps",
       "weight_decay",
@@ -219,6 +332,11 @@ class Config:
   serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
 
   def __post_init__(self):
+    k = self.train.remat_every
+    if k is not None and self.model.n_layers % k:
+      _fail(
+        "train.remat_every", k, f"must divide model.n_layers={self.model.n_layers} (groups of k)"
+      )
     if self.train.seq_len > self.model.max_seq_len:
       _fail(
         "train.seq_len",

@@ -23,7 +23,7 @@ from flax import nnx
 from atlas_jax.config import ConfigError, ModelConfig, RopeScaling
 from atlas_jax.model.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -70,6 +70,10 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32") -> ModelConfig:
   """Maps a transformers config.json dict onto a ModelConfig, rejecting what we cannot run."""
   model_type = hf.get("model_type")
+  if model_type == "deepseek_v3":
+    from atlas_jax import hf_deepseek
+
+    return hf_deepseek.config_from_hf(hf, dtype=dtype)
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise HFLoadError(
       f"model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
@@ -270,6 +274,11 @@ def load(
   folder = Path(path)
   if not folder.is_dir():
     raise HFLoadError(f"{folder} is not a folder")
+  hf_config = _read_json(folder / "config.json")
+  if hf_config.get("model_type") == "deepseek_v3":
+    from atlas_jax import hf_deepseek
+
+    return hf_deepseek.load(folder, hf_config, dtype=dtype, implementation=implementation)
   cfg = load_config(folder, dtype=dtype)
   params = params_from_hf(read_safetensors(folder), cfg)
   return build_model(cfg, params, implementation=implementation)

@@ -1,12 +1,12 @@
 """Static-batch generation: one jitted prefill, then a jitted `lax.while_loop` of decode steps.
 
 The KV cache is donated to both, so decoding updates it in place. Prompts of different lengths are
-right-padded; each row then decodes from its own length.
+right-padded; each row then decodes from its own length. The loop ends when every row has stopped
+(eos, a stop token, or its own max_new_tokens) or at the batch's largest max_new_tokens.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -15,29 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from atlas_jax.decoding.sampling import sample
+from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_rows, step_keys
 from atlas_jax.model.transformer import Transformer
 
 Array = jax.Array
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  max_new_tokens: int = 32
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+__all__ = ["SamplingParams", "generate"]
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -54,52 +37,90 @@ def _prefill(graphdef, params, tokens_BT, cache, lengths_B):
   return last_BV, cache.replace(lengths=lengths_B)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _decode_loop(graphdef, params, cache, logits_BV, keys_B, sampling, max_new_tokens, eos_id):
-  temperature_B, top_k_B, top_p_B = sampling
-  B = logits_BV.shape[0]
+@functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=2)
+def _decode_loop(
+  graphdef,
+  params,
+  cache,
+  logits_BV,
+  seed_B,
+  arrays: SamplingArrays,
+  limits_B,
+  stop_BS,
+  max_new_tokens,
+  penalties,
+  prompt_mask_BV,
+):
+  """Samples up to max_new_tokens per row; a row stops on a token of its stop_BS row or its limit.
+
+  Returns:
+    (i32[B, max_new_tokens] tokens, f32[B, max_new_tokens] their logprobs, steps run, cache).
+  """
+  B, V = logits_BV.shape
   out_BN = jnp.zeros((B, max_new_tokens), jnp.int32)
+  logp_BN = jnp.zeros((B, max_new_tokens), jnp.float32)
+  counts_BV = jnp.zeros((B, V), jnp.int32)
 
   def cond(carry):
-    i, _, _, _, done_B = carry
+    i, done_B = carry[0], carry[-1]
     return (i < max_new_tokens) & ~jnp.all(done_B)
 
   def body(carry):
-    i, cache, logits_BV, out_BN, done_B = carry
-    step_keys_B = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys_B)
-    token_B = sample(
-      logits_BV, step_keys_B, temperature_B=temperature_B, top_k_B=top_k_B, top_p_B=top_p_B
+    i, cache, logits_BV, out_BN, logp_BN, counts_BV, done_B = carry
+    token_B, token_logp_B, _, _ = sample_rows(
+      logits_BV,
+      step_keys(seed_B, jnp.full((B,), i, jnp.int32)),
+      arrays,
+      counts_BV=counts_BV if penalties else None,
+      prompt_mask_BV=prompt_mask_BV if penalties else None,
     )
     token_B = jnp.where(done_B, 0, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
-    done_B = done_B | (token_B == eos_id)
+    logp_BN = logp_BN.at[:, i].set(token_logp_B)
+    if penalties:
+      counts_BV = counts_BV.at[jnp.arange(B), token_B].add(jnp.where(done_B, 0, 1))
+    done_B = done_B | jnp.any(token_B[:, None] == stop_BS, axis=1) | (i + 1 >= limits_B)
     model = nnx.merge(graphdef, params)
     logits_B1V, cache = model(token_B[:, None], cache=cache)
-    return i + 1, cache, logits_B1V[:, 0], out_BN, done_B
+    return i + 1, cache, logits_B1V[:, 0], out_BN, logp_BN, counts_BV, done_B
 
-  carry = (jnp.int32(0), cache, logits_BV, out_BN, jnp.zeros((B,), bool))
-  steps, cache, _, out_BN, _ = jax.lax.while_loop(cond, body, carry)
-  return out_BN, steps, cache
+  carry = (jnp.int32(0), cache, logits_BV, out_BN, logp_BN, counts_BV, jnp.zeros((B,), bool))
+  steps, cache, _, out_BN, logp_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+  return out_BN, logp_BN, steps, cache
+
+
+def _stop_ids(params: SamplingParams, eos_id: int | None) -> list[int]:
+  ids = list(params.stop_token_ids)
+  if eos_id is not None and not params.ignore_eos:
+    ids.append(eos_id)
+  return ids
 
 
 def generate(
   model: Transformer,
   prompts: Sequence[Sequence[int]],
-  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+  params: SamplingParams | Sequence[SamplingParams] | None = None,
   *,
   eos_id: int | None = None,
-) -> list[list[int]]:
-  """Completes each prompt; returns the new tokens per prompt (ending at eos when it is drawn).
+  return_logprobs: bool = False,
+):
+  """Completes each prompt; returns the new tokens per prompt (ending at the stop token drawn).
 
   Args:
     model: a Transformer.
     prompts: token id lists, each non-empty.
-    params: one SamplingParams for all rows, or one per row (max_new_tokens is the batch maximum).
-    eos_id: stop a row once it draws this token (kept in the output).
+    params: one SamplingParams for all rows, or one per row. Stop strings (`params.stop`) need a
+      tokenizer and are honoured by the serving engine, not here.
+    eos_id: stop a row once it draws this token (kept in the output), unless its ignore_eos.
+    return_logprobs: also return each generated token's logprob (f32 lists).
+
+  Returns:
+    list of i32 token lists; with return_logprobs, (tokens, logprobs).
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
   B = len(prompts)
+  params = SamplingParams() if params is None else params
   per_row = [params] * B if isinstance(params, SamplingParams) else list(params)
   if len(per_row) != B:
     raise ValueError(f"generate: {len(per_row)} SamplingParams for {B} prompts")
@@ -119,30 +140,38 @@ def generate(
       raise ValueError(f"generate: prompt {b} has token ids outside [0, {vocab})")
     tokens[b, : len(p)] = p
 
+  stops = [_stop_ids(p, eos_id) for p in per_row]
+  stop_BS = np.full((B, max(1, max(len(s) for s in stops))), -1, np.int32)
+  for b, s in enumerate(stops):
+    stop_BS[b, : len(s)] = s
+  penalties = any(p.uses_penalties for p in per_row)
+  prompt_mask_BV = np.zeros((B, vocab), bool)
+  if penalties:
+    for b, p in enumerate(prompts):
+      prompt_mask_BV[b, list(p)] = True
+
   graphdef, state = nnx.split(model)
   cache = model.init_cache(B, capacity)
   logits_BV, cache = _prefill(graphdef, state, jnp.asarray(tokens), cache, jnp.asarray(lengths))
-  keys_B = jnp.stack([jax.random.key(p.seed) for p in per_row])
-  sampling = (
-    jnp.asarray([p.temperature for p in per_row], jnp.float32),
-    jnp.asarray([p.top_k for p in per_row], jnp.int32),
-    jnp.asarray([p.top_p for p in per_row], jnp.float32),
-  )
-  out_BN, _, _ = _decode_loop(
+  out_BN, logp_BN, _, _ = _decode_loop(
     graphdef,
     state,
     cache,
     logits_BV,
-    keys_B,
-    sampling,
+    jnp.asarray([p.seed for p in per_row], jnp.int32),
+    SamplingArrays.from_params(per_row),
+    jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32),
+    jnp.asarray(stop_BS),
     max_new,
-    jnp.int32(-1 if eos_id is None else eos_id),
+    penalties,
+    jnp.asarray(prompt_mask_BV) if penalties else None,
   )
-  out = np.asarray(out_BN)
-  results = []
+  out, logp = np.asarray(out_BN), np.asarray(logp_BN)
+  results, logprobs = [], []
   for b, p in enumerate(per_row):
     row = out[b, : p.max_new_tokens].tolist()
-    if eos_id is not None and eos_id in row:
-      row = row[: row.index(eos_id) + 1]
-    results.append(row)
-  return results
+    hits = [i for i, t in enumerate(row) if t in stops[b]]
+    n = hits[0] + 1 if hits else len(row)
+    results.append(row[:n])
+    logprobs.append(logp[b, :n].tolist())
+  return (results, logprobs) if return_logprobs else results

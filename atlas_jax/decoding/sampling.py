@@ -1,19 +1,143 @@
 """Token sampling, vectorised over the batch with per-row parameters.
 
-Every row has its own temperature (0 = greedy), top-k (0 = off) and top-p (1 = off), so requests
-with different settings share one jitted decode step.
+Every row has its own temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off)
+and penalties, so requests with different settings share one jitted decode step. A row's draw
+depends only on its logits and its own key: the generation loop and the serving engine both derive
+the key of a request's i-th token as `fold_in(key(seed), i)`, so the same seed gives the same
+output whatever the batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
+# Top alternatives returned per token when logprobs are asked for (the OpenAI API allows 0..5).
+MAX_LOGPROBS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request is decoded and when it stops.
+
+  `max_new_tokens` is the OpenAI `max_tokens`; `stop_token_ids` and `stop` (strings, checked on
+  the detokenised text by the serving engine) end a request in addition to the model's eos.
+  """
+
+  max_new_tokens: int = 32
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+  presence_penalty: float = 0.0  # subtracted once from every token already generated
+  frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+  seed: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+  stop: tuple[str, ...] = ()
+  ignore_eos: bool = False
+  logprobs: int | None = None  # None: none; n: the sampled token's plus the top n (n <= 5)
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+    if self.repetition_penalty <= 0:
+      raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, name) <= 2:
+        raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+    if not 0 <= self.seed < 2**31:
+      raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    object.__setattr__(self, "stop", tuple(self.stop))
+
+  @property
+  def uses_penalties(self) -> bool:
+    return (
+      self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+  """Per-row sampling parameters as device arrays (one row per sequence of the batch)."""
+
+  temperature: Array  # f32[B]
+  top_k: Array  # i32[B]
+  top_p: Array  # f32[B]
+  min_p: Array  # f32[B]
+  repetition: Array  # f32[B]
+  presence: Array  # f32[B]
+  frequency: Array  # f32[B]
+
+  @classmethod
+  def from_params(cls, params: Sequence[SamplingParams], pad_to: int | None = None):
+    """Rows for `params`, padded (greedy) to `pad_to` rows."""
+    rows = list(params) + [SamplingParams()] * ((pad_to or len(params)) - len(params))
+    col = lambda name, dt: np.asarray([getattr(p, name) for p in rows], dt)
+    return cls(
+      temperature=col("temperature", np.float32),
+      top_k=col("top_k", np.int32),
+      top_p=col("top_p", np.float32),
+      min_p=col("min_p", np.float32),
+      repetition=col("repetition_penalty", np.float32),
+      presence=col("presence_penalty", np.float32),
+      frequency=col("frequency_penalty", np.float32),
+    )
+
+
+def apply_penalties(
+  logits_BV: Array,
+  counts_BV: Array,
+  prompt_mask_BV: Array,
+  *,
+  repetition_B: Array,
+  presence_B: Array,
+  frequency_B: Array,
+) -> Array:
+  """Repetition (CTRL-style, on prompt and output tokens), presence and frequency penalties.
+
+  Args:
+    logits_BV: f32[B, V].
+    counts_BV: i32[B, V] occurrences of each token in the output so far.
+    prompt_mask_BV: bool[B, V] tokens present in the prompt.
+    repetition_B: f32[B]; seen tokens' positive logits are divided by it, negative multiplied.
+    presence_B: f32[B]; subtracted from tokens generated at least once.
+    frequency_B: f32[B]; subtracted once per occurrence in the output.
+  """
+  seen_BV = (counts_BV > 0) | prompt_mask_BV
+  rep_B1 = repetition_B[:, None]
+  penalised_BV = jnp.where(logits_BV > 0, logits_BV / rep_B1, logits_BV * rep_B1)
+  logits_BV = jnp.where(seen_BV, penalised_BV, logits_BV)
+  counts_BV = counts_BV.astype(jnp.float32)
+  return logits_BV - presence_B[:, None] * (counts_BV > 0) - frequency_B[:, None] * counts_BV
+
 
 def sample(
-  logits_BV: Array, key_B: Array, *, temperature_B: Array, top_k_B: Array, top_p_B: Array
+  logits_BV: Array,
+  key_B: Array,
+  *,
+  temperature_B: Array,
+  top_k_B: Array,
+  top_p_B: Array,
+  min_p_B: Array | None = None,
 ) -> Array:
   """Draws one token per row.
 
@@ -23,6 +147,8 @@ def sample(
     temperature_B: f32[B]; 0 picks the argmax.
     top_k_B: i32[B]; keep the k most likely tokens, 0 keeps all.
     top_p_B: f32[B]; keep the smallest set whose probability reaches p (nucleus), 1 keeps all.
+    min_p_B: f32[B]; keep tokens at least min_p times as likely as the most likely one, 0 keeps
+      all.
 
   Returns:
     i32[B] tokens.
@@ -40,7 +166,54 @@ def sample(
   probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
   cum_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
   keep_BV = (rank_1V < k_B1) & (cum_before_BV < top_p_B[:, None])
+  if min_p_B is not None:
+    keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
   sorted_BV = jnp.where(keep_BV, sorted_BV, -jnp.inf)
   choice_B = jax.vmap(jax.random.categorical)(key_B, sorted_BV)
   sampled_B = jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
   return jnp.where(temperature_B > 0, sampled_B, greedy_B)
+
+
+def sample_rows(
+  logits_BV: Array,
+  key_B: Array,
+  arrays: SamplingArrays,
+  *,
+  counts_BV: Array | None = None,
+  prompt_mask_BV: Array | None = None,
+) -> tuple[Array, Array, Array, Array]:
+  """Penalties (when counts are given), then `sample`, then the logprobs of the draw.
+
+  Logprobs are those of the model's distribution (before penalties and filters), as the OpenAI
+  API reports them.
+
+  Returns:
+    (i32[B] tokens, f32[B] their logprobs, i32[B, 5] top tokens, f32[B, 5] their logprobs).
+  """
+  logits_BV = logits_BV.astype(jnp.float32)
+  logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+  if counts_BV is not None:
+    logits_BV = apply_penalties(
+      logits_BV,
+      counts_BV,
+      prompt_mask_BV,
+      repetition_B=arrays.repetition,
+      presence_B=arrays.presence,
+      frequency_B=arrays.frequency,
+    )
+  token_B = sample(
+    logits_BV,
+    key_B,
+    temperature_B=arrays.temperature,
+    top_k_B=arrays.top_k,
+    top_p_B=arrays.top_p,
+    min_p_B=arrays.min_p,
+  )
+  token_logp_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
+  top_logp_BK, top_ids_BK = jax.lax.top_k(logp_BV, min(MAX_LOGPROBS, logp_BV.shape[-1]))
+  return token_B, token_logp_B, top_ids_BK.astype(jnp.int32), top_logp_BK
+
+
+def step_keys(seed_B: Array, step_B: Array) -> Array:
+  """[B] keys: the key of each row's `step_B`-th generated token under its `seed_B`."""
+  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_B, step_B)

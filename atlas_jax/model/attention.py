@@ -6,14 +6,18 @@ kv head; repeated K/V are never materialised.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import kernels
 from atlas_jax.cache.contiguous import write_layer
+from atlas_jax.cache.paged import gather_kv, slot_mapping, write_kv
+from atlas_jax.cache.paged_view import PagedLayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.layers import RMSNorm, normal, rms_norm
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
@@ -51,8 +55,8 @@ class Attention(nnx.Module):
     positions_BT: Array,
     *,
     segment_ids_BT: Array | None = None,
-    cache: tuple[Array, Array, Array] | None = None,
-  ) -> tuple[Array, tuple[Array, Array] | None]:
+    cache: tuple[Array, Array, Array] | PagedLayerCache | None = None,
+  ) -> tuple[Array, tuple[Array, Array] | PagedLayerCache | None]:
     """Self-attention over x, or over the cache after writing x's K/V into it.
 
     Args:
@@ -60,15 +64,24 @@ class Attention(nnx.Module):
       positions_BT: i32[B, T] absolute positions (RoPE and the causal mask).
       segment_ids_BT: i32[B, T] packed-document ids; attention stays inside a document.
       cache: (k [B, S, K, H], v [B, S, K, H], lengths i32[B]) for this layer; the new tokens are
-        written at offsets `lengths` and attend to everything before them.
+        written at offsets `lengths` and attend to everything before them. Or a PagedLayerCache:
+        the new tokens are written to the pool slots of their positions (negative = padding, not
+        written) and attend to the sequence's pages.
 
     Returns:
-      [B, T, D] and the updated (k, v) cache of this layer (None without a cache).
+      [B, T, D] and the updated (k, v) cache, or PagedLayerCache, of this layer (None without).
     """
     dtype = x_BTD.dtype
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype))
+    # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
+    q_BTNH = checkpoint_name(
+      jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), "q_proj"
+    )
+    k_BTKH = checkpoint_name(
+      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), "k_proj"
+    )
+    v_BTKH = checkpoint_name(
+      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), "v_proj"
+    )
     if self.bq is not None:
       q_BTNH += self.bq[...].astype(dtype)
       k_BTKH += self.bk[...].astype(dtype)
@@ -94,6 +107,8 @@ class Attention(nnx.Module):
         implementation=self.implementation,
       )
       new_cache = None
+    elif isinstance(cache, PagedLayerCache):
+      out_BTNH, new_cache = self._paged(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     else:
       cache_k_BSKH, cache_v_BSKH, lengths_B = cache
       T = x_BTD.shape[1]
@@ -112,5 +127,44 @@ class Attention(nnx.Module):
         implementation=self.implementation,
       )
       new_cache = (cache_k_BSKH, cache_v_BSKH)
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))
+    out_BTNH = checkpoint_name(out_BTNH, "attn_out")
+    out_BTD = checkpoint_name(
+      jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), "o_proj"
+    )
     return out_BTD, new_cache
+
+  def _paged(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: PagedLayerCache):
+    """Writes the new K/V into the pool, then attends over each sequence's pages."""
+    dtype = q_BTNH.dtype
+    Z = cache.k.shape[1]
+    slots_BT = slot_mapping(cache.block_table, positions_BT, block_size=Z)
+    pool_k_PZKH, pool_v_PZKH = write_kv(cache.k, cache.v, slots_BT, k_BTKH, v_BTKH)
+    if q_BTNH.shape[1] == 1 and self.sliding_window is None:
+      # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
+      # contract; it reads pages in place on GPU. Padding rows have kv_lengths 0 and give zeros.
+      paged_impl = self.implementation if self.implementation in ("pallas", "xla") else None
+      out_BNH = kernels.paged_attention(
+        q_BTNH[:, 0],
+        pool_k_PZKH.astype(dtype),
+        pool_v_PZKH.astype(dtype),
+        cache.block_table,
+        cache.kv_lengths,
+        implementation=paged_impl,
+      )
+      out_BTNH = out_BNH[:, None]
+    else:
+      # Prefill chunks (rows of different lengths, right-padded): gather the pages densely and
+      # mask by absolute position. Padding queries (position -1) are clamped; their rows are
+      # discarded by the caller.
+      k_BSKH, v_BSKH = gather_kv(pool_k_PZKH, pool_v_PZKH, cache.block_table, cache.kv_lengths)
+      out_BTNH = kernels.attention(
+        q_BTNH,
+        k_BSKH.astype(dtype),
+        v_BSKH.astype(dtype),
+        causal=True,
+        sliding_window=self.sliding_window,
+        q_positions=jnp.maximum(positions_BT, 0),
+        kv_lengths=cache.kv_lengths,
+        implementation=self.implementation,
+      )
+    return out_BTNH, dataclasses.replace(cache, k=pool_k_PZKH, v=pool_v_PZKH)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 
@@ -50,7 +51,13 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate[...].astype(dtype))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up[...].astype(dtype))
+    gate_BTF = checkpoint_name(
+      jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate[...].astype(dtype)), "mlp_gate"
+    )
+    up_BTF = checkpoint_name(
+      jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up[...].astype(dtype)), "mlp_up"
+    )
     h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    return jnp.einsum("BTF,FD->BTD", h_BTF, self.w_down[...].astype(dtype))
+    return checkpoint_name(
+      jnp.einsum("BTF,FD->BTD", h_BTF, self.w_down[...].astype(dtype)), "mlp_down"
+    )

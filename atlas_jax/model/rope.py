@@ -50,3 +50,49 @@ def apply_rope(x_BTNH: Array, positions_BT: Array, inv_freq: np.ndarray) -> Arra
   sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :].astype(x_BTNH.dtype)
   x1, x2 = x_BTNH[..., :half], x_BTNH[..., half:]
   return jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# YaRN (DeepSeek-V2/V3 long-context scaling), used by MLA.
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: RopeScaling) -> float:
+  """The factor cos/sin are multiplied by (so q_rope . k_rope grows by its square)."""
+  if scaling.attention_factor is not None:
+    return float(scaling.attention_factor)
+  if scaling.mscale and scaling.mscale_all_dim:
+    return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+      scaling.factor, scaling.mscale_all_dim
+    )
+  return yarn_mscale(scaling.factor)
+
+
+def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+  """f32[H/2]: YaRN frequencies: extrapolate fast dims, interpolate slow ones by `factor`.
+
+  Dimension pairs that turn more than `beta_fast` times over the original context keep their
+  frequency, those turning fewer than `beta_slow` times are divided by `factor`, with a linear
+  ramp between (computed in float32 like Hugging Face's `_compute_yarn_parameters`).
+  """
+  dim, base, old_len = head_dim, float(theta), scaling.original_max_position_embeddings
+
+  def correction_dim(rotations: float) -> float:
+    return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+  low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+  if scaling.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # avoid a zero-width ramp
+  pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+  extrapolation = (1.0 / pos_freqs).astype(np.float32)
+  interpolation = (1.0 / (np.float32(scaling.factor) * pos_freqs)).astype(np.float32)
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (keep the frequency)
+  return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)

@@ -6,6 +6,7 @@ Layers are stored stacked (every block parameter has a leading [L] axis) and run
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,9 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax.cache.contiguous import KVCache
+from atlas_jax.cache.paged_view import PagedKVCache, PagedLayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm, normal
+from atlas_jax.training.remat import scan_blocks
 
 Array = jax.Array
 
@@ -59,10 +62,19 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, implementation: str | None
 
 
 class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    remat: str = "none",
+    remat_every: int | None = None,
+  ):
     V, D = cfg.vocab_size, cfg.d_model
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
+    self.remat = (remat, remat_every)  # training-time activation checkpointing, static
     self.embed = nnx.Param(normal(rngs, (V, D), cfg.init_std, pdt))  # [V, D]
     self.blocks = _stacked_blocks(cfg, rngs, implementation)  # every parameter [L, ...]
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
@@ -80,7 +92,7 @@ class Transformer(nnx.Module):
     *,
     positions_BT: Array | None = None,
     segment_ids_BT: Array | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
   ):
     """Next-token logits.
 
@@ -89,6 +101,7 @@ class Transformer(nnx.Module):
       positions_BT: i32[B, T]; default 0..T-1, or continuing from `cache.lengths`.
       segment_ids_BT: i32[B, T] document ids of packed sequences (no cache).
       cache: a KVCache; the tokens are appended at each sequence's length.
+        Or a PagedKVCache over the block pool; positions < 0 mark padding tokens (not written).
 
     Returns:
       f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
@@ -105,12 +118,29 @@ class Transformer(nnx.Module):
 
     if cache is None:
 
-      def body(x_BTD, state):
-        x_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
-        return x_BTD, None
+      def block_fn(x_BTD, state):
+        block = nnx.merge(graphdef, state)
+        return block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)[0]
 
-      x_BTD, _ = jax.lax.scan(body, x_BTD, block_state)
+      policy, every = self.remat
+      x_BTD = scan_blocks(block_fn, x_BTD, block_state, policy=policy, every=every)
       new_cache = None
+    elif isinstance(cache, PagedKVCache):
+      # Rows may add different numbers of tokens (chunked prefill): padding has position < 0.
+      kv_lengths_B = cache.lengths + jnp.sum(positions_BT >= 0, axis=1, dtype=jnp.int32)
+
+      def body(x_BTD, layer):
+        state, k_PZKH, v_PZKH = layer
+        view = PagedLayerCache(k_PZKH, v_PZKH, cache.block_table, kv_lengths_B)
+        x_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
+        return x_BTD, (view.k, view.v)
+
+      x_BTD, (k_LPZKH, v_LPZKH) = jax.lax.scan(
+        body, x_BTD, (block_state, cache.pool.k, cache.pool.v)
+      )
+      new_cache = cache.replace(
+        pool=dataclasses.replace(cache.pool, k=k_LPZKH, v=v_LPZKH), lengths=kv_lengths_B
+      )
     else:
 
       def body(x_BTD, layer):

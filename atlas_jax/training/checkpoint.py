@@ -1,22 +1,30 @@
-"""Checkpoints with orbax: parameters, optimizer state and step, beside the run's config.
+"""Checkpoints with orbax: the whole train state, the data position and the config.
 
 Layout of a run directory:
     config.yaml         the full Config of the run
     tokenizer.json      when the run used a BPE tokenizer
-    <step>/             orbax checkpoints (params, opt_state, meta)
+    <step>/             orbax checkpoints: state (params, optimizer, step, loss scale) and meta
+                        (step, data iterator state)
+
+Saves are asynchronous (training continues while the previous step is written) and only the last
+train.keep_checkpoints are kept. Restoring takes target shardings, so a run saved on one mesh
+resumes on another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
-from atlas_jax.config import Config, dump_config, load_config
+from atlas_jax.config import Config, MeshConfig, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model.transformer import Transformer
 
@@ -39,15 +47,26 @@ def write_run_files(directory: str | Path, cfg: Config) -> None:
       shutil.copy(src, directory / "tokenizer.json")
 
 
-def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict[str, Any]) -> None:
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
+  """Starts an asynchronous save of `state` (a TrainState) and `meta` (JSON) at `step`."""
   mngr.save(
-    step,
-    args=ocp.args.Composite(
-      params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
-      opt_state=ocp.args.StandardSave(opt_state),
-      meta=ocp.args.JsonSave(meta),
-    ),
+    step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
   )
+
+
+def restore(
+  mngr: ocp.CheckpointManager, abstract_state: Any, shardings: Any, step: int | None = None
+) -> tuple[Any, dict[str, Any]]:
+  """(state, meta) of `step` (default latest), laid out with `shardings` (any mesh)."""
+  step = mngr.latest_step() if step is None else step
+  target = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
+  )
+  restored = mngr.restore(
+    step,
+    args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+  )
+  return restored["state"], restored["meta"]
 
 
 def is_checkpoint(directory: str | Path) -> bool:
@@ -57,7 +76,12 @@ def is_checkpoint(directory: str | Path) -> bool:
 def load_model(
   directory: str | Path, *, step: int | None = None, implementation: str | None = None
 ) -> tuple[Transformer, Config, Tokenizer]:
-  """The trained model (latest step by default), its config and its tokenizer."""
+  """The trained model (latest step by default), its config and its tokenizer, for inference.
+
+  The model computes in the config's model.dtype with the float32 master weights cast to it.
+  """
+  from atlas_jax.training.step import make_trainer
+
   directory = Path(directory)
   if not is_checkpoint(directory):
     raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
@@ -66,13 +90,18 @@ def load_model(
   step = mngr.latest_step() if step is None else step
   if step is None:
     raise ValueError(f"{directory}: holds no checkpoint step")
-  abstract = nnx.eval_shape(
-    lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation)
+  # Restore the train state on one device (the parameters are a subtree of it).
+  single = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
+  trainer = make_trainer(single, mesh=single_device_mesh())
+  state, _ = restore(mngr, trainer.abstract_state(), trainer.state_shardings, step)
+  graphdef, target = nnx.split(
+    nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
   )
-  graphdef, state = nnx.split(abstract)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
-  restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-  nnx.replace_by_pure_dict(state, restored["params"])
+  nnx.replace_by_pure_dict(target, nnx.to_pure_dict(state.params))
   tok_file = directory / "tokenizer.json"
   tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
-  return nnx.merge(graphdef, state), cfg, tokenizer
+  return nnx.merge(graphdef, target), cfg, tokenizer
+
+
+def single_device_mesh() -> Mesh:
+  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))

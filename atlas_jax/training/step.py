@@ -1,7 +1,14 @@
-"""The pure training step: (state, batch) -> (state, metrics), jitted with the state donated."""
+"""The pure training step: (state, batch) -> (state, metrics), jitted with the state donated.
+
+One function covers every configuration: gradient accumulation over micro-batches (a `lax.scan`
+inside the step), precision policies (float32 master weights, bf16/fp16 compute, dynamic loss
+scaling for fp16), remat policies (in the model's layer scan), and ZeRO/TP sharding (the jit's
+in/out shardings plus a constraint on the gradients).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -9,77 +16,172 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import Mesh
 
 from atlas_jax.config import Config
 from atlas_jax.model.transformer import Transformer
+from atlas_jax.training import sharding as shd
 from atlas_jax.training.loss import cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
+from atlas_jax.training.precision import LossScale, all_finite, training_model_config
 
 Array = jax.Array
 
 
 @struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the model's Params
+  params: Any  # nnx.State of the model's Params (float32 master weights)
   opt_state: Any  # optax state for `params`
-  step: Array  # i32[]
+  step: Array  # i32[] steps run (skipped ones included: the data position)
+  loss_scale: LossScale | None = None  # fp16 only
 
 
-def init_state(
-  cfg: Config, key: Array, *, implementation: str | None = None
-) -> tuple[nnx.GraphDef, TrainState]:
-  """Initialises model and optimizer under jit, so no unjitted copy of the weights is made."""
-  graphdef = nnx.graphdef(
-    nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
+def build_model(cfg: Config, key: Array | None = None) -> Transformer:
+  """The model this run trains (random init from `key`; abstract when called under eval_shape)."""
+  return Transformer(
+    training_model_config(cfg.model, cfg.train.precision),
+    rngs=nnx.Rngs(0 if key is None else key),
+    implementation=cfg.attention.implementation,
+    remat=cfg.train.remat,
+    remat_every=cfg.train.remat_every,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """Everything static about a run: the model graph, optimizer, mesh and shardings."""
+
+  cfg: Config
+  graphdef: nnx.GraphDef
+  optimizer: optax.GradientTransformation
+  mesh: Mesh
+  state_shardings: TrainState
+  grad_shardings: Any
+
+  def init(self, key: Array) -> TrainState:
+    """Initialises model and optimizer under jit straight into their shardings."""
+    return jax.jit(self._init, out_shardings=self.state_shardings)(key)
+
+  def _init(self, key: Array) -> TrainState:
+    params = nnx.state(build_model(self.cfg, key))
+    scale = None
+    if self.cfg.train.precision == "fp16":
+      scale = LossScale.create(self.cfg.train.loss_scale)
+    return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), scale)
+
+  def abstract_state(self) -> TrainState:
+    return jax.eval_shape(self._init, jax.random.key(0))
+
+
+def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
+  mesh = shd.make_mesh(cfg.mesh) if mesh is None else mesh
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
   optimizer = make_optimizer(cfg.train)
+  partial = Trainer(cfg, graphdef, optimizer, mesh, None, None)
+  abstract = partial.abstract_state()
+  rules = shd.strategy_rules(cfg.train.sharding)
+  rep = shd.replicated(mesh)
+  state_shardings = TrainState(
+    params=shd.tree_shardings(abstract.params, mesh, rules["params"]),
+    opt_state=shd.tree_shardings(abstract.opt_state, mesh, rules["opt_state"]),
+    step=rep,
+    loss_scale=None
+    if abstract.loss_scale is None
+    else jax.tree.map(lambda _: rep, abstract.loss_scale),
+  )
+  grad_shardings = shd.tree_shardings(abstract.params, mesh, rules["grads"])
+  return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings)
 
-  @jax.jit
-  def init(key):
-    params = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(key), implementation=implementation))
-    return TrainState(
-      params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32)
-    )
 
-  return graphdef, init(key)
+def loss_fn(
+  graphdef: nnx.GraphDef, params, batch: dict[str, Array], *, z_loss: float = 0.0
+) -> tuple[Array, dict]:
+  """Cross-entropy of the model on batch["tokens"] i32[B, T + 1] (inputs and shifted targets).
 
-
-def loss_fn(graphdef: nnx.GraphDef, params, batch: dict[str, Array]) -> tuple[Array, dict]:
-  """Cross-entropy of the model on batch["tokens"] i32[B, T + 1] (inputs and shifted targets)."""
+  Optional batch entries, all [B, T] for the inputs: "positions", "segment_ids", "loss_mask".
+  """
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
   model = nnx.merge(graphdef, params)
   logits_BTV = model(
     inputs_BT, positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids")
   )
-  return cross_entropy(logits_BTV, targets_BT, batch.get("loss_mask"))
+  return cross_entropy(logits_BTV, targets_BT, batch.get("loss_mask"), z_loss=z_loss)
 
 
-def make_train_step(cfg: Config, graphdef: nnx.GraphDef) -> Callable:
+def _accumulated_grads(trainer: Trainer, params, batch, scale):
+  """Mean loss and float32 gradients over train.grad_accum micro-batches (a scan, not a loop)."""
+  cfg = trainer.cfg.train
+  A = cfg.grad_accum
+
+  def micro(batch_m):
+    def scaled_loss(params):
+      loss, aux = loss_fn(trainer.graphdef, params, batch_m, z_loss=cfg.z_loss)
+      return loss * scale, (loss, aux)
+
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+    return grads, loss, aux
+
+  if A == 1:
+    return micro(batch)
+  split = jax.tree.map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
+
+  def body(acc, batch_m):
+    grads, loss, aux = micro(batch_m)
+    acc = jax.tree.map(jnp.add, acc, (grads, loss, aux))
+    return acc, None
+
+  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro, jax.tree.map(lambda x: x[0], split)))
+  (grads, loss, aux), _ = jax.lax.scan(body, zeros, split)
+  return jax.tree.map(lambda x: x / A, (grads, loss, aux))
+
+
+def make_train_step(trainer: Trainer) -> Callable:
   """The jitted step; `state` is donated, so its buffers are reused for the new state."""
-  optimizer = make_optimizer(cfg.train)
-  schedule = learning_rate_schedule(cfg.train)
+  cfg = trainer.cfg.train
+  optimizer = trainer.optimizer
+  schedule = learning_rate_schedule(cfg)
 
   def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
-    (loss, aux), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(
-      graphdef, state.params, batch
-    )
+    scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
+    grads, loss, aux = _accumulated_grads(trainer, state.params, batch, scale)
+    if state.loss_scale is not None:
+      grads = state.loss_scale.unscale(grads)
+    # ZeRO-2/3: gradients live sharded, so the all-reduce becomes a reduce-scatter.
+    grads = jax.lax.with_sharding_constraint(grads, trainer.grad_shardings)
+    finite = all_finite(grads) & jnp.isfinite(loss)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # A non-finite step (fp16 overflow, or on_nan=skip) leaves parameters and optimizer untouched.
+    skip = ~finite if (state.loss_scale is not None or cfg.on_nan == "skip") else jnp.bool_(False)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
       "loss": loss,
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": schedule(state.step),
+      "skipped": skip.astype(jnp.int32),
       **aux,
     }
-    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    if loss_scale is not None:
+      metrics["loss_scale"] = loss_scale.scale
+    new_state = TrainState(params, opt_state, state.step + 1, loss_scale)
+    return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  batch_sh = shd.batch_sharding(trainer.mesh)
+  return jax.jit(
+    train_step,
+    in_shardings=(trainer.state_shardings, batch_sh),
+    out_shardings=(trainer.state_shardings, shd.replicated(trainer.mesh)),
+    donate_argnums=0,
+  )
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
-  @jax.jit
+def make_eval_step(trainer: Trainer) -> Callable:
   def eval_step(params, batch):
-    return loss_fn(graphdef, params, batch)[0]
+    return loss_fn(trainer.graphdef, params, batch)[0]
 
-  return eval_step
+  return jax.jit(
+    eval_step, in_shardings=(trainer.state_shardings.params, shd.batch_sharding(trainer.mesh))
+  )

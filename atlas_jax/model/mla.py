@@ -1,0 +1,216 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3).
+
+Keys and values of all N heads are decompressed from one latent per token,
+
+    c_kv = RMSNorm(x @ W_DKV)                  [C]      (kv_lora_rank)
+    k_nope[n] = c_kv @ W_UK[n],  v[n] = c_kv @ W_UV[n]  [Hn], [Hv]
+    k_rope = RoPE(x @ W_KR)                    [R]      shared by every head
+
+and the query is q[n] = [q_nope[n], RoPE(q_rope[n])], optionally through its own low-rank
+bottleneck (q_lora_rank). So the cache needs only c_kv and k_rope per token (C + R numbers, see
+`atlas_jax.cache.latent`).
+
+Two paths compute the same attention:
+
+* expanded (training, prefill): reconstruct K [S, N, Hn + R] and V [S, N, Hv] and call the
+  FlashAttention dispatcher `atlas_jax.kernels.attention`; V is zero-padded to the query/key head
+  dim (the dispatcher takes one head dim) and the output sliced back;
+* absorbed (decoding): fold W_UK into the query, q_nope[n] @ W_UK[n]^T [C], attend over the latent
+  cache directly (`atlas_jax.kernels.mla_decode`), then apply W_UV to the weighted latent. No
+  per-head K or V is ever materialised, so each decode step reads C + R numbers per cached token.
+
+RoPE uses the rotate-half layout; Hugging Face's interleaved DeepSeek weights are permuted at
+import (`atlas_jax.hf_deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
+mscale(factor, mscale_all_dim) ** 2 when YaRN scaling is set, and YaRN's attention factor
+multiplies the rotated rope parts, as in DeepSeek's reference code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from atlas_jax import kernels
+from atlas_jax.cache.latent import write_latent
+from atlas_jax.config import ModelConfig
+from atlas_jax.kernels.mla_decode import mla_decode
+from atlas_jax.model.layers import RMSNorm, normal, rms_norm
+from atlas_jax.model.rope import (
+  apply_rope,
+  inverse_frequencies,
+  yarn_attention_factor,
+  yarn_inverse_frequencies,
+  yarn_mscale,
+)
+
+Array = jax.Array
+
+# DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) use a fixed eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def mla_rope(cfg: ModelConfig):
+  """(inv_freq f32[R/2], attention_factor, softmax scale) for an MLA config."""
+  m = cfg.mla
+  scaling = cfg.rope_scaling
+  scale = m.qk_head_dim**-0.5
+  if scaling is not None and scaling.type == "yarn":
+    inv_freq = yarn_inverse_frequencies(m.qk_rope_head_dim, cfg.rope_theta, scaling)
+    factor = yarn_attention_factor(scaling)
+    if scaling.mscale_all_dim:
+      scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return inv_freq, factor, scale
+  return inverse_frequencies(m.qk_rope_head_dim, cfg.rope_theta, scaling), 1.0, scale
+
+
+class MLA(nnx.Module):
+  """Multi-head Latent Attention with a training/prefill path and an absorbed decode path."""
+
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    absorb_max_tokens: int = 16,
+  ):
+    m = cfg.mla
+    D, N = cfg.d_model, cfg.n_heads
+    C, R, Hn, Hv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    pdt = jnp.dtype(cfg.param_dtype)
+    std = cfg.init_std
+    if m.q_lora_rank is None:
+      self.wq = nnx.Param(normal(rngs, (D, N, Hn + R), std, pdt))  # [D, N, Hn + R]
+      self.wq_a = self.q_norm = self.wq_b = None
+    else:
+      Q = m.q_lora_rank
+      self.wq = None
+      self.wq_a = nnx.Param(normal(rngs, (D, Q), std, pdt))  # [D, Q]
+      self.q_norm = RMSNorm(Q, eps=LATENT_NORM_EPS, param_dtype=pdt)
+      self.wq_b = nnx.Param(normal(rngs, (Q, N, Hn + R), std, pdt))  # [Q, N, Hn + R]
+    self.wkv_a = nnx.Param(normal(rngs, (D, C + R), std, pdt))  # [D, C + R]: latent, rope key
+    self.kv_norm = RMSNorm(C, eps=LATENT_NORM_EPS, param_dtype=pdt)
+    self.wk_b = nnx.Param(normal(rngs, (C, N, Hn), std, pdt))  # [C, N, Hn]: W_UK
+    self.wv_b = nnx.Param(normal(rngs, (C, N, Hv), std, pdt))  # [C, N, Hv]: W_UV
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    self.wo = nnx.Param(normal(rngs, (N, Hv, D), out_std, pdt))  # [N, Hv, D]
+    self.dims = (C, R, Hn, Hv)  # static
+    self.cfg = cfg
+    self.implementation = implementation
+    self.absorb_max_tokens = absorb_max_tokens
+
+  def _rope(self, x, positions_BT):
+    inv_freq, factor, _ = mla_rope(self.cfg)
+    x = apply_rope(x, positions_BT, inv_freq)
+    return x if factor == 1.0 else x * jnp.asarray(factor, x.dtype)
+
+  def project(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
+    """(q_nope [B, T, N, Hn], rotated q_rope [B, T, N, R], latent [B, T, C + R]).
+
+    The latent is what the cache stores: the normalised c_kv, then the rotated shared rope key.
+    """
+    C, R, Hn, _ = self.dims
+    dtype = x_BTD.dtype
+    if self.wq is not None:
+      q_BTNK = jnp.einsum("BTD,DNK->BTNK", x_BTD, self.wq[...].astype(dtype))
+    else:
+      cq_BTQ = self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, self.wq_a[...].astype(dtype)))
+      q_BTNK = jnp.einsum("BTQ,QNK->BTNK", cq_BTQ, self.wq_b[...].astype(dtype))
+    q_nope_BTNh, q_rope_BTNR = q_BTNK[..., :Hn], q_BTNK[..., Hn:]
+    q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
+    kv_BTE = jnp.einsum("BTD,DE->BTE", x_BTD, self.wkv_a[...].astype(dtype))
+    c_BTC = rms_norm(kv_BTE[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
+    k_rope_BTR = self._rope(kv_BTE[:, :, None, C:], positions_BT)[:, :, 0]
+    return q_nope_BTNh, q_rope_BTNR, jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
+
+  def attend_expanded(
+    self, q_nope_BTNh: Array, q_rope_BTNR: Array, latent_BSE: Array, **masking
+  ) -> Array:
+    """Reconstructs K and V from the latents and runs the attention dispatcher: [B, T, N, Hv]."""
+    C, R, Hn, Hv = self.dims
+    _, _, scale = mla_rope(self.cfg)
+    dtype = q_nope_BTNh.dtype
+    N = q_nope_BTNh.shape[2]
+    c_BSC, k_rope_BSR = latent_BSE[..., :C], latent_BSE[..., C:]
+    k_nope_BSNh = jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype))
+    v_BSNv = jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype))
+    k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
+    q_BTNK = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
+    k_BSNK = jnp.concatenate([k_nope_BSNh, k_rope_BSNR], axis=-1)
+    # The dispatcher takes one head dim for q, k and v: zero-pad the narrower side. Zero query/key
+    # dims add nothing to a score and zero value dims are sliced off the output.
+    H = max(Hn + R, Hv)
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, H - x.shape[-1]),))
+    out_BTNH = kernels.attention(
+      pad(q_BTNK), pad(k_BSNK), pad(v_BSNv), scale=scale, implementation=self.implementation, **masking
+    )
+    return out_BTNH[..., :Hv]
+
+  def attend_absorbed(
+    self, q_nope_BTNh: Array, q_rope_BTNR: Array, cache_BSE: Array, lengths_B: Array
+  ) -> Array:
+    """Attends over the latent cache with W_UK folded into the query: [B, T, N, Hv].
+
+    `lengths_B` counts the tokens in the cache including the T new ones (the last T positions).
+    """
+    _, _, scale = mla_rope(self.cfg)
+    dtype = q_nope_BTNh.dtype
+    q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, self.wk_b[...].astype(dtype))
+    impl = self.implementation if self.implementation in ("pallas", "xla") else None
+    o_lat_BTNC = mla_decode(
+      q_lat_BTNC, q_rope_BTNR, cache_BSE.astype(dtype), lengths_B, scale=scale, implementation=impl
+    )
+    return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, self.wv_b[...].astype(dtype))
+
+  def __call__(
+    self,
+    x_BTD: Array,
+    positions_BT: Array,
+    *,
+    segment_ids_BT: Array | None = None,
+    cache: tuple[Array, Array] | None = None,
+  ) -> tuple[Array, Array | None]:
+    """Self-attention over x, or over the latent cache after writing x's latents into it.
+
+    Args:
+      x_BTD: [B, T, D] activations.
+      positions_BT: i32[B, T] absolute positions (RoPE and the causal mask).
+      segment_ids_BT: i32[B, T] packed-document ids (no cache).
+      cache: (latents [B, S, C + R], lengths i32[B]) of this layer; the new tokens are written at
+        offsets `lengths`. Up to `absorb_max_tokens` new tokens use the absorbed path, longer
+        chunks (prefill) reconstruct K and V from the cached latents.
+
+    Returns:
+      [B, T, D] and the updated latents of this layer (None without a cache).
+    """
+    q_nope_BTNh, q_rope_BTNR, latent_BTE = self.project(x_BTD, positions_BT)
+    T = x_BTD.shape[1]
+    if cache is None:
+      out_BTNv = self.attend_expanded(
+        q_nope_BTNh,
+        q_rope_BTNR,
+        latent_BTE,
+        causal=True,
+        q_segment_ids=segment_ids_BT,
+        kv_segment_ids=segment_ids_BT,
+      )
+      new_cache = None
+    else:
+      cache_BSE, lengths_B = cache
+      new_cache = write_latent(cache_BSE, latent_BTE, lengths_B)
+      if T <= self.absorb_max_tokens:
+        out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, new_cache, lengths_B + T)
+      else:
+        out_BTNv = self.attend_expanded(
+          q_nope_BTNh,
+          q_rope_BTNR,
+          new_cache.astype(x_BTD.dtype),
+          causal=True,
+          q_positions=positions_BT,
+          kv_lengths=lengths_B + T,
+        )
+    out_BTD = jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype))
+    return out_BTD, new_cache

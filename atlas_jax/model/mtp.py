@@ -1,0 +1,133 @@
+"""Multi-token prediction heads: extra heads that predict tokens t+2 .. t+1+J from position t.
+
+Two published forms, chosen by `MTPConfig.kind`; both end in a per-head RMSNorm and the model's
+shared output head, and both return logits [J, B, T, V] where head j (1-based) at position t
+predicts token t + 1 + j:
+
+* `parallel` (Gloeckle et al. 2024, "Better & Faster Large Language Models via Multi-token
+  Prediction"): J independent transformer blocks read the shared trunk's hidden state, here the
+  input to the model's last block (whose output is the ordinary next-token head), so the heads
+  run side by side and the main model is unchanged.
+* `sequential` (DeepSeek-V3): module j combines the previous depth's hidden state h^{j-1} (h^0:
+  the main model's final, normalised hidden state) with the embedding of token t + j:
+  h^j = Block(W_proj [RMSNorm(Emb(t_{t+j})); RMSNorm(h^{j-1})]). Embedding first, as in the
+  released checkpoints (the paper writes the hidden state first; the order only permutes W_proj).
+  Module j's tokens sit at positions t + j.
+
+Heads are stacked on a leading [J] axis and run under `jax.lax.scan`, like the model's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from atlas_jax.config import ModelConfig
+from atlas_jax.model.layers import RMSNorm, normal
+
+Array = jax.Array
+# A block: (x [B, T, D], positions i32[B, T], segment_ids=None) -> (x [B, T, D], None).
+BlockFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+  """One module whose parameters carry a leading [n] axis, initialised independently per copy."""
+  keys = jax.random.split(rngs.params(), n)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys)
+  return nnx.merge(graphdef, state)
+
+
+class SequentialHead(nnx.Module):
+  """One DeepSeek-V3 MTP module: enorm, hnorm, eh_proj, a transformer block, its output norm."""
+
+  def __init__(self, cfg: ModelConfig, make_block: BlockFactory, *, rngs: nnx.Rngs):
+    D = cfg.d_model
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.enorm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
+    self.hnorm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
+    self.eh_proj = nnx.Param(normal(rngs, (2 * D, D), cfg.init_std, pdt))  # [2D, D]
+    self.block = make_block(rngs)
+    self.norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)  # HF: shared_head.norm
+
+  def __call__(self, emb_BTD, h_BTD, positions_BT, segment_ids_BT):
+    """(the module's hidden state [B, T, D] for the next depth, its normalised output)."""
+    x_BTD = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)
+    x_BTD = jnp.einsum("BTE,ED->BTD", x_BTD, self.eh_proj[...].astype(x_BTD.dtype))
+    x_BTD, _ = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
+    out_BTD = self.norm(x_BTD)
+    # Hugging Face's MtpModel chains the normalised output into the next depth.
+    return out_BTD, out_BTD
+
+
+class ParallelHead(nnx.Module):
+  """One Gloeckle et al. head: a transformer block on the trunk, then its own RMSNorm."""
+
+  def __init__(self, cfg: ModelConfig, make_block: BlockFactory, *, rngs: nnx.Rngs):
+    self.block = make_block(rngs)
+    self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=jnp.dtype(cfg.param_dtype))
+
+  def __call__(self, trunk_BTD, positions_BT, segment_ids_BT):
+    x_BTD, _ = self.block(trunk_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
+    return self.norm(x_BTD)
+
+
+class MTPHeads(nnx.Module):
+  """The J extra heads of `cfg.mtp`, stacked; `__call__` returns their logits [J, B, T, V]."""
+
+  def __init__(self, cfg: ModelConfig, make_block: BlockFactory, *, rngs: nnx.Rngs):
+    self.kind = cfg.mtp.kind
+    self.n_predict = cfg.mtp.n_predict
+    head_cls = SequentialHead if self.kind == "sequential" else ParallelHead
+    self.heads = stacked(lambda r: head_cls(cfg, make_block, rngs=r), self.n_predict, rngs)
+
+  def __call__(
+    self,
+    *,
+    tokens_BT: Array,
+    trunk_BTD: Array,
+    final_BTD: Array,
+    positions_BT: Array,
+    segment_ids_BT: Array | None,
+    embed_VD: Array,
+    head_DV: Array,
+  ) -> Array:
+    """Logits f32[J, B, T, V] of the extra heads.
+
+    Args:
+      tokens_BT: i32[B, T] the model's input tokens.
+      trunk_BTD: [B, T, D] input to the model's last block (parallel heads read it).
+      final_BTD: [B, T, D] the model's final normalised hidden state (h^0 of sequential heads).
+      positions_BT, segment_ids_BT: as given to the model.
+      embed_VD: [V, D] the shared embedding; head_DV: [D, V] the shared output head.
+    """
+    graphdef, state = nnx.split(self.heads)
+    dtype = final_BTD.dtype
+    head_DV = head_DV.astype(dtype)
+
+    def logits(x_BTD):
+      return jnp.einsum("BTD,DV->BTV", x_BTD, head_DV, preferred_element_type=jnp.float32)
+
+    if self.kind == "parallel":
+
+      def body(carry, state):
+        out_BTD = nnx.merge(graphdef, state)(trunk_BTD, positions_BT, segment_ids_BT)
+        return carry, logits(out_BTD)
+
+      _, logits_JBTV = jax.lax.scan(body, None, state)
+      return logits_JBTV
+
+    def body(h_BTD, layer):
+      state, j = layer
+      # Depth j embeds token t + j; rows whose t + j runs past T wrap around and are never
+      # scored (their targets do not exist), so a roll keeps the shapes static.
+      emb_BTD = jnp.take(embed_VD, jnp.roll(tokens_BT, -j, axis=1), axis=0).astype(dtype)
+      h_BTD, out_BTD = nnx.merge(graphdef, state)(emb_BTD, h_BTD, positions_BT + j, segment_ids_BT)
+      return h_BTD, logits(out_BTD)
+
+    depths = jnp.arange(1, self.n_predict + 1, dtype=jnp.int32)
+    _, logits_JBTV = jax.lax.scan(body, final_BTD, (state, depths))
+    return logits_JBTV

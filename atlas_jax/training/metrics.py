@@ -1,0 +1,120 @@
+"""Throughput and model FLOPs utilisation (MFU), plus the run's log sinks.
+
+MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token follow the PaLM appendix: 6 * N for
+the weight matmuls (forward 2N, backward 4N; N excludes the embedding lookup but includes the LM
+head) plus attention: 6 * 2 * L * T * N_heads * H for the QK^T and PV matmuls over a T-token
+context, halved when causal since half the score matrix is masked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+from atlas_jax.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device (vendor figures, no sparsity).
+PEAK_TFLOPS = {
+  "H100": 989.0,
+  "H200": 989.0,
+  "H800": 989.0,
+  "A100": 312.0,
+  "L4": 121.0,
+  "A10": 125.0,
+  "B200": 2250.0,
+  "TPU v4": 275.0,
+  "TPU v5 lite": 197.0,
+  "TPU v5e": 197.0,
+  "TPU v5p": 459.0,
+  "TPU v6 lite": 918.0,
+  "TPU v6e": 918.0,
+}
+CPU_PEAK_TFLOPS = 0.1  # a nominal figure: CPU MFU is only indicative
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """Parameters that take part in matmuls per token (all but the embedding table)."""
+  D, F, N, K, H, L, V = (
+    cfg.d_model,
+    cfg.ffn_dim,
+    cfg.n_heads,
+    cfg.n_kv_heads,
+    cfg.head_dim,
+    cfg.n_layers,
+    cfg.vocab_size,
+  )
+  per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
+  return L * per_layer + D * V
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+  attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+  return 6 * matmul_params(cfg) + (attention / 2 if causal else attention)
+
+
+def peak_flops_per_device(override_tflops: float | None = None) -> float:
+  if override_tflops is not None:
+    return override_tflops * 1e12
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return CPU_PEAK_TFLOPS * 1e12
+  kind = device.device_kind
+  for name, tflops in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+    if name.lower() in kind.lower():
+      return tflops * 1e12
+  return CPU_PEAK_TFLOPS * 1e12
+
+
+def mfu(
+  tokens_per_s: float,
+  cfg: ModelConfig,
+  seq_len: int,
+  *,
+  n_devices: int,
+  peak_tflops: float | None = None,
+) -> float:
+  return (
+    tokens_per_s * flops_per_token(cfg, seq_len) / (n_devices * peak_flops_per_device(peak_tflops))
+  )
+
+
+def peak_memory_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+class Logger:
+  """JSONL metrics plus TensorBoard event files, written by process 0 only."""
+
+  def __init__(self, run_dir: str | Path, *, enabled: bool = True):
+    self.enabled = enabled
+    self._jsonl = self._tb = None
+    if not enabled:
+      return
+    run_dir = Path(run_dir)
+    self._jsonl = (run_dir / "metrics.jsonl").open("a")
+    try:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+    except ImportError:  # TensorBoard files are optional; the JSONL log is not
+      self._tb = None
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, int | float) and value is not None:
+          self._tb.add_scalar(key, value, record["step"])
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()

@@ -1,0 +1,163 @@
+"""The engine serves exactly what `generate` would, whatever the arrivals, batching or preemption."""
+
+import numpy as np
+import pytest
+
+from atlas_jax.decoding import SamplingParams, generate
+from atlas_jax.serving.engine import Engine, EngineConfig, RequestError, _forward_sample
+
+
+def workload(seed, n=10, vocab=40):
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, vocab, int(k)).tolist() for k in rng.integers(1, 40, n)]
+  params = [
+    SamplingParams(max_new_tokens=int(rng.integers(1, 20)), temperature=float(i % 2),
+                   top_k=int(i % 3) * 5, seed=100 + i)
+    for i in range(n)
+  ]
+  return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+  prompts, params = workload(0)
+  return prompts, params, generate(tiny_model, prompts, params)
+
+
+CONFIGS = {
+  "roomy": EngineConfig(n_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                        prefill_chunk=32),
+  # 12 blocks of 4 cannot hold 8 sequences of up to 58 tokens: forces preemption and recompute.
+  "tight": EngineConfig(n_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                        prefill_chunk=8),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("order", ["fifo", "reversed", "staggered"])
+def test_engine_equals_generate(tiny_model, reference, name, order):
+  prompts, params, want = reference
+  engine = Engine(tiny_model, CONFIGS[name])
+  idx = list(range(len(prompts)))
+  if order == "reversed":
+    idx = idx[::-1]
+  got = {i: [] for i in idx}
+  pending = list(idx)
+  while pending or engine.has_unfinished():
+    # Staggered: one new arrival every other step, into a running batch.
+    take = 1 if order == "staggered" and engine.n_steps % 2 == 0 else len(pending)
+    for i in pending[:take]:
+      engine.add_request(i, prompts[i], params[i])
+    pending = pending[take:]
+    for out in engine.step():
+      got[out.request_id].extend(out.new_token_ids)
+  assert [got[i] for i in range(len(prompts))] == want
+  if name == "tight":
+    assert engine.n_preemptions > 0
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_logprobs_and_stop_tokens_match_generate(tiny_model):
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  free = generate(tiny_model, prompts, SamplingParams(max_new_tokens=12))
+  params = [SamplingParams(max_new_tokens=12, stop_token_ids=(free[0][5],), logprobs=2),
+            SamplingParams(max_new_tokens=12, temperature=0.7, seed=9, logprobs=0)]
+  want, want_lp = generate(tiny_model, prompts, params, return_logprobs=True)
+  assert want[0] == free[0][: free[0].index(free[0][5]) + 1]
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got, lps, tops, reasons = {0: [], 1: []}, {0: [], 1: []}, {0: [], 1: []}, {}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+      lps[out.request_id] += out.new_logprobs
+      tops[out.request_id] += out.new_top_logprobs
+      if out.finished:
+        reasons[out.request_id] = out.finish_reason
+  assert [got[0], got[1]] == want
+  np.testing.assert_allclose(lps[0] + lps[1], want_lp[0] + want_lp[1], atol=1e-4)
+  assert reasons == {0: "stop", 1: "length"}
+  assert all(len(t) == 2 for t in tops[0]) and all(len(t) == 0 for t in tops[1])
+  # Greedy picks the most likely token: it heads the top list with the same logprob.
+  assert all(t[0][0] == g and abs(t[0][1] - lp) < 1e-5 for t, g, lp in zip(tops[0], got[0], lps[0]))
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model):
+  prompt = list(np.random.default_rng(1).integers(0, 40, 30))
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  first = engine.generate([prompt], SamplingParams(max_new_tokens=5))
+  again = engine.generate([prompt, prompt[:21] + [3]], SamplingParams(max_new_tokens=5))
+  assert again[0] == first[0]
+  assert again[1] == generate(tiny_model, [prompt[:21] + [3]], SamplingParams(max_new_tokens=5))[0]
+  # 7 of the first prompt's full blocks (the 8th holds its last token, always recomputed) + 5.
+  assert engine.allocator.stats().prefix_hit_tokens == 4 * (7 + 5)
+
+
+def test_oversized_requests_are_rejected_and_the_engine_keeps_serving(tiny_model):
+  engine = Engine(tiny_model, EngineConfig(n_blocks=6, block_size=4, max_num_seqs=2,
+                                           max_num_batched_tokens=8, prefill_chunk=8))
+  with pytest.raises(RequestError, match="needs 7 KV blocks of 4 tokens; the pool holds 6"):
+    engine.add_request("big", [1] * 20, SamplingParams(max_new_tokens=8))
+  with pytest.raises(RequestError, match="exceeds the context length 128"):
+    engine.add_request("long", [1] * 100, SamplingParams(max_new_tokens=40))
+  with pytest.raises(RequestError, match=r"in \[0, 40\)"):
+    engine.add_request("bad", [1, 40])
+  # Two requests that each fit alone but not together: served one after the other.
+  prompts = [[1] * 14, [2] * 14]
+  got = engine.generate(prompts, SamplingParams(max_new_tokens=9))
+  assert got == generate(tiny_model, prompts, SamplingParams(max_new_tokens=9))
+
+
+def test_abort_frees_blocks(tiny_model):
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  engine.add_request("a", list(range(30)), SamplingParams(max_new_tokens=50))
+  engine.add_request("b", [1, 2], SamplingParams(max_new_tokens=3))
+  for _ in range(3):
+    engine.step()
+  assert engine.allocator.stats().n_used > 0
+  engine.abort("a")
+  outs = engine.step()
+  assert [(o.request_id, o.finish_reason) for o in outs if o.request_id == "a"] == [("a", "abort")]
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.allocator.stats().n_used == 0 and engine.n_running == 0
+
+
+def test_stop_strings_cut_the_text(tiny_model):
+  detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)
+  free = generate(tiny_model, [[5, 6]], SamplingParams(max_new_tokens=10))[0]
+  stop = detok(free[3:5])
+  engine = Engine(tiny_model, CONFIGS["roomy"], detokenize=detok)
+  engine.add_request("s", [5, 6], SamplingParams(max_new_tokens=10, stop=(stop,)))
+  text, reason = "", None
+  while engine.has_unfinished():
+    for out in engine.step():
+      text += out.text
+      reason = out.finish_reason or reason
+  full = detok(free)
+  assert reason == "stop" and text == full[: full.find(stop)]
+
+
+def test_steady_state_never_recompiles(tiny_model):
+  engine = Engine(tiny_model, EngineConfig(n_blocks=48, block_size=4, max_num_seqs=4,
+                                           max_num_batched_tokens=24, prefill_chunk=16))
+  rng = np.random.default_rng(3)
+  count = 0
+
+  def run(steps):
+    nonlocal count
+    for _ in range(steps):
+      if engine.n_waiting < 2:
+        sp = SamplingParams(max_new_tokens=int(rng.integers(1, 12)),
+                            temperature=float(rng.integers(0, 2)), seed=count)
+        engine.add_request(count, rng.integers(0, 40, int(rng.integers(1, 40))).tolist(), sp)
+        count += 1
+      engine.step()
+
+  run(150)  # warm-up: visits the (batch, chunk) buckets
+  compiled = _forward_sample._cache_size()
+  run(200)
+  assert _forward_sample._cache_size() == compiled
+  assert compiled <= 3 * 4 + 3  # prefill: 3 row buckets x 2-3 chunk buckets; decode: 3
