@@ -50,6 +50,8 @@ def init_distributed(cfg: Config) -> None:
   kwargs = {"coordinator_address": m.coordinator_address, "process_id": m.process_id}
   if m.num_processes not in (None, -1):
     kwargs["num_processes"] = m.num_processes
+  # CPU processes exchange collectives over gloo (GPU/TPU use their own interconnect).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**kwargs)
 
 

@@ -183,7 +183,11 @@ class ModelConfig:
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
     if self.rope_scaling is not None and self.rope_scaling.type == "yarn" and self.mla is None:
-      _fail("model.rope_scaling.type", "yarn", "needs model.mla (YaRN is implemented for MLA)")
+      _fail(
+        "model.rope_scaling.type",
+        "yarn",
+        "needs model.mla (YaRN is implemented for MLA); without it use one of 'llama3', 'linear'",
+      )
     if self.mla is not None:
       for name in ("qkv_bias", "qk_norm"):
         if getattr(self, name):

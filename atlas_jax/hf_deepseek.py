@@ -245,7 +245,11 @@ def params_from_hf(
 
   def stack(layers: range, mapping, tree: dict) -> None:
     for hf_name, (path, convert) in mapping.items():
-      _set(tree, path, jnp.stack([convert(cast(tensors[f"model.layers.{i}.{hf_name}"])) for i in layers]))
+      _set(
+        tree,
+        path,
+        jnp.stack([convert(cast(tensors[f"model.layers.{i}.{hf_name}"])) for i in layers]),
+      )
 
   params: dict[str, Any] = {"embed": cast(tensors["model.embed_tokens.weight"])}
   _set(params, ("final_norm", "scale"), cast(tensors["model.norm.weight"]))
@@ -297,7 +301,10 @@ def build_model(
 
 
 def load(
-  folder: str | Path, hf_config: Mapping[str, Any], *, dtype: str = "float32",
+  folder: str | Path,
+  hf_config: Mapping[str, Any],
+  *,
+  dtype: str = "float32",
   implementation: str | None = None,
 ) -> DeepSeek:
   """Loads a deepseek_v3 folder; called by `atlas_jax.hf.load` (which reads config.json)."""

@@ -202,9 +202,7 @@ def mla_decode_pallas(
   pad = n_row_blocks * Rb - rows
   qn_BRC = jnp.pad(q_nope.reshape(B, rows, C), ((0, 0), (0, pad), (0, 0)))
   qr_BRR = jnp.pad(q_rope.reshape(B, rows, R), ((0, 0), (0, pad), (0, 0)))
-  kernel = functools.partial(
-    _mla_decode_kernel, scale=scale, n_heads=N, n_queries=T, latent_dim=C
-  )
+  kernel = functools.partial(_mla_decode_kernel, scale=scale, n_heads=N, n_queries=T, latent_dim=C)
   out_BRC = pl.pallas_call(
     kernel,
     grid=(B, n_row_blocks),

@@ -120,8 +120,10 @@ def test_mtp_modules_load_and_match_transformers_mtp_layer(tmp_path):
       name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
       tensors[f"model.layers.{L + j}.{name}"] = p.contiguous()
     # Checkpoints repeat the shared embedding and head in every MTP layer; they are not read.
-    tensors[f"model.layers.{L + j}.embed_tokens.weight"] = ref.model.embed_tokens.weight.data
-    tensors[f"model.layers.{L + j}.shared_head.head.weight"] = ref.lm_head.weight.data
+    tensors[f"model.layers.{L + j}.embed_tokens.weight"] = (
+      ref.model.embed_tokens.weight.data.clone()
+    )
+    tensors[f"model.layers.{L + j}.shared_head.head.weight"] = ref.lm_head.weight.data.clone()
   save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   config = json.loads((tmp_path / "config.json").read_text())
   config["num_nextn_predict_layers"] = J

@@ -11,6 +11,8 @@ Utilisation and prefix-cache hit rate read the counters of
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 
@@ -70,7 +72,68 @@ def config_kv_bytes_per_token(model: Any, *, dtype_bytes: int | None = None) -> 
         f"of {sorted(_DTYPE_BYTES)}"
       )
     dtype_bytes = _DTYPE_BYTES[dtype]
+  mla = getattr(model, "mla", None)
+  if mla is not None:
+    return mla_kv_bytes_per_token(
+      model.n_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype_bytes
+    )
   return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, dtype_bytes)
+
+
+def attention_kind(model: Any) -> str:
+  """The attention kind of a model config: MLA, MHA (K == N), MQA (K == 1) or GQA."""
+  if getattr(model, "mla", None) is not None:
+    return "MLA"
+  if model.n_kv_heads == model.n_heads:
+    return "MHA"
+  return "MQA" if model.n_kv_heads == 1 else "GQA"
+
+
+def mha_kv_bytes_per_token(model: Any, *, dtype_bytes: int) -> int:
+  """Bytes per token if the same model cached a key and a value for every query head.
+
+  Dense attention: 2 * L * N * H. MLA: L * N * ((Hn + R) + Hv), the per-head keys and values
+  MLA decompresses from its latent (what a cache of expanded K/V would hold).
+  """
+  mla = getattr(model, "mla", None)
+  if mla is None:
+    return kv_bytes_per_token(model.n_layers, model.n_heads, model.head_dim, dtype_bytes)
+  _check("dtype_bytes", dtype_bytes)
+  per_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim
+  return model.n_layers * model.n_heads * per_head * dtype_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KVReportRow:
+  name: str
+  kind: str  # MHA, GQA, MQA or MLA
+  bytes_per_token: int  # what the model's cache stores
+  mha_bytes_per_token: int  # the same model caching K and V for every query head
+  reduction: float  # mha_bytes_per_token / bytes_per_token
+
+
+def kv_report(models: Mapping[str, Any], *, dtype_bytes: int = 2) -> list[KVReportRow]:
+  """KV bytes per token of each named model config (MHA, GQA, MQA or MLA) against MHA."""
+  rows = []
+  for name, model in models.items():
+    ours = config_kv_bytes_per_token(model, dtype_bytes=dtype_bytes)
+    mha = mha_kv_bytes_per_token(model, dtype_bytes=dtype_bytes)
+    rows.append(KVReportRow(name, attention_kind(model), ours, mha, mha / ours))
+  return rows
+
+
+def format_kv_report(rows: list[KVReportRow]) -> str:
+  """A markdown table of `kv_report` rows."""
+  lines = [
+    "| model | attention | KV bytes/token | MHA bytes/token | reduction |",
+    "|---|---|---:|---:|---:|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r.name} | {r.kind} | {r.bytes_per_token:,} | {r.mha_bytes_per_token:,} | "
+      f"{r.reduction:.2f}x |"
+    )
+  return "\n".join(lines)
 
 
 def kv_bytes(bytes_per_token: int, n_tokens: int, *, batch: int = 1) -> int:

@@ -39,9 +39,7 @@ class LatentCache:
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"LatentCache.init: {name} must be a positive int, got {value!r}")
     shape = (n_layers, batch, max_len, kv_lora_rank + rope_dim)
-    return cls(
-      c=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32), rope_dim=rope_dim
-    )
+    return cls(c=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32), rope_dim=rope_dim)
 
   @property
   def capacity(self) -> int:  # S

@@ -1,7 +1,7 @@
 """The training input pipeline: a token file on disk, packed sequences, and a grain dataset.
 
-1. The corpus is tokenised once and stored as `.npy` token files (memory-mapped afterwards), keyed by
-   a hash of the source, tokenizer and split.
+1. The corpus is tokenised once and stored as `.npy` token files (memory-mapped afterwards), keyed
+   by a hash of the source, tokenizer and split.
 2. `PackedSequences` cuts the token stream into fixed windows of seq_len + 1 tokens; documents
    inside a window get their own segment ids (attention never crosses documents) and positions
    that restart at each document start.

@@ -24,6 +24,7 @@ from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm, normal
 from atlas_jax.model.mla import MLA
 from atlas_jax.model.mtp import MTPHeads, stacked
+from atlas_jax.training.remat import scan_blocks
 
 Array = jax.Array
 
@@ -56,10 +57,19 @@ class Block(nnx.Module):
 
 
 class DeepSeek(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    remat: str = "none",
+    remat_every: int | None = None,
+  ):
     V, D = cfg.vocab_size, cfg.d_model
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
+    self.remat = (remat, remat_every)  # training-time activation checkpointing, static
 
     def make_block(r):
       return Block(cfg, rngs=r, implementation=implementation)
@@ -85,21 +95,22 @@ class DeepSeek(nnx.Module):
 
     if cache is None:
 
-      def body(carry, state):
+      def block_fn(carry, state):
         x_BTD, _ = carry
         y_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
         # Carry each block's input too: the last one is the parallel MTP heads' trunk.
-        return (y_BTD, x_BTD), None
+        return y_BTD, x_BTD
 
-      (x_BTD, trunk_BTD), _ = jax.lax.scan(body, (x_BTD, x_BTD), block_state)
+      policy, every = self.remat
+      x_BTD, trunk_BTD = scan_blocks(
+        block_fn, (x_BTD, x_BTD), block_state, policy=policy, every=every
+      )
       new_cache = None
     elif isinstance(cache, LatentCache):
 
       def body(x_BTD, layer):
         state, c_BSE = layer
-        x_BTD, c_BSE = nnx.merge(graphdef, state)(
-          x_BTD, positions_BT, cache=(c_BSE, cache.lengths)
-        )
+        x_BTD, c_BSE = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=(c_BSE, cache.lengths))
         return x_BTD, c_BSE
 
       x_BTD, c_LBSE = jax.lax.scan(body, x_BTD, (block_state, cache.c))
@@ -203,10 +214,13 @@ class DeepSeek(nnx.Module):
     )
 
 
-def build(cfg: ModelConfig, rngs: nnx.Rngs, *, implementation: str | None = None) -> nnx.Module:
-  """The model class a config calls for: DeepSeek for MLA or MTP configs, else Transformer."""
+def build(cfg: ModelConfig, rngs: nnx.Rngs, **kwargs) -> nnx.Module:
+  """The model class a config calls for: DeepSeek for MLA or MTP configs, else Transformer.
+
+  `kwargs` (implementation, remat, remat_every) go to the model's constructor.
+  """
   if cfg.mla is None and cfg.mtp is None:
     from atlas_jax.model.transformer import Transformer
 
-    return Transformer(cfg, rngs=rngs, implementation=implementation)
-  return DeepSeek(cfg, rngs=rngs, implementation=implementation)
+    return Transformer(cfg, rngs=rngs, **kwargs)
+  return DeepSeek(cfg, rngs=rngs, **kwargs)

@@ -145,7 +145,12 @@ class MLA(nnx.Module):
     H = max(Hn + R, Hv)
     pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, H - x.shape[-1]),))
     out_BTNH = kernels.attention(
-      pad(q_BTNK), pad(k_BSNK), pad(v_BSNv), scale=scale, implementation=self.implementation, **masking
+      pad(q_BTNK),
+      pad(k_BSNK),
+      pad(v_BSNv),
+      scale=scale,
+      implementation=self.implementation,
+      **masking,
     )
     return out_BTNH[..., :Hv]
 

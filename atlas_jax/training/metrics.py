@@ -81,7 +81,7 @@ def mfu(
 
 
 def peak_memory_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
 
 

@@ -134,7 +134,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def per_device_bytes(tree, device: jax.Device | None = None) -> int:
   """Bytes of the arrays in `tree` that live on one device (default the first)."""
-  device = jax.devices()[0] if device is None else device
+  device = jax.local_devices()[0] if device is None else device
   return sum(
     s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device
   )

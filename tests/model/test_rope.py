@@ -20,14 +20,20 @@ def test_rotation_preserves_norm_and_is_relative():
     kj = apply_rope(k, jnp.array([[j]]), inv)
     return float(jnp.sum(qi * kj))
 
-  np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[37]]), inv)),
-                             jnp.linalg.norm(q), rtol=1e-5)
+  np.testing.assert_allclose(
+    jnp.linalg.norm(apply_rope(q, jnp.array([[37]]), inv)), jnp.linalg.norm(q), rtol=1e-5
+  )
   np.testing.assert_allclose(score(5, 2), score(105, 102), rtol=1e-4)
 
 
 def test_llama3_scaling_bands():
-  s = RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=8192)
+  s = RopeScaling(
+    type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+  )
   base = inverse_frequencies(128, 500000.0, None)
   scaled = inverse_frequencies(128, 500000.0, s)
   wavelen = 2 * math.pi / base

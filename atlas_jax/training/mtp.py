@@ -1,0 +1,56 @@
+"""The multi-token-prediction training loss: L = L_main + lambda * mean_j L_j.
+
+A drop-in for `atlas_jax.training.step.loss_fn` (same signature) for models with MTP heads
+(`atlas_jax.model.deepseek.DeepSeek` with `cfg.mtp` set). Head j (1-based) at input position t
+predicts token t + 1 + j; positions whose target lies past the window, in another packed
+document, or under a zero of the loss mask do not count.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from atlas_jax.training.loss import cross_entropy
+
+Array = jax.Array
+
+
+def shifted_targets(
+  targets_BT: Array, mask_BT: Array, segment_ids_BT: Array | None, j: int
+) -> tuple[Array, Array]:
+  """Targets i32[B, T] and mask f32[B, T] of the head predicting j tokens past the next one.
+
+  Position t's target is targets[t + j]; it counts if t + j < T, the next-token mask counts it,
+  and (packed data) it lies in t's document.
+  """
+  T = targets_BT.shape[1]
+  tgt_BT = jnp.roll(targets_BT, -j, axis=1)
+  valid_BT = (jnp.arange(T) < T - j)[None, :] & (jnp.roll(mask_BT, -j, axis=1) > 0)
+  if segment_ids_BT is not None:
+    valid_BT &= jnp.roll(segment_ids_BT, -j, axis=1) == segment_ids_BT
+  return tgt_BT, valid_BT.astype(jnp.float32)
+
+
+def loss_fn(graphdef: nnx.GraphDef, params, batch: dict[str, Array]) -> tuple[Array, dict]:
+  """MTP loss on batch["tokens"] i32[B, T + 1]; aux has loss_main and loss_mtp_{j} per head."""
+  tokens_BT1 = batch["tokens"]
+  inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+  segment_ids_BT = batch.get("segment_ids")
+  mask_BT = batch.get("loss_mask")
+  mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
+  model = nnx.merge(graphdef, params)
+  logits_BTV, mtp_JBTV = model.forward_mtp(
+    inputs_BT, positions_BT=batch.get("positions"), segment_ids_BT=segment_ids_BT
+  )
+  main, aux = cross_entropy(logits_BTV, targets_BT, mask_BT)
+  aux = {**aux, "loss_main": main}
+  head_losses = []
+  for j in range(1, mtp_JBTV.shape[0] + 1):
+    tgt_BT, m_BT = shifted_targets(targets_BT, mask_BT, segment_ids_BT, j)
+    loss_j, _ = cross_entropy(mtp_JBTV[j - 1], tgt_BT, m_BT)
+    aux[f"loss_mtp_{j}"] = loss_j
+    head_losses.append(loss_j)
+  weight = model.cfg.mtp.loss_weight
+  return main + weight * jnp.mean(jnp.stack(head_losses)), aux

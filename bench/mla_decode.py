@@ -1,0 +1,105 @@
+"""MLA decode: achieved memory bandwidth of the Pallas kernel against the XLA reference.
+
+One decode step of DeepSeek-V3-shaped MLA attention (N=128 heads, C=512, R=64, bf16) over a
+latent cache of B sequences of S tokens. Decoding is memory bound: the step must read the cache,
+B * S * (C + R) * 2 bytes, once, so achieved bandwidth = those bytes / step time (the queries and
+outputs are < 1% of it). Prints both implementations side by side and their ratio, plus the KV
+bytes per token of MLA against MHA/GQA configs (`atlas_jax.analysis.kv.kv_report`).
+
+    python bench/mla_decode.py [--batch 32] [--seq 4096] [--heads 128] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from atlas_jax.analysis.kv import format_kv_report, kv_report
+from atlas_jax.config import MLAConfig, ModelConfig
+from atlas_jax.kernels.mla_decode import mla_decode
+
+C, R = 512, 64
+
+
+def time_step(fn, args, iters: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  start = time.perf_counter()
+  for _ in range(iters):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--block-q", type=int, default=64)
+  parser.add_argument("--block-k", type=int, default=64)
+  args = parser.parse_args()
+  B, S, N = args.batch, args.seq, args.heads
+  dtype = jnp.bfloat16
+  k = jax.random.split(jax.random.key(0), 3)
+  q_nope = jax.random.normal(k[0], (B, N, C), dtype)
+  q_rope = jax.random.normal(k[1], (B, N, R), dtype)
+  cache = jax.random.normal(k[2], (B, S, C + R), dtype)
+  lengths = jnp.full((B,), S, jnp.int32)
+  scale = (128 + R) ** -0.5
+  interpret = jax.default_backend() == "cpu"
+  cache_bytes = B * S * (C + R) * 2
+
+  print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}")
+  print(f"B={B} S={S} N={N} C={C} R={R} bf16; cache {cache_bytes / 2**20:.1f} MiB per layer")
+  results = {}
+  for impl in ("xla", "pallas"):
+    fn = jax.jit(
+      lambda qn, qr, c, n, impl=impl: mla_decode(
+        qn,
+        qr,
+        c,
+        n,
+        scale=scale,
+        implementation=impl,
+        interpret=interpret,
+        block_q=args.block_q,
+        block_k=args.block_k,
+      )
+    )
+    seconds = time_step(fn, (q_nope, q_rope, cache, lengths), args.iters)
+    results[impl] = seconds
+    print(f"{impl:7s} {seconds * 1e6:10.1f} us/step  {cache_bytes / seconds / 1e9:8.1f} GB/s")
+  print(f"pallas / xla speed: {results['xla'] / results['pallas']:.2f}x")
+
+  def deepseek(L, N, q):
+    mla = MLAConfig(
+      kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=q
+    )
+    return ModelConfig(d_model=7168, n_layers=L, n_heads=N, n_kv_heads=N, mla=mla)
+
+  def llama(L, N, K):
+    return ModelConfig(d_model=N * 128, n_layers=L, n_heads=N, n_kv_heads=K)
+
+  print()
+  print(
+    format_kv_report(
+      kv_report(
+        {
+          "DeepSeek-V3 (61 L, 128 heads)": deepseek(61, 128, 1536),
+          "DeepSeek-V2 (60 L, 128 heads)": deepseek(60, 128, 1536),
+          "DeepSeek-V2-Lite (27 L, 16 heads)": deepseek(27, 16, None),
+          "Llama-2-7B (MHA)": llama(32, 32, 32),
+          "Llama-3-8B (GQA 8)": llama(32, 32, 8),
+          "Llama-3-70B (GQA 8)": llama(80, 64, 8),
+        }
+      )
+    )
+  )
+
+
+if __name__ == "__main__":
+  main()
