@@ -25,19 +25,36 @@ from atlas_jax.data.tokenizer import load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.metrics import Logger, mfu, peak_memory_bytes
+from atlas_jax.training.metrics import (
+  Logger,
+  flops_per_token,
+  matmul_params,
+  mfu,
+  peak_memory_bytes,
+)
 from atlas_jax.training.step import make_eval_step, make_train_step, make_trainer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml", help="YAML preset")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a config field, e.g. --set train.steps=100 (repeatable)")
-  p.add_argument("--data-cache", default=None,
-                 help="where tokenised corpora are stored (default: <checkpoint_dir>/../.data)")
-  p.add_argument("--sample-prompt", default="def ",
-                 help="prompt to complete with the trained model at the end ('' to skip)")
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a config field, e.g. --set train.steps=100 (repeatable)",
+  )
+  p.add_argument(
+    "--data-cache",
+    default=None,
+    help="where tokenised corpora are stored (default: <checkpoint_dir>/../.data)",
+  )
+  p.add_argument(
+    "--sample-prompt",
+    default="def ",
+    help="prompt to complete with the trained model at the end ('' to skip)",
+  )
   p.add_argument("--sample-tokens", type=int, default=96)
   return p.parse_args(argv)
 
@@ -56,9 +73,19 @@ def init_distributed(cfg: Config) -> None:
 
 
 # Fields that may change when a run is resumed (how it runs, not what it computes).
-RESUME_MAY_CHANGE = {"steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-                     "keep_checkpoints", "checkpoint_dir", "remat", "remat_every", "sharding",
-                     "peak_tflops"}
+RESUME_MAY_CHANGE = {
+  "steps",
+  "log_every",
+  "eval_every",
+  "eval_batches",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "checkpoint_dir",
+  "remat",
+  "remat_every",
+  "sharding",
+  "peak_tflops",
+}
 
 
 def check_resumable(run_dir: Path, cfg: Config) -> None:
@@ -83,8 +110,10 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.set)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-      raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                        f"vocabulary ({tokenizer.vocab_size})")
+      raise ConfigError(
+        f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+        f"vocabulary ({tokenizer.vocab_size})"
+      )
     run_dir = Path(cfg.train.checkpoint_dir)
     check_resumable(run_dir, cfg)
     init_distributed(cfg)
@@ -96,22 +125,38 @@ def main(argv=None) -> int:
   say = print if main_process else (lambda *a, **k: None)
   if main_process:
     checkpoint.write_run_files(run_dir, cfg)
-  say(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
-      f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}")
+  say(
+    f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+    f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
+  )
 
   t0 = time.time()
   cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
   files = pipeline.token_files(cfg.data, tokenizer, cache_dir)
   train_ds = pipeline.train_dataset(
-    *files["train"], seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-    seed=cfg.train.seed, process_index=jax.process_index(), process_count=jax.process_count())
-  eval_data = pipeline.eval_batches(
-    *files["eval"], seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-    n_batches=cfg.train.eval_batches) if main_process or jax.process_count() == 1 else []
+    *files["train"],
+    seq_len=cfg.train.seq_len,
+    batch_size=cfg.train.batch_size,
+    seed=cfg.train.seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
+  eval_data = (
+    pipeline.eval_batches(
+      *files["eval"],
+      seq_len=cfg.train.seq_len,
+      batch_size=cfg.train.batch_size,
+      n_batches=cfg.train.eval_batches,
+    )
+    if main_process or jax.process_count() == 1
+    else []
+  )
   counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
-  say(f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
-      f"({time.time() - t0:.1f}s); unigram baseline {float(-(p * np.log(p)).sum()):.3f} nats/token")
+  say(
+    f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
+    f"({time.time() - t0:.1f}s); unigram baseline {float(-(p * np.log(p)).sum()):.3f} nats/token"
+  )
 
   mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = 0
@@ -122,14 +167,18 @@ def main(argv=None) -> int:
   else:
     state = trainer.init(jax.random.key(cfg.train.seed))
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  say(f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
-      f"{cfg.train.remat}, sharding {cfg.train.sharding}")
+  flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
+  say(
+    f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
+    f"{cfg.train.remat}, sharding {cfg.train.sharding}"
+  )
 
   train_step = make_train_step(trainer)
   eval_step = make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
-    lambda x: jax.make_array_from_process_local_data(batch_sharding, x), local)
+    lambda x: jax.make_array_from_process_local_data(batch_sharding, x), local
+  )
   logger = Logger(run_dir, enabled=main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
   progress = sys.stdout.isatty() and main_process
@@ -145,27 +194,40 @@ def main(argv=None) -> int:
     if step % cfg.train.log_every == 0 or last:
       metrics = {k: float(v) for k, v in metrics.items()}
       if not np.isfinite(metrics["loss"]) and cfg.train.on_nan == "stop":
-        print(f"\nerror: loss is {metrics['loss']} at step {step}; stopping (train.on_nan=stop; "
-              "'skip' skips such steps)", file=sys.stderr)
+        print(
+          f"\nerror: loss is {metrics['loss']} at step {step}; stopping (train.on_nan=stop; "
+          "'skip' skips such steps)",
+          file=sys.stderr,
+        )
         return 1
       elapsed = time.time() - t_last
       tps = steps_since * tokens_per_step / elapsed
-      record = {"step": step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                "learning_rate": metrics["learning_rate"], "tokens_per_s": tps,
-                "mfu": mfu(tps, cfg.model, cfg.train.seq_len, n_devices=jax.device_count(),
-                           peak_tflops=cfg.train.peak_tflops)}
+      record = {
+        "step": step,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "learning_rate": metrics["learning_rate"],
+        "tokens_per_s": tps,
+        "mfu": mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops),
+      }
+      record.update({k: v for k, v in metrics.items() if k.startswith("loss_mtp")})
       if "loss_scale" in metrics:
         record["loss_scale"] = metrics["loss_scale"]
       if metrics.get("skipped"):
         record["skipped"] = int(metrics["skipped"])
       if eval_data and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-        record["eval_loss"] = float(np.mean(
-          [float(eval_step(state.params, to_global(b))) for b in eval_data]))
+        record["eval_loss"] = float(
+          np.mean([float(eval_step(state.params, to_global(b))) for b in eval_data])
+        )
       if (peak := peak_memory_bytes()) is not None:
         record["peak_memory_gb"] = peak / 2**30
-      say(("\r" if progress else "") + "  ".join(
-        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
-        flush=True)
+      say(
+        ("\r" if progress else "")
+        + "  ".join(
+          f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+        ),
+        flush=True,
+      )
       logger.write(record)
       t_last, steps_since = time.time(), 0
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
@@ -178,8 +240,9 @@ def main(argv=None) -> int:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
     prompt = tokenizer.encode(args.sample_prompt)
     max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    out = generate(model, [prompt], SamplingParams(max_new_tokens=max_new),
-                   eos_id=tokenizer.eos_id)[0]
+    out = generate(
+      model, [prompt], SamplingParams(max_new_tokens=max_new), eos_id=tokenizer.eos_id
+    )[0]
     print(f"sample (greedy): {args.sample_prompt + tokenizer.decode(out)!r}")
   return 0
 

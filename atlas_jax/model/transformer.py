@@ -70,11 +70,13 @@ class Transformer(nnx.Module):
     implementation: str | None = None,
     remat: str = "none",
     remat_every: int | None = None,
+    unroll_layers: bool = False,
   ):
     V, D = cfg.vocab_size, cfg.d_model
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
-    self.remat = (remat, remat_every)  # training-time activation checkpointing, static
+    # Training-time activation checkpointing (static). unroll_layers is for FLOP measurement only.
+    self.remat = (remat, remat_every, unroll_layers)
     self.embed = nnx.Param(normal(rngs, (V, D), cfg.init_std, pdt))  # [V, D]
     self.blocks = _stacked_blocks(cfg, rngs, implementation)  # every parameter [L, ...]
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
@@ -122,8 +124,8 @@ class Transformer(nnx.Module):
         block = nnx.merge(graphdef, state)
         return block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)[0]
 
-      policy, every = self.remat
-      x_BTD = scan_blocks(block_fn, x_BTD, block_state, policy=policy, every=every)
+      policy, every, unroll = self.remat
+      x_BTD = scan_blocks(block_fn, x_BTD, block_state, policy=policy, every=every, unroll=unroll)
       new_cache = None
     elif isinstance(cache, PagedKVCache):
       # Rows may add different numbers of tokens (chunked prefill): padding has position < 0.

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, MeshConfig, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model.deepseek import build
 
 
 def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -75,7 +75,7 @@ def is_checkpoint(directory: str | Path) -> bool:
 
 def load_model(
   directory: str | Path, *, step: int | None = None, implementation: str | None = None
-) -> tuple[Transformer, Config, Tokenizer]:
+) -> tuple[nnx.Module, Config, Tokenizer]:
   """The trained model (latest step by default), its config and its tokenizer, for inference.
 
   The model computes in the config's model.dtype with the float32 master weights cast to it.
@@ -95,7 +95,7 @@ def load_model(
   trainer = make_trainer(single, mesh=single_device_mesh())
   state, _ = restore(mngr, trainer.abstract_state(), trainer.state_shardings, step)
   graphdef, target = nnx.split(
-    nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
+    nnx.eval_shape(lambda: build(cfg.model, nnx.Rngs(0), implementation=implementation))
   )
   nnx.replace_by_pure_dict(target, nnx.to_pure_dict(state.params))
   tok_file = directory / "tokenizer.json"

@@ -34,24 +34,17 @@ PEAK_TFLOPS = {
 CPU_PEAK_TFLOPS = 0.1  # a nominal figure: CPU MFU is only indicative
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-  """Parameters that take part in matmuls per token (all but the embedding table)."""
-  D, F, N, K, H, L, V = (
-    cfg.d_model,
-    cfg.ffn_dim,
-    cfg.n_heads,
-    cfg.n_kv_heads,
-    cfg.head_dim,
-    cfg.n_layers,
-    cfg.vocab_size,
-  )
-  per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
-  return L * per_layer + D * V
+def matmul_params(params) -> int:
+  """Parameters that take part in matmuls per token: all but the embedding table (a gather)."""
+  total = sum(x.size for x in jax.tree.leaves(params))
+  return total - params["embed"][...].size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+def flops_per_token(
+  cfg: ModelConfig, n_matmul_params: int, seq_len: int, *, causal: bool = True
+) -> float:
   attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-  return 6 * matmul_params(cfg) + (attention / 2 if causal else attention)
+  return 6 * n_matmul_params + (attention / 2 if causal else attention)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float:
@@ -68,16 +61,9 @@ def peak_flops_per_device(override_tflops: float | None = None) -> float:
 
 
 def mfu(
-  tokens_per_s: float,
-  cfg: ModelConfig,
-  seq_len: int,
-  *,
-  n_devices: int,
-  peak_tflops: float | None = None,
+  tokens_per_s: float, flops_per_tok: float, *, n_devices: int, peak_tflops: float | None = None
 ) -> float:
-  return (
-    tokens_per_s * flops_per_token(cfg, seq_len) / (n_devices * peak_flops_per_device(peak_tflops))
-  )
+  return tokens_per_s * flops_per_tok / (n_devices * peak_flops_per_device(peak_tflops))
 
 
 def peak_memory_bytes() -> int | None:

@@ -35,7 +35,15 @@ def default_every(n_layers: int) -> int:
   return min(divisors, key=lambda k: (abs(k - math.sqrt(n_layers)), k))
 
 
-def scan_blocks(block_fn: Callable, x, stacked, *, policy: str = "none", every: int | None = None):
+def scan_blocks(
+  block_fn: Callable,
+  x,
+  stacked,
+  *,
+  policy: str = "none",
+  every: int | None = None,
+  unroll: bool = False,
+):
   """Runs `x = block_fn(x, layer_params)` over the stacked layers with the given remat policy.
 
   Args:
@@ -44,18 +52,20 @@ def scan_blocks(block_fn: Callable, x, stacked, *, policy: str = "none", every: 
     stacked: a pytree whose leaves have a leading [L] axis.
     policy: one of POLICIES.
     every: k for "every_k" (must divide L); default `default_every(L)`.
+    unroll: unroll the layer loops. Only for measurement: XLA's cost analysis counts a loop body
+      once, whatever its trip count.
   """
   if policy not in POLICIES:
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
   step = lambda x, params: (block_fn(x, params), None)
   if policy == "none":
-    return jax.lax.scan(step, x, stacked)[0]
+    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
   if policy == "full":
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
-    return jax.lax.scan(step, x, stacked)[0]
+    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
   if policy == "selective":
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*MATMUL_NAMES))
-    return jax.lax.scan(step, x, stacked)[0]
+    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
   n_layers = jax.tree.leaves(stacked)[0].shape[0]
   k = default_every(n_layers) if every is None else every
   if n_layers % k:
@@ -64,7 +74,7 @@ def scan_blocks(block_fn: Callable, x, stacked, *, policy: str = "none", every: 
 
   def group(x, params_k):
     # Only the group's input survives the forward; its k blocks are recomputed together.
-    return jax.lax.scan(step, x, params_k)[0], None
+    return jax.lax.scan(step, x, params_k, unroll=unroll)[0], None
 
   group = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable)
-  return jax.lax.scan(group, x, grouped)[0]
+  return jax.lax.scan(group, x, grouped, unroll=unroll)[0]

@@ -19,7 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from atlas_jax.config import Config
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model.deepseek import build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.loss import cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
@@ -36,11 +36,14 @@ class TrainState:
   loss_scale: LossScale | None = None  # fp16 only
 
 
-def build_model(cfg: Config, key: Array | None = None) -> Transformer:
-  """The model this run trains (random init from `key`; abstract when called under eval_shape)."""
-  return Transformer(
+def build_model(cfg: Config, key: Array | None = None) -> nnx.Module:
+  """The model this run trains (random init from `key`; abstract when called under eval_shape).
+
+  A Transformer for Llama-family configs, a DeepSeek model for MLA / MTP configs.
+  """
+  return build(
     training_model_config(cfg.model, cfg.train.precision),
-    rngs=nnx.Rngs(0 if key is None else key),
+    nnx.Rngs(0 if key is None else key),
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
@@ -109,14 +112,25 @@ def loss_fn(
   return cross_entropy(logits_BTV, targets_BT, batch.get("loss_mask"), z_loss=z_loss)
 
 
+def objective(cfg: Config) -> Callable:
+  """(graphdef, params, batch) -> (loss, aux): next-token cross-entropy, plus the multi-token
+  prediction heads' losses when the model has them."""
+  if cfg.model.mtp is not None:
+    from atlas_jax.training import mtp
+
+    return mtp.loss_fn
+  return lambda graphdef, params, batch: loss_fn(graphdef, params, batch, z_loss=cfg.train.z_loss)
+
+
 def _accumulated_grads(trainer: Trainer, params, batch, scale):
   """Mean loss and float32 gradients over train.grad_accum micro-batches (a scan, not a loop)."""
   cfg = trainer.cfg.train
   A = cfg.grad_accum
+  compute_loss = objective(trainer.cfg)
 
   def micro(batch_m):
     def scaled_loss(params):
-      loss, aux = loss_fn(trainer.graphdef, params, batch_m, z_loss=cfg.z_loss)
+      loss, aux = compute_loss(trainer.graphdef, params, batch_m)
       return loss * scale, (loss, aux)
 
     grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
@@ -179,8 +193,10 @@ def make_train_step(trainer: Trainer) -> Callable:
 
 
 def make_eval_step(trainer: Trainer) -> Callable:
+  compute_loss = objective(trainer.cfg)
+
   def eval_step(params, batch):
-    return loss_fn(trainer.graphdef, params, batch)[0]
+    return compute_loss(trainer.graphdef, params, batch)[0]
 
   return jax.jit(
     eval_step, in_shardings=(trainer.state_shardings.params, shd.batch_sharding(trainer.mesh))

@@ -18,19 +18,43 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-  path.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"})
-                          + "\n" for i in range(300)))
+  path.write_text(
+    "".join(
+      json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"}) + "\n"
+      for i in range(300)
+    )
+  )
   return path
 
 
 def train_cmd(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
-  sets = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
-          "model.ffn_dim=64", "train.seq_len=32", "train.batch_size=8", "train.steps=12",
-          "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=3",
-          "train.warmup_steps=2", f"data.source={corpus}", f"train.checkpoint_dir={run_dir}",
-          *extra]
-  cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-         "--sample-prompt", "", "--data-cache", str(run_dir.parent / "cache")]
+  sets = [
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=64",
+    "train.seq_len=32",
+    "train.batch_size=8",
+    "train.steps=12",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=3",
+    "train.warmup_steps=2",
+    f"data.source={corpus}",
+    f"train.checkpoint_dir={run_dir}",
+    *extra,
+  ]
+  cmd = [
+    sys.executable,
+    str(ROOT / "train.py"),
+    "--config",
+    str(ROOT / "configs" / "tiny.yaml"),
+    "--sample-prompt",
+    "",
+    "--data-cache",
+    str(run_dir.parent / "cache"),
+  ]
   for s in sets:
     cmd += ["--set", s]
   return cmd
@@ -57,8 +81,9 @@ def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
   subprocess.run(train_cmd(full, corpus), env=env(1), check=True, capture_output=True)
 
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(train_cmd(killed, corpus), env=env(1), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    train_cmd(killed, corpus), env=env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   deadline = time.time() + 240
   while not (killed / "6").is_dir() and proc.poll() is None and time.time() < deadline:
     time.sleep(0.05)
@@ -86,9 +111,19 @@ def test_two_processes_agree_with_one(tmp_path, corpus):
   port = free_port()
   procs = [
     subprocess.Popen(
-      train_cmd(tmp_path / "two", corpus, *common, f"mesh.coordinator_address=127.0.0.1:{port}",
-                "mesh.num_processes=2", f"mesh.process_id={i}"),
-      env=env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      train_cmd(
+        tmp_path / "two",
+        corpus,
+        *common,
+        f"mesh.coordinator_address=127.0.0.1:{port}",
+        "mesh.num_processes=2",
+        f"mesh.process_id={i}",
+      ),
+      env=env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
     for i in range(2)
   ]
   outputs = [p.communicate(timeout=240)[0] for p in procs]

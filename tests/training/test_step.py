@@ -40,8 +40,11 @@ def test_bf16_keeps_float32_master_weights_and_tracks_fp32():
   data = batches(4)
   state, bf16 = run(tiny_config("train.precision=bf16"), data)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state)
-             if hasattr(x, "dtype") and x.ndim > 0)
+  assert all(
+    x.dtype == jnp.float32
+    for x in jax.tree.leaves(state.opt_state)
+    if hasattr(x, "dtype") and x.ndim > 0
+  )
   _, fp32 = run(tiny_config(), data)
   np.testing.assert_allclose(bf16, fp32, rtol=3e-2)
 
