@@ -18,13 +18,15 @@ from flax import nnx
 
 from atlas_jax.config import load_config
 from atlas_jax.model.transformer import Transformer
+from atlas_jax.training.precision import training_model_config
 from atlas_jax.training.remat import POLICIES, default_every
 from atlas_jax.training.step import loss_fn
 
 
 def measure(cfg, policy: str, batch: int, *, flops: bool = True):
+  model_cfg = training_model_config(cfg.model, cfg.train.precision)  # e.g. bf16 compute
   model = nnx.eval_shape(
-    lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), remat=policy, unroll_layers=True)
+    lambda: Transformer(model_cfg, rngs=nnx.Rngs(0), remat=policy, unroll_layers=True)
   )
   graphdef, params = nnx.split(model)
   tokens = jax.ShapeDtypeStruct((batch, cfg.train.seq_len + 1), jnp.int32)
