@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.config import ConfigError, ModelConfig, RopeScaling
+from atlas_jax.model.deepseek import build
 from atlas_jax.model.transformer import Transformer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
@@ -225,13 +226,18 @@ def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[s
     layers = [convert(cast(tensors[f"model.layers.{i}.{hf_name}"])) for i in range(cfg.n_layers)]
     _set(blocks, path, jnp.stack(layers))
   params["blocks"] = blocks
-  _check_shapes(params, cfg)
+  check_shapes(params, cfg)
   return params
 
 
-def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
-  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  want = nnx.to_pure_dict(abstract)
+def _abstract_model(cfg: ModelConfig, implementation: str | None = None) -> nnx.Module:
+  """The model class `cfg` calls for (Transformer or DeepSeek), shapes only."""
+  return nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0), implementation=implementation))
+
+
+def check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
+  """Raises HFLoadError naming the first parameter that is missing or has the wrong shape."""
+  want = nnx.to_pure_dict(nnx.state(_abstract_model(cfg)))
   flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
   flat_got = dict(jax.tree_util.tree_leaves_with_path(params))
   for path, leaf in flat_want.items():
@@ -248,12 +254,9 @@ def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
 
 def build_model(
   cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None
-) -> Transformer:
-  """A Transformer holding `params`, without ever initialising random weights."""
-  abstract = nnx.eval_shape(
-    lambda: Transformer(cfg, rngs=nnx.Rngs(0), implementation=implementation)
-  )
-  graphdef, state = nnx.split(abstract)
+) -> nnx.Module:
+  """The model holding `params` (Transformer or DeepSeek), never initialising random weights."""
+  graphdef, state = nnx.split(_abstract_model(cfg, implementation))
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 

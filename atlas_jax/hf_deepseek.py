@@ -23,10 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig, RopeScaling
 from atlas_jax.model.deepseek import DeepSeek
@@ -267,37 +265,10 @@ def params_from_hf(
     stack(range(L, L + J), extra, block)
     heads["block"] = block
     params["mtp"] = {"heads": heads}
-  _check_shapes(params, cfg)
+  from atlas_jax.hf import check_shapes
+
+  check_shapes(params, cfg)
   return params
-
-
-def _abstract(cfg: ModelConfig, implementation: str | None = None) -> DeepSeek:
-  return nnx.eval_shape(lambda: DeepSeek(cfg, rngs=nnx.Rngs(0), implementation=implementation))
-
-
-def _check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
-  want = nnx.to_pure_dict(nnx.state(_abstract(cfg)))
-  flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
-  flat_got = dict(jax.tree_util.tree_leaves_with_path(params))
-  for path, leaf in flat_want.items():
-    got = flat_got.get(path)
-    name = ".".join(str(getattr(k, "key", k)) for k in path)
-    if got is None:
-      raise _error(f"no tensor for parameter {name}")
-    if tuple(got.shape) != tuple(leaf.shape):
-      raise _error(
-        f"parameter {name} has shape {tuple(got.shape)} from the checkpoint but the config "
-        f"implies {tuple(leaf.shape)}"
-      )
-
-
-def build_model(
-  cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None
-) -> DeepSeek:
-  """A DeepSeek model holding `params`, without ever initialising random weights."""
-  graphdef, state = nnx.split(_abstract(cfg, implementation))
-  nnx.replace_by_pure_dict(state, params)
-  return nnx.merge(graphdef, state)
 
 
 def load(
@@ -327,4 +298,6 @@ def load(
   cfg = config_from_hf(hf_config, dtype=dtype, mtp_layers=stored)
   interleaved = bool(hf_config.get("rope_interleave", True))
   params = params_from_hf(tensors, cfg, interleaved=interleaved)
+  from atlas_jax.hf import build_model
+
   return build_model(cfg, params, implementation=implementation)
