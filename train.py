@@ -193,10 +193,12 @@ def main(argv=None) -> int:
       print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{cfg.train.steps}", end="", flush=True)
     if step % cfg.train.log_every == 0 or last:
       metrics = {k: float(v) for k, v in metrics.items()}
-      if not np.isfinite(metrics["loss"]) and cfg.train.on_nan == "stop":
+      bad = int(state.first_nonfinite)
+      if bad and cfg.train.on_nan == "stop":
+        # That step skipped its update, so the state (and every checkpoint) is still clean.
         print(
-          f"\nerror: loss is {metrics['loss']} at step {step}; stopping (train.on_nan=stop; "
-          "'skip' skips such steps)",
+          f"\nerror: the loss or gradients were not finite at step {bad}; stopping "
+          "(train.on_nan=stop; 'skip' skips such steps)",
           file=sys.stderr,
         )
         return 1

@@ -33,6 +33,9 @@ class TrainState:
   params: Any  # nnx.State of the model's Params (float32 master weights)
   opt_state: Any  # optax state for `params`
   step: Array  # i32[] steps run (skipped ones included: the data position)
+  first_nonfinite: (
+    Array  # i32[] first step (1-based) whose loss or gradients were not finite; 0: none
+  )
   loss_scale: LossScale | None = None  # fp16 only
 
 
@@ -70,7 +73,8 @@ class Trainer:
     scale = None
     if self.cfg.train.precision == "fp16":
       scale = LossScale.create(self.cfg.train.loss_scale)
-    return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), scale)
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(params, self.optimizer.init(params), zero, zero, scale)
 
   def abstract_state(self) -> TrainState:
     return jax.eval_shape(self._init, jax.random.key(0))
@@ -88,6 +92,7 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     params=shd.tree_shardings(abstract.params, mesh, rules["params"]),
     opt_state=shd.tree_shardings(abstract.opt_state, mesh, rules["opt_state"]),
     step=rep,
+    first_nonfinite=rep,
     loss_scale=None
     if abstract.loss_scale is None
     else jax.tree.map(lambda _: rep, abstract.loss_scale),
@@ -166,8 +171,9 @@ def make_train_step(trainer: Trainer) -> Callable:
     finite = all_finite(grads) & jnp.isfinite(loss)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # A non-finite step (fp16 overflow, or on_nan=skip) leaves parameters and optimizer untouched.
-    skip = ~finite if (state.loss_scale is not None or cfg.on_nan == "skip") else jnp.bool_(False)
+    # A non-finite step never touches parameters or optimizer state: fp16 overflow and
+    # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
+    skip = ~finite
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
     params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
@@ -180,7 +186,12 @@ def make_train_step(trainer: Trainer) -> Callable:
     }
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.scale
-    new_state = TrainState(params, opt_state, state.step + 1, loss_scale)
+    step = state.step + 1
+    overflow_ok = state.loss_scale is not None  # fp16: expected while the scale settles
+    first = jnp.where(
+      (state.first_nonfinite == 0) & skip & ~overflow_ok, step, state.first_nonfinite
+    )
+    new_state = TrainState(params, opt_state, step, first, loss_scale)
     return new_state, metrics
 
   batch_sh = shd.batch_sharding(trainer.mesh)

@@ -91,3 +91,18 @@ def test_nan_batch_is_skipped_when_asked():
   state, m = step(state, batches(1)[0])
   assert int(m["skipped"]) == 1 and not np.isfinite(float(m["loss"]))
   np.testing.assert_array_equal(state.params["embed"][...], before["embed"])
+
+
+def test_nonfinite_step_is_recorded_and_leaves_the_state_clean():
+  """on_nan=stop (default): the bad step does not update; its number is kept for the host."""
+  trainer = make_trainer(tiny_config(), mesh=single_device_mesh())
+  step = make_train_step(trainer)
+  state = trainer.init(jax.random.key(0))
+  state, _ = step(state, batches(1)[0])
+  assert int(state.first_nonfinite) == 0
+  scale = state.params["final_norm"]["scale"]
+  scale.set_value(jnp.full_like(scale[...], jnp.inf))
+  before = np.asarray(state.params["embed"][...])
+  state, m = step(state, batches(2)[1])
+  assert int(state.first_nonfinite) == 2 and int(m["skipped"]) == 1
+  np.testing.assert_array_equal(state.params["embed"][...], before)
