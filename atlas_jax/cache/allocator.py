@@ -187,6 +187,23 @@ class BlockAllocator:
       n_copies=self._n_copies,
     )
 
+  def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+    """Leading tokens of `prompt` that `add_sequence` would serve from the prefix cache.
+
+    A read-only lookup: nothing is allocated, referenced or hashed into the cache (a block's hash
+    may only be registered once its K/V are computed).
+    """
+    if not self.enable_prefix_caching:
+      return 0
+    Z = self.block_size
+    parent, n = b"", 0
+    for i in range((len(prompt) - 1) // Z):  # the last token is always recomputed
+      parent = block_hash(parent, prompt[i * Z : (i + 1) * Z])
+      if parent not in self._block_of:
+        break
+      n += Z
+    return n
+
   # -- operations ----------------------------------------------------------------------------
 
   def add_sequence(self, seq_id: SeqId, prompt: Sequence[int]) -> int:

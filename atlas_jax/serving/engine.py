@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError, block_hash
+from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
 from atlas_jax.cache.paged import init_kv_pool
 from atlas_jax.cache.paged_view import PagedKVCache
 from atlas_jax.decoding.sampling import (
@@ -325,22 +325,6 @@ class Engine:
         outputs.append(self._finish(req, "abort"))
     return outputs
 
-  def _cached_prefix(self, tokens: list[int]) -> int:
-    """Leading tokens of `tokens` whose full blocks are in the prefix cache (what
-    `add_sequence` will reuse), found without allocating: blocks must not be hashed before
-    their K/V are computed."""
-    if not self.config.enable_prefix_caching:
-      return 0
-    Z = self.config.block_size
-    table = self.allocator._block_of  # read-only lookup of hash -> block
-    parent, n = b"", 0
-    for i in range((len(tokens) - 1) // Z):
-      parent = block_hash(parent, tokens[i * Z : (i + 1) * Z])
-      if parent not in table:
-        break
-      n += Z
-    return n
-
   def _preempt(self, req: _Request) -> None:
     """Recompute-style preemption: free the blocks, requeue at the front."""
     self.allocator.free(req.id)
@@ -379,7 +363,7 @@ class Engine:
     while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
       req = self.waiting[0]
       tokens = req.tokens
-      hit = self._cached_prefix(tokens)
+      hit = self.allocator.cached_prefix_length(tokens)
       n = min(len(tokens) - hit, cfg.prefill_chunk, budget)
       try:
         got = self.allocator.add_sequence(req.id, tokens[: hit + n])

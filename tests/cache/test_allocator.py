@@ -318,3 +318,17 @@ def test_snapshot_is_deep():
   before = copy.deepcopy(snapshot(alloc))
   alloc.append("a", [2, 3])
   assert snapshot(alloc) != before
+
+
+def test_cached_prefix_length_predicts_add_sequence_without_changing_state():
+  alloc = BlockAllocator(16, 4)
+  alloc.add_sequence("a", list(range(13)))
+  alloc.append("a", [99])
+  alloc.free("a")
+  stats = alloc.stats()
+  prompt = list(range(12)) + [7, 7]
+  want = alloc.cached_prefix_length(prompt)
+  assert alloc.stats() == stats  # a pure lookup
+  assert want == 12
+  assert alloc.add_sequence("b", prompt) == want
+  assert alloc.cached_prefix_length(list(range(8))) == 4  # the last token is always recomputed
