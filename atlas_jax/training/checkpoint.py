@@ -13,7 +13,6 @@ resumes on another.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from atlas_jax.config import Config, MeshConfig, dump_config, load_config
+from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model.deepseek import build
 
@@ -80,8 +79,6 @@ def load_model(
 
   The model computes in the config's model.dtype with the float32 master weights cast to it.
   """
-  from atlas_jax.training.step import make_trainer
-
   directory = Path(directory)
   if not is_checkpoint(directory):
     raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
@@ -90,17 +87,32 @@ def load_model(
   step = mngr.latest_step() if step is None else step
   if step is None:
     raise ValueError(f"{directory}: holds no checkpoint step")
-  # Restore the train state on one device (the parameters are a subtree of it).
-  single = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
-  trainer = make_trainer(single, mesh=single_device_mesh())
-  state, _ = restore(mngr, trainer.abstract_state(), trainer.state_shardings, step)
-  graphdef, target = nnx.split(
+  graphdef, abstract = nnx.split(
     nnx.eval_shape(lambda: build(cfg.model, nnx.Rngs(0), implementation=implementation))
   )
-  nnx.replace_by_pure_dict(target, nnx.to_pure_dict(state.params))
+  # Only the parameters subtree of the train state is read (no optimizer state), onto one device.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = {
+    "params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+    )
+  }
+  restore_args = jax.tree.map(
+    lambda x: ocp.ArrayRestoreArgs(sharding=device, dtype=x.dtype), target
+  )
+  restored = mngr.restore(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    ),
+  )
+  params = restored["state"]["params"]
+  nnx.replace_by_pure_dict(
+    abstract, nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+  )
   tok_file = directory / "tokenizer.json"
   tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
-  return nnx.merge(graphdef, target), cfg, tokenizer
+  return nnx.merge(graphdef, abstract), cfg, tokenizer
 
 
 def single_device_mesh() -> Mesh:
