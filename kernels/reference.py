@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+# exp(_MASKED - row max) underflows to exactly 0 in float32 for any row with a visible key.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def check_attention_inputs(
@@ -178,19 +180,14 @@ def attention_reference(
     q_positions=q_positions,
     kv_lengths=kv_lengths,
   )
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
-  # Subtract a finite row max so fully masked rows (max = -inf) give exp(-inf) = 0, not NaN.
-  m_BKGT1 = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
-  m_BKGT1 = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m_BKGT1), m_BKGT1, 0.0))
-  p_BKGTS = jnp.exp(logits_BKGTS - m_BKGT1)
-  l_BKGT1 = jnp.sum(p_BKGTS, axis=-1, keepdims=True)
-  p_BKGTS = p_BKGTS / jnp.where(l_BKGT1 == 0.0, 1.0, l_BKGT1)
+  # A finite mask value keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
+  live_BT = jnp.any(mask_BTS, axis=-1)
+  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+  p_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1) * live_BT[:, None, None, :, None]
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v.astype(jnp.float32))
   out_BTNH = out_BTKGH.reshape(B, T, N, H).astype(q.dtype)
   if not return_lse:
     return out_BTNH
-  lse_BKGT = jnp.where(
-    l_BKGT1[..., 0] > 0.0, m_BKGT1[..., 0] + jnp.log(jnp.maximum(l_BKGT1[..., 0], 1e-30)), -jnp.inf
-  )
+  lse_BKGT = jnp.where(live_BT[:, None, None], jax.nn.logsumexp(logits_BKGTS, axis=-1), -jnp.inf)
   lse_BTN = jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(B, T, N)
   return out_BTNH, lse_BTN
