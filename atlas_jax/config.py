@@ -280,12 +280,21 @@ class TrainConfig:
 
   def __post_init__(self):
     _positive(
-      "train", self, "steps", "batch_size", "seq_len", "learning_rate", "log_every", "grad_accum",
-      "keep_checkpoints", "loss_scale",
+      "train",
+      self,
+      "steps",
+      "batch_size",
+      "seq_len",
+      "learning_rate",
+      "log_every",
+      "grad_accum",
+      "keep_checkpoints",
+      "loss_scale",
     )
     if self.batch_size % self.grad_accum:
       _fail(
-        "train.batch_size", self.batch_size,
+        "train.batch_size",
+        self.batch_size,
         f"must be divisible by train.grad_accum={self.grad_accum} (micro-batches per step)",
       )
     if self.remat_every is not None and self.remat_every <= 0:

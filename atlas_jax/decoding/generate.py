@@ -31,10 +31,9 @@ def _bucket(n: int, minimum: int = 16) -> int:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _prefill(graphdef, params, tokens_BT, cache, lengths_B):
   model = nnx.merge(graphdef, params)
-  logits_BTV, cache = model(tokens_BT, cache=cache)
   # Right padding: the next-token logits of row b sit at its last real token.
-  last_BV = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  return last_BV, cache.replace(lengths=lengths_B)
+  logits_B1V, cache = model(tokens_BT, cache=cache, logits_at_B=lengths_B - 1)
+  return logits_B1V[:, 0], cache.replace(lengths=lengths_B)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=2)

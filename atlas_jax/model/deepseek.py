@@ -143,6 +143,7 @@ class DeepSeek(nnx.Module):
     positions_BT: Array | None = None,
     segment_ids_BT: Array | None = None,
     cache: LatentCache | KVCache | None = None,
+    logits_at_B: Array | None = None,
   ):
     """Next-token logits.
 
@@ -151,12 +152,15 @@ class DeepSeek(nnx.Module):
       positions_BT: i32[B, T]; default 0..T-1, or continuing from `cache.lengths`.
       segment_ids_BT: i32[B, T] document ids of packed sequences (no cache).
       cache: from `init_cache`; the tokens are appended at each sequence's length.
+      logits_at_B: i32[B]; compute logits only at this index of each row (T = 1 in the result).
 
     Returns:
       f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
     """
     positions_BT = self._positions(tokens_BT, positions_BT, cache)
     _, h_BTD, new_cache = self._trunk(tokens_BT, positions_BT, segment_ids_BT, cache)
+    if logits_at_B is not None:
+      h_BTD = jnp.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
     logits_BTV = jnp.einsum(
       "BTD,DV->BTV", h_BTD, self._head_DV().astype(h_BTD.dtype), preferred_element_type=jnp.float32
     )

@@ -95,6 +95,7 @@ class Transformer(nnx.Module):
     positions_BT: Array | None = None,
     segment_ids_BT: Array | None = None,
     cache: KVCache | PagedKVCache | None = None,
+    logits_at_B: Array | None = None,
   ):
     """Next-token logits.
 
@@ -104,6 +105,8 @@ class Transformer(nnx.Module):
       segment_ids_BT: i32[B, T] document ids of packed sequences (no cache).
       cache: a KVCache; the tokens are appended at each sequence's length.
         Or a PagedKVCache over the block pool; positions < 0 mark padding tokens (not written).
+      logits_at_B: i32[B]; compute logits only at this index of each row (then T = 1 in the
+        result): prefill needs only each prompt's last position.
 
     Returns:
       f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
@@ -155,6 +158,9 @@ class Transformer(nnx.Module):
       x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
       new_cache = cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
 
+    if logits_at_B is not None:
+      # Only the rows' chosen positions reach the head: [B, 1, V] logits, not [B, T, V].
+      x_BTD = jnp.take_along_axis(x_BTD, logits_at_B[:, None, None], axis=1)
     x_BTD = self.final_norm(x_BTD)
     head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     logits_BTV = jnp.einsum(

@@ -150,8 +150,8 @@ def _forward_sample(
   """
   model = nnx.merge(graphdef, state)
   cache = PagedKVCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
-  logits_BTV, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache)
-  logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+  logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
+  logits_BV = logits_B1V[:, 0]
   out = sample_rows(
     logits_BV,
     step_keys(seed_B, step_B),

@@ -158,3 +158,13 @@ def test_big_presets_by_eval_shape():
   abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
   n = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
   assert n == 8_030_261_248
+
+
+def test_logits_at_selects_one_position_per_row():
+  model = make()
+  toks = tokens(3, 9)
+  full = model(toks)
+  at = jnp.array([8, 0, 4], jnp.int32)
+  picked = model(toks, logits_at_B=at)
+  chex.assert_shape(picked, (3, 1, V))
+  chex.assert_trees_all_close(picked[:, 0], full[jnp.arange(3), at], atol=1e-6)
