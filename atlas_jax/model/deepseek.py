@@ -11,8 +11,6 @@ not implemented: every layer is dense (DeepSeek's first_k_dense_replace >= n_lay
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,40 +18,12 @@ from flax import nnx
 from atlas_jax.cache.contiguous import KVCache
 from atlas_jax.cache.latent import LatentCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.attention import Attention
-from atlas_jax.model.layers import MLP, RMSNorm, normal
-from atlas_jax.model.mla import MLA
+from atlas_jax.model.layers import RMSNorm, normal
 from atlas_jax.model.mtp import MTPHeads, stacked
+from atlas_jax.model.transformer import Block
 from atlas_jax.training.remat import scan_blocks
 
 Array = jax.Array
-
-
-class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); MLA when `cfg.mla` is set."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
-    pdt = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    attn_cls = Attention if cfg.mla is None else MLA
-    self.attn = attn_cls(cfg, rngs=rngs, implementation=implementation)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.mlp = MLP(
-      cfg.d_model,
-      cfg.ffn_dim,
-      init_std=cfg.init_std,
-      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
-      rngs=rngs,
-      param_dtype=pdt,
-    )
-
-  def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):
-    h_BTD, cache = self.attn(
-      self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
-    )
-    x_BTD = x_BTD + h_BTD
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return x_BTD, cache
 
 
 class DeepSeek(nnx.Module):

@@ -18,18 +18,20 @@ from atlas_jax.cache.paged_view import PagedKVCache, PagedLayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm, normal
+from atlas_jax.model.mla import MLA
 from atlas_jax.training.remat import scan_blocks
 
 Array = jax.Array
 
 
 class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); MLA when `cfg.mla` is set."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.attn = Attention(cfg, rngs=rngs, implementation=implementation)
+    attn_cls = Attention if cfg.mla is None else MLA
+    self.attn = attn_cls(cfg, rngs=rngs, implementation=implementation)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = MLP(
       cfg.d_model,
