@@ -20,7 +20,7 @@ from atlas_jax.cache.latent import LatentCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.layers import RMSNorm, normal
 from atlas_jax.model.mtp import MTPHeads, stacked
-from atlas_jax.model.transformer import Block
+from atlas_jax.model.transformer import Block, default_positions, scan_kv_cache
 from atlas_jax.training.remat import scan_blocks
 
 Array = jax.Array
@@ -86,25 +86,9 @@ class DeepSeek(nnx.Module):
       x_BTD, c_LBSE = jax.lax.scan(body, x_BTD, (block_state, cache.c))
       new_cache, trunk_BTD = cache.replace(c=c_LBSE, lengths=cache.lengths + T), None
     else:
-
-      def body(x_BTD, layer):
-        state, k_BSKH, v_BSKH = layer
-        x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
-          x_BTD, positions_BT, cache=(k_BSKH, v_BSKH, cache.lengths)
-        )
-        return x_BTD, (k_BSKH, v_BSKH)
-
-      x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
-      new_cache = cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
+      x_BTD, new_cache = scan_kv_cache(graphdef, block_state, x_BTD, positions_BT, cache)
       trunk_BTD = None
     return trunk_BTD, self.final_norm(x_BTD), new_cache
-
-  def _positions(self, tokens_BT, positions_BT, cache):
-    if positions_BT is not None:
-      return positions_BT
-    B, T = tokens_BT.shape
-    start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
-    return start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
   def __call__(
     self,
@@ -127,7 +111,7 @@ class DeepSeek(nnx.Module):
     Returns:
       f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
     """
-    positions_BT = self._positions(tokens_BT, positions_BT, cache)
+    positions_BT = positions_BT if positions_BT is not None else default_positions(tokens_BT, cache)
     _, h_BTD, new_cache = self._trunk(tokens_BT, positions_BT, segment_ids_BT, cache)
     if logits_at_B is not None:
       h_BTD = jnp.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
@@ -149,7 +133,7 @@ class DeepSeek(nnx.Module):
     """
     if self.mtp is None:
       raise ValueError("forward_mtp: the model has no MTP heads (model.mtp is null)")
-    positions_BT = self._positions(tokens_BT, positions_BT, None)
+    positions_BT = positions_BT if positions_BT is not None else default_positions(tokens_BT, None)
     trunk_BTD, h_BTD, _ = self._trunk(tokens_BT, positions_BT, segment_ids_BT, None)
     head_DV = self._head_DV()
     logits_BTV = jnp.einsum(

@@ -63,6 +63,30 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, implementation: str | None
   return nnx.merge(graphdef, state)
 
 
+def default_positions(tokens_BT: Array, cache) -> Array:
+  """i32[B, T]: 0..T-1, or continuing from each sequence's cache length."""
+  B, T = tokens_BT.shape
+  start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+  return start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
+def scan_kv_cache(
+  graphdef, block_state, x_BTD: Array, positions_BT: Array, cache: KVCache
+) -> tuple[Array, KVCache]:
+  """Runs the stacked blocks over a contiguous KVCache, one layer's [B, S, K, H] slice a step."""
+
+  def body(x_BTD, layer):
+    state, k_BSKH, v_BSKH = layer
+    x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
+      x_BTD, positions_BT, cache=(k_BSKH, v_BSKH, cache.lengths)
+    )
+    return x_BTD, (k_BSKH, v_BSKH)
+
+  x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
+  T = x_BTD.shape[1]
+  return x_BTD, cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
+
+
 class Transformer(nnx.Module):
   def __init__(
     self,
@@ -114,11 +138,9 @@ class Transformer(nnx.Module):
       f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
     """
     cfg = self.cfg
-    B, T = tokens_BT.shape
     dtype = jnp.dtype(cfg.dtype)
     if positions_BT is None:
-      start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
-      positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+      positions_BT = default_positions(tokens_BT, cache)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
 
     graphdef, block_state = nnx.split(self.blocks)
@@ -149,16 +171,7 @@ class Transformer(nnx.Module):
         pool=dataclasses.replace(cache.pool, k=k_LPZKH, v=v_LPZKH), lengths=kv_lengths_B
       )
     else:
-
-      def body(x_BTD, layer):
-        state, k_BSKH, v_BSKH = layer
-        x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
-          x_BTD, positions_BT, cache=(k_BSKH, v_BSKH, cache.lengths)
-        )
-        return x_BTD, (k_BSKH, v_BSKH)
-
-      x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
-      new_cache = cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
+      x_BTD, new_cache = scan_kv_cache(graphdef, block_state, x_BTD, positions_BT, cache)
 
     if logits_at_B is not None:
       # Only the rows' chosen positions reach the head: [B, 1, V] logits, not [B, T, V].
