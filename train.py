@@ -141,15 +141,13 @@ def main(argv=None) -> int:
     process_index=jax.process_index(),
     process_count=jax.process_count(),
   )
-  eval_data = (
-    pipeline.eval_batches(
-      *files["eval"],
-      seq_len=cfg.train.seq_len,
-      batch_size=cfg.train.batch_size,
-      n_batches=cfg.train.eval_batches,
-    )
-    if main_process or jax.process_count() == 1
-    else []
+  eval_data = pipeline.eval_batches(
+    *files["eval"],
+    seq_len=cfg.train.seq_len,
+    batch_size=cfg.train.batch_size,
+    n_batches=cfg.train.eval_batches,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
   )
   counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()

@@ -43,15 +43,3 @@ def tokenize_corpus(
     return TokenCorpus(np.concatenate(docs), starts)
 
   return join(parts[False]), join(parts[True])
-
-
-def sample_windows(
-  corpus: TokenCorpus, *, batch: int, seq_len: int, rng: np.random.Generator
-) -> np.ndarray:
-  """i32[batch, seq_len + 1] random windows of the corpus (inputs and shifted targets)."""
-  if len(corpus) <= seq_len + 1:
-    raise ValueError(
-      f"the corpus has {len(corpus)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}"
-    )
-  starts = rng.integers(0, len(corpus) - seq_len - 1, size=batch)
-  return np.stack([corpus.tokens[s : s + seq_len + 1] for s in starts])

@@ -109,11 +109,21 @@ def train_dataset(
 
 
 def eval_batches(
-  tokens: np.ndarray, doc_starts: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int
+  tokens: np.ndarray,
+  doc_starts: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  n_batches: int,
+  process_index: int = 0,
+  process_count: int = 1,
 ) -> list[dict[str, np.ndarray]]:
-  """A fixed list of eval batches (the first windows of the held-out documents)."""
+  """A fixed list of eval batches (the first windows of the held-out documents), this host's
+  share of each: every process must take part in the sharded eval step."""
   if len(tokens) < seq_len + 1 or n_batches == 0:
     return []
-  source = PackedSequences(tokens, doc_starts, seq_len)
-  ds = grain.MapDataset.source(source).batch(batch_size, drop_remainder=True)
-  return [ds[i] for i in range(min(n_batches, len(ds)))]
+  ds = grain.MapDataset.source(PackedSequences(tokens, doc_starts, seq_len))
+  ds = ds.batch(batch_size, drop_remainder=True)
+  share = batch_size // process_count
+  lo = process_index * share
+  return [{k: v[lo : lo + share] for k, v in ds[i].items()} for i in range(min(n_batches, len(ds)))]

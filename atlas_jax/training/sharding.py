@@ -132,14 +132,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def per_device_bytes(tree, device: jax.Device | None = None) -> int:
-  """Bytes of the arrays in `tree` that live on one device (default the first)."""
-  device = jax.local_devices()[0] if device is None else device
-  return sum(
-    s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device
-  )
-
-
 def sharded_bytes(abstract_tree, shardings) -> int:
   """Per-device bytes of `abstract_tree` laid out with `shardings` (no allocation)."""
   leaves = jax.tree.leaves(abstract_tree)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atlas_jax.data.corpus import iter_documents, stdlib_files
-from atlas_jax.data.dataset import sample_windows, tokenize_corpus
+from atlas_jax.data.dataset import tokenize_corpus
 from atlas_jax.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 
@@ -54,10 +54,8 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
   assert (train_a.tokens == tok.eos_id).sum() == len(train_a.doc_starts)
 
 
-def test_jsonl_source_and_windows(tmp_path):
+def test_jsonl_source(tmp_path):
   path = tmp_path / "data.jsonl"
   path.write_text('{"text": "hello world"}\n\n{"text": "second document here"}\n')
   train, _ = tokenize_corpus(str(path), ByteTokenizer(), eval_fraction=0.0)
   assert len(train) == len("hello world") + len("second document here") + 2
-  w = sample_windows(train, batch=3, seq_len=8, rng=np.random.default_rng(0))
-  assert w.shape == (3, 9)

@@ -105,7 +105,15 @@ def free_port() -> int:
 
 def test_two_processes_agree_with_one(tmp_path, corpus):
   one = tmp_path / "one"
-  common = ["train.steps=4", "mesh.fsdp=8", "train.sharding=zero3", "train.checkpoint_every=0"]
+  common = [
+    "train.steps=4",
+    "mesh.fsdp=8",
+    "train.sharding=zero3",
+    "train.checkpoint_every=0",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "data.eval_fraction=0.2",
+  ]
   subprocess.run(train_cmd(one, corpus, *common), env=env(8), check=True, capture_output=True)
 
   port = free_port()
@@ -133,3 +141,8 @@ def test_two_processes_agree_with_one(tmp_path, corpus):
   assert sorted(got) == [1, 2, 3, 4]
   for step in want:
     assert got[step] == pytest.approx(want[step], rel=1e-5)
+  # Every process takes part in the sharded eval step (one host alone would hang).
+  eval_of = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()][-1]
+  assert eval_of(tmp_path / "two")["eval_loss"] == pytest.approx(
+    eval_of(one)["eval_loss"], rel=1e-5
+  )
