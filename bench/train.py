@@ -10,9 +10,11 @@ the same random token batches. Prints tokens/s for each and the ratio (ours / Py
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -115,12 +117,89 @@ def time_jax(cfg, batches, warmup: int) -> float:
   return time.perf_counter() - t
 
 
+def _ms(f, *args, n: int = 20) -> float:
+  jax.block_until_ready(f(*args))
+  t = time.perf_counter()
+  for _ in range(n):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t) / n * 1e3
+
+
+def breakdown(cfg) -> None:
+  """Where the step's time goes on this backend: the measurements behind BENCHMARKS.md."""
+  from flax import nnx
+
+  from atlas_jax.kernels import attention_reference
+  from atlas_jax.model.transformer import Transformer
+  from atlas_jax.training.step import loss_fn
+
+  c = cfg.model
+  B, T, D, F = cfg.train.batch_size, cfg.train.seq_len, c.d_model, c.ffn_dim
+  keys = jax.random.split(jax.random.key(0), 6)
+  x_MD = jax.random.normal(keys[0], (B * T, D))
+  w_DF = jax.random.normal(keys[1], (D, F))
+  flops = 2 * B * T * D * F
+  xla_mm = _ms(jax.jit(lambda a, b: a @ b), x_MD, w_DF)
+  ta, tb = torch.from_numpy(np.array(x_MD)), torch.from_numpy(np.array(w_DF))
+  t = time.perf_counter()
+  for _ in range(20):
+    ta @ tb
+  torch_mm = (time.perf_counter() - t) / 20 * 1e3
+  print(
+    f"matmul [{B * T}x{D}] x [{D}x{F}]: XLA {flops / xla_mm / 1e6:.0f} GFLOP/s, "
+    f"PyTorch {flops / torch_mm / 1e6:.0f} GFLOP/s"
+  )
+
+  ws = tuple(jax.random.normal(k, s) for k, s in zip(keys[2:5], [(D, F), (D, F), (F, D)]))
+  x_BTD = x_MD.reshape(B, T, D)
+
+  def mlp_3d(ws, x):
+    g = jnp.einsum("BTD,DF->BTF", x, ws[0])
+    u = jnp.einsum("BTD,DF->BTF", x, ws[1])
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, ws[2]).sum()
+
+  def mlp_2d(ws, x):
+    x = x.reshape(-1, D)
+    return ((jax.nn.silu(x @ ws[0]) * (x @ ws[1])) @ ws[2]).sum()
+
+  for name, f in (("3-D einsums", mlp_3d), ("2-D matmuls", mlp_2d)):
+    print(
+      f"SwiGLU MLP as {name}: forward {_ms(jax.jit(f), ws, x_BTD):.1f} ms, "
+      f"gradient {_ms(jax.jit(jax.grad(f)), ws, x_BTD):.1f} ms"
+    )
+
+  q = jax.random.normal(keys[5], (B, T, c.n_heads, c.head_dim))
+  kv = jax.random.normal(keys[4], (B, T, c.n_kv_heads, c.head_dim))
+  ours = lambda q, k, v: attention_reference(q, k, v, causal=True).sum()
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(
+    q, k, v, is_causal=True, implementation="xla"
+  ).sum()
+  for name, f in (("atlas_jax reference", ours), ("jax.nn.dot_product_attention", theirs)):
+    g = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    print(
+      f"attention ({name}): forward {_ms(jax.jit(f), q, kv, kv):.1f} ms, "
+      f"gradient {_ms(g, q, kv, kv):.1f} ms"
+    )
+
+  tokens = jnp.zeros((B, T + 1), jnp.int32)
+  for unroll in (False, True):
+    graphdef, params = nnx.split(Transformer(c, rngs=nnx.Rngs(0), unroll_layers=unroll))
+    loss = functools.partial(lambda gd, p, t: loss_fn(gd, p, {"tokens": t})[0], graphdef)
+    f, g = jax.jit(loss), jax.jit(jax.grad(loss))
+    print(
+      f"model, layers {'unrolled' if unroll else 'scanned'}: forward "
+      f"{_ms(f, params, tokens, n=10):.1f} ms, gradient {_ms(g, params, tokens, n=10):.1f} ms"
+    )
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--config", default="configs/tiny.yaml")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--set", action="append", default=[])
+  p.add_argument("--breakdown", action="store_true", help="also time the step's pieces")
   args = p.parse_args()
   cfg = load_config(args.config, ["mesh.fsdp=1", *args.set])
   B, T = cfg.train.batch_size, cfg.train.seq_len
@@ -142,6 +221,8 @@ def main():
   print(f"| atlas_jax (jit, donated state) | {ours:,.0f} |")
   print(f"| PyTorch eager (same model) | {theirs:,.0f} |")
   print(f"ratio atlas_jax / PyTorch = {ours / theirs:.2f}")
+  if args.breakdown:
+    breakdown(cfg)
 
 
 if __name__ == "__main__":
