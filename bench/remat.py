@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax.config import load_config
+from atlas_jax.model.scan import POLICIES, default_every
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.training.precision import training_model_config
-from atlas_jax.training.remat import POLICIES, default_every
 from atlas_jax.training.step import loss_fn
 
 
