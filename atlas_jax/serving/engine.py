@@ -17,6 +17,17 @@ in the pool (`n_computed`). Each `step()`:
    another row is computing reads them after they are written.
 4. samples each row whose tokens are all computed and applies the stop conditions.
 
+When every running request is decoding and nothing waits that could be admitted, a step is a
+burst instead: `decode_burst` iterations in one jitted call, each sampled token fed back on the
+device, blocks reserved ahead for them (`BlockAllocator.reserve`). The host reads the K tokens
+of every row once, cuts each at its first stop (eos, stop token, max_tokens, stop string) and
+gives back the blocks it did not need, so outputs are exactly those of single steps while the
+host's per-step work is paid once per K tokens.
+
+Attention work follows the real lengths: every call's block table has as many columns as its
+longest row holds blocks, rounded up to a power of two, not the context's maximum. Output text is
+detokenised incrementally (`atlas_jax.serving.detokenize`).
+
 `add_requests` queues n completions of one prompt (OpenAI's `n`): only the first computes the
 prompt; when its prompt is done, every other completion forks its blocks (`BlockAllocator.fork`),
 drops the last prompt token and recomputes just that one, in a device copy of the shared partial
@@ -32,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -41,15 +51,10 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
-from atlas_jax.cache.paged import PagedCache
-from atlas_jax.decoding.sampling import (
-  MAX_LOGPROBS,
-  SamplingArrays,
-  SamplingParams,
-  sample_rows,
-  step_keys,
-)
+from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
 from atlas_jax.model.transformer import Transformer
+from atlas_jax.serving import steps
+from atlas_jax.serving.detokenize import IncrementalDetokenizer
 
 Array = jax.Array
 RequestId = Hashable
@@ -68,9 +73,16 @@ class EngineConfig:
   prefill_chunk: int = 64  # most prompt tokens one request computes per step (a power of two)
   max_model_len: int | None = None  # default: the model's max_seq_len
   enable_prefix_caching: bool = True
+  decode_burst: int = 8  # K: decode iterations per call when no request needs the host; 1: off
 
   def __post_init__(self):
-    for name in ("n_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in (
+      "n_blocks",
+      "block_size",
+      "max_num_seqs",
+      "max_num_batched_tokens",
+      "decode_burst",
+    ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be a positive int")
     c = self.prefill_chunk
@@ -106,8 +118,9 @@ class _Request:
   stop_ids: frozenset[int]
   output: list[int] = dataclasses.field(default_factory=list)
   n_computed: int = 0  # tokens of prompt + output whose K/V are in the pool
-  text: str = ""  # detokenised output (only with a detokenizer)
+  detok: IncrementalDetokenizer | None = None  # the output's text (only with a detokenizer)
   n_text_sent: int = 0
+  stop_at: int | None = None  # where the first stop string starts in the text
   n_preemptions: int = 0
 
   @property
@@ -121,54 +134,6 @@ class _Request:
 
 def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_blocks(pool, src_N, dst_N):
-  """Copies pool blocks src -> dst (i32[N] each) in every layer; the pool is donated."""
-  return jax.tree.map(lambda a_LPZ_: a_LPZ_.at[:, dst_N].set(a_LPZ_[:, src_N]), pool)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
-def _forward_sample(
-  graphdef,
-  state,
-  pool,
-  tokens_BT,
-  positions_BT,
-  block_table_BM,
-  lengths_B,
-  last_B,
-  seed_B,
-  step_B,
-  arrays: SamplingArrays,
-  penalties: bool,
-  counts_BV,
-  prompt_mask_BV,
-):
-  """One model call over the pool (donated), then one draw per row from its last real token.
-
-  Args:
-    tokens_BT: i32[B, T] new tokens, right-padded; positions_BT i32[B, T] (-1 for padding).
-    block_table_BM: i32[B, M]; lengths_B i32[B] tokens in the pool before this call.
-    last_B: i32[B] index in T of each row's last real token.
-    seed_B, step_B: i32[B] each row's seed and the index of the token it samples.
-
-  Returns:
-    (pool, i32[B] tokens, f32[B] logprobs, i32[B, 5] top tokens, f32[B, 5] top logprobs).
-  """
-  model = nnx.merge(graphdef, state)
-  cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
-  logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
-  logits_BV = logits_B1V[:, 0]
-  out = sample_rows(
-    logits_BV,
-    step_keys(seed_B, step_B),
-    arrays,
-    counts_BV=counts_BV if penalties else None,
-    prompt_mask_BV=prompt_mask_BV if penalties else None,
-  )
-  return (cache.pool, *out)
 
 
 class Engine:
@@ -203,7 +168,12 @@ class Engine:
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
-    self.max_blocks = -(-self.max_model_len // config.block_size)  # M, columns of block tables
+    # M, the most block-table columns: the context, plus what a burst may write past its end
+    # (draws after a request's last token, which are cut).
+    Z = config.block_size
+    self.max_blocks = -(-(self.max_model_len + config.decode_burst) // Z)
+    # Block tables narrower than 64 tokens would only add compiled shapes.
+    self._min_blocks = _pow2(-(-64 // Z))
     self.waiting: collections.deque[_Request] = collections.deque()
     self.running: list[_Request] = []  # oldest first
     self._requests: dict[RequestId, _Request] = {}
@@ -216,6 +186,7 @@ class Engine:
     self.n_preemptions = 0
     self.n_steps = 0
     self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
+    self.n_bursts = 0  # steps that ran `decode_burst` decode iterations
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -289,6 +260,8 @@ class Engine:
     if self.eos_id is not None and not params.ignore_eos:
       stop.add(self.eos_id)
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
+    if self.detokenize is not None:
+      req.detok = IncrementalDetokenizer(self.detokenize)
     self._arrivals += 1
     return req
 
@@ -316,20 +289,19 @@ class Engine:
   # -- the step ------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Schedules, runs the model once or twice, samples; returns what changed."""
+    """Schedules, runs the model (a mixed step, or a burst of decode steps), samples; returns
+    what changed."""
     outputs = self._process_aborts()
+    if self._should_burst():
+      burst = self._burst()
+      if burst is not None:
+        return outputs + burst
     scheduled, copies = self._schedule()
-    copies, self._pending_copies = self._pending_copies + copies, []
     if not scheduled:
       return outputs
     self.n_steps += 1
     self.n_computed_tokens += sum(n for _, n in scheduled)
-    if copies:
-      # Copy-on-write: shared partial blocks are copied before this step writes into them. The
-      # pairs are padded to a power of two by repeating the last (an idempotent copy).
-      pairs = copies + copies[-1:] * (_pow2(len(copies)) - len(copies))
-      src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
-      self.pool = _copy_blocks(self.pool, src, dst)
+    self._copy(copies)
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [(r, n) for r, n in scheduled if n == 1]
     results = {}
@@ -341,7 +313,96 @@ class Engine:
       if req.id in self._followers and req.n_computed == len(req.prompt):
         self._fork_followers(req)  # before `_accept` may finish and free the leader
       if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
-        outputs.append(self._accept(req, *results[req.id]))
+        token, logprob, top_ids, top_lp = results[req.id]
+        outputs.append(self._accept(req, [token], [logprob], [top_ids], [top_lp])[0])
+    return outputs
+
+  def _copy(self, copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: shared blocks are copied on the device before a step writes into them."""
+    copies, self._pending_copies = self._pending_copies + copies, []
+    if copies:
+      # Padded to a power of two by repeating the last pair (an idempotent copy).
+      pairs = copies + copies[-1:] * (_pow2(len(copies)) - len(copies))
+      src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+      self.pool = steps.copy_blocks(self.pool, src, dst)
+
+  def _should_burst(self) -> bool:
+    """Whether no running request needs the host for `decode_burst` steps: all are decoding,
+    and nothing waits that could be admitted now."""
+    if self.config.decode_burst < 2 or not self.running:
+      return False
+    if any(r.n_pending != 1 for r in self.running):
+      return False
+    if self.waiting and len(self.running) < self.config.max_num_seqs:
+      head = self.waiting[0]
+      hit = self.allocator.cached_prefix_length(head.tokens)
+      first = min(len(head.tokens) - hit, self.config.prefill_chunk)
+      if -(-first // self.config.block_size) < self.allocator.n_available:
+        return False  # admit it with a mixed step rather than make it wait a burst
+    return True
+
+  def _burst(self) -> list[RequestOutput] | None:
+    """`decode_burst` decode iterations of every running request in one call; None when the
+    pool cannot hold their reservations (the mixed step then preempts as usual)."""
+    K = self.config.decode_burst
+    rows = list(self.running)
+    copies: list[tuple[int, int]] = []
+    for i, req in enumerate(rows):
+      try:
+        copies += self.allocator.reserve(req.id, K)
+      except OutOfBlocksError:
+        for r in rows[:i]:
+          self.allocator.truncate(r.id, r.n_computed)
+        # A reservation's copy-on-write replaced a shared partial block that the row keeps.
+        self._pending_copies += copies
+        return None
+    self.n_steps += 1
+    self.n_bursts += 1
+    self.n_computed_tokens += K * len(rows)
+    self._copy(copies)
+    B = _pow2(len(rows))
+    tokens = np.zeros((B,), np.int32)
+    lengths = np.full((B,), -1, np.int32)
+    seeds = np.zeros((B,), np.int32)
+    first_step = np.zeros((B,), np.int32)
+    for b, req in enumerate(rows):
+      tokens[b] = req.tokens[req.n_computed]
+      lengths[b] = req.n_computed
+      seeds[b] = req.params.seed
+      first_step[b] = len(req.output)
+    params = [r.params for r in rows]
+    penalties = any(p.uses_penalties for p in params)
+    counts, prompt_mask = self._penalty_arrays(rows, B) if penalties else (None, None)
+    self.pool, tok, lp, top_ids, top_lp = steps.decode_burst(
+      self.graphdef,
+      self.state,
+      self.pool,
+      tokens,
+      lengths,
+      self._block_table([r.id for r in rows], B),
+      seeds,
+      first_step,
+      SamplingArrays.from_params(params, pad_to=B),
+      counts,
+      K,
+      penalties,
+      prompt_mask,
+    )
+    tok, lp, top_ids, top_lp = map(np.asarray, (tok, lp, top_ids, top_lp))  # [K, B, ...]
+    outputs = []
+    for b, req in enumerate(rows):
+      start = req.n_computed
+      out, n_kept = self._accept(
+        req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
+      )
+      outputs.append(out)
+      # The pool now holds the pending token and every kept draw but the last: register those
+      # (a finished request's full blocks then enter the prefix cache), give back the rest.
+      self.allocator.append(req.id, req.tokens[start : start + n_kept])
+      self.allocator.truncate(req.id, start + n_kept)
+      req.n_computed = start + n_kept
+      if out.finished:
+        self._release(req)
     return outputs
 
   def generate(
@@ -456,6 +517,26 @@ class Engine:
     self.running.sort(key=lambda r: r.arrival)
     return scheduled, copies
 
+  def _block_table(self, ids: list[RequestId], B: int) -> np.ndarray:
+    """i32[B, M]: the rows' blocks (reserved ones included), M the longest row's block count
+    rounded up to a power of two, so attention work follows the real lengths."""
+    table, _ = self.allocator.block_table(ids, self.max_blocks)
+    M = max(1, max(len(self.allocator.blocks(i)) for i in ids))
+    M = min(_pow2(M, self._min_blocks), self.max_blocks)
+    out = np.zeros((B, M), np.int32)
+    out[: len(ids)] = table[:, :M]
+    return out
+
+  def _penalty_arrays(self, rows: list[_Request], B: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[B, V] output token counts, bool[B, V] prompt tokens) for the penalties."""
+    V = self.model_config.vocab_size
+    counts = np.zeros((B, V), np.int32)
+    prompt_mask = np.zeros((B, V), bool)
+    for b, req in enumerate(rows):
+      np.add.at(counts[b], np.asarray(req.output, np.int64), 1)
+      prompt_mask[b, req.prompt] = True
+    return counts, prompt_mask
+
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
     B = _pow2(len(rows))
@@ -466,11 +547,7 @@ class Engine:
     lengths = np.zeros((B,), np.int32)
     last = np.zeros((B,), np.int32)
     seeds = np.zeros((B,), np.int32)
-    steps = np.zeros((B,), np.int32)
-    ids = [r.id for r, _ in rows]
-    table, _ = self.allocator.block_table(ids, self.max_blocks)
-    block_table = np.zeros((B, self.max_blocks), np.int32)
-    block_table[: len(rows)] = table
+    step_index = np.zeros((B,), np.int32)
     for b, (req, n) in enumerate(rows):
       start = req.n_computed
       tokens[b, :n] = req.tokens[start : start + n]
@@ -478,28 +555,23 @@ class Engine:
       lengths[b] = start
       last[b] = n - 1
       seeds[b] = req.params.seed
-      steps[b] = len(req.output)
+      step_index[b] = len(req.output)
     params = [r.params for r, _ in rows]
     penalties = any(p.uses_penalties for p in params)
-    counts = prompt_mask = None
-    if penalties:
-      V = self.model_config.vocab_size
-      counts = np.zeros((B, V), np.int32)
-      prompt_mask = np.zeros((B, V), bool)
-      for b, (req, _) in enumerate(rows):
-        np.add.at(counts[b], np.asarray(req.output, np.int64), 1)
-        prompt_mask[b, req.prompt] = True
-    self.pool, tok, lp, top_ids, top_lp = _forward_sample(
+    counts, prompt_mask = (
+      self._penalty_arrays([r for r, _ in rows], B) if penalties else (None, None)
+    )
+    self.pool, tok, lp, top_ids, top_lp = steps.forward_sample(
       self.graphdef,
       self.state,
       self.pool,
       tokens,
       positions,
-      block_table,
+      self._block_table([r.id for r, _ in rows], B),
       lengths,
       last,
       seeds,
-      steps,
+      step_index,
       SamplingArrays.from_params(params, pad_to=B),
       penalties,
       counts,
@@ -512,44 +584,65 @@ class Engine:
 
   # -- results -------------------------------------------------------------------------------
 
-  def _accept(self, req: _Request, token, logprob, top_ids, top_logprobs) -> RequestOutput:
-    req.output.append(token)
+  def _accept(self, req: _Request, tokens, logprobs, top_ids, top_logprobs, *, release=True):
+    """Appends drawn tokens to a request's output up to its first stop.
+
+    Returns:
+      (the RequestOutput, how many of `tokens` were kept). A finished request is released
+      unless `release` is False (the caller then releases it).
+    """
     n_top = req.params.logprobs or 0
-    top = [(int(t), float(p)) for t, p in zip(top_ids[:n_top], top_logprobs[:n_top])]
+    kept, kept_lp, kept_top = [], [], []
     reason = None
-    if token in req.stop_ids:
-      reason = "stop"
-    elif len(req.output) >= req.params.max_new_tokens:
-      reason = "length"
-    text = ""
-    if self.detokenize is not None:
-      req.text = self.detokenize(req.output)
-      end = len(req.text)
-      for s in req.params.stop:
-        at = req.text.find(s, max(0, req.n_text_sent - len(s) + 1))
-        if at >= 0 and at < end:
-          end, reason = at, "stop"
-      if reason is None:
-        # Hold back what could be the start of a stop string, or half a UTF-8 character.
-        hold = max((len(s) - 1 for s in req.params.stop), default=0)
-        end = len(req.text) - hold
-        while end > req.n_text_sent and req.text[end - 1] == "\ufffd":
-          end -= 1
-      end = max(end, req.n_text_sent)
-      text = req.text[req.n_text_sent : end]
-      req.n_text_sent = end
+    for token, logprob, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
+      token = int(token)
+      req.output.append(token)
+      kept.append(token)
+      kept_lp.append(float(logprob))
+      if req.params.logprobs is not None:
+        kept_top.append([(int(t), float(p)) for t, p in zip(ids[:n_top], lps[:n_top])])
+      if token in req.stop_ids:
+        reason = "stop"
+      elif len(req.output) >= req.params.max_new_tokens:
+        reason = "length"
+      if req.detok is not None and self._text(req, token, final=reason is not None):
+        reason = "stop"  # a stop string
+      if reason is not None:
+        break
+    text = "" if req.detok is None else self._emit(req, reason)
     out = RequestOutput(
-      req.id,
-      [token],
-      [logprob],
-      [top] if req.params.logprobs is not None else [],
-      text,
-      finished=reason is not None,
-      finish_reason=reason,
+      req.id, kept, kept_lp, kept_top, text, finished=reason is not None, finish_reason=reason
     )
-    if reason is not None:
+    if reason is not None and release:
       self._release(req)
-    return out
+    return out, len(kept)
+
+  def _text(self, req: _Request, token: int, *, final: bool) -> bool:
+    """Detokenises one more token; True when a stop string now appears in the text."""
+    req.detok.push(token)
+    if final:
+      req.detok.flush()
+    full = req.detok.text
+    for s in req.params.stop:
+      at = full.find(s, max(0, req.n_text_sent - len(s) + 1))
+      if at >= 0:
+        req.stop_at = at if req.stop_at is None else min(req.stop_at, at)
+    return req.stop_at is not None
+
+  def _emit(self, req: _Request, reason: str | None) -> str:
+    """The text a request may send now: up to a stop string, or holding back what could still
+    become one."""
+    full = req.detok.text
+    if req.stop_at is not None:
+      end = req.stop_at
+    elif reason is None:
+      end = len(full) - max((len(s) - 1 for s in req.params.stop), default=0)
+    else:
+      end = len(full)
+    end = max(end, req.n_text_sent)
+    text = full[req.n_text_sent : end]
+    req.n_text_sent = end
+    return text
 
   def _release(self, req: _Request) -> None:
     if req.id in self.allocator:

@@ -281,6 +281,35 @@ class AllocatorMachine(RuleBasedStateMachine):
     self.model[child] = list(self.model[parent])
 
   @precondition(lambda self: self.model)
+  @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=7))
+  def reserve_write_release(self, data, tokens):
+    """A decode burst: reserve slots, write K/V into them on the device, learn the tokens, append
+    the ones kept (a stop may cut the burst short) and give back the rest."""
+    seq_id = data.draw(st.sampled_from(sorted(self.model)))
+    length = self.alloc.length(seq_id)
+    before = snapshot(self.alloc)
+    try:
+      copies = self.alloc.reserve(seq_id, len(tokens))
+    except OutOfBlocksError:
+      assert snapshot(self.alloc) == before
+      return
+    for src, dst in copies:
+      self.device[dst] = list(self.device[src])
+    blocks = self.alloc.blocks(seq_id)
+    assert len(blocks) == -(-(length + len(tokens)) // self.Z)
+    for pos, token in enumerate(tokens, start=length):  # the device writes before the host knows
+      block = blocks[pos // self.Z]
+      assert self.alloc.ref_count(block) == 1, "a burst wrote into a shared block"
+      self.device[block][pos % self.Z] = token
+    kept = tokens[: data.draw(st.integers(0, len(tokens)))]
+    assert self.alloc.append(seq_id, kept) == []  # the reserved blocks are already private
+    assert self.alloc.truncate(seq_id, length + len(kept)) == []
+    self.model[seq_id] = self.model[seq_id] + kept
+    for pos in range(length, length + len(kept)):
+      if (pos + 1) % self.Z == 0:
+        self.completed.add(tuple(self.model[seq_id][: pos + 1]))
+
+  @precondition(lambda self: self.model)
   @rule(data=st.data())
   def truncate(self, data):
     seq_id = data.draw(st.sampled_from(sorted(self.model)))

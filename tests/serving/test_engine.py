@@ -1,10 +1,13 @@
 """The engine serves what `generate` would, whatever the arrivals, batching or preemption."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.serving.engine import Engine, EngineConfig, RequestError, _forward_sample
+from atlas_jax.serving import steps
+from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 
 def workload(seed, n=10, vocab=40):
@@ -68,6 +71,8 @@ def test_engine_equals_generate(tiny_model, reference, name, order):
   assert got == want
   if name == "tight":
     assert engine.n_preemptions > 0
+  else:
+    assert engine.n_bursts > 0
 
 
 @pytest.fixture(scope="module")
@@ -160,19 +165,26 @@ def test_abort_frees_blocks(tiny_model):
   assert engine.allocator.stats().n_used == 0 and engine.n_running == 0
 
 
-def test_stop_strings_cut_the_text(tiny_model):
+@pytest.mark.parametrize("at", [3, 8, 15], ids=["first_burst", "across_bursts", "later"])
+def test_stop_strings_cut_the_text(tiny_model, at):
+  """A stop string ends the request where it first appears in the text, even when its
+  characters come from two bursts (output tokens 1-8 and 9-16 are drawn by one burst each)."""
   detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)
-  free = generate(tiny_model, [[5, 6]], SamplingParams(max_new_tokens=10))[0]
-  stop = detok(free[3:5])
+  free = generate(tiny_model, [[5, 6]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+  stop = detok(free[at : at + 2])
   engine = Engine(tiny_model, CONFIGS["roomy"], detokenize=detok)
-  engine.add_request("s", [5, 6], SamplingParams(max_new_tokens=10, stop=(stop,)))
-  text, reason = "", None
+  engine.add_request("s", [5, 6], SamplingParams(max_new_tokens=24, stop=(stop,)))
+  text, tokens, reason = "", [], None
   while engine.has_unfinished():
     for out in engine.step():
       text += out.text
+      tokens += out.new_token_ids
       reason = out.finish_reason or reason
   full = detok(free)
-  assert reason == "stop" and text == full[: full.find(stop)]
+  cut = full.find(stop)
+  assert reason == "stop" and text == full[:cut]
+  assert tokens == free[: cut + 2]  # through the token that completes the stop string
+  assert engine.n_bursts > 0 or cut + 2 <= 1
 
 
 def test_steady_state_never_recompiles(tiny_model):
@@ -184,7 +196,7 @@ def test_steady_state_never_recompiles(tiny_model):
   )
   rng = np.random.default_rng(3)
   count = 0
-  before = _forward_sample._cache_size()
+  before = steps.forward_sample._cache_size()
 
   def run(steps):
     nonlocal count
@@ -197,12 +209,16 @@ def test_steady_state_never_recompiles(tiny_model):
         count += 1
       engine.step()
 
-  run(150)  # warm-up: visits the (batch, chunk) buckets
-  compiled = _forward_sample._cache_size()
+  run(150)  # warm-up: visits the (batch, chunk, block-table width) buckets
+  compiled = steps.forward_sample._cache_size()
+  bursts = steps.decode_burst._cache_size()
   run(200)
-  assert _forward_sample._cache_size() == compiled
-  # A handful of shapes: prefill row buckets x chunk buckets (16 only here), decode row buckets.
+  assert steps.forward_sample._cache_size() == compiled
+  assert steps.decode_burst._cache_size() == bursts
+  # A handful of shapes: prefill row buckets x chunk buckets (16 only here) x table widths (64
+  # tokens only here), decode row buckets; bursts: one per row bucket.
   assert compiled - before <= 4 + 3
+  assert bursts <= 3
 
 
 @pytest.mark.parametrize("prompt_len", [30, 29], ids=["shared_partial_block", "block_aligned"])
@@ -212,7 +228,8 @@ def test_n_completions_compute_the_prompt_once(any_model, prompt_len):
   prompt = np.random.default_rng(2).integers(0, 40, prompt_len).tolist()
   params = [SamplingParams(max_new_tokens=9, temperature=1.0, seed=s) for s in range(4)]
   want = generate(any_model, [prompt] * 4, params)
-  engine = Engine(any_model, CONFIGS["roomy"])
+  # Single decode steps, so every computed token counts exactly (bursts overrun stops).
+  engine = Engine(any_model, dataclasses.replace(CONFIGS["roomy"], decode_burst=1))
   engine.add_requests(["a", "b", "c", "d"], prompt, params)
   got = {rid: [] for rid in "abcd"}
   while engine.has_unfinished():
