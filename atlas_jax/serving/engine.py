@@ -164,6 +164,7 @@ class Engine:
     self.eos_id = eos_id
     self.detokenize = detokenize
     self.graphdef, self.state = nnx.split(model)
+    self.programs = steps.programs(self.graphdef)
     self.pool = model.init_pool(config.n_blocks, config.block_size)  # KV or MLA latents
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -373,8 +374,7 @@ class Engine:
     params = [r.params for r in rows]
     penalties = any(p.uses_penalties for p in params)
     counts, prompt_mask = self._penalty_arrays(rows, B) if penalties else (None, None)
-    self.pool, tok, lp, top_ids, top_lp = steps.decode_burst(
-      self.graphdef,
+    self.pool, tok, lp, top_ids, top_lp = self.programs.decode_burst(
       self.state,
       self.pool,
       tokens,
@@ -561,8 +561,7 @@ class Engine:
     counts, prompt_mask = (
       self._penalty_arrays([r for r, _ in rows], B) if penalties else (None, None)
     )
-    self.pool, tok, lp, top_ids, top_lp = steps.forward_sample(
-      self.graphdef,
+    self.pool, tok, lp, top_ids, top_lp = self.programs.forward_sample(
       self.state,
       self.pool,
       tokens,

@@ -10,11 +10,16 @@ host-side scheduler (`atlas_jax.serving.engine`) decides what runs; these only c
   not stop inside the burst: tokens past a stop are cut by the host, whose block reservation
   covered them.
 * `copy_blocks`: copy-on-write of pool blocks.
+
+`programs(graphdef)` returns the jitted programs with the model's graph bound in, made once per
+graph: a step then hashes no graph, only its arrays' shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +31,6 @@ from atlas_jax.decoding.sampling import SamplingArrays, sample_rows, step_keys
 Array = jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
 def forward_sample(
   graphdef,
   state,
@@ -67,7 +71,6 @@ def forward_sample(
   return (cache.pool, *out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 10, 11), donate_argnums=(2,))
 def decode_burst(
   graphdef,
   state,
@@ -124,3 +127,24 @@ def decode_burst(
 def copy_blocks(pool, src_N, dst_N):
   """Copies pool blocks src -> dst (i32[N] each) in every layer; the pool is donated."""
   return jax.tree.map(lambda a_LPZ_: a_LPZ_.at[:, dst_N].set(a_LPZ_[:, src_N]), pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The jitted step programs of one model graph (the arguments after `graphdef`)."""
+
+  forward_sample: Callable
+  decode_burst: Callable
+
+
+@functools.cache
+def programs(graphdef) -> Programs:
+  """The step programs with `graphdef` bound, compiled lazily per shape; one set per graph."""
+  return Programs(
+    forward_sample=jax.jit(
+      functools.partial(forward_sample, graphdef), static_argnums=(10,), donate_argnums=(1,)
+    ),
+    decode_burst=jax.jit(
+      functools.partial(decode_burst, graphdef), static_argnums=(9, 10), donate_argnums=(1,)
+    ),
+  )

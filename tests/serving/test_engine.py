@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.serving import steps
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 
@@ -196,8 +195,8 @@ def test_steady_state_never_recompiles(tiny_model):
   )
   rng = np.random.default_rng(3)
   count = 0
-  before = steps.forward_sample._cache_size()
-  bursts_before = steps.decode_burst._cache_size()
+  before = engine.programs.forward_sample._cache_size()
+  bursts_before = engine.programs.decode_burst._cache_size()
 
   def run(steps):
     nonlocal count
@@ -211,11 +210,11 @@ def test_steady_state_never_recompiles(tiny_model):
       engine.step()
 
   run(150)  # warm-up: visits the (batch, chunk, block-table width) buckets
-  compiled = steps.forward_sample._cache_size()
-  bursts = steps.decode_burst._cache_size()
+  compiled = engine.programs.forward_sample._cache_size()
+  bursts = engine.programs.decode_burst._cache_size()
   run(200)
-  assert steps.forward_sample._cache_size() == compiled
-  assert steps.decode_burst._cache_size() == bursts
+  assert engine.programs.forward_sample._cache_size() == compiled
+  assert engine.programs.decode_burst._cache_size() == bursts
   # A handful of shapes: prefill row buckets x chunk buckets (16 only here) x table widths (64
   # tokens only here), decode row buckets; bursts: one per row bucket.
   assert compiled - before <= 4 + 3
