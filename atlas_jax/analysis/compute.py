@@ -4,7 +4,7 @@ FLOPs follow the PaLM appendix (Chowdhery et al. 2022): a token costs 2 FLOPs pe
 parameter forward and twice that backward, 6N in all (N excludes the embedding gather, includes
 the output head), plus attention: QK^T and PV, 2 * L * N_heads * (H_qk + H_v) FLOPs per key
 forward, over T/2 keys on average for a causal T-token sequence. Multi-token-prediction heads add
-their own block, projection and a second use of the shared output head, each.
+their parameters to N, one more use of the shared output head and one attention layer each.
 
 Batch-1 decoding is memory bound: every step reads every weight once plus the sequence's cache,
 so tokens/s <= bandwidth / (weight bytes + cache bytes). A larger batch shares the weight read.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from atlas_jax.analysis.params import counts, head_matmul_params
+from atlas_jax.analysis.params import counts
 from atlas_jax.config import ModelConfig
 
 # Hoffmann et al. 2022 ("Training Compute-Optimal Large Language Models"): about 20 training
@@ -49,15 +49,18 @@ def train_flops_per_token(
   causal: bool = True,
   n_matmul_params: int | None = None,
 ) -> float:
-  """Training FLOPs (forward + backward) per token: 6N + 3 x attention, plus the MTP heads.
+  """Training FLOPs (forward + backward) per token: 6N + 3 x attention.
 
-  `n_matmul_params` overrides the count from the config (the trainer passes the real model's).
+  N counts every parameter in a matmul, MTP heads included; the heads also reuse the shared
+  output head (V x D) and add one attention layer each. `n_matmul_params` overrides N with the
+  real model's count (`atlas_jax.training.metrics.matmul_params`).
   """
-  N = counts(cfg).matmul if n_matmul_params is None else n_matmul_params
+  pc = counts(cfg)
+  N = pc.matmul + pc.mtp if n_matmul_params is None else n_matmul_params
   flops = 6.0 * N + 3 * attention_flops_per_token(cfg, seq_len, causal=causal)
   if cfg.mtp is not None:
     J = cfg.mtp.n_predict
-    flops += 6.0 * J * head_matmul_params(cfg)
+    flops += 6.0 * J * cfg.vocab_size * cfg.d_model
     flops += 3 * attention_flops_per_token(cfg, seq_len, causal=causal, n_layers=J)
   return flops
 

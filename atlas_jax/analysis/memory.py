@@ -267,7 +267,7 @@ def activation_bytes(
   per_layer = _layer_tokens(cfg, c, S, attention, tp) * M
   per_layer += _layer_fixed(layer_specs, c, master_bytes, tp)
   fixed = D * c  # the final norm's scale, broadcast
-  if c != master_bytes:  # the output head's compute-dtype copy
+  if c != master_bytes or cfg.tie_embeddings:  # the head's compute-dtype copy, or the transpose
     fixed += c * D * _split(cfg.vocab_size, tp)
   glob = _global_tokens(cfg, c, S, attention, policy, tp) * M + fixed
   if cfg.mtp is not None:

@@ -160,11 +160,3 @@ def counts(cfg: ModelConfig) -> ParamCounts:
     mtp=group("mtp/"),
     norms=sum(p.size for p in specs if p.is_norm and not p.path.startswith("mtp/")),
   )
-
-
-def head_matmul_params(cfg: ModelConfig) -> int:
-  """Matmul parameters of one MTP head per token: its block, projection, and the shared head."""
-  if cfg.mtp is None:
-    return 0
-  head = sum(p.size for p in mtp_head(cfg) if not p.is_norm)
-  return head + cfg.vocab_size * cfg.d_model

@@ -251,7 +251,7 @@ def make_plan(
   )
   comp = {
     "flops_per_token": flops_tok,
-    "flops_per_token_6n": 6.0 * pc.matmul,
+    "flops_per_token_6n": 6.0 * (pc.matmul + pc.mtp),
     "attention_flops_per_token": 3 * compute.attention_flops_per_token(cfg, T),
     "tokens": tokens,
     "chinchilla_tokens": chinchilla,
