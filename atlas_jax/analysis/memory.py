@@ -143,6 +143,7 @@ class ActivationBytes:
   saved: int  # kept from the forward pass for the backward pass
   recompute: int  # the working set the backward pass rebuilds at a time (one block or group)
   per_layer_none: int  # one block's residuals without remat (what `full` recomputes)
+  outside_blocks: int  # part of `saved` outside the layer stack: logits, loss, final norm, MTP
 
   @property
   def peak(self) -> int:
@@ -298,4 +299,5 @@ def activation_bytes(
     saved=int(round(saved + glob)),
     recompute=int(round(recompute)),
     per_layer_none=int(round(per_layer)),
+    outside_blocks=int(round(glob)),
   )

@@ -239,6 +239,7 @@ def make_plan(
         "recompute": act.recompute,
         "peak": act.peak,
         "per_layer_none": act.per_layer_none,
+        "outside_blocks": act.outside_blocks,
       }
     )
 
