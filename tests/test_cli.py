@@ -17,16 +17,40 @@ import train  # noqa: E402
 def run_dir(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("run")
   data = tmp / "data.jsonl"
-  data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
-                          for i in range(200)))
+  data.write_text(
+    "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200))
+  )
   out = tmp / "ckpt"
-  rc = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"),
-                   "--set", f"data.source={data}", "--set", "data.eval_fraction=0.1",
-                   "--set", "model.n_layers=2", "--set", "model.d_model=64",
-                   "--set", "model.ffn_dim=128", "--set", "train.steps=40",
-                   "--set", "train.seq_len=32", "--set", "train.log_every=20",
-                   "--set", "train.eval_every=40", "--set", "train.checkpoint_every=20",
-                   "--set", f"train.checkpoint_dir={out}", "--sample-tokens", "8"])
+  rc = train.main(
+    [
+      "--config",
+      str(ROOT / "configs" / "tiny.yaml"),
+      "--set",
+      f"data.source={data}",
+      "--set",
+      "data.eval_fraction=0.1",
+      "--set",
+      "model.n_layers=2",
+      "--set",
+      "model.d_model=64",
+      "--set",
+      "model.ffn_dim=128",
+      "--set",
+      "train.steps=40",
+      "--set",
+      "train.seq_len=32",
+      "--set",
+      "train.log_every=20",
+      "--set",
+      "train.eval_every=40",
+      "--set",
+      "train.checkpoint_every=20",
+      "--set",
+      f"train.checkpoint_dir={out}",
+      "--sample-tokens",
+      "8",
+    ]
+  )
   assert rc == 0
   return out
 
@@ -44,8 +68,20 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt": "def f1"}\n{"prompt": "return"}\n')
   out = tmp_path / "out.jsonl"
-  rc = serve.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--prompt", "x",
-                   "--max-new-tokens", "6", "--output", str(out)])
+  rc = serve.main(
+    [
+      "--checkpoint",
+      str(run_dir),
+      "--prompts",
+      str(prompts),
+      "--prompt",
+      "x",
+      "--max-new-tokens",
+      "6",
+      "--output",
+      str(out),
+    ]
+  )
   assert rc == 0
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["prompt"] for r in rows] == ["x", "def f1", "return"]
@@ -55,11 +91,14 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["completion"] == rows[1]["completion"]
 
 
-@pytest.mark.parametrize("argv, match", [
-  (["--set", "model.n_heads=6"], "model.n_heads=6"),
-  (["--set", "train.stepz=3"], "train.stepz is not a known field"),
-  (["--config", "nope.yaml"], "does not exist"),
-])
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--set", "model.n_heads=6"], "model.n_heads=6"),
+    (["--set", "train.stepz=3"], "train.stepz is not a known field"),
+    (["--config", "nope.yaml"], "does not exist"),
+  ],
+)
 def test_train_rejects_bad_config(argv, match, capsys):
   assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *argv]) == 2
   assert match in capsys.readouterr().err
