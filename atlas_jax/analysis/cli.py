@@ -50,7 +50,14 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
       )
     from atlas_jax import hf
 
-    return Source(path.name, hf.load_config(path), None)
+    try:
+      return Source(path.name, hf.load_config(path), None)
+    except hf.HFLoadError as e:
+      hint = ""
+      if "mixture-of-experts" in str(e):
+        names = [n for n in REFERENCE_MODELS if n.startswith("deepseek")]
+        hint = f"; for DeepSeek's attention and KV cache use --config {' / '.join(names)}"
+      raise ValueError(f"--config={spec!r}: {e}{hint}") from e
   ref = get_reference(spec)
   if ref is not None:
     return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
