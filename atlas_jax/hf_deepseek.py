@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig, RopeScaling
-from atlas_jax.model.deepseek import DeepSeek
+from atlas_jax.model import Transformer
 
 MODEL_TYPES = ("deepseek_v3",)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -277,7 +277,7 @@ def load(
   *,
   dtype: str = "float32",
   implementation: str | None = None,
-) -> DeepSeek:
+) -> Transformer:
   """Loads a deepseek_v3 folder; called by `atlas_jax.hf.load` (which reads config.json)."""
   from atlas_jax.hf import read_safetensors
 

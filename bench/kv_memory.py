@@ -14,11 +14,16 @@ loop, twice per workload:
 The second workload prepends one shared system prompt to every request, which the paged cache
 stores once and serves from the prefix cache.
 
+A last table compares attention kinds at one width (d_model 2048, 16 query heads, 24 layers,
+bf16): MHA, GQA and DeepSeek's MLA. Bytes per token are read off the pools the models allocate
+(`model.init_pool`), and the paged replay of the ShareGPT workload on one fixed budget shows how
+many sequences each kind keeps running.
+
 Metrics are averaged over decode steps while requests are waiting (the budget is the bottleneck):
 utilisation (slots holding real tokens / slots reserved), concurrent sequences, and the prefix
 cache hit rate. Pure host-side bookkeeping: no device needed.
 
-    python bench/kv_memory.py [--requests 1000] [--max-len 2048] [--block-size 16]
+    python bench/kv_memory.py [--requests 1000] [--max-len 2048] [--block-size 16] [--pool-gib 1]
 """
 
 from __future__ import annotations
@@ -29,7 +34,49 @@ import time
 import numpy as np
 
 from atlas_jax.analysis.kv import kv_bytes_per_token
-from atlas_jax.analysis.kv_sim import make_workload, run_paged, run_prealloc
+from atlas_jax.analysis.kv_sim import VOCAB, make_workload, run_paged, run_prealloc
+
+
+def attention_kinds(args) -> None:
+  """KV bytes per token from allocated pools, and concurrency on one budget: MHA, GQA, MLA."""
+  from flax import nnx
+
+  from atlas_jax.cache.paged import pool_bytes_per_token
+  from atlas_jax.config import MLAConfig, ModelConfig
+  from atlas_jax.model import build
+
+  width = dict(
+    vocab_size=VOCAB, d_model=2048, n_layers=24, n_heads=16, ffn_dim=5632, dtype="bfloat16"
+  )
+  mla = MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+  kinds = {
+    "MHA (K=16, H=128)": ModelConfig(**width, n_kv_heads=16),
+    "GQA (K=4, H=128)": ModelConfig(**width, n_kv_heads=4),
+    "MLA (C=512, R=64)": ModelConfig(**width, n_kv_heads=16, mla=mla),
+  }
+  budget = int(args.pool_gib * 2**30)
+  requests = make_workload(n=args.requests, max_len=args.max_len, system_prompt_len=0, seed=0)
+  print(f"\nattention kinds at d_model 2048, 24 layers, bf16; pool budget {args.pool_gib:g} GiB")
+  header = (
+    f"| {'attention':<18} | {'pool B/token':>12} | {'vs MHA':>7} | {'token slots':>11} | "
+    f"{'concurrent sequences':>20} | {'vs GQA':>7} |"
+  )
+  print(header)
+  print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+  results = {}
+  for name, cfg in kinds.items():
+    model = nnx.eval_shape(lambda cfg=cfg: build(cfg, rngs=nnx.Rngs(0)))  # no weights allocated
+    pool = model.init_pool(n_blocks=4, block_size=args.block_size)  # real (small) pool arrays
+    per_token = pool_bytes_per_token(pool)
+    slots = budget // per_token
+    paged = run_paged(requests, budget_tokens=slots, block_size=args.block_size)
+    results[name] = (per_token, slots, paged.concurrency)
+  mha, gqa = results["MHA (K=16, H=128)"][0], results["GQA (K=4, H=128)"][2]
+  for name, (per_token, slots, conc) in results.items():
+    print(
+      f"| {name:<18} | {per_token:>12,} | {mha / per_token:>6.2f}x | {slots:>11,} | "
+      f"{conc:>20.1f} | {conc / gqa:>6.2f}x |"
+    )
 
 
 def main() -> None:
@@ -40,6 +87,7 @@ def main() -> None:
   parser.add_argument("--budget-mib", type=float, default=64.0)
   parser.add_argument("--system-prompt-len", type=int, default=256)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--pool-gib", type=float, default=1.0, help="budget of the MHA/GQA/MLA table")
   args = parser.parse_args()
 
   # A tiny model: 4 layers, 2 kv heads of 64, bf16.
@@ -97,6 +145,7 @@ def main() -> None:
     f"({worst_util:.1f}%); concurrent sequences >= 2x: {'PASS' if worst_ratio >= 2 else 'FAIL'} "
     f"({worst_ratio:.2f}x)"
   )
+  attention_kinds(args)
 
 
 if __name__ == "__main__":

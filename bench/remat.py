@@ -18,7 +18,7 @@ import jax
 
 from atlas_jax.analysis import measure, memory
 from atlas_jax.config import load_config
-from atlas_jax.training.remat import POLICIES, default_every
+from atlas_jax.model.scan import POLICIES, default_every
 
 
 def planned(cfg, policy: str, batch: int) -> int:

@@ -63,6 +63,16 @@ def make_workload(*, n: int, max_len: int, system_prompt_len: int, seed: int) ->
   return requests
 
 
+def _averages(waits: list[bool], utils: list[float], concs: list[int]) -> tuple[float, float]:
+  """Mean utilisation and concurrency over the steps where requests waited (the budget was the
+  bottleneck), or over every step when the budget held everything at once."""
+  steps = [i for i, waiting in enumerate(waits) if waiting] or range(len(waits))
+  return (
+    float(np.mean([utils[i] for i in steps])),
+    float(np.mean([concs[i] for i in steps])),
+  )
+
+
 def run_prealloc(
   requests: list[Request], *, budget_tokens: int, max_len: int, trace: list | None = None
 ) -> Result:
@@ -73,8 +83,8 @@ def run_prealloc(
   seats = budget_tokens // max_len
   queue = deque(requests)
   running: list[list[int]] = []  # [current length, tokens left to generate]
-  util_sum = conc_sum = 0.0
-  measured = steps = 0
+  waits, utils, concs = [], [], []  # per decode step
+  steps = 0
   while queue or running:
     while queue and len(running) < seats:
       req = queue.popleft()
@@ -82,16 +92,15 @@ def run_prealloc(
     util = sum(r[0] for r in running) / (len(running) * max_len)
     if trace is not None:
       trace.append((util, len(running)))
-    if queue:
-      util_sum += util
-      conc_sum += len(running)
-      measured += 1
+    waits.append(bool(queue))
+    utils.append(util)
+    concs.append(len(running))
     for r in running:
       r[0] += 1
       r[1] -= 1
     running = [r for r in running if r[1] > 0]
     steps += 1
-  return Result(util_sum / measured, conc_sum / measured, steps, None, 0)
+  return Result(*_averages(waits, utils, concs), steps, None, 0)
 
 
 def run_paged(
@@ -111,8 +120,8 @@ def run_paged(
   watermark = max(1, n_blocks // 100)  # headroom so new admissions do not preempt at once
   queue = deque((req, 0) for req in requests)  # (request, tokens already generated)
   running: list[tuple[Request, int]] = []
-  util_sum = conc_sum = 0.0
-  measured = steps = preemptions = 0
+  waits, utils, concs = [], [], []  # per decode step
+  steps = preemptions = 0
   while queue or running:
     while queue:
       req, done = queue[0]
@@ -125,10 +134,9 @@ def run_paged(
     util = utilisation(alloc.stats())
     if trace is not None:
       trace.append((util, len(running)))
-    if queue:
-      util_sum += util
-      conc_sum += len(running)
-      measured += 1
+    waits.append(bool(queue))
+    utils.append(util)
+    concs.append(len(running))
     still_running = []
     for req, done in running:
       if req.rid not in alloc:  # preempted earlier in this step
@@ -155,6 +163,4 @@ def run_paged(
         still_running.append((req, done))
     running = still_running
     steps += 1
-  return Result(
-    util_sum / measured, conc_sum / measured, steps, prefix_hit_rate(alloc.stats()), preemptions
-  )
+  return Result(*_averages(waits, utils, concs), steps, prefix_hit_rate(alloc.stats()), preemptions)

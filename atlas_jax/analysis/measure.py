@@ -6,7 +6,7 @@ notebooks and `bench/remat.py` can set the two side by side:
 
 * `param_counts`: the initialised model's parameters, by top-level group;
 * `cache_bytes` / `paged_pool_bytes`: the arrays of the model's own KV (or MLA latent) cache and of
-  a paged block pool;
+  its paged block pool;
 * `train_state_bytes`: per-device bytes of parameters, gradients and optimizer state as the
   trainer lays them out on a mesh;
 * `saved_activation_bytes`: what the train step's forward pass saves for its backward pass;
@@ -28,9 +28,8 @@ from flax import nnx
 from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
-from atlas_jax.cache.paged import init_kv_pool, init_latent_pool
 from atlas_jax.config import Config, ModelConfig
-from atlas_jax.model.deepseek import build
+from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.precision import training_model_config
 from atlas_jax.training.step import build_model, make_trainer, objective
@@ -46,7 +45,7 @@ def _size(tree) -> int:
 
 def abstract_model(cfg: ModelConfig) -> nnx.Module:
   """The model a config builds, as shapes only."""
-  return nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -69,25 +68,9 @@ def cache_bytes(cfg: ModelConfig, *, batch: int, length: int, dtype: str) -> int
 
 
 def paged_pool_bytes(cfg: ModelConfig, *, n_blocks: int, block_size: int, dtype: str) -> int:
-  """Bytes of a paged pool of `n_blocks` blocks of `block_size` slots for the model's attention."""
-  if cfg.mla is None:
-    make = lambda: init_kv_pool(
-      n_layers=cfg.n_layers,
-      n_blocks=n_blocks,
-      block_size=block_size,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=jnp.dtype(dtype),
-    )
-  else:
-    make = lambda: init_latent_pool(
-      n_layers=cfg.n_layers,
-      n_blocks=n_blocks,
-      block_size=block_size,
-      latent_dim=cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
-      dtype=jnp.dtype(dtype),
-    )
-  return _nbytes(jax.eval_shape(make))
+  """Bytes of the model's paged pool (KV, or MLA latents) of `n_blocks` blocks of `block_size`."""
+  model = abstract_model(cfg)
+  return _nbytes(jax.eval_shape(lambda: model.init_pool(n_blocks, block_size, jnp.dtype(dtype))))
 
 
 def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
@@ -148,19 +131,13 @@ def saved_activation_bytes(cfg: Config, *, batch: int) -> int:
 
 
 def train_step_flops(cfg: Config, *, batch: int) -> float:
-  """XLA's FLOP count of the compiled gradient of the loss (Llama family, layers unrolled).
+  """XLA's FLOP count of the compiled gradient of the run's loss.
 
   XLA's cost analysis counts a loop body once whatever its trip count, so the layers are unrolled.
   """
-  from atlas_jax.model.transformer import Transformer
-  from atlas_jax.training.step import loss_fn
-
-  model_cfg = training_model_config(cfg.model, cfg.train.precision)
-  if model_cfg.mla is not None or model_cfg.mtp is not None:
-    raise ValueError("train_step_flops: only Llama-family configs (no model.mla / model.mtp)")
   model = nnx.eval_shape(
     lambda: Transformer(
-      model_cfg,
+      training_model_config(cfg.model, cfg.train.precision),
       rngs=nnx.Rngs(0),
       implementation=cfg.attention.implementation,
       remat=cfg.train.remat,
@@ -169,8 +146,9 @@ def train_step_flops(cfg: Config, *, batch: int) -> float:
     )
   )
   graphdef, params = nnx.split(model)
+  loss = objective(cfg)
   tokens = jax.ShapeDtypeStruct((batch, cfg.train.seq_len + 1), jnp.int32)
-  grad = jax.jit(jax.grad(lambda p, t: loss_fn(graphdef, p, {"tokens": t})[0]))
+  grad = jax.jit(jax.grad(lambda p, t: loss(graphdef, p, {"tokens": t})[0]))
   cost = grad.lower(params, tokens).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return float(cost["flops"])

@@ -42,7 +42,7 @@ import math
 
 from atlas_jax.analysis.params import ParamSpec, block, inventory, mtp_head
 from atlas_jax.config import ModelConfig
-from atlas_jax.training.remat import default_every
+from atlas_jax.model.scan import default_every
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
 REMAT_POLICIES = ("none", "full", "every_k", "selective")
@@ -51,9 +51,7 @@ PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # compute dtype bytes
 
 # Logical axis -> mesh axis. Tensor parallelism as in atlas_jax.training.sharding.TENSOR_RULES.
 TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "vocab")
-# ZeRO splits the first of these a parameter has. Llama parameters all have "embed" (today's
-# rule); MLA's up-projections have no embed axis and split their low-rank one, the layout the
-# planner assumes for them once sharding is declared on every parameter.
+# ZeRO splits the model width and MLA's low-rank bottlenecks (as training.sharding.FSDP_RULES).
 FSDP_AXES = ("embed", "q_lora", "kv_lora")
 _STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
 _ADAM_COUNTERS = 2 * 4  # int32 step counts of scale_by_adam and the learning-rate schedule
@@ -80,18 +78,20 @@ def mesh_for(strategy: str, devices: int, tensor: int = 1) -> dict[str, int]:
 
 
 def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int) -> int:
-  """Elements of `spec` one device holds when split over fsdp and/or tensor ways (0/1: not)."""
-  shape = list(spec.shape)
-  if tensor > 1:
-    for i, axis in enumerate(spec.axes):
-      if axis in TENSOR_AXES and shape[i] % tensor == 0:
-        shape[i] //= tensor
-  if fsdp > 1:
-    for i, axis in enumerate(spec.axes):
-      if axis in FSDP_AXES:
-        if shape[i] % fsdp == 0:
-          shape[i] //= fsdp
-        break  # one mesh axis splits one dimension at most
+  """Elements of `spec` one device holds when split over fsdp and/or tensor ways (1: not split).
+
+  As `atlas_jax.training.sharding.spec_for`: dimensions in order, each mesh axis splits the first
+  dimension it divides among those whose logical axis maps to it; the rest stay replicated.
+  """
+  sizes = {"fsdp": fsdp, "tensor": tensor}
+  shape, used = list(spec.shape), set()
+  for i, axis in enumerate(spec.axes):
+    mesh_axis = "tensor" if axis in TENSOR_AXES else "fsdp" if axis in FSDP_AXES else None
+    if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
+      continue
+    if shape[i] % sizes[mesh_axis] == 0:
+      shape[i] //= sizes[mesh_axis]
+      used.add(mesh_axis)
   return math.prod(shape)
 
 

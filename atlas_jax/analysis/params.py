@@ -4,8 +4,10 @@
 leading [L] axis, multi-token-prediction heads a leading [J] axis), each with the logical axis
 names that sharding rules map onto mesh axes. Counting, sharding and FLOP figures all start here.
 
-Logical axes: vocab, embed (D), q_heads (N), kv_heads (K), head_dim, mlp (F), layers (L),
-mtp (J), q_lora (Q), kv_lora (C), latent (C + R), concat (2D, the MTP projection's input).
+Logical axes are the ones the model declares on each parameter (`atlas_jax.model.layers.param`):
+vocab, embed (D), q_heads (N), kv_heads (K), head_dim, mlp (F), q_lora (Q), kv_lora (C; also the
+C + R latent projection's output), mtp_in (2D, the MTP projection's input), and the stacking
+axis layers (L, or J for the MTP heads). `tests/analysis` checks them against the real ones.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _attention(cfg: ModelConfig) -> list[ParamSpec]:
       ParamSpec("wq_b", (Q, N, Hn + R), ("q_lora", "q_heads", "head_dim")),
     ]
   return out + [
-    ParamSpec("wkv_a", (D, C + R), ("embed", "latent")),
+    ParamSpec("wkv_a", (D, C + R), ("embed", "kv_lora")),
     ParamSpec("kv_norm/scale", (C,), ("kv_lora",)),
     ParamSpec("wk_b", (C, N, Hn), ("kv_lora", "q_heads", "head_dim")),
     ParamSpec("wv_b", (C, N, Hv), ("kv_lora", "q_heads", "head_dim")),
@@ -100,7 +102,7 @@ def mtp_head(cfg: ModelConfig) -> list[ParamSpec]:
   return [
     ParamSpec("enorm/scale", (D,), ("embed",)),
     ParamSpec("hnorm/scale", (D,), ("embed",)),
-    ParamSpec("eh_proj", (2 * D, D), ("concat", "embed")),
+    ParamSpec("eh_proj", (2 * D, D), ("mtp_in", "embed")),
     *inner,
     norm,
   ]
@@ -115,7 +117,7 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   if not cfg.tie_embeddings:
     specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
   if cfg.mtp is not None:
-    specs += _stack("mtp/heads", "mtp", cfg.mtp.n_predict, mtp_head(cfg))
+    specs += _stack("mtp/heads", "layers", cfg.mtp.n_predict, mtp_head(cfg))
   return specs
 
 

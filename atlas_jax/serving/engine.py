@@ -32,13 +32,11 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
-from atlas_jax.cache.paged import init_kv_pool
-from atlas_jax.cache.paged_view import PagedKVCache
+from atlas_jax.cache.paged import PagedCache
 from atlas_jax.decoding.sampling import (
   MAX_LOGPROBS,
   SamplingArrays,
@@ -149,7 +147,7 @@ def _forward_sample(
     (pool, i32[B] tokens, f32[B] logprobs, i32[B, 5] top tokens, f32[B, 5] top logprobs).
   """
   model = nnx.merge(graphdef, state)
-  cache = PagedKVCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
+  cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
   logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
   logits_BV = logits_B1V[:, 0]
   out = sample_rows(
@@ -169,7 +167,7 @@ class Engine:
   `add_request` and `step` from one thread (see `atlas_jax.serving.server`).
 
   Args:
-    model: a Transformer.
+    model: a Transformer (any family: its pool holds K/V, or MLA latents).
     config: pool and scheduling limits.
     eos_id: the model's end-of-sequence token (a stop token unless a request sets ignore_eos).
     detokenize: token ids -> text; enables stop strings and the `text` of outputs.
@@ -190,14 +188,7 @@ class Engine:
     self.eos_id = eos_id
     self.detokenize = detokenize
     self.graphdef, self.state = nnx.split(model)
-    self.pool = init_kv_pool(
-      n_layers=cfg.n_layers,
-      n_blocks=config.n_blocks,
-      block_size=config.block_size,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=jnp.dtype(cfg.dtype),
-    )
+    self.pool = model.init_pool(config.n_blocks, config.block_size)  # KV or MLA latents
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
-from atlas_jax.model.deepseek import build
+from atlas_jax.model import build
 
 
 def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -88,7 +88,7 @@ def load_model(
   if step is None:
     raise ValueError(f"{directory}: holds no checkpoint step")
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: build(cfg.model, nnx.Rngs(0), implementation=implementation))
+    nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
   )
   # Only the parameters subtree of the train state is read (no optimizer state), onto one device.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -81,6 +81,17 @@ def test_parameter_counts_match_the_initialised_model(name):
   assert shapes == sorted(tuple(x.shape) for x in jax.tree.leaves(real_params))
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logical_axes_are_the_ones_the_model_declares(name):
+  """The planner shards what the trainer shards: same shapes and logical axes per parameter."""
+  cfg = config(name).model
+  planned = sorted((p.shape, p.axes) for p in params.inventory(cfg))
+  state = nnx.state(measure.abstract_model(cfg), nnx.Param)
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  real = sorted((tuple(v.shape), shd.logical_axes_of(v)) for v in leaves)
+  assert planned == real
+
+
 def test_published_parameter_counts():
   # Meta's released checkpoints: Llama-3(.1)-8B 8,030,261,248 and -70B 70,553,706,496 parameters.
   assert params.counts(config("llama3-8b").model).total == 8_030_261_248
@@ -139,6 +150,12 @@ STRATEGY_CASES = [
   ("odd-tied-bias", "zero3", 2),  # D=48 splits 4 ways; the 101-token vocab never splits
   ("odd-qk-norm-mqa", "tensor", 1),
   ("odd-qk-norm-mqa", "zero2", 4),
+  # MLA's low-rank axes take the fsdp split where there is no embed axis; MTP heads are sharded
+  # like blocks.
+  ("deepseek-tiny", "zero3", 1),
+  ("deepseek-tiny", "zero3", 2),
+  ("mla-no-q-lora", "zero2", 1),
+  ("mla-parallel-mtp", "tensor", 1),
 ]
 
 

@@ -39,11 +39,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("order", ["fifo", "reversed", "staggered"])
-def test_engine_equals_generate(tiny_model, reference, name, order):
-  prompts, params, want = reference
-  engine = Engine(tiny_model, CONFIGS[name])
+def serve(model, config, prompts, params, order):
+  """Runs the engine over the workload in an arrival order; the new tokens per prompt."""
+  engine = Engine(model, config)
   idx = list(range(len(prompts)))
   if order == "reversed":
     idx = idx[::-1]
@@ -57,11 +55,32 @@ def test_engine_equals_generate(tiny_model, reference, name, order):
     pending = pending[take:]
     for out in engine.step():
       got[out.request_id].extend(out.new_token_ids)
-  assert [got[i] for i in range(len(prompts))] == want
-  if name == "tight":
-    assert engine.n_preemptions > 0
   s = engine.allocator.stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+  return [got[i] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("order", ["fifo", "reversed", "staggered"])
+def test_engine_equals_generate(tiny_model, reference, name, order):
+  prompts, params, want = reference
+  got, engine = serve(tiny_model, CONFIGS[name], prompts, params, order)
+  assert got == want
+  if name == "tight":
+    assert engine.n_preemptions > 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("order", ["reversed", "staggered"])
+def test_mla_engine_equals_generate(mla_model, name, order):
+  """MLA models are served over a paged latent pool: same tokens as `generate` (greedy and
+  seeded sampling), whatever the arrival order, with preemption in the tight pool."""
+  prompts, params = workload(0)
+  want = generate(mla_model, prompts, params)
+  got, engine = serve(mla_model, CONFIGS[name], prompts, params, order)
+  assert got == want
+  if name == "tight":
+    assert engine.n_preemptions > 0
 
 
 def test_logprobs_and_stop_tokens_match_generate(tiny_model):
@@ -92,13 +111,13 @@ def test_logprobs_and_stop_tokens_match_generate(tiny_model):
   assert all(t[0][0] == g and abs(t[0][1] - lp) < 1e-5 for t, g, lp in zip(tops[0], got[0], lps[0]))
 
 
-def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model):
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(any_model):
   prompt = list(np.random.default_rng(1).integers(0, 40, 30))
-  engine = Engine(tiny_model, CONFIGS["roomy"])
+  engine = Engine(any_model, CONFIGS["roomy"])
   first = engine.generate([prompt], SamplingParams(max_new_tokens=5))
   again = engine.generate([prompt, prompt[:21] + [3]], SamplingParams(max_new_tokens=5))
   assert again[0] == first[0]
-  assert again[1] == generate(tiny_model, [prompt[:21] + [3]], SamplingParams(max_new_tokens=5))[0]
+  assert again[1] == generate(any_model, [prompt[:21] + [3]], SamplingParams(max_new_tokens=5))[0]
   # 7 of the first prompt's full blocks (the 8th holds its last token, always recomputed) + 5.
   assert engine.allocator.stats().prefix_hit_tokens == 4 * (7 + 5)
 
