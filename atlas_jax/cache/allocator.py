@@ -288,6 +288,54 @@ class BlockAllocator:
       blocks=list(parent.blocks), tokens=list(parent.tokens), hashes=list(parent.hashes)
     )
 
+  def truncate(self, seq_id: SeqId, length: int) -> list[tuple[int, int]]:
+    """Drops a sequence's tokens from position `length` on, releasing the blocks past it.
+
+    A fork that recomputes its parent's last token, or speculative decoding rolling back rejected
+    drafts, starts from here. The kept last block, if now partial, is about to be written again,
+    so it must be the sequence's own: a shared one is copied now (copy-on-write), and a private one
+    that the prefix cache had registered as full is withdrawn from the cache.
+
+    Returns:
+      Copy-on-write pairs (src_block, dst_block) whose device data the caller must copy.
+
+    Raises:
+      UnknownSequenceError; ValueError for a length outside [0, current length];
+      OutOfBlocksError when the copy needs a block and none is available.
+    """
+    seq = self._get(seq_id)
+    if not 0 <= length <= len(seq.tokens):
+      raise ValueError(
+        f"truncate: length={length} must be in [0, {len(seq.tokens)}] for sequence {seq_id!r}"
+      )
+    Z = self.block_size
+    keep = -(-length // Z)
+    tail = seq.blocks[keep - 1] if length % Z else None
+    if tail is not None and self._ref[tail] > 1:
+      released = sum(1 for b in seq.blocks[keep:] if self._ref[b] == 1)
+      if self.n_available + released < 1:
+        raise OutOfBlocksError(
+          f"truncate: sequence {seq_id!r} needs a block to copy its shared last block, none "
+          "available"
+        )
+    for block in reversed(seq.blocks[keep:]):
+      self._release(block)
+    del seq.blocks[keep:], seq.tokens[length:], seq.hashes[length // Z :]
+    if tail is None:
+      return []
+    if self._ref[tail] > 1:
+      dst = self._new_block()
+      self._ref[tail] -= 1
+      self._fill[dst] = length % Z
+      seq.blocks[-1] = dst
+      self._n_copies += 1
+      return [(tail, dst)]
+    h = self._hash_of.pop(tail, None)
+    if h is not None:
+      del self._block_of[h]
+    self._fill[tail] = length % Z
+    return []
+
   def free(self, seq_id: SeqId) -> None:
     """Releases a sequence's blocks; its hashed full blocks stay cached until evicted."""
     seq = self._get(seq_id)
@@ -295,14 +343,7 @@ class BlockAllocator:
     # Release the tail first so that, among this sequence's blocks, the tail is evicted first
     # and the more widely useful prefix blocks survive longest.
     for block in reversed(seq.blocks):
-      self._ref[block] -= 1
-      if self._ref[block] > 0:
-        continue
-      if block in self._hash_of:
-        self._cached[block] = None
-      else:
-        self._fill[block] = 0
-        self._free[block] = None
+      self._release(block)
 
   # -- internals -----------------------------------------------------------------------------
 
@@ -320,6 +361,17 @@ class BlockAllocator:
     n_new = -(-(n_tokens - room) // Z) if n_tokens > room else 0
     cow = 1 if room > 0 and self._ref[seq.blocks[-1]] > 1 else 0
     return n_new + cow
+
+  def _release(self, block: int) -> None:
+    """Drops one reference; an unreferenced block is cached (if hashed) or freed."""
+    self._ref[block] -= 1
+    if self._ref[block] > 0:
+      return
+    if block in self._hash_of:
+      self._cached[block] = None
+    else:
+      self._fill[block] = 0
+      self._free[block] = None
 
   def _take(self, block: int) -> None:
     """Adds a reference to a hashed block found in the cache."""

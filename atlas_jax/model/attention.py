@@ -57,29 +57,12 @@ class Attention(nnx.Module):
     self.sliding_window = cfg.sliding_window
     self.implementation = implementation
 
-  @staticmethod
-  def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    """A contiguous cache for this attention: K and V, [L, B, S, K, H] each."""
-    return KVCache.init(
-      n_layers=cfg.n_layers,
-      batch=batch,
-      max_len=max_len,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=dtype,
-    )
+  # The caches this attention reads: K and V, K heads of H dims each, per token and layer.
+  cache_type, pool_type = KVCache, KVPool
 
   @staticmethod
-  def init_pool(cfg: ModelConfig, n_blocks: int, block_size: int, dtype) -> KVPool:
-    """A paged pool for this attention: K and V, [L, P, Z, K, H] each."""
-    return KVPool.init(
-      n_layers=cfg.n_layers,
-      n_blocks=n_blocks,
-      block_size=block_size,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=dtype,
-    )
+  def cache_dims(cfg: ModelConfig) -> dict[str, int]:
+    return dict(n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
 
   def __call__(
     self,

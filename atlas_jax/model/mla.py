@@ -109,29 +109,12 @@ class MLA(nnx.Module):
     self.implementation = implementation
     self.absorb_max_tokens = absorb_max_tokens
 
-  @staticmethod
-  def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> LatentCache:
-    """A contiguous cache for this attention: latents [L, B, S, C + R]."""
-    return LatentCache.init(
-      n_layers=cfg.n_layers,
-      batch=batch,
-      max_len=max_len,
-      kv_lora_rank=cfg.mla.kv_lora_rank,
-      rope_dim=cfg.mla.qk_rope_head_dim,
-      dtype=dtype,
-    )
+  # The caches this attention reads: one latent of C + R numbers per token and layer.
+  cache_type, pool_type = LatentCache, LatentPool
 
   @staticmethod
-  def init_pool(cfg: ModelConfig, n_blocks: int, block_size: int, dtype) -> LatentPool:
-    """A paged pool for this attention: latents [L, P, Z, C + R]."""
-    return LatentPool.init(
-      n_layers=cfg.n_layers,
-      n_blocks=n_blocks,
-      block_size=block_size,
-      kv_lora_rank=cfg.mla.kv_lora_rank,
-      rope_dim=cfg.mla.qk_rope_head_dim,
-      dtype=dtype,
-    )
+  def cache_dims(cfg: ModelConfig) -> dict[str, int]:
+    return dict(kv_lora_rank=cfg.mla.kv_lora_rank, rope_dim=cfg.mla.qk_rope_head_dim)
 
   def _rope(self, x, positions_BT):
     inv_freq, factor, _ = mla_rope(self.cfg)

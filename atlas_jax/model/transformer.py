@@ -114,8 +114,14 @@ class Transformer(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | LatentCache:
     """A zeroed contiguous cache of `max_len` slots per sequence (KV, or MLA latents)."""
-    dtype = jnp.dtype(self.cfg.dtype if dtype is None else dtype)
-    return attention_class(self.cfg).init_cache(self.cfg, batch, max_len, dtype)
+    cfg, attn = self.cfg, attention_class(self.cfg)
+    return attn.cache_type.init(
+      n_layers=cfg.n_layers,
+      batch=batch,
+      max_len=max_len,
+      dtype=jnp.dtype(cfg.dtype if dtype is None else dtype),
+      **attn.cache_dims(cfg),
+    )
 
   def init_pool(self, n_blocks: int, block_size: int, dtype=None) -> KVPool | LatentPool:
     """A zeroed paged pool of `n_blocks` blocks of `block_size` tokens (KV, or MLA latents).
@@ -123,8 +129,14 @@ class Transformer(nnx.Module):
     Wrap it with a block table and lengths in `atlas_jax.cache.paged.PagedCache` to call the
     model on it.
     """
-    dtype = jnp.dtype(self.cfg.dtype if dtype is None else dtype)
-    return attention_class(self.cfg).init_pool(self.cfg, n_blocks, block_size, dtype)
+    cfg, attn = self.cfg, attention_class(self.cfg)
+    return attn.pool_type.init(
+      n_layers=cfg.n_layers,
+      n_blocks=n_blocks,
+      block_size=block_size,
+      dtype=jnp.dtype(cfg.dtype if dtype is None else dtype),
+      **attn.cache_dims(cfg),
+    )
 
   # -- forward -----------------------------------------------------------------------------------
 

@@ -17,6 +17,11 @@ in the pool (`n_computed`). Each `step()`:
    another row is computing reads them after they are written.
 4. samples each row whose tokens are all computed and applies the stop conditions.
 
+`add_requests` queues n completions of one prompt (OpenAI's `n`): only the first computes the
+prompt; when its prompt is done, every other completion forks its blocks (`BlockAllocator.fork`),
+drops the last prompt token and recomputes just that one, in a device copy of the shared partial
+block (copy-on-write). So n completions cost one prefill.
+
 A request that cannot fit the pool (or the context) on its own is rejected when it is added, so
 the oldest request can always make progress by preempting newer ones: no crash, no livelock.
 Sampling keys are `fold_in(key(seed), i)` for the i-th generated token, as in `generate`, so
@@ -118,6 +123,12 @@ def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(pool, src_N, dst_N):
+  """Copies pool blocks src -> dst (i32[N] each) in every layer; the pool is donated."""
+  return jax.tree.map(lambda a_LPZ_: a_LPZ_.at[:, dst_N].set(a_LPZ_[:, src_N]), pool)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
 def _forward_sample(
   graphdef,
@@ -196,11 +207,15 @@ class Engine:
     self.waiting: collections.deque[_Request] = collections.deque()
     self.running: list[_Request] = []  # oldest first
     self._requests: dict[RequestId, _Request] = {}
+    # Completions waiting for their first sibling's prompt, by that sibling's id (add_requests).
+    self._followers: dict[RequestId, list[_Request]] = {}
+    self._pending_copies: list[tuple[int, int]] = []  # copy-on-write pairs for the next step
     self._aborts: list[RequestId] = []
     self._abort_lock = threading.Lock()
     self._arrivals = 0
     self.n_preemptions = 0
     self.n_steps = 0
+    self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -213,6 +228,42 @@ class Engine:
       RequestError: empty prompt, token ids outside the vocabulary, prompt + max_new_tokens past
         the context, or more blocks than the whole pool holds; or a duplicate id.
     """
+    req = self._make_request(request_id, prompt, params)
+    self._requests[request_id] = req
+    self.waiting.append(req)
+
+  def add_requests(
+    self,
+    request_ids: Sequence[RequestId],
+    prompt: Sequence[int],
+    params: Sequence[SamplingParams],
+  ) -> None:
+    """Queues n completions of one prompt that share its computation and its blocks.
+
+    Each completion samples with its own params (seeds differ, say) and produces exactly what
+    `add_request` would; the prompt is computed once and its blocks are shared copy-on-write.
+    All or nothing: if any request is invalid, none is queued.
+
+    Raises:
+      RequestError: as `add_request`, for any of them; or ids and params of different lengths.
+    """
+    if len(request_ids) != len(params) or not request_ids:
+      raise RequestError(
+        f"add_requests: {len(request_ids)} request ids for {len(params)} SamplingParams"
+      )
+    if len(set(request_ids)) != len(request_ids):
+      raise RequestError(f"add_requests: duplicate request ids in {list(request_ids)!r}")
+    reqs = [self._make_request(rid, prompt, p) for rid, p in zip(request_ids, params)]
+    for req in reqs:
+      self._requests[req.id] = req
+    self.waiting.append(reqs[0])
+    if len(reqs) > 1:
+      self._followers[reqs[0].id] = reqs[1:]
+
+  def _make_request(
+    self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None
+  ) -> _Request:
+    """A validated request with the next arrival number; nothing is queued."""
     params = SamplingParams() if params is None else params
     prompt = [int(t) for t in prompt]
     V = self.model_config.vocab_size
@@ -239,8 +290,7 @@ class Engine:
       stop.add(self.eos_id)
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
     self._arrivals += 1
-    self._requests[request_id] = req
-    self.waiting.append(req)
+    return req
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""
@@ -248,7 +298,7 @@ class Engine:
       self._aborts.append(request_id)
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting or self.running or self._aborts)
+    return bool(self.waiting or self.running or self._aborts or self._followers)
 
   @property
   def n_running(self) -> int:
@@ -256,7 +306,7 @@ class Engine:
 
   @property
   def n_waiting(self) -> int:
-    return len(self.waiting)
+    return len(self.waiting) + sum(len(f) for f in self._followers.values())
 
   def kv_usage(self) -> float:
     """Fraction of the pool's blocks referenced by live requests."""
@@ -268,10 +318,18 @@ class Engine:
   def step(self) -> list[RequestOutput]:
     """Schedules, runs the model once or twice, samples; returns what changed."""
     outputs = self._process_aborts()
-    scheduled = self._schedule()
+    scheduled, copies = self._schedule()
+    copies, self._pending_copies = self._pending_copies + copies, []
     if not scheduled:
       return outputs
     self.n_steps += 1
+    self.n_computed_tokens += sum(n for _, n in scheduled)
+    if copies:
+      # Copy-on-write: shared partial blocks are copied before this step writes into them. The
+      # pairs are padded to a power of two by repeating the last (an idempotent copy).
+      pairs = copies + copies[-1:] * (_pow2(len(copies)) - len(copies))
+      src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+      self.pool = _copy_blocks(self.pool, src, dst)
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [(r, n) for r, n in scheduled if n == 1]
     results = {}
@@ -280,6 +338,8 @@ class Engine:
         results.update(self._run(rows, T))
     for req, n in scheduled:
       req.n_computed += n
+      if req.id in self._followers and req.n_computed == len(req.prompt):
+        self._fork_followers(req)  # before `_accept` may finish and free the leader
       if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
         outputs.append(self._accept(req, *results[req.id]))
     return outputs
@@ -325,10 +385,37 @@ class Engine:
     self.n_preemptions += 1
     self.waiting.appendleft(req)
 
-  def _schedule(self) -> list[tuple[_Request, int]]:
+  def _fork_followers(self, leader: _Request) -> None:
+    """Starts the leader's sibling completions on its blocks, now that its prompt is computed.
+
+    Each forks the leader's sequence and drops the last prompt token, which it recomputes to
+    draw its own first token; a shared partial last block is copied at the start of the next
+    step. Siblings that do not fit the batch or the pool wait and are admitted normally (their
+    prompt's full blocks then come from the prefix cache).
+    """
+    late = []
+    for f in self._followers.pop(leader.id):
+      if len(self.running) >= self.config.max_num_seqs:
+        late.append(f)
+        continue
+      self.allocator.fork(leader.id, f.id)
+      try:
+        self._pending_copies += self.allocator.truncate(f.id, len(f.prompt) - 1)
+      except OutOfBlocksError:
+        self.allocator.free(f.id)
+        late.append(f)
+        continue
+      f.n_computed = len(f.prompt) - 1
+      self.running.append(f)
+    self.waiting.extendleft(reversed(late))
+    self.running.sort(key=lambda r: r.arrival)
+
+  def _schedule(self) -> tuple[list[tuple[_Request, int]], list[tuple[int, int]]]:
+    """(rows to run as (request, tokens to compute), copy-on-write block pairs to copy first)."""
     cfg = self.config
     budget = cfg.max_num_batched_tokens
     scheduled: list[tuple[_Request, int]] = []
+    copies: list[tuple[int, int]] = []
     preempted = False
     i = 0
     while i < len(self.running) and budget > 0:
@@ -337,8 +424,7 @@ class Engine:
       start = req.n_computed
       while True:
         try:
-          copies = self.allocator.append(req.id, req.tokens[start : start + n])
-          assert not copies, "the engine never forks, so no block is shared mid-write"
+          copies += self.allocator.append(req.id, req.tokens[start : start + n])
           break
         except OutOfBlocksError:
           preempted = True
@@ -368,7 +454,7 @@ class Engine:
       budget -= n
     # Running stays in arrival order so the oldest is scheduled first and preempted last.
     self.running.sort(key=lambda r: r.arrival)
-    return scheduled
+    return scheduled, copies
 
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
@@ -472,6 +558,11 @@ class Engine:
       self.running.remove(req)
     if req in self.waiting:
       self.waiting.remove(req)
+    # A leader that ends before its prompt is computed lets its siblings compute it themselves.
+    self.waiting.extendleft(reversed(self._followers.pop(req.id, [])))
+    for followers in self._followers.values():
+      if req in followers:
+        followers.remove(req)
     self._requests.pop(req.id, None)
 
   def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:

@@ -81,14 +81,21 @@ class EngineRunner:
 
   def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
     """Queues a request; its RequestOutputs arrive on the returned queue (None ends it)."""
-    rid = uuid.uuid4().hex
+    return self.submit_all(prompt, [params])[0]
+
+  def submit_all(
+    self, prompt: list[int], params: list[SamplingParams]
+  ) -> list[tuple[str, asyncio.Queue]]:
+    """Queues n completions of one prompt, computed once and sharing its blocks (all or none)."""
+    rids = [uuid.uuid4().hex for _ in params]
     loop = asyncio.get_running_loop()
-    stream = _Stream(asyncio.Queue(), loop, time.perf_counter(), len(prompt))
+    now = time.perf_counter()
+    streams = [_Stream(asyncio.Queue(), loop, now, len(prompt)) for _ in params]
     with self._lock:
-      self.engine.add_request(rid, prompt, params)  # RequestError propagates
-      self._streams[rid] = stream
+      self.engine.add_requests(rids, prompt, params)  # RequestError propagates
+      self._streams.update(zip(rids, streams))
     self._wake.set()
-    return rid, stream.queue
+    return [(rid, s.queue) for rid, s in zip(rids, streams)]
 
   def abort(self, rid: str) -> None:
     self.engine.abort(rid)
@@ -275,17 +282,14 @@ def build_app(
     )
 
   def submit_all(prompt_ids, body, logprobs):
-    subs = []
     try:
-      for i in range(body.n):
-        subs.append(runner.submit(prompt_ids, sampling(body, len(prompt_ids), i, logprobs)))
+      params = [sampling(body, len(prompt_ids), i, logprobs) for i in range(body.n)]
+      # The n choices share the prompt's computation and blocks (queued all or none).
+      return runner.submit_all(prompt_ids, params)
     except (RequestError, ValueError) as e:
-      for rid, _ in subs:
-        runner.abort(rid)
       if isinstance(e, APIError):
         raise
       raise APIError(400, str(e), "prompt" if isinstance(e, RequestError) else None) from None
-    return subs
 
   async def merged(subs):
     """(choice index, RequestOutput) in arrival order across the n choices."""

@@ -70,13 +70,17 @@ def test_engine_equals_generate(tiny_model, reference, name, order):
     assert engine.n_preemptions > 0
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("order", ["reversed", "staggered"])
-def test_mla_engine_equals_generate(mla_model, name, order):
-  """MLA models are served over a paged latent pool: same tokens as `generate` (greedy and
-  seeded sampling), whatever the arrival order, with preemption in the tight pool."""
+@pytest.fixture(scope="module")
+def mla_reference(mla_model):
   prompts, params = workload(0)
-  want = generate(mla_model, prompts, params)
+  return prompts, params, generate(mla_model, prompts, params)
+
+
+@pytest.mark.parametrize("name, order", [("tight", "reversed"), ("roomy", "staggered")])
+def test_mla_engine_equals_generate(mla_model, mla_reference, name, order):
+  """MLA models are served over a paged latent pool: same tokens as `generate` (greedy and
+  seeded sampling), in two arrival orders, with preemption in the tight pool."""
+  prompts, params, want = mla_reference
   got, engine = serve(mla_model, CONFIGS[name], prompts, params, order)
   assert got == want
   if name == "tight":
@@ -199,3 +203,71 @@ def test_steady_state_never_recompiles(tiny_model):
   assert _forward_sample._cache_size() == compiled
   # A handful of shapes: prefill row buckets x chunk buckets (16 only here), decode row buckets.
   assert compiled - before <= 4 + 3
+
+
+@pytest.mark.parametrize("prompt_len", [30, 29], ids=["shared_partial_block", "block_aligned"])
+def test_n_completions_compute_the_prompt_once(any_model, prompt_len):
+  """add_requests: n completions equal n independent ones, but the prompt runs once and only the
+  shared partial block is copied (copy-on-write), once per extra completion."""
+  prompt = np.random.default_rng(2).integers(0, 40, prompt_len).tolist()
+  params = [SamplingParams(max_new_tokens=9, temperature=1.0, seed=s) for s in range(4)]
+  want = generate(any_model, [prompt] * 4, params)
+  engine = Engine(any_model, CONFIGS["roomy"])
+  engine.add_requests(["a", "b", "c", "d"], prompt, params)
+  got = {rid: [] for rid in "abcd"}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+  assert [got[r] for r in "abcd"] == want
+  # The prompt once, the last prompt token again per extra completion, then the decode steps.
+  assert engine.n_computed_tokens == prompt_len + 3 + sum(len(w) - 1 for w in want)
+  Z = CONFIGS["roomy"].block_size
+  assert engine.allocator.stats().n_copies == (3 if (prompt_len - 1) % Z else 0)
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_n_completions_survive_preemption_and_a_leader_abort(tiny_model):
+  prompts, params = workload(1, n=6)
+  group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in (7, 8, 9)]
+  long_prompt = list(range(3, 38))
+  want_group = generate(tiny_model, [long_prompt] * 3, group)
+  want = generate(tiny_model, prompts, params)
+  engine = Engine(tiny_model, CONFIGS["tight"])
+  engine.add_requests(["g0", "g1", "g2"], long_prompt, group)
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got = {rid: [] for rid in ["g0", "g1", "g2", *range(6)]}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+  assert [got[i] for i in range(6)] == want
+  assert [got[r] for r in ("g0", "g1", "g2")] == want_group
+  assert engine.n_preemptions > 0
+
+  # The leader aborted before its prompt is computed: its siblings compute it themselves.
+  engine = Engine(tiny_model, CONFIGS["tight"])
+  engine.add_requests(["h0", "h1", "h2"], long_prompt, group)
+  engine.step()
+  engine.abort("h0")
+  got = {"h1": [], "h2": []}
+  reasons = {}
+  while engine.has_unfinished():
+    for out in engine.step():
+      if out.request_id in got:
+        got[out.request_id] += out.new_token_ids
+      reasons[out.request_id] = out.finish_reason
+  assert [got["h1"], got["h2"]] == want_group[1:] and reasons["h0"] == "abort"
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_add_requests_is_all_or_nothing(tiny_model):
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  with pytest.raises(RequestError, match="max_tokens 200"):
+    engine.add_requests(
+      ["ok", "bad"], [1, 2, 3], [SamplingParams(), SamplingParams(max_new_tokens=200)]
+    )
+  with pytest.raises(RequestError, match="duplicate request ids"):
+    engine.add_requests(["x", "x"], [1, 2], [SamplingParams(), SamplingParams()])
+  assert not engine.has_unfinished() and engine.n_waiting == 0

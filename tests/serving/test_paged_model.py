@@ -1,15 +1,26 @@
 """The model gives the same logits on a paged pool as on its contiguous cache, for KV and MLA."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool, PagedCache
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _call(graphdef, state, tokens_BT, positions_BT, cache):
+  return nnx.merge(graphdef, state)(tokens_BT, positions_BT=positions_BT, cache=cache)
+
+
 def paged_vs_contiguous(model, lens, steps=6, Z=4, M=8):
   cfg = model.cfg
+  graphdef, state = nnx.split(model)
+  call = lambda tokens, cache, positions=None: _call(graphdef, state, tokens, positions, cache)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n) for n in lens]
   feed = rng.integers(0, cfg.vocab_size, (len(lens), steps))  # decode inputs, the same for both
@@ -26,21 +37,21 @@ def paged_vs_contiguous(model, lens, steps=6, Z=4, M=8):
   for b, p in enumerate(prompts):
     tokens[b, : len(p)] = p
     positions[b, : len(p)] = np.arange(len(p))
-  prefill_p, paged = model(jnp.asarray(tokens), positions_BT=jnp.asarray(positions), cache=paged)
+  prefill_p, paged = call(jnp.asarray(tokens), paged, jnp.asarray(positions))
   np.testing.assert_array_equal(paged.lengths, lens)
   decode_p = []
   for t in range(steps):
-    logits, paged = model(jnp.asarray(feed[:, t : t + 1]), cache=paged)
+    logits, paged = call(jnp.asarray(feed[:, t : t + 1]), paged)
     decode_p.append(logits[:, 0])
   np.testing.assert_array_equal(paged.lengths, np.asarray(lens) + steps)
 
   # Contiguous: each row alone, unpadded.
   for b, p in enumerate(prompts):
     cache = model.init_cache(1, M * Z)
-    prefill_c, cache = model(jnp.asarray(p[None], jnp.int32), cache=cache)
+    prefill_c, cache = call(jnp.asarray(p[None], jnp.int32), cache)
     np.testing.assert_allclose(prefill_p[b, : len(p)], prefill_c[0], rtol=2e-5, atol=2e-5)
     for t in range(steps):
-      logits, cache = model(jnp.asarray(feed[b : b + 1, t : t + 1]), cache=cache)
+      logits, cache = call(jnp.asarray(feed[b : b + 1, t : t + 1]), cache)
       np.testing.assert_allclose(decode_p[t][b], logits[0, 0], rtol=2e-5, atol=2e-5)
   return paged
 

@@ -43,9 +43,9 @@ def deepseek_run(tmp_path_factory):
     "model.mla.qk_rope_head_dim": 8,
     "model.mla.qk_nope_head_dim": 16,
     "model.mla.v_head_dim": 16,
-    "train.steps": 6,
+    "train.steps": 2,
     "train.seq_len": 32,
-    "train.log_every": 6,
+    "train.log_every": 2,
     "train.eval_every": 0,
     "train.checkpoint_dir": tmp / "ckpt",
   }
