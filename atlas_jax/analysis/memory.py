@@ -284,7 +284,7 @@ def activation_bytes(
   elif policy == "every_k":
     k = default_every(L) if remat_every is None else remat_every
     if L % k:
-      raise ValueError(f"remat_every={k} must divide n_layers={L}")
+      raise ValueError(f"--remat-every={k} must divide the model's n_layers={L}")
     saved, recompute = (L // k) * D * c * M, k * per_layer
   else:
     if cfg.mla is None:

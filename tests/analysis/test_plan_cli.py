@@ -101,6 +101,7 @@ def test_plot_writes_pngs(tmp_path, capsys):
     (["--config", "llama-2-7b", "--batch", "12"], "--batch=12 must be a multiple of 8"),
     (["--config", "llama-2-7b", "--tensor", "3"], "--tensor=3 must divide --devices=8"),
     (["--config", "llama-2-7b", "--mfu", "1.5"], "--mfu=1.5 must be in (0, 1]"),
+    (["--config", "llama-2-7b", "--remat-every", "3"], "--remat-every=3 must divide"),
     (["--config", "llama-2-7b", "--set", "a.b=1"], "overrides apply to YAML presets only"),
     (["--config", "configs/tiny.yaml", "--set", "train.remat=most"], "train.remat='most'"),
   ],
