@@ -46,10 +46,11 @@ Implementation = Literal["pallas", "xla"]
 
 def _mla_decode_kernel(
   lengths_ref,  # i32[B]
+  layer_ref,  # i32[1]: which layer of the stacked pool to read
   table_ref,  # i32[max_blocks]: this sequence's row of the block table
   qn_ref,  # [Rb, C]: rows (t, n) of this block, latent part of the absorbed query
   qr_ref,  # [Rb, R]: rope part
-  pool_ref,  # [P, Z, C + R]: the whole latent pool (stays in HBM on GPUs; pages are loaded)
+  pool_ref,  # [L, P, Z, C + R]: the whole latent pool (stays in HBM on GPUs; pages are loaded)
   o_ref,  # [Rb, C]
   *,
   scale: float,
@@ -58,9 +59,10 @@ def _mla_decode_kernel(
   latent_dim: int,
 ):
   length = lengths_ref[pl.program_id(0)]
+  layer = layer_ref[0]
   C = latent_dim
   Rb = qn_ref.shape[0]
-  Z = pool_ref.shape[1]
+  Z = pool_ref.shape[2]
   R = qr_ref.shape[1]
   qn_RC = qn_ref[...]
   qr_RR = qr_ref[...]
@@ -74,8 +76,8 @@ def _mla_decode_kernel(
   def body(i, carry):
     m_R1, l_R1, acc_RC = carry
     page = table_ref[i]
-    c_ZC = pool_ref[page, :, pl.ds(0, C)]
-    kr_ZR = pool_ref[page, :, pl.ds(C, R)]
+    c_ZC = pool_ref[layer, page, :, pl.ds(0, C)]
+    kr_ZR = pool_ref[layer, page, :, pl.ds(C, R)]
     s_RZ = jax.lax.dot_general(qn_RC, c_ZC, dims, preferred_element_type=jnp.float32)
     s_RZ += jax.lax.dot_general(qr_RR, kr_ZR, dims, preferred_element_type=jnp.float32)
     s_RZ *= jnp.float32(scale)
@@ -108,7 +110,12 @@ def _mla_decode_kernel(
 
 
 def check_mla_decode_inputs(
-  q_nope: Array, q_rope: Array, cache: Array, lengths: Array, block_table: Array | None
+  q_nope: Array,
+  q_rope: Array,
+  cache: Array,
+  lengths: Array,
+  block_table: Array | None,
+  layer: Array | None = None,
 ) -> None:
   """Raises ValueError naming the shapes when the inputs do not fit together."""
   shapes = (
@@ -124,11 +131,15 @@ def check_mla_decode_inputs(
   if q_nope.shape[:-1] != q_rope.shape[:-1]:
     raise ValueError(f"mla_decode: q_nope and q_rope disagree on [B, (T,) N]; {shapes}")
   B, C, R = q_nope.shape[0], q_nope.shape[-1], q_rope.shape[-1]
-  if cache.ndim != 3 or cache.shape[-1] != C + R:
+  if cache.ndim != (3 if layer is None else 4) or cache.shape[-1] != C + R:
     raise ValueError(
-      f"mla_decode: cache must be [B, S, C + R] (or [P, Z, C + R] with a block table) with "
-      f"C + R = {C} + {R}; {shapes}"
+      f"mla_decode: cache must be [B, S, C + R] (or [P, Z, C + R] with a block table; either "
+      f"with a leading [L] axis and a layer index) with C + R = {C} + {R}; {shapes}"
     )
+  if layer is not None and jnp.shape(layer) != ():
+    raise ValueError(f"mla_decode: layer must be a scalar; {shapes}")
+  if layer is not None:
+    cache = cache[0]  # the checks below are per layer
   if block_table is None and cache.shape[0] != B:
     raise ValueError(f"mla_decode: contiguous cache batch != q batch B={B}; {shapes}")
   if block_table is not None and (block_table.ndim != 2 or block_table.shape[0] != B):
@@ -152,22 +163,22 @@ def _pow2_at_least(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def _as_pages(cache_BSE: Array, block_k: int | None) -> tuple[Array, Array]:
-  """A contiguous cache viewed as a paged pool [B * S / Z, Z, E] and its block table [B, S / Z].
+def _as_pages(cache_LBSE: Array, block_k: int | None) -> tuple[Array, Array]:
+  """A contiguous cache viewed as a paged pool [L, B * S / Z, Z, E] and its table [B, S / Z].
 
   The view is a free reshape when S is a multiple of the page size Z; otherwise the cache is
   padded (a copy), so allocate capacities that are multiples of 16 or more.
   """
-  B, S, E = cache_BSE.shape
+  L, B, S, E = cache_LBSE.shape
   if block_k is None:
     block_k = next((z for z in (64, 32, 16, 8) if S % z == 0), 16)
   if S % block_k:
     pad = -S % block_k
-    cache_BSE = jnp.pad(cache_BSE, ((0, 0), (0, pad), (0, 0)))
+    cache_LBSE = jnp.pad(cache_LBSE, ((0, 0), (0, 0), (0, pad), (0, 0)))
     S += pad
   n = S // block_k
   table_BM = jnp.arange(B, dtype=jnp.int32)[:, None] * n + jnp.arange(n, dtype=jnp.int32)[None]
-  return cache_BSE.reshape(B * n, block_k, E), table_BM
+  return cache_LBSE.reshape(L, B * n, block_k, E), table_BM
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
@@ -178,23 +189,26 @@ def mla_decode_pallas(
   lengths: Array,
   *,
   block_table: Array | None = None,
+  layer: Array | None = None,
   scale: float,
   block_q: int = 64,
   block_k: int | None = None,
   interpret: bool = False,
 ) -> Array:
   """The Pallas kernel; see `mla_decode` for arguments."""
-  check_mla_decode_inputs(q_nope, q_rope, cache, lengths, block_table)
+  check_mla_decode_inputs(q_nope, q_rope, cache, lengths, block_table, layer)
+  if layer is None:  # one layer: a stack of one (a free reshape)
+    cache, layer = cache[None], 0
   decode = q_nope.ndim == 3
   if decode:
     q_nope, q_rope = q_nope[:, None], q_rope[:, None]
   B, T, N, C = q_nope.shape
   R = q_rope.shape[-1]
   if block_table is None:
-    pool_PZE, table_BM = _as_pages(cache, block_k)
+    pool_LPZE, table_BM = _as_pages(cache, block_k)
   else:
-    pool_PZE, table_BM = cache, block_table.astype(jnp.int32)
-  P, Z, E = pool_PZE.shape
+    pool_LPZE, table_BM = cache, block_table.astype(jnp.int32)
+  L, P, Z, E = pool_LPZE.shape
   max_blocks = table_BM.shape[1]
   rows = T * N
   Rb = min(block_q, _pow2_at_least(rows))
@@ -208,16 +222,24 @@ def mla_decode_pallas(
     grid=(B, n_row_blocks),
     in_specs=[
       pl.BlockSpec((B,), lambda b, r: (0,)),
+      pl.BlockSpec((1,), lambda b, r: (0,)),
       pl.BlockSpec((None, max_blocks), lambda b, r: (b, 0)),
       pl.BlockSpec((None, Rb, C), lambda b, r: (b, r, 0)),
       pl.BlockSpec((None, Rb, R), lambda b, r: (b, r, 0)),
-      pl.BlockSpec((P, Z, E), lambda b, r: (0, 0, 0)),
+      pl.BlockSpec((L, P, Z, E), lambda b, r: (0, 0, 0, 0)),
     ],
     out_specs=pl.BlockSpec((None, Rb, C), lambda b, r: (b, r, 0)),
     out_shape=jax.ShapeDtypeStruct((B, n_row_blocks * Rb, C), q_nope.dtype),
     interpret=interpret,
     name="mla_decode",
-  )(lengths.astype(jnp.int32), table_BM, qn_BRC, qr_BRR, pool_PZE)
+  )(
+    lengths.astype(jnp.int32),
+    jnp.reshape(layer, (1,)).astype(jnp.int32),
+    table_BM,
+    qn_BRC,
+    qr_BRR,
+    pool_LPZE,
+  )
   out_BTNC = out_BRC[:, :rows].reshape(B, T, N, C)
   return out_BTNC[:, 0] if decode else out_BTNC
 
@@ -230,19 +252,21 @@ def mla_decode_reference(
   lengths: Array,
   *,
   block_table: Array | None = None,
+  layer: Array | None = None,
   scale: float,
 ) -> Array:
   """Pure jnp: (gather the pages,) score every slot, mask, softmax, weight the latents."""
-  check_mla_decode_inputs(q_nope, q_rope, cache, lengths, block_table)
+  check_mla_decode_inputs(q_nope, q_rope, cache, lengths, block_table, layer)
   decode = q_nope.ndim == 3
   if decode:
     q_nope, q_rope = q_nope[:, None], q_rope[:, None]
   B, T, N, C = q_nope.shape
   if block_table is None:
-    cache_BSE = cache
+    cache_BSE = cache if layer is None else cache[layer]
   else:
-    _, Z, E = cache.shape
-    cache_BSE = cache[block_table].reshape(B, block_table.shape[1] * Z, E)
+    Z, E = cache.shape[-2:]
+    pages = cache[block_table] if layer is None else cache[layer, block_table]
+    cache_BSE = pages.reshape(B, block_table.shape[1] * Z, E)
   S = cache_BSE.shape[1]
   c_BSC, kr_BSR = cache_BSE[..., :C], cache_BSE[..., C:]
   s_BTNS = jnp.einsum("BTNC,BSC->BTNS", q_nope, c_BSC, preferred_element_type=jnp.float32)
@@ -272,6 +296,7 @@ def mla_decode(
   lengths: Array,
   *,
   block_table: Array | None = None,
+  layer: Array | None = None,
   scale: float,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
@@ -284,9 +309,11 @@ def mla_decode(
     q_nope: [B, T, N, C] (or [B, N, C] for T = 1) queries already multiplied into the latent
       space (q_nope @ W_UK^T per head).
     q_rope: [B, T, N, R] (or [B, N, R]) RoPE-rotated query parts.
-    cache: [B, S, C + R] contiguous latents, or [P, Z, C + R] pages with `block_table`.
+    cache: [B, S, C + R] contiguous latents, or [P, Z, C + R] pages with `block_table`; with
+      `layer`, either stacked over layers ([L, ...]) and read at that layer in place.
     lengths: i32[B] tokens held per sequence, the T new ones included.
     block_table: i32[B, max_blocks] page ids per sequence (paged layout), or None.
+    layer: i32[] the layer to read from a stacked cache, or None.
     scale: softmax scale (MLA: (Hn + R) ** -0.5, times YaRN's mscale squared).
     implementation: "pallas", "xla" (the reference) or None (Pallas on GPU, else XLA).
     interpret: run the Pallas kernel in interpret mode (default: on CPU).
@@ -303,7 +330,7 @@ def mla_decode(
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation == "xla":
     return mla_decode_reference(
-      q_nope, q_rope, cache, lengths, block_table=block_table, scale=scale
+      q_nope, q_rope, cache, lengths, block_table=block_table, layer=layer, scale=scale
     )
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
@@ -313,6 +340,7 @@ def mla_decode(
     cache,
     lengths,
     block_table=block_table,
+    layer=layer,
     scale=scale,
     block_q=block_q,
     block_k=block_k,

@@ -18,7 +18,8 @@ Semantics (shared with `paged_attention_reference`):
 Grid: one program per (sequence, kv head). It holds the queries of that kv head's whole group
 (T * G rows) and walks the sequence's pages once with an online softmax, so GQA reads each kv
 head's pages once, not G times. The block table is an ordinary input indexed inside the kernel
-(no TPU-only scalar prefetch). The kernel targets GPUs: a kv head's pool slice stays in HBM and
+(no TPU-only scalar prefetch). Pools may be given stacked over layers with a layer index, which
+the kernel reads in place. The kernel targets GPUs: a kv head's pool slice stays in HBM and
 only the pages walked are loaded. Compiled there (not in interpret mode), Z and H should be powers
 of two >= 16 to fit Triton's tiles; the query rows are padded to such a size here.
 """
@@ -40,10 +41,11 @@ Implementation = Literal["pallas", "xla"]
 
 def _paged_attention_kernel(
   lengths_ref,  # i32[B]
+  layer_ref,  # i32[1]: which layer of the stacked pool to read
   table_ref,  # i32[max_blocks]: this sequence's row of the block table
   q_ref,  # [R, H]: rows t * G + g of this kv head's group (R >= T * G, padded)
-  k_ref,  # [P, Z, H]: this kv head's slice of the key pool
-  v_ref,  # [P, Z, H]
+  k_ref,  # [L, P, Z, H]: this kv head's slice of the key pool, every layer
+  v_ref,  # [L, P, Z, H]
   o_ref,  # [R, H]
   *,
   scale: float,
@@ -51,7 +53,8 @@ def _paged_attention_kernel(
   n_queries: int,
 ):
   length = lengths_ref[pl.program_id(0)]
-  Z = k_ref.shape[1]
+  layer = layer_ref[0]
+  Z = k_ref.shape[2]
   R = q_ref.shape[0]
   q_RH = q_ref[...]
   # Absolute position of each query row; padding rows (t >= T) are computed and discarded.
@@ -63,8 +66,8 @@ def _paged_attention_kernel(
   def body(i, carry):
     m_R1, l_R1, acc_RH = carry
     page = table_ref[i]
-    k_ZH = k_ref[page]
-    v_ZH = v_ref[page]
+    k_ZH = k_ref[layer, page]
+    v_ZH = v_ref[layer, page]
     kpos_1Z = i * Z + offsets_1Z
     s_RZ = jax.lax.dot_general(
       q_RH, k_ZH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -97,20 +100,28 @@ def _paged_attention_kernel(
 
 
 def check_paged_attention_inputs(
-  q: Array, pool_k: Array, pool_v: Array, block_table: Array, lengths: Array
+  q: Array,
+  pool_k: Array,
+  pool_v: Array,
+  block_table: Array,
+  lengths: Array,
+  layer: Array | None = None,
 ) -> None:
   """Raises ValueError naming the shapes when the inputs do not fit together."""
   shapes = (
     f"q.shape={tuple(q.shape)} pool_k.shape={tuple(pool_k.shape)} "
     f"pool_v.shape={tuple(pool_v.shape)} block_table.shape={tuple(block_table.shape)} "
-    f"lengths.shape={tuple(lengths.shape)}"
+    f"lengths.shape={tuple(lengths.shape)} layer={'None' if layer is None else 'given'}"
   )
   if q.ndim not in (3, 4):
     raise ValueError(f"paged_attention: q must be [B, N, H] or [B, T, N, H]; {shapes}")
-  if pool_k.ndim != 4 or pool_k.shape != pool_v.shape:
-    raise ValueError(f"paged_attention: pool_k and pool_v must both be [P, Z, K, H]; {shapes}")
+  want = "[P, Z, K, H]" if layer is None else "[L, P, Z, K, H] (with a layer index)"
+  if pool_k.ndim != (4 if layer is None else 5) or pool_k.shape != pool_v.shape:
+    raise ValueError(f"paged_attention: pool_k and pool_v must both be {want}; {shapes}")
+  if layer is not None and jnp.shape(layer) != ():
+    raise ValueError(f"paged_attention: layer must be a scalar; {shapes}")
   B, N, H = q.shape[0], q.shape[-2], q.shape[-1]
-  _, _, K, Hk = pool_k.shape
+  K, Hk = pool_k.shape[-2:]
   if Hk != H:
     raise ValueError(f"paged_attention: head dim of q ({H}) != pool's ({Hk}); {shapes}")
   if N % K:
@@ -144,15 +155,18 @@ def paged_attention_pallas(
   block_table: Array,
   lengths: Array,
   *,
+  layer: Array | None = None,
   scale: float | None = None,
   interpret: bool = False,
 ) -> Array:
   """The Pallas kernel; see `paged_attention` for arguments."""
-  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths)
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
+  if layer is None:  # one layer: a stack of one (a free reshape)
+    pool_k, pool_v, layer = pool_k[None], pool_v[None], 0
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, T, N, H = q_BTNH.shape
-  P, Z, K, _ = pool_k.shape
+  L, P, Z, K, _ = pool_k.shape
   G = N // K
   max_blocks = block_table.shape[1]
   scale = H**-0.5 if scale is None else scale
@@ -167,16 +181,24 @@ def paged_attention_pallas(
     grid=(B, K),
     in_specs=[
       pl.BlockSpec((B,), lambda b, h: (0,)),
+      pl.BlockSpec((1,), lambda b, h: (0,)),
       pl.BlockSpec((None, max_blocks), lambda b, h: (b, 0)),
       pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
-      pl.BlockSpec((P, Z, None, H), lambda b, h: (0, 0, h, 0)),
-      pl.BlockSpec((P, Z, None, H), lambda b, h: (0, 0, h, 0)),
+      pl.BlockSpec((L, P, Z, None, H), lambda b, h: (0, 0, 0, h, 0)),
+      pl.BlockSpec((L, P, Z, None, H), lambda b, h: (0, 0, 0, h, 0)),
     ],
     out_specs=pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
     out_shape=jax.ShapeDtypeStruct((B, K, R, H), q.dtype),
     interpret=interpret,
     name="paged_attention",
-  )(lengths.astype(jnp.int32), block_table.astype(jnp.int32), q_BKRH, pool_k, pool_v)
+  )(
+    lengths.astype(jnp.int32),
+    jnp.reshape(layer, (1,)).astype(jnp.int32),
+    block_table.astype(jnp.int32),
+    q_BKRH,
+    pool_k,
+    pool_v,
+  )
   out_BTNH = (
     out_BKRH[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
   )
@@ -191,21 +213,24 @@ def paged_attention_reference(
   block_table: Array,
   lengths: Array,
   *,
+  layer: Array | None = None,
   scale: float | None = None,
 ) -> Array:
   """Pure jnp: gather each sequence's pages into dense K/V, then causal dense attention."""
-  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths)
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, max_blocks = block_table.shape
-  P, Z, K, H = pool_k.shape
+  Z, K, H = pool_k.shape[-3:]
   S = max_blocks * Z
   lengths = lengths.astype(jnp.int32)
+  # One gather from the (stacked) pool: a layer is never sliced out as a copy.
+  pages = lambda pool: pool[block_table] if layer is None else pool[layer, block_table]
   # Slots past a sequence's length are zeroed: a NaN there would survive its zero weight.
   valid_BS11 = (jnp.arange(S)[None, :] < lengths[:, None])[:, :, None, None]
   zero = jnp.zeros((), pool_k.dtype)
-  k_BSKH = jnp.where(valid_BS11, pool_k[block_table].reshape(B, S, K, H), zero)
-  v_BSKH = jnp.where(valid_BS11, pool_v[block_table].reshape(B, S, K, H), zero)
+  k_BSKH = jnp.where(valid_BS11, pages(pool_k).reshape(B, S, K, H), zero)
+  v_BSKH = jnp.where(valid_BS11, pages(pool_v).reshape(B, S, K, H), zero)
   out_BTNH = attention_reference(
     q_BTNH, k_BSKH, v_BSKH, causal=True, scale=scale, kv_lengths=lengths
   )
@@ -219,6 +244,7 @@ def paged_attention(
   block_table: Array,
   lengths: Array,
   *,
+  layer: Array | None = None,
   scale: float | None = None,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
@@ -228,10 +254,13 @@ def paged_attention(
   Args:
     q: [B, N, H] (one new token per sequence) or [B, T, N, H] (T new tokens, causal among
       themselves, e.g. speculative verification).
-    pool_k: [P, Z, K, H] one layer's key pool; N must be a multiple of K.
-    pool_v: [P, Z, K, H].
+    pool_k: [P, Z, K, H] one layer's key pool; N must be a multiple of K. Or, with `layer`,
+      [L, P, Z, K, H] every layer's: the kernel reads layer `layer` in place (a model's layer
+      scan carries the whole pool and never copies a layer out).
+    pool_v: [P, Z, K, H], or [L, P, Z, K, H].
     block_table: i32[B, max_blocks] block ids of each sequence, in order.
     lengths: i32[B] tokens held per sequence, the T new ones included (<= max_blocks * Z).
+    layer: i32[] the layer to read from stacked pools, or None.
     scale: softmax scale, default H ** -0.5.
     implementation: "pallas" (the kernel), "xla" (the reference) or None: the kernel on GPU, the
       reference elsewhere (the kernel keeps a kv head's whole pool slice addressable, which suits
@@ -248,9 +277,11 @@ def paged_attention(
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation == "xla":
-    return paged_attention_reference(q, pool_k, pool_v, block_table, lengths, scale=scale)
+    return paged_attention_reference(
+      q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale
+    )
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return paged_attention_pallas(
-    q, pool_k, pool_v, block_table, lengths, scale=scale, interpret=interpret
+    q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale, interpret=interpret
   )

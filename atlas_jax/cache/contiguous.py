@@ -3,8 +3,9 @@
 The simplest caches and the baseline the paged cache is measured against. `KVCache` holds keys
 and values (MHA, GQA, MQA: 2 * K * H numbers per token and layer); `LatentCache` holds MLA's
 latent (C + R numbers per token and layer: the normalised c_kv, then the shared rope key).
-Layers are stacked on the leading axis so the model's layer scan slices one layer per step. Both
-follow `atlas_jax.cache.protocol`; every row of a call adds its T tokens at offset `lengths[b]`.
+Layers are stacked on the leading axis; the model's layer scan carries the whole stack and each
+layer writes its slice in place. Both follow `atlas_jax.cache.protocol`; every row of a call adds
+its T tokens at offset `lengths[b]`.
 """
 
 from __future__ import annotations
@@ -25,25 +26,34 @@ def _check_positive(where: str, **dims) -> None:
       raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
 
 
-def write_at(cache_BS_: Array, new_BT_: Array, start_B: Array) -> Array:
-  """Writes T new tokens' entries [B, T, ...] at each sequence's own offset `start_B[b]`."""
+def write_rows(cache_LBS_: Array, layer: Array, new_BT_: Array, start_B: Array) -> Array:
+  """Writes T new tokens' entries [B, T, ...] into layer `layer` of a stacked cache
+  [L, B, S, ...], row b at offset `start_B[b]`; a scatter XLA performs in place."""
+  B, T = new_BT_.shape[:2]
+  rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  pos_BT = start_B[:, None] + jnp.arange(T)[None, :]
+  return cache_LBS_.at[layer, rows_BT, pos_BT].set(new_BT_.astype(cache_LBS_.dtype), mode="drop")
 
-  def one(cache_S_, new_T_, start):
-    index = (start,) + (0,) * (cache_S_.ndim - 1)
-    return jax.lax.dynamic_update_slice(cache_S_, new_T_.astype(cache_S_.dtype), index)
 
-  return jax.vmap(one)(cache_BS_, new_BT_, start_B)
+def as_pages(cache_LBS_: Array) -> tuple[Array, Array]:
+  """A stacked contiguous cache [L, B, S, ...] as a paged pool [L, B * S / Z, Z, ...] (a free
+  reshape, Z the largest power of two up to 64 dividing S) and its block table i32[B, S / Z]."""
+  L, B, S = cache_LBS_.shape[:3]
+  Z = next(z for z in (64, 32, 16, 8, 4, 2, 1) if S % z == 0)
+  table_BM = jnp.arange(B * (S // Z), dtype=jnp.int32).reshape(B, S // Z)
+  return cache_LBS_.reshape(L, B * (S // Z), Z, *cache_LBS_.shape[3:]), table_BM
 
 
-# -- per-layer views -----------------------------------------------------------------------------
+# -- per-layer views: every layer's storage, carried through the model's layer scan ----------
 
 
 @struct.dataclass
 class KVLayer:
-  """One layer of a KVCache."""
+  """Layer `layer` of a KVCache; writes and reads touch that layer of the stacked arrays."""
 
-  k: Array  # [B, S, K, H]
-  v: Array  # [B, S, K, H]
+  k: Array  # [L, B, S, K, H]
+  v: Array  # [L, B, S, K, H]
+  layer: Array  # i32[]
   start: Array  # i32[B] where this call's tokens go
   kv_lengths: Array  # i32[B] start + T
 
@@ -54,15 +64,33 @@ class KVLayer:
   def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> KVLayer:
     del positions_BT  # contiguous: the T tokens follow each row's start
     return self.replace(
-      k=write_at(self.k, k_BTKH, self.start), v=write_at(self.v, v_BTKH, self.start)
+      k=write_rows(self.k, self.layer, k_BTKH, self.start),
+      v=write_rows(self.v, self.layer, v_BTKH, self.start),
     )
 
   def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+    dtype = q_BTNH.dtype
+    if q_BTNH.shape[1] == 1 and sliding_window is None:
+      # Decoding: the cache seen as pages, read in place by the paged-attention kernel (the query
+      # takes the cache's dtype, so the stacked cache is never converted).
+      (k_LPZKH, table_BM), (v_LPZKH, _) = as_pages(self.k), as_pages(self.v)
+      out_BNH = kernels.paged_attention(
+        q_BTNH[:, 0].astype(self.k.dtype),
+        k_LPZKH,
+        v_LPZKH,
+        table_BM,
+        self.kv_lengths,
+        layer=self.layer,
+        scale=scale,
+        implementation=implementation if implementation in ("pallas", "xla") else None,
+      )
+      return out_BNH[:, None].astype(dtype)
     # Queries see the cache up to their own position; slots past kv_lengths hold stale data.
+    k_BSKH, v_BSKH = self.read()
     return kernels.attention(
       q_BTNH,
-      self.k.astype(q_BTNH.dtype),
-      self.v.astype(q_BTNH.dtype),
+      k_BSKH.astype(dtype),
+      v_BSKH.astype(dtype),
       causal=True,
       scale=scale,
       sliding_window=sliding_window,
@@ -72,14 +100,15 @@ class KVLayer:
     )
 
   def read(self) -> tuple[Array, Array]:
-    return self.k, self.v
+    return self.k[self.layer], self.v[self.layer]
 
 
 @struct.dataclass
 class LatentLayer:
-  """One layer of a LatentCache."""
+  """Layer `layer` of a LatentCache."""
 
-  c: Array  # [B, S, C + R]
+  c: Array  # [L, B, S, C + R]
+  layer: Array  # i32[]
   start: Array  # i32[B]
   kv_lengths: Array  # i32[B]
   rope_dim: int = struct.field(pytree_node=False)  # R
@@ -90,7 +119,7 @@ class LatentLayer:
 
   def write(self, positions_BT: Array, latent_BTE: Array) -> LatentLayer:
     del positions_BT
-    return self.replace(c=write_at(self.c, latent_BTE, self.start))
+    return self.replace(c=write_rows(self.c, self.layer, latent_BTE, self.start))
 
   def attend(self, q_BTNE, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
@@ -99,17 +128,20 @@ class LatentLayer:
       raise ValueError("LatentLayer.attend: MLA has no sliding window")
     C = self.c.shape[-1] - self.rope_dim
     impl = implementation if implementation in ("pallas", "xla") else None
-    return mla_decode(
-      q_BTNE[..., :C],
-      q_BTNE[..., C:],
-      self.c.astype(q_BTNE.dtype),
+    q_BTNE_c = q_BTNE.astype(self.c.dtype)  # the query takes the cache's dtype, not vice versa
+    out_BTNC = mla_decode(
+      q_BTNE_c[..., :C],
+      q_BTNE_c[..., C:],
+      self.c,
       self.kv_lengths,
+      layer=self.layer,
       scale=scale,
       implementation=impl,
     )
+    return out_BTNC.astype(q_BTNE.dtype)
 
   def read(self) -> tuple[Array]:
-    return (self.c,)
+    return (self.c[self.layer],)
 
 
 # -- caches --------------------------------------------------------------------------------------
@@ -149,9 +181,9 @@ class KVCache:
   def layers(self) -> tuple[Array, Array]:
     return self.k, self.v
 
-  def layer(self, storage, positions_BT) -> KVLayer:
-    k_BSKH, v_BSKH = storage
-    return KVLayer(k_BSKH, v_BSKH, self.lengths, self.lengths + positions_BT.shape[1])
+  def layer(self, storage, layer, positions_BT) -> KVLayer:
+    k, v = storage
+    return KVLayer(k, v, layer, self.lengths, self.lengths + positions_BT.shape[1])
 
   def advance(self, layers, positions_BT) -> KVCache:
     k, v = layers
@@ -194,9 +226,9 @@ class LatentCache:
   def layers(self) -> tuple[Array]:
     return (self.c,)
 
-  def layer(self, storage, positions_BT) -> LatentLayer:
-    (c_BSE,) = storage
-    return LatentLayer(c_BSE, self.lengths, self.lengths + positions_BT.shape[1], self.rope_dim)
+  def layer(self, storage, layer, positions_BT) -> LatentLayer:
+    (c,) = storage
+    return LatentLayer(c, layer, self.lengths, self.lengths + positions_BT.shape[1], self.rope_dim)
 
   def advance(self, layers, positions_BT) -> LatentCache:
     (c,) = layers

@@ -14,7 +14,9 @@ Pools (L layers, P blocks, Z slots per block, K kv heads, H head dim, C + R late
 * `KVPool`: k and v [L, P, Z, K, H] (MHA, GQA, MQA).
 * `LatentPool`: the MLA latent [L, P, Z, C + R] (compressed KV plus the shared rope key).
 
-The layer axis leads so that the model's `jax.lax.scan` over layers slices one layer's pool.
+The layer axis leads. The model's layer scan carries the whole pool, and each layer scatters its
+new tokens into its own slice and reads it in place (the kernels take the stacked pool and a
+layer index), so no layer of the pool is ever copied out or stacked back.
 `PagedCache(pool, block_table, lengths)` is what the model takes for a batch of sequences
 (`atlas_jax.cache.protocol`); its per-layer views write new tokens with a scatter by slot (the
 pool donated under `jit`, so in place) and attend through the paged kernels, which read pages
@@ -68,21 +70,24 @@ def slot_mapping(block_table: Array, positions: Array, *, block_size: int) -> Ar
   return jnp.where(valid_BT, block_BT * block_size + positions % block_size, -1)
 
 
-def write_slots(pool_PZ_: Array, slot_mapping: Array, new: Array) -> Array:
+def write_slots(pool_PZ_: Array, slot_mapping: Array, new: Array, *, layer=None) -> Array:
   """Scatters new tokens' entries into their slots of one layer's pool.
 
   Call it inside the jitted step that donates the pool so XLA updates it in place.
 
   Args:
-    pool_PZ_: [P, Z, ...] (k or v [P, Z, K, H], or latents [P, Z, C + R]).
+    pool_PZ_: [P, Z, ...] (k or v [P, Z, K, H], or latents [P, Z, C + R]); with `layer`, the
+      pool of every layer [L, P, Z, ...], written at that layer only.
     slot_mapping: i32[...] slot (block_id * Z + offset) of each new token; -1 skips the token.
-    new: [..., *pool_PZ_.shape[2:]] with the token axes of slot_mapping.
+    new: [..., *pool.shape[-len(trailing):]] with the token axes of slot_mapping.
+    layer: i32[] the layer of a stacked pool, or None.
 
   Returns:
     The pool, updated.
   """
-  trailing = pool_PZ_.shape[2:]
-  if pool_PZ_.ndim < 2 or new.shape[new.ndim - len(trailing) :] != trailing:
+  lead = 2 if layer is None else 3
+  trailing = pool_PZ_.shape[lead:]
+  if pool_PZ_.ndim < lead or new.shape[new.ndim - len(trailing) :] != trailing:
     raise ValueError(
       f"write_slots: pool must be [P, Z, ...] and new values [..., {trailing}], got "
       f"pool.shape={tuple(pool_PZ_.shape)} new.shape={tuple(new.shape)}"
@@ -92,38 +97,41 @@ def write_slots(pool_PZ_: Array, slot_mapping: Array, new: Array) -> Array:
       f"write_slots: slot_mapping.shape={tuple(slot_mapping.shape)} must match the token axes of "
       f"new.shape={tuple(new.shape)}"
     )
-  P, Z = pool_PZ_.shape[:2]
-  flat = pool_PZ_.reshape(P * Z, *trailing)
+  P, Z = pool_PZ_.shape[lead - 2 : lead]
   slots_S = slot_mapping.reshape(-1).astype(jnp.int32)
   # Negative indices would wrap around to the last slots; send padding out of bounds instead,
   # where mode="drop" discards it.
   slots_S = jnp.where(slots_S < 0, P * Z, slots_S)
-  flat = flat.at[slots_S].set(new.reshape(-1, *trailing).astype(pool_PZ_.dtype), mode="drop")
-  return flat.reshape(pool_PZ_.shape)
+  new_S_ = new.reshape(-1, *trailing).astype(pool_PZ_.dtype)
+  index = (slots_S // Z, slots_S % Z) if layer is None else (layer, slots_S // Z, slots_S % Z)
+  return pool_PZ_.at[index].set(new_S_, mode="drop")
 
 
-def gather_pages(pool_PZ_: Array, block_table: Array, lengths: Array) -> Array:
+def gather_pages(pool_PZ_: Array, block_table: Array, lengths: Array, *, layer=None) -> Array:
   """Reads one layer's pages into dense per-sequence entries [B, S, ...], S = max_blocks * Z.
 
   Slots at or past a sequence's length are zeroed: they hold stale or uninitialised data, and a
   NaN there would survive a zero attention weight (0 * NaN = NaN).
 
   Args:
-    pool_PZ_: [P, Z, ...].
+    pool_PZ_: [P, Z, ...], or [L, P, Z, ...] with `layer` (one gather, no layer copied out).
     block_table: i32[B, max_blocks].
     lengths: i32[B].
+    layer: i32[] the layer of a stacked pool, or None.
   """
-  if pool_PZ_.ndim < 2:
-    raise ValueError(f"gather_pages: pool must be [P, Z, ...], got {tuple(pool_PZ_.shape)}")
+  lead = 2 if layer is None else 3
+  if pool_PZ_.ndim < lead:
+    raise ValueError(f"gather_pages: pool must be [(L,) P, Z, ...], got {tuple(pool_PZ_.shape)}")
   if block_table.ndim != 2 or lengths.shape != block_table.shape[:1]:
     raise ValueError(
       f"gather_pages: need block_table [B, max_blocks] and lengths [B], got block_table.shape="
       f"{tuple(block_table.shape)} lengths.shape={tuple(lengths.shape)}"
     )
   B, max_blocks = block_table.shape
-  Z, trailing = pool_PZ_.shape[1], pool_PZ_.shape[2:]
+  Z, trailing = pool_PZ_.shape[lead - 1], pool_PZ_.shape[lead:]
   S = max_blocks * Z
-  dense_BS_ = pool_PZ_[block_table].reshape(B, S, *trailing)
+  pages = pool_PZ_[block_table] if layer is None else pool_PZ_[layer, block_table]
+  dense_BS_ = pages.reshape(B, S, *trailing)
   valid_BS = jnp.arange(S)[None, :] < lengths[:, None]
   valid = valid_BS.reshape(B, S, *(1,) * len(trailing))
   return jnp.where(valid, dense_BS_, jnp.zeros((), pool_PZ_.dtype))
@@ -164,8 +172,8 @@ class KVPool:
   def with_arrays(self, arrays) -> KVPool:
     return KVPool(*arrays)
 
-  def layer(self, storage, block_table: Array, kv_lengths: Array) -> PagedKVLayer:
-    return PagedKVLayer(*storage, block_table, kv_lengths)
+  def layer(self, storage, layer, block_table: Array, kv_lengths: Array) -> PagedKVLayer:
+    return PagedKVLayer(*storage, layer, block_table, kv_lengths)
 
 
 @jax.tree_util.register_dataclass
@@ -205,9 +213,9 @@ class LatentPool:
     (c,) = arrays
     return LatentPool(c, self.rope_dim)
 
-  def layer(self, storage, block_table: Array, kv_lengths: Array) -> PagedLatentLayer:
+  def layer(self, storage, layer, block_table: Array, kv_lengths: Array) -> PagedLatentLayer:
     (c,) = storage
-    return PagedLatentLayer(c, block_table, kv_lengths, self.rope_dim)
+    return PagedLatentLayer(c, layer, block_table, kv_lengths, self.rope_dim)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -238,10 +246,12 @@ def pool_bytes_per_token(pool: KVPool | LatentPool) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVLayer:
-  """One layer of a paged KV pool, for the rows of one call."""
+  """Layer `layer` of a paged KV pool, for the rows of one call; the pool of every layer is
+  carried through the model's layer scan and this layer is written and read in place."""
 
-  k: Array  # [P, Z, K, H]
-  v: Array  # [P, Z, K, H]
+  k: Array  # [L, P, Z, K, H]
+  v: Array  # [L, P, Z, K, H]
+  layer: Array  # i32[]
   block_table: Array  # i32[B, M]
   kv_lengths: Array  # i32[B] tokens held including the new ones
 
@@ -250,26 +260,30 @@ class PagedKVLayer:
     return self.k, self.v
 
   def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
-    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.k.shape[1])
+    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.k.shape[2])
     return dataclasses.replace(
-      self, k=write_slots(self.k, slots_BT, k_BTKH), v=write_slots(self.v, slots_BT, v_BTKH)
+      self,
+      k=write_slots(self.k, slots_BT, k_BTKH, layer=self.layer),
+      v=write_slots(self.v, slots_BT, v_BTKH, layer=self.layer),
     )
 
   def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     dtype = q_BTNH.dtype
     if q_BTNH.shape[1] == 1 and sliding_window is None:
       # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
-      # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros.
+      # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros. The
+      # query takes the pool's dtype, so the pool is never converted.
       out_BNH = kernels.paged_attention(
-        q_BTNH[:, 0],
-        self.k.astype(dtype),
-        self.v.astype(dtype),
+        q_BTNH[:, 0].astype(self.k.dtype),
+        self.k,
+        self.v,
         self.block_table,
         self.kv_lengths,
+        layer=self.layer,
         scale=scale,
         implementation=implementation if implementation in ("pallas", "xla") else None,
       )
-      return out_BNH[:, None]
+      return out_BNH[:, None].astype(dtype)
     # Several tokens per row (prefill chunks, right-padded): gather the pages densely and mask by
     # absolute position. Padding queries (position -1) are clamped; callers discard their rows.
     k_BSKH, v_BSKH = self.read()
@@ -286,18 +300,20 @@ class PagedKVLayer:
     )
 
   def read(self) -> tuple[Array, Array]:
+    table, lengths = self.block_table, self.kv_lengths
     return (
-      gather_pages(self.k, self.block_table, self.kv_lengths),
-      gather_pages(self.v, self.block_table, self.kv_lengths),
+      gather_pages(self.k, table, lengths, layer=self.layer),
+      gather_pages(self.v, table, lengths, layer=self.layer),
     )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedLatentLayer:
-  """One layer of a paged MLA latent pool, for the rows of one call."""
+  """Layer `layer` of a paged MLA latent pool, for the rows of one call."""
 
-  c: Array  # [P, Z, C + R]
+  c: Array  # [L, P, Z, C + R]
+  layer: Array  # i32[]
   block_table: Array  # i32[B, M]
   kv_lengths: Array  # i32[B]
   rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
@@ -307,8 +323,8 @@ class PagedLatentLayer:
     return (self.c,)
 
   def write(self, positions_BT: Array, latent_BTE: Array) -> PagedLatentLayer:
-    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.c.shape[1])
-    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTE))
+    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.c.shape[2])
+    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTE, layer=self.layer))
 
   def attend(self, q_BTNE, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
@@ -319,15 +335,18 @@ class PagedLatentLayer:
     if q_BTNE.shape[1] == 1:
       # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a load.
       impl = implementation if implementation in ("pallas", "xla") else None
-      return mla_decode(
-        q_BTNE[..., :C],
-        q_BTNE[..., C:],
-        self.c.astype(dtype),
+      q_BTNE_c = q_BTNE.astype(self.c.dtype)
+      out_BTNC = mla_decode(
+        q_BTNE_c[..., :C],
+        q_BTNE_c[..., C:],
+        self.c,
         self.kv_lengths,
         scale=scale,
         block_table=self.block_table,
+        layer=self.layer,
         implementation=impl,
       )
+      return out_BTNC.astype(dtype)
     # Absorbed MLA is multi-query attention with the latent as both key and value (one kv head):
     # the first C dims of the output are the weighted latent sum. Padded rows need the
     # positions, so several tokens per row take the dense path.
@@ -346,7 +365,7 @@ class PagedLatentLayer:
     return out_BTNE[..., :C]
 
   def read(self) -> tuple[Array]:
-    return (gather_pages(self.c, self.block_table, self.kv_lengths),)
+    return (gather_pages(self.c, self.block_table, self.kv_lengths, layer=self.layer),)
 
 
 @jax.tree_util.register_dataclass
@@ -367,9 +386,9 @@ class PagedCache:
   def layers(self) -> tuple[Array, ...]:
     return self.pool.arrays
 
-  def layer(self, storage, positions_BT):
+  def layer(self, storage, layer, positions_BT):
     kv_lengths_B = self.lengths + added_tokens(positions_BT)
-    return self.pool.layer(storage, self.block_table, kv_lengths_B)
+    return self.pool.layer(storage, layer, self.block_table, kv_lengths_B)
 
   def advance(self, layers, positions_BT) -> PagedCache:
     return dataclasses.replace(

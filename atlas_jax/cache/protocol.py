@@ -4,13 +4,17 @@ Four cache kinds share it: contiguous KV (`KVCache`) and contiguous MLA latents 
 in `atlas_jax.cache.contiguous`, and paged KV or latent pools behind a block table
 (`PagedCache`), in `atlas_jax.cache.paged`. The model never asks which kind it holds:
 
-    xs = cache.layers                               # per-layer storage, leading [L] axis
-    for each layer (inside `jax.lax.scan`):
-      view = cache.layer(xs_l, positions_BT)        # a LayerCache
-      view = view.write(positions_BT, *new_BT)      # store this call's entries
-      out = view.attend(q_BTN_, positions_BT, ...)  # attend over everything held
-      xs_l = view.storage                           # back into the scan
-    cache = cache.advance(xs, positions_BT)         # new storage, lengths grown
+    storage = cache.layers                          # every layer's arrays, leading [L] axis
+    for l in range(L) (a `jax.lax.scan` carrying `storage`):
+      view = cache.layer(storage, l, positions_BT)  # a LayerCache for layer l
+      view = view.write(positions_BT, *new_BT)      # store this call's entries at layer l
+      out = view.attend(q_BTN_, positions_BT, ...)  # attend over everything layer l holds
+      storage = view.storage                        # carried to the next layer
+    cache = cache.advance(storage, positions_BT)    # new storage, lengths grown
+
+The storage is carried whole rather than sliced per layer and stacked back: a layer writes its new
+entries into its slice with a scatter and reads it in place, so XLA updates the (donated) cache in
+place and never copies a layer, let alone the whole cache, per call.
 
 A KV layer stores (k, v), each [.., K, H] per token, and `attend` takes queries [B, T, N, H]. A
 latent layer stores MLA's latent [.., C + R] per token and `attend` is the absorbed MLA attention:
@@ -40,7 +44,7 @@ class LayerCache(Protocol):
 
   @property
   def storage(self) -> tuple[Array, ...]:
-    """This layer's arrays, handed back to the model's layer scan."""
+    """Every layer's arrays (this one updated), handed back to the model's layer scan."""
     ...
 
   def write(self, positions_BT: Array, *new: Array) -> LayerCache:
@@ -71,11 +75,11 @@ class Cache(Protocol):
 
   @property
   def layers(self) -> tuple[Array, ...]:
-    """The per-layer storage the scan slices, each with a leading [L] axis."""
+    """The storage of every layer, each array with a leading [L] axis."""
     ...
 
-  def layer(self, storage: tuple[Array, ...], positions_BT: Array) -> LayerCache:
-    """The view of one layer, given its slice of `layers`."""
+  def layer(self, storage: tuple[Array, ...], layer: Array, positions_BT: Array) -> LayerCache:
+    """The view of layer `layer` (i32[]) of `storage`."""
     ...
 
   def advance(self, layers: tuple[Array, ...], positions_BT: Array) -> Any:

@@ -155,23 +155,36 @@ class Transformer(nnx.Module):
     dtype = jnp.dtype(self.cfg.dtype)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     graphdef, block_state = nnx.split(self.blocks)
-    xs = (block_state, None if cache is None else cache.layers)
+    if cache is not None:
+      x_BTD, cache = self._cached_layers(graphdef, block_state, x_BTD, positions_BT, cache)
+      return None, self.final_norm(x_BTD), cache
 
-    def step(carry, layer):
+    def step(carry, state):
       x_BTD = carry[0] if keep_trunk else carry
-      state, storage = layer
-      view = None if storage is None else cache.layer(storage, positions_BT)
-      y_BTD, view = nnx.merge(graphdef, state)(
-        x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=view
-      )
-      return ((y_BTD, x_BTD) if keep_trunk else y_BTD), (None if view is None else view.storage)
+      y_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
+      return ((y_BTD, x_BTD) if keep_trunk else y_BTD), None
 
     policy, every, unroll = self.remat
     carry = (x_BTD, x_BTD) if keep_trunk else x_BTD
-    carry, layers = scan_layers(step, carry, xs, policy=policy, every=every, unroll=unroll)
+    carry, _ = scan_layers(step, carry, block_state, policy=policy, every=every, unroll=unroll)
     x_BTD, trunk_BTD = carry if keep_trunk else (carry, None)
-    new_cache = None if cache is None else cache.advance(layers, positions_BT)
-    return trunk_BTD, self.final_norm(x_BTD), new_cache
+    return trunk_BTD, self.final_norm(x_BTD), None
+
+  def _cached_layers(self, graphdef, block_state, x_BTD, positions_BT, cache: Cache):
+    """The layer scan over a cache: its storage is carried whole, each layer writing and reading
+    its own slice in place (`atlas_jax.cache.protocol`). Returns (x [B, T, D], new cache)."""
+
+    def step(carry, layer):
+      x_BTD, storage = carry
+      state, index = layer
+      view = cache.layer(storage, index, positions_BT)
+      x_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
+      return (x_BTD, view.storage), None
+
+    L = self.cfg.n_layers
+    xs = (block_state, jnp.arange(L, dtype=jnp.int32))
+    (x_BTD, storage), _ = jax.lax.scan(step, (x_BTD, cache.layers), xs)
+    return x_BTD, cache.advance(storage, positions_BT)
 
   def __call__(
     self,

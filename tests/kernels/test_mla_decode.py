@@ -106,3 +106,19 @@ def test_rejects_mismatched_shapes():
     mla_decode(q_nope, q_rope, cache, jnp.array([1, 2, 3]), scale=1.0)
   with pytest.raises(ValueError, match="implementation"):
     mla_decode(q_nope, q_rope, cache, jnp.array([1, 2]), scale=1.0, implementation="cudnn")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_stacked_cache_reads_the_given_layer_in_place(implementation, paged):
+  q_nope, q_rope, cache = inputs(2, 1, 4, 32, jnp.float32)
+  lengths = jnp.array([7, 30], jnp.int32)
+  table = None
+  if paged:  # 8 pages of 4 per sequence, in order
+    cache = cache.reshape(16, 4, C + R)
+    table = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  stack = jnp.stack([cache[::-1], cache, cache * 2])
+  kw = dict(block_table=table, scale=0.3, implementation=implementation, interpret=True)
+  want = mla_decode(q_nope, q_rope, cache, lengths, **kw)
+  got = mla_decode(q_nope, q_rope, stack, lengths, layer=jnp.int32(1), **kw)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

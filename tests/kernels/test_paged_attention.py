@@ -175,3 +175,21 @@ def test_kernel_under_jit_with_traced_lengths():
     out = step(q_BTNH[:, 0], pool_k, pool_v, table, lens)
     expected = dense_expected(q_BTNH, dense, lens)[:, 0]
     chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_stacked_pool_reads_the_given_layer_in_place(implementation):
+  """Pools stacked over layers with a layer index (as the model's layer scan carries them) give
+  what the layer's own pool gives."""
+  q, pool_k, pool_v, table, lengths, _ = make_case(
+    lengths=(5, 17, 0), T=1, N=4, K=2, H=16, Z=4, dtype=jnp.float32
+  )
+  other_k, other_v = jnp.flip(pool_k, 0), jnp.flip(pool_v, 0)  # layers 0 and 2 hold other data
+  stack_k = jnp.stack([other_k, pool_k, other_k])
+  stack_v = jnp.stack([other_v, pool_v, other_v])
+  kw = dict(implementation=implementation, interpret=True)
+  want = paged_attention(q[:, 0], pool_k, pool_v, table, lengths, **kw)
+  got = paged_attention(q[:, 0], stack_k, stack_v, table, lengths, layer=jnp.int32(1), **kw)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"\[L, P, Z, K, H\]"):
+    paged_attention(q[:, 0], pool_k, pool_v, table, lengths, layer=jnp.int32(0), **kw)

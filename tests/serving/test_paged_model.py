@@ -71,3 +71,34 @@ def test_mla_paged_latent_pool_matches_contiguous_latent_cache(mla_model, lens):
   assert isinstance(paged.pool, LatentPool)
   assert paged.pool.c.shape[-1] == m.kv_lora_rank + m.qk_rope_head_dim
   assert isinstance(mla_model.init_cache(1, 8), LatentCache)
+
+
+def test_the_layer_scan_updates_caches_in_place():
+  """The layer scan carries the cache and each layer writes and reads its own slice in place:
+  the compiled step's temporaries stay far below the cache (slicing layers out and stacking them
+  back used to copy the whole pool, about 1.3x its size, every call)."""
+  from atlas_jax.config import ModelConfig
+  from atlas_jax.model import build
+
+  cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
+  model = build(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  step = jax.jit(
+    lambda state, tokens, cache: nnx.merge(graphdef, state)(tokens, cache=cache),
+    donate_argnums=2,
+  )
+  B = 8
+  tokens = jnp.zeros((B, 1), jnp.int32)
+
+  pool = model.init_pool(1024, 16)
+  pool_bytes = sum(x.nbytes for x in jax.tree.leaves(pool))
+  table = jnp.zeros((B, 4), jnp.int32)
+  paged = PagedCache(pool=pool, block_table=table, lengths=jnp.full((B,), 5, jnp.int32))
+  temp = step.lower(state, tokens, paged).compile().memory_analysis().temp_size_in_bytes
+  assert temp < pool_bytes / 16, (temp, pool_bytes)
+
+  cache = model.init_cache(B, 512)
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+  temp = step.lower(state, tokens, cache).compile().memory_analysis().temp_size_in_bytes
+  # Decoding reads one layer's keys and values at a time, never the stack.
+  assert temp < 1.5 * cache_bytes / cfg.n_layers, (temp, cache_bytes)
