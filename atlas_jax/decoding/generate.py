@@ -102,6 +102,8 @@ def generate(
   *,
   eos_id: int | None = None,
   return_logprobs: bool = False,
+  draft: Transformer | str | None = None,
+  num_speculative_tokens: int = 4,
 ):
   """Completes each prompt; returns the new tokens per prompt (ending at the stop token drawn).
 
@@ -112,6 +114,12 @@ def generate(
       tokenizer and are honoured by the serving engine, not here.
     eos_id: stop a row once it draws this token (kept in the output), unless its ignore_eos.
     return_logprobs: also return each generated token's logprob (f32 lists).
+    draft: speculative decoding (`atlas_jax.decoding.speculative`): a model with the same
+      vocabulary that proposes `num_speculative_tokens` tokens per target pass, or "mtp" for the
+      model's own multi-token-prediction heads. The output has the same law as without it (and
+      the same tokens when greedy). Rows with repetition/presence/frequency penalties decode
+      without it.
+    num_speculative_tokens: k, draft tokens per round.
 
   Returns:
     list of i32 token lists; with return_logprobs, (tokens, logprobs).
@@ -144,6 +152,14 @@ def generate(
   for b, s in enumerate(stops):
     stop_BS[b, : len(s)] = s
   penalties = any(p.uses_penalties for p in per_row)
+  if draft is not None and not penalties:
+    from atlas_jax.decoding import speculative
+
+    speculative.check_draft(model, draft, num_speculative_tokens)
+    out, logp, _ = speculative.speculative_generate(
+      model, draft, prompts, per_row, stops=stops, k=num_speculative_tokens
+    )
+    return _finish(out, logp, per_row, stops, return_logprobs)
   prompt_mask_BV = np.zeros((B, vocab), bool)
   if penalties:
     for b, p in enumerate(prompts):
@@ -165,7 +181,11 @@ def generate(
     penalties,
     jnp.asarray(prompt_mask_BV) if penalties else None,
   )
-  out, logp = np.asarray(out_BN), np.asarray(logp_BN)
+  return _finish(np.asarray(out_BN), np.asarray(logp_BN), per_row, stops, return_logprobs)
+
+
+def _finish(out, logp, per_row, stops, return_logprobs):
+  """Per-row token (and logprob) lists, each cut at its first stop token or its limit."""
   results, logprobs = [], []
   for b, p in enumerate(per_row):
     row = out[b, : p.max_new_tokens].tolist()

@@ -154,11 +154,21 @@ def sample(
     i32[B] tokens.
   """
   logits_BV = logits_BV.astype(jnp.float32)
-  V = logits_BV.shape[-1]
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  order_BV, sorted_BV = _filtered_sorted(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B)
+  choice_B = jax.vmap(jax.random.categorical)(key_B, sorted_BV)
+  sampled_B = jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature_B > 0, sampled_B, greedy_B)
+
+
+def _filtered_sorted(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
+  """(i32[B, V] tokens by decreasing logit, f32[B, V] their scaled logits, -inf where filtered).
+
+  Filter in sorted order: rank < k for top-k, and exclusive cumulative probability < p for top-p
+  (the most likely token always survives), then min-p against the most likely token.
+  """
+  V = logits_BV.shape[-1]
   scaled_BV = logits_BV / jnp.maximum(temperature_B, 1e-6)[:, None]
-  # Filter in sorted order: rank < k for top-k, and exclusive cumulative probability < p for top-p
-  # (the most likely token always survives).
   order_BV = jnp.argsort(-scaled_BV, axis=-1)
   sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
   rank_1V = jnp.arange(V)[None, :]
@@ -168,10 +178,25 @@ def sample(
   keep_BV = (rank_1V < k_B1) & (cum_before_BV < top_p_B[:, None])
   if min_p_B is not None:
     keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
-  sorted_BV = jnp.where(keep_BV, sorted_BV, -jnp.inf)
-  choice_B = jax.vmap(jax.random.categorical)(key_B, sorted_BV)
-  sampled_B = jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  return jnp.where(temperature_B > 0, sampled_B, greedy_B)
+  return order_BV, jnp.where(keep_BV, sorted_BV, -jnp.inf)
+
+
+def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:
+  """f32[B, V]: the distribution `sample` draws each row's token from.
+
+  Temperature, top-k, top-p and min-p applied exactly as `sample` applies them; a greedy row is
+  one-hot at its argmax. Speculative decoding compares the target's and the draft's under the
+  same controls. (Penalties are not included.)
+  """
+  logits_BV = logits_BV.astype(jnp.float32)
+  B, V = logits_BV.shape
+  order_BV, sorted_BV = _filtered_sorted(
+    logits_BV, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p
+  )
+  rows_B1 = jnp.arange(B)[:, None]
+  probs_BV = jnp.zeros((B, V), jnp.float32).at[rows_B1, order_BV].set(jax.nn.softmax(sorted_BV))
+  greedy_BV = jax.nn.one_hot(jnp.argmax(logits_BV, axis=-1), V, dtype=jnp.float32)
+  return jnp.where(arrays.temperature[:, None] > 0, probs_BV, greedy_BV)
 
 
 def sample_rows(

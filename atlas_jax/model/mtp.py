@@ -48,14 +48,15 @@ class SequentialHead(nnx.Module):
     self.block = make_block(rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)  # HF: shared_head.norm
 
-  def __call__(self, emb_BTD, h_BTD, positions_BT, segment_ids_BT):
-    """(the module's hidden state [B, T, D] for the next depth, its normalised output)."""
+  def __call__(self, emb_BTD, h_BTD, positions_BT, segment_ids_BT, cache=None):
+    """(the module's hidden state [B, T, D] for the next depth, its normalised output, the
+    updated layer cache or None)."""
     x_BTD = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)
     x_BTD = jnp.einsum("BTE,ED->BTD", x_BTD, self.eh_proj[...].astype(x_BTD.dtype))
-    x_BTD, _ = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
+    x_BTD, cache = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
     out_BTD = self.norm(x_BTD)
     # Hugging Face's MtpModel chains the normalised output into the next depth.
-    return out_BTD, out_BTD
+    return out_BTD, out_BTD, cache
 
 
 class ParallelHead(nnx.Module):
@@ -65,9 +66,10 @@ class ParallelHead(nnx.Module):
     self.block = make_block(rngs)
     self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=jnp.dtype(cfg.param_dtype))
 
-  def __call__(self, trunk_BTD, positions_BT, segment_ids_BT):
-    x_BTD, _ = self.block(trunk_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
-    return self.norm(x_BTD)
+  def __call__(self, trunk_BTD, positions_BT, segment_ids_BT, cache=None):
+    """(the head's normalised output [B, T, D], the updated layer cache or None)."""
+    x_BTD, cache = self.block(trunk_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
+    return self.norm(x_BTD), cache
 
 
 class MTPHeads(nnx.Module):
@@ -109,7 +111,7 @@ class MTPHeads(nnx.Module):
     if self.kind == "parallel":
 
       def body(carry, state):
-        out_BTD = nnx.merge(graphdef, state)(trunk_BTD, positions_BT, segment_ids_BT)
+        out_BTD, _ = nnx.merge(graphdef, state)(trunk_BTD, positions_BT, segment_ids_BT)
         return carry, logits(out_BTD)
 
       _, logits_JBTV = jax.lax.scan(body, None, state)
@@ -120,9 +122,80 @@ class MTPHeads(nnx.Module):
       # Depth j embeds token t + j; rows whose t + j runs past T wrap around and are never
       # scored (their targets do not exist), so a roll keeps the shapes static.
       emb_BTD = jnp.take(embed_VD, jnp.roll(tokens_BT, -j, axis=1), axis=0).astype(dtype)
-      h_BTD, out_BTD = nnx.merge(graphdef, state)(emb_BTD, h_BTD, positions_BT + j, segment_ids_BT)
+      h_BTD, out_BTD, _ = nnx.merge(graphdef, state)(
+        emb_BTD, h_BTD, positions_BT + j, segment_ids_BT
+      )
       return h_BTD, logits(out_BTD)
 
     depths = jnp.arange(1, self.n_predict + 1, dtype=jnp.int32)
     _, logits_JBTV = jax.lax.scan(body, final_BTD, (state, depths))
     return logits_JBTV
+
+  # -- drafting (self-speculation) ---------------------------------------------------------------
+
+  @property
+  def n_draft_heads(self) -> int:
+    """Heads that draft with a cache: every parallel head; the first sequential one (a deeper
+    sequential head would read embeddings of tokens not yet verified)."""
+    return self.n_predict if self.kind == "parallel" else 1
+
+  def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype):
+    """A contiguous cache for the drafting heads' blocks: one "layer" per head."""
+    from atlas_jax.model.transformer import attention_class
+
+    attn = attention_class(cfg)
+    return attn.cache_type.init(
+      n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
+    )
+
+  def draft(
+    self,
+    cache,
+    *,
+    next_tokens_BT: Array,
+    trunk_BTD: Array,
+    final_BTD: Array,
+    positions_BT: Array,
+    at_B: Array,
+    embed_VD: Array,
+    head_DV: Array,
+  ):
+    """Runs the drafting heads over a window of verified positions, extending their cache, and
+    returns each head's next-token logits at window index `at_B`.
+
+    Args:
+      cache: from `init_cache`; holds the heads' entries for every position before the window.
+      next_tokens_BT: i32[B, T] the token after each window position (t + 1).
+      trunk_BTD, final_BTD: the model's last-block input and final hidden state at the window.
+      positions_BT: i32[B, T] the window's positions.
+      at_B: i32[B] the window index of each row's last verified position.
+
+    Returns:
+      (f32[J, B, V] logits: head j's prediction of the token j + 1 past the one after `at_B`,
+      the cache grown by T; the caller rolls it back to the verified positions).
+    """
+    graphdef, state = nnx.split(self.heads)
+    dtype = final_BTD.dtype
+    head_DV = head_DV.astype(dtype)
+    J = self.n_draft_heads
+    state = jax.tree.map(lambda a: a[:J], state)
+    take = lambda x_BTD: jnp.take_along_axis(x_BTD, at_B[:, None, None], axis=1)[:, 0]
+
+    def body(storage, layer):
+      state, j = layer
+      view = cache.layer(storage, j, positions_BT)
+      head = nnx.merge(graphdef, state)
+      if self.kind == "parallel":
+        out_BTD, view = head(trunk_BTD, positions_BT, None, cache=view)
+      else:
+        emb_BTD = jnp.take(embed_VD, next_tokens_BT, axis=0).astype(dtype)
+        # Training places module 1 at positions t + 1; RoPE sees only differences, so the cache
+        # keeps the window's own positions (they also order its causal mask).
+        _, out_BTD, view = head(emb_BTD, final_BTD, positions_BT, None, cache=view)
+      logits_BV = jnp.einsum(
+        "BD,DV->BV", take(out_BTD), head_DV, preferred_element_type=jnp.float32
+      )
+      return view.storage, logits_BV
+
+    storage, logits_JBV = jax.lax.scan(body, cache.layers, (state, jnp.arange(J, dtype=jnp.int32)))
+    return logits_JBV, cache.advance(storage, positions_BT)

@@ -156,8 +156,10 @@ class Transformer(nnx.Module):
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     graphdef, block_state = nnx.split(self.blocks)
     if cache is not None:
-      x_BTD, cache = self._cached_layers(graphdef, block_state, x_BTD, positions_BT, cache)
-      return None, self.final_norm(x_BTD), cache
+      x_BTD, trunk_BTD, cache = self._cached_layers(
+        graphdef, block_state, x_BTD, positions_BT, cache, keep_trunk=keep_trunk
+      )
+      return trunk_BTD, self.final_norm(x_BTD), cache
 
     def step(carry, state):
       x_BTD = carry[0] if keep_trunk else carry
@@ -170,21 +172,25 @@ class Transformer(nnx.Module):
     x_BTD, trunk_BTD = carry if keep_trunk else (carry, None)
     return trunk_BTD, self.final_norm(x_BTD), None
 
-  def _cached_layers(self, graphdef, block_state, x_BTD, positions_BT, cache: Cache):
+  def _cached_layers(self, graphdef, block_state, x_BTD, positions_BT, cache: Cache, keep_trunk):
     """The layer scan over a cache: its storage is carried whole, each layer writing and reading
-    its own slice in place (`atlas_jax.cache.protocol`). Returns (x [B, T, D], new cache)."""
+    its own slice in place (`atlas_jax.cache.protocol`).
+
+    Returns (x [B, T, D], the last block's input [B, T, D] when `keep_trunk` else None, cache).
+    """
 
     def step(carry, layer):
-      x_BTD, storage = carry
+      x_BTD, trunk_BTD, storage = carry
       state, index = layer
       view = cache.layer(storage, index, positions_BT)
-      x_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
-      return (x_BTD, view.storage), None
+      y_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
+      return (y_BTD, x_BTD if keep_trunk else None, view.storage), None
 
     L = self.cfg.n_layers
     xs = (block_state, jnp.arange(L, dtype=jnp.int32))
-    (x_BTD, storage), _ = jax.lax.scan(step, (x_BTD, cache.layers), xs)
-    return x_BTD, cache.advance(storage, positions_BT)
+    carry = (x_BTD, x_BTD if keep_trunk else None, cache.layers)
+    (x_BTD, trunk_BTD, storage), _ = jax.lax.scan(step, carry, xs)
+    return x_BTD, trunk_BTD, cache.advance(storage, positions_BT)
 
   def __call__(
     self,
@@ -194,6 +200,7 @@ class Transformer(nnx.Module):
     segment_ids_BT: Array | None = None,
     cache: Cache | None = None,
     logits_at_B: Array | None = None,
+    return_hidden: bool = False,
   ):
     """Next-token logits.
 
@@ -206,19 +213,26 @@ class Transformer(nnx.Module):
         tokens are appended to each sequence.
       logits_at_B: i32[B]; compute logits only at this index of each row (then T = 1 in the
         result): prefill needs only each prompt's last position.
+      return_hidden: also return (the final normalised hidden state [B, T, D], the last block's
+        input [B, T, D]) at every position: what multi-token-prediction heads draft from.
 
     Returns:
       f32[B, T, V] logits; with a cache, (logits, cache) where each row's length grew by the
-      tokens it added.
+      tokens it added; with return_hidden, the hidden states are appended to either.
     """
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT, cache)
-    _, h_BTD, new_cache = self._trunk(tokens_BT, positions_BT, segment_ids_BT, cache)
+    trunk_BTD, h_BTD, new_cache = self._trunk(
+      tokens_BT, positions_BT, segment_ids_BT, cache, keep_trunk=return_hidden
+    )
+    hidden = (h_BTD, trunk_BTD)
     if logits_at_B is not None:
       # Only the rows' chosen positions reach the head: [B, 1, V] logits, not [B, T, V].
       h_BTD = jnp.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
     logits_BTV = self._logits(h_BTD)
-    return logits_BTV if cache is None else (logits_BTV, new_cache)
+    out = (logits_BTV,) if cache is None else (logits_BTV, new_cache)
+    out += (hidden,) if return_hidden else ()
+    return out[0] if len(out) == 1 else out
 
   def forward_mtp(
     self,
