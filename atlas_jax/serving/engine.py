@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import numbers
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -54,6 +55,14 @@ RequestId = Hashable
 
 class RequestError(ValueError):
   """A request the engine cannot serve (too long for the context or the pool, bad token ids)."""
+
+
+class _PoolLost(Exception):
+  """A jitted call raised after the device took the donated pool."""
+
+  def __init__(self, rows, error: BaseException):
+    super().__init__(str(error))
+    self.rows, self.error = rows, error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +115,7 @@ class _Request:
   text: str = ""  # detokenised output (only with a detokenizer)
   n_text_sent: int = 0
   n_preemptions: int = 0
+  suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
 
   @property
   def tokens(self) -> list[int]:
@@ -114,6 +124,10 @@ class _Request:
   @property
   def n_pending(self) -> int:
     return len(self.prompt) + len(self.output) - self.n_computed
+
+
+def _step_error(e: BaseException) -> str:
+  return f"the model step failed: {type(e).__name__}: {e}"
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -198,6 +212,10 @@ class Engine:
       head_dim=cfg.head_dim,
       dtype=jnp.dtype(cfg.dtype),
     )
+    # Shapes, dtypes and placement of the pool, to build a fresh one if a failed step lost it.
+    self._pool_spec = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.pool
+    )
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
@@ -218,19 +236,37 @@ class Engine:
   ) -> None:
     """Queues a request.
 
+    Everything the jitted step will hold is checked here (SamplingParams checks its own fields
+    against i32/f32), so an admitted request cannot make a batched step fail.
+
     Raises:
-      RequestError: empty prompt, token ids outside the vocabulary, prompt + max_new_tokens past
-        the context, or more blocks than the whole pool holds; or a duplicate id.
+      RequestError: empty prompt, token ids that are not integers in the vocabulary, prompt +
+        max_new_tokens past the context, or more blocks than the whole pool holds; or a
+        duplicate id.
     """
     params = SamplingParams() if params is None else params
-    prompt = [int(t) for t in prompt]
+    if not isinstance(params, SamplingParams):
+      raise RequestError(f"params={params!r} is not allowed: must be a SamplingParams")
     V = self.model_config.vocab_size
+    try:
+      hash(request_id)
+    except TypeError:
+      raise RequestError(f"request id {request_id!r} is not allowed: must be hashable") from None
     if request_id in self._requests:
       raise RequestError(f"request {request_id!r} already exists")
+    if isinstance(prompt, str | bytes):
+      raise RequestError("the prompt must be a list of token ids, not text (encode it first)")
+    prompt = list(prompt)
+    if not all(
+      isinstance(t, numbers.Integral) and not isinstance(t, bool | np.bool_) for t in prompt
+    ):
+      raise RequestError(f"prompt token ids must be integers in [0, {V})")
+    prompt = [int(t) for t in prompt]
     if not prompt:
       raise RequestError("the prompt needs at least one token")
     if min(prompt) < 0 or max(prompt) >= V:
-      raise RequestError(f"prompt token ids must be in [0, {V})")
+      bad = next(t for t in prompt if not 0 <= t < V)
+      raise RequestError(f"prompt token id {bad} is not allowed: token ids must be in [0, {V})")
     total = len(prompt) + params.max_new_tokens
     if total > self.max_model_len:
       raise RequestError(
@@ -275,7 +311,11 @@ class Engine:
   # -- the step ------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Schedules, runs the model once or twice, samples; returns what changed."""
+    """Schedules, runs the model once or twice, samples; returns what changed.
+
+    A request whose rows make the model step raise fails alone (finish_reason "error"); the
+    others continue with unchanged outputs (see `_run_isolated`).
+    """
     outputs = self._process_aborts()
     scheduled = self._schedule()
     if not scheduled:
@@ -283,14 +323,26 @@ class Engine:
     self.n_steps += 1
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [(r, n) for r, n in scheduled if n == 1]
-    results = {}
-    for rows, T in ((prefill, None), (decode, 1)):
-      if rows:
-        results.update(self._run(rows, T))
+    results: dict[RequestId, tuple] = {}
+    failed: dict[RequestId, str] = {}
+    try:
+      for rows, T in ((prefill, None), (decode, 1)):
+        if rows:
+          got, bad = self._run_isolated(rows, T)
+          results.update(got)
+          failed.update(bad)
+    except _PoolLost as lost:
+      return outputs + self._recover_pool(lost)
+    if failed:
+      outputs += self._fail_rows(scheduled, failed)
+      scheduled = [(r, n) for r, n in scheduled if r in self.running]  # not failed or preempted
     for req, n in scheduled:
       req.n_computed += n
       if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
-        outputs.append(self._accept(req, *results[req.id]))
+        try:
+          outputs.append(self._accept(req, *results[req.id]))
+        except Exception as e:  # e.g. the detokenizer: this request's fault only
+          outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
     return outputs
 
   def generate(
@@ -432,6 +484,109 @@ class Engine:
     return {
       req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b]) for b, (req, _) in enumerate(rows)
     }
+
+  # -- fault isolation ------------------------------------------------------------------------
+
+  def _run_isolated(self, rows: list[tuple[_Request, int]], T: int | None):
+    """`_run`, and when it raises, the rows split in halves until the failing ones are alone.
+
+    Halves run in order, so a row reading blocks that an earlier row writes this step still
+    reads them after they are written. Requests flagged `suspect` (in a call that lost the pool)
+    run alone. Returns ({id: draw}, {id: error message}).
+    """
+    groups: list[list[tuple[_Request, int]]] = []
+    for row in rows:
+      if row[0].suspect or not groups or groups[-1][0][0].suspect:
+        groups.append([row])
+      else:
+        groups[-1].append(row)
+    results: dict[RequestId, tuple] = {}
+    failed: dict[RequestId, str] = {}
+    for group in groups:
+      try:
+        results.update(self._run(group, T))
+      except Exception as e:
+        if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):
+          raise _PoolLost(group, e) from e  # the donated pool went with it: nothing to re-run
+        if len(group) == 1:
+          failed[group[0][0].id] = _step_error(e)
+          continue
+        mid = len(group) // 2
+        for half in (group[:mid], group[mid:]):
+          got, bad = self._run_isolated(half, T)
+          results.update(got)
+          failed.update(bad)
+    return results, failed
+
+  def _fail_rows(
+    self, scheduled: list[tuple[_Request, int]], failed: dict[RequestId, str]
+  ) -> list[RequestOutput]:
+    """Ends the failed requests; recomputes those that read K/V the failed ones never wrote.
+
+    The blocks a failed row was to fill this step hold no valid K/V, though the allocator may
+    have hashed them into the prefix cache and another request admitted this step may read them:
+    they leave the cache, and every reader (transitively) is preempted to recompute.
+    """
+    by_id = {r.id: r for r, _ in scheduled}
+    lost_blocks: set[int] = set()
+    tainted = set(failed)
+    changed = True
+    while changed:
+      changed = False
+      for req, _ in scheduled:
+        blocks = self.allocator.blocks(req.id)
+        written = blocks[req.n_computed // self.config.block_size :]  # blocks filled this step
+        if req.id in tainted:
+          if not lost_blocks.issuperset(written):
+            lost_blocks.update(written)
+            changed = True
+        elif lost_blocks.intersection(blocks):
+          tainted.add(req.id)
+          changed = True
+    outputs = []
+    for rid in tainted:
+      req = by_id[rid]
+      self.allocator.free(rid, computed=req.n_computed)
+      if rid in failed:
+        outputs.append(self._finish(req, "error", failed[rid]))
+      else:
+        self.running.remove(req)
+        req.n_computed = 0
+        req.n_preemptions += 1
+        self.n_preemptions += 1
+        self.waiting.appendleft(req)
+    self.waiting = collections.deque(sorted(self.waiting, key=lambda r: r.arrival))
+    return outputs
+
+  def _recover_pool(self, lost: _PoolLost) -> list[RequestOutput]:
+    """The step failed after the device took the donated pool: every running request's K/V are
+    gone. A fresh pool and allocator, every running request recomputes (its outputs so far are
+    kept, and its sampling keys make the recomputation draw the same tokens); the rows of the
+    failed call fail if there was one, else run alone from now on until the culprit is found.
+    """
+    outputs = []
+    rows = [r for r, _ in lost.rows]
+    if len(rows) == 1:
+      outputs.append(self._finish(rows[0], "error", _step_error(lost.error)))
+    for req in rows:
+      req.suspect = True
+    self.pool = jax.tree.map(
+      lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._pool_spec
+    )
+    self.allocator = BlockAllocator(
+      self.config.n_blocks,
+      self.config.block_size,
+      enable_prefix_caching=self.config.enable_prefix_caching,
+    )
+    for req in self.running:
+      req.n_computed = 0
+      req.n_preemptions += 1
+      self.n_preemptions += 1
+    self.waiting = collections.deque(
+      sorted([*self.running, *self.waiting], key=lambda r: r.arrival)
+    )
+    self.running = []
+    return outputs
 
   # -- results -------------------------------------------------------------------------------
 
