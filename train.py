@@ -85,6 +85,7 @@ RESUME_MAY_CHANGE = {
   "remat_every",
   "sharding",
   "peak_tflops",
+  "on_corrupt_checkpoint",
 }
 
 
@@ -132,15 +133,19 @@ def main(argv=None) -> int:
 
   t0 = time.time()
   cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
-  files = pipeline.token_files(cfg.data, tokenizer, cache_dir)
-  train_ds = pipeline.train_dataset(
-    *files["train"],
-    seq_len=cfg.train.seq_len,
-    batch_size=cfg.train.batch_size,
-    seed=cfg.train.seed,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-  )
+  try:
+    files = pipeline.token_files(cfg.data, tokenizer, cache_dir, log=say)
+    train_ds = pipeline.train_dataset(
+      *files["train"],
+      seq_len=cfg.train.seq_len,
+      batch_size=cfg.train.batch_size,
+      seed=cfg.train.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+  except (ValueError, OSError) as e:
+    print(f"error: data.source={cfg.data.source!r}: {e}", file=sys.stderr)
+    return 2
   eval_data = pipeline.eval_batches(
     *files["eval"],
     seq_len=cfg.train.seq_len,
@@ -149,6 +154,14 @@ def main(argv=None) -> int:
     process_index=jax.process_index(),
     process_count=jax.process_count(),
   )
+  shortfall = pipeline.eval_shortfall(
+    *files["eval"],
+    seq_len=cfg.train.seq_len,
+    batch_size=cfg.train.batch_size,
+    eval_fraction=cfg.data.eval_fraction,
+  )
+  if shortfall and cfg.train.eval_every and cfg.train.eval_batches:
+    say(f"note: {shortfall}")
   counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
   say(
@@ -159,7 +172,27 @@ def main(argv=None) -> int:
   mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = 0
   if mngr.latest_step() is not None:
-    state, meta = checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings)
+    try:
+      step, (state, meta), damaged = checkpoint.newest_intact(
+        list(mngr.all_steps()),
+        lambda s: checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings, s),
+        fallback=cfg.train.on_corrupt_checkpoint == "fallback",
+        warn=lambda message: say(message, file=sys.stderr),
+        hint=" (train.on_corrupt_checkpoint=stop; 'fallback' resumes from the newest intact step)",
+      )
+    except checkpoint.CheckpointError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    if damaged:
+      # Out of orbax's sight, or the resumed run could not save those steps again.
+      if main_process:
+        moved = checkpoint.set_aside(run_dir, damaged)
+        say(f"set aside the damaged steps as {', '.join(p.name for p in moved)}")
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("checkpoint.set_aside")
+      mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
     start = int(meta["data_index"])
     say(f"resumed from {run_dir} at step {start}")
   else:

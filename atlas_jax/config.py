@@ -275,6 +275,9 @@ class TrainConfig:
   remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
   sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
   on_nan: Literal["stop", "skip"] = "stop"
+  # A damaged newest checkpoint: resume from the newest intact step (set aside as <step>.corrupt)
+  # or stop with the error.
+  on_corrupt_checkpoint: Literal["fallback", "stop"] = "fallback"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
   peak_tflops: float | None = None  # per device; default from the device table
 
@@ -472,7 +475,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     path = Path(path)
     if not path.is_file():
       raise ConfigError(f"config file {str(path)!r} does not exist")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+      loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+      detail = " ".join(str(e).split())
+      raise ConfigError(f"config file {str(path)!r} is not valid YAML: {detail}") from None
     if not isinstance(loaded, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     data = loaded

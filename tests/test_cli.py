@@ -1,6 +1,7 @@
 """train.py and serve.py end to end on a tiny run, and their errors on bad input."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,16 +18,40 @@ import train  # noqa: E402
 def run_dir(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("run")
   data = tmp / "data.jsonl"
-  data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
-                          for i in range(200)))
+  data.write_text(
+    "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200))
+  )
   out = tmp / "ckpt"
-  rc = train.main(["--config", str(ROOT / "configs" / "tiny.yaml"),
-                   "--set", f"data.source={data}", "--set", "data.eval_fraction=0.1",
-                   "--set", "model.n_layers=2", "--set", "model.d_model=64",
-                   "--set", "model.ffn_dim=128", "--set", "train.steps=40",
-                   "--set", "train.seq_len=32", "--set", "train.log_every=20",
-                   "--set", "train.eval_every=40", "--set", "train.checkpoint_every=20",
-                   "--set", f"train.checkpoint_dir={out}", "--sample-tokens", "8"])
+  rc = train.main(
+    [
+      "--config",
+      str(ROOT / "configs" / "tiny.yaml"),
+      "--set",
+      f"data.source={data}",
+      "--set",
+      "data.eval_fraction=0.1",
+      "--set",
+      "model.n_layers=2",
+      "--set",
+      "model.d_model=64",
+      "--set",
+      "model.ffn_dim=128",
+      "--set",
+      "train.steps=40",
+      "--set",
+      "train.seq_len=32",
+      "--set",
+      "train.log_every=20",
+      "--set",
+      "train.eval_every=40",
+      "--set",
+      "train.checkpoint_every=20",
+      "--set",
+      f"train.checkpoint_dir={out}",
+      "--sample-tokens",
+      "8",
+    ]
+  )
   assert rc == 0
   return out
 
@@ -44,8 +69,20 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt": "def f1"}\n{"prompt": "return"}\n')
   out = tmp_path / "out.jsonl"
-  rc = serve.main(["--checkpoint", str(run_dir), "--prompts", str(prompts), "--prompt", "x",
-                   "--max-new-tokens", "6", "--output", str(out)])
+  rc = serve.main(
+    [
+      "--checkpoint",
+      str(run_dir),
+      "--prompts",
+      str(prompts),
+      "--prompt",
+      "x",
+      "--max-new-tokens",
+      "6",
+      "--output",
+      str(out),
+    ]
+  )
   assert rc == 0
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["prompt"] for r in rows] == ["x", "def f1", "return"]
@@ -55,11 +92,14 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["completion"] == rows[1]["completion"]
 
 
-@pytest.mark.parametrize("argv, match", [
-  (["--set", "model.n_heads=6"], "model.n_heads=6"),
-  (["--set", "train.stepz=3"], "train.stepz is not a known field"),
-  (["--config", "nope.yaml"], "does not exist"),
-])
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--set", "model.n_heads=6"], "model.n_heads=6"),
+    (["--set", "train.stepz=3"], "train.stepz is not a known field"),
+    (["--config", "nope.yaml"], "does not exist"),
+  ],
+)
 def test_train_rejects_bad_config(argv, match, capsys):
   assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *argv]) == 2
   assert match in capsys.readouterr().err
@@ -74,3 +114,100 @@ def test_serve_rejects_bad_input(run_dir, tmp_path, capsys):
   assert "serve.top_p=2.0" in capsys.readouterr().err
   assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
   assert "no config.json" in capsys.readouterr().err
+
+
+def copy_run(run_dir, out):
+  shutil.copytree(run_dir, out)
+  return out
+
+
+def resume(run_dir, out, *extra):
+  """Reruns the fixture's command, to train.steps=44, in `out` (a damaged copy of `run_dir`)."""
+  data = run_dir.parent / "data.jsonl"
+  return train.main(
+    [
+      "--config",
+      str(ROOT / "configs" / "tiny.yaml"),
+      "--set",
+      f"data.source={data}",
+      "--set",
+      "data.eval_fraction=0.1",
+      "--set",
+      "model.n_layers=2",
+      "--set",
+      "model.d_model=64",
+      "--set",
+      "model.ffn_dim=128",
+      "--set",
+      "train.steps=44",
+      "--set",
+      "train.seq_len=32",
+      "--set",
+      "train.log_every=20",
+      "--set",
+      "train.eval_every=40",
+      "--set",
+      "train.checkpoint_every=20",
+      "--set",
+      f"train.checkpoint_dir={out}",
+      "--sample-prompt",
+      "",
+      *extra,
+    ]
+  )
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "40" / "meta" / "metadata").write_text('{"step": 4')  # truncated mid-write
+  assert resume(run_dir, out) == 0
+  captured = capsys.readouterr()
+  assert f"{out}/40/meta/metadata is not valid JSON" in captured.err
+  assert "trying step 20" in captured.err
+  assert "resumed from" in captured.out and "at step 20" in captured.out
+  assert (out / "40.corrupt").is_dir()
+  assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["20", "40", "44"]
+  steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert steps[-2:] == [40, 44]
+
+
+def test_a_damaged_checkpoint_can_stop_the_run(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "40" / "state" / "_METADATA").write_text('{"tree_metadata": {')
+  assert resume(run_dir, out, "--set", "train.on_corrupt_checkpoint=stop") == 2
+  err = capsys.readouterr().err
+  assert f"error: checkpoint step 40 in {out} cannot be restored: " in err
+  assert f"{out}/40/state/_METADATA is not valid JSON" in err
+  assert "train.on_corrupt_checkpoint=stop" in err
+  assert (out / "40").is_dir() and not (out / "40.corrupt").exists()
+
+
+def test_a_damaged_run_config_is_named(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "config.yaml").write_text("model: {vocab_size: 259\n  d_model")
+  assert serve.main(["--checkpoint", str(out), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert f"config file '{out}/config.yaml' is not valid YAML" in err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_names_a_bad_jsonl_line(tmp_path, capsys):
+  data = tmp_path / "data.jsonl"
+  data.write_text('{"text": "def f(): pass"}\n{"text": ["not", "a", "string"]}\n')
+  rc = train.main(
+    [
+      "--config",
+      str(ROOT / "configs" / "tiny.yaml"),
+      "--set",
+      f"data.source={data}",
+      "--set",
+      "train.steps=1",
+      "--set",
+      f"train.checkpoint_dir={tmp_path / 'run'}",
+      "--sample-prompt",
+      "",
+    ]
+  )
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert f"{data}:2: field 'text' must be a string, got list" in err
