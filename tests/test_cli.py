@@ -111,7 +111,7 @@ def test_serve_rejects_bad_input(run_dir, tmp_path, capsys):
   assert serve.main(["--checkpoint", str(run_dir), "--prompts", str(bad)]) == 2
   assert "bad.jsonl:2" in capsys.readouterr().err
   assert serve.main(["--checkpoint", str(run_dir), "--prompt", "x", "--top-p", "2"]) == 2
-  assert "serve.top_p=2.0" in capsys.readouterr().err
+  assert "--top-p=2.0: invalid value for 'top_p'" in capsys.readouterr().err
   assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
   assert "no config.json" in capsys.readouterr().err
 
@@ -211,3 +211,75 @@ def test_train_names_a_bad_jsonl_line(tmp_path, capsys):
   assert rc == 2
   err = capsys.readouterr().err
   assert f"{data}:2: field 'text' must be a string, got list" in err
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    # The sampling flags follow the HTTP API's rules, with its messages.
+    (
+      ["--temperature", "nan"],
+      "--temperature=nan: invalid value for 'temperature': Input should be a finite number",
+    ),
+    (
+      ["--temperature", "3"],
+      "--temperature=3.0: invalid value for 'temperature': Input should be less than or equal to 2",
+    ),
+    (
+      ["--top-k", str(2**31)],
+      "--top-k=2147483648: invalid value for 'top_k': Input should be "
+      "less than or equal to 2147483647",
+    ),
+    (
+      ["--max-new-tokens", "0"],
+      "--max-new-tokens=0: invalid value for 'max_tokens': Input "
+      "should be greater than or equal to 1",
+    ),
+    (["--seed", "-1"], "--seed=-1: invalid value for 'seed'"),
+    (["--block-size", "0"], "--block-size=0 is not allowed: must be a positive integer"),
+    (["--max-batch", "-2"], "--max-batch=-2 is not allowed: must be a positive integer"),
+    (["--prefill-chunk", "48"], "--prefill-chunk=48 is not allowed: must be a power of two"),
+    (["--port", "70000"], "--port=70000 is not allowed: must be in [1, 65535]"),
+    (["--output", "{tmp}/missing/out.jsonl"], "the folder {tmp}/missing does not exist"),
+    (["--output", "{tmp}"], "is a folder; give a file path"),
+    (["--prompt", "ok \udcff"], "--prompt 2: the text cannot be encoded as UTF-8 (character 3"),
+  ],
+)
+def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+  # Checked before the checkpoint is read: the folder need not exist.
+  assert serve.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", *argv]) == 2
+  err = capsys.readouterr().err
+  want = message.replace("{tmp}", str(tmp_path))
+  assert want in err and err.startswith("error: --") and len(err.strip().splitlines()) == 1
+
+
+def test_serve_rejects_a_context_past_the_model(run_dir, capsys):
+  argv = ["--checkpoint", str(run_dir), "--prompt", "x", "--max-model-len", "4096"]
+  assert serve.main(argv) == 2
+  assert "--max-model-len=4096 is not allowed: the model's context is 512 tokens" in (
+    capsys.readouterr().err
+  )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "config"])
+def test_serve_prints_hf_load_errors_as_one_line(tmp_path, capsys, damage):
+  from flax import nnx
+
+  from atlas_jax import hf
+  from atlas_jax.config import ModelConfig
+  from atlas_jax.model.transformer import Transformer
+
+  cfg = ModelConfig(vocab_size=259, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+  hf.save(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path)
+  if damage == "truncated":
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    want = f"{weights}: not a readable safetensors file"
+  else:
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": "64"}))
+    want = "config.json field 'intermediate_size'='64' is not allowed: must be an integer"
+  assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

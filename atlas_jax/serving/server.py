@@ -231,7 +231,9 @@ class EngineRunner:
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
-def _encodable(text: str) -> str:
+def encodable(text: str) -> str:
+  """`text`, or a ValueError when UTF-8 cannot encode it (a lone surrogate: JSON may escape one,
+  and a command line's undecodable bytes arrive as such)."""
   try:
     text.encode("utf-8")
   except UnicodeEncodeError as e:
@@ -242,8 +244,8 @@ def _encodable(text: str) -> str:
   return text
 
 
-# Every string a request carries: JSON may escape a lone surrogate, which no tokenizer encodes.
-Text = Annotated[str, AfterValidator(_encodable)]
+# Every string a request carries.
+Text = Annotated[str, AfterValidator(encodable)]
 
 
 class _Body(BaseModel):
