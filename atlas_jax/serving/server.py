@@ -380,12 +380,13 @@ def build_app(
       )
     if body.n > limits.max_n:
       raise APIError(400, f"n={body.n} exceeds the limit {limits.max_n}", "n")
+    where = "messages" if isinstance(body, ChatBody) else "prompt"
     if n_prompt > limits.max_prompt_tokens:
       raise APIError(
-        400, f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens}", "prompt"
+        400, f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens}", where
       )
     if n_prompt == 0:
-      raise APIError(400, "the prompt is empty", "prompt")
+      raise APIError(400, "the prompt is empty", where)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     pick = lambda v, d: d if v is None else v
     seed = pick(body.seed, defaults.seed)
@@ -415,7 +416,8 @@ def build_app(
         runner.abort(rid)
       if isinstance(e, APIError):
         raise
-      raise APIError(400, str(e), "prompt" if isinstance(e, RequestError) else None) from None
+      where = "messages" if isinstance(body, ChatBody) else "prompt"
+      raise APIError(400, str(e), where if isinstance(e, RequestError) else None) from None
     return subs
 
   async def merged(subs):

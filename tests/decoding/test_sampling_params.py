@@ -1,4 +1,4 @@
-"""SamplingParams accepts only what the jitted steps can hold (i32, finite f32), naming the field."""
+"""SamplingParams takes only what the jitted steps hold (i32, finite f32), naming the field."""
 
 import math
 
