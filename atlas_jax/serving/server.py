@@ -159,14 +159,27 @@ class EngineRunner:
 
   def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
     """Queues a request; its RequestOutputs arrive on the returned queue (None ends it)."""
-    rid = uuid.uuid4().hex
-    loop = asyncio.get_running_loop()
-    stream = _Stream(asyncio.Queue(), loop, time.perf_counter(), len(prompt))
+    return self.submit_many(prompt, [params])[0]
+
+  def submit_many(
+    self, prompt: list[int], params: list[SamplingParams]
+  ) -> list[tuple[str, asyncio.Queue]]:
+    """Queues one request per params (the n choices of a request), admitted together: all or,
+    when one is refused (RequestError propagates), none."""
+    loop, now = asyncio.get_running_loop(), time.perf_counter()
+    subs = [(uuid.uuid4().hex, _Stream(asyncio.Queue(), loop, now, len(prompt))) for _ in params]
     with self._lock:
-      self.engine.add_request(rid, prompt, params)  # RequestError propagates
-      self._streams[rid] = stream
+      try:
+        for (rid, stream), p in zip(subs, params):
+          self.engine.add_request(rid, prompt, p)
+          self._streams[rid] = stream
+      except Exception:
+        for rid, _ in subs:
+          if self._streams.pop(rid, None) is not None:
+            self.engine.abort(rid)
+        raise
     self._wake.set()
-    return rid, stream.queue
+    return [(rid, stream.queue) for rid, stream in subs]
 
   def abort(self, rid: str) -> None:
     self.engine.abort(rid)
@@ -407,18 +420,14 @@ def build_app(
     )
 
   def submit_all(prompt_ids, body, logprobs):
-    subs = []
     try:
-      for i in range(body.n):
-        subs.append(runner.submit(prompt_ids, sampling(body, len(prompt_ids), i, logprobs)))
+      params = [sampling(body, len(prompt_ids), i, logprobs) for i in range(body.n)]
+      return runner.submit_many(prompt_ids, params)  # the n choices start in the same step
     except (RequestError, ValueError) as e:
-      for rid, _ in subs:
-        runner.abort(rid)
       if isinstance(e, APIError):
         raise
       where = "messages" if isinstance(body, ChatBody) else "prompt"
       raise APIError(400, str(e), where if isinstance(e, RequestError) else None) from None
-    return subs
 
   async def merged(subs):
     """(choice index, RequestOutput) in arrival order across the n choices."""

@@ -243,14 +243,14 @@ def test_a_chunked_body_is_cut_off_at_the_limit(server):
 def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
   url, model, tok, engine = server
   original = engine_module._forward_sample
-  decode_calls = []
+  calls = []
 
   def step(graphdef, state, pool, tokens_BT, *args):
-    seeds = np.asarray(args[4]).tolist()
-    if tokens_BT.shape[1] == 1:
-      decode_calls.append(seeds)
-      if 13 in seeds:  # the fault: any decode step holding a row with seed 13
-        raise OverflowError("injected fault")
+    seeds, steps = np.asarray(args[4]).tolist(), np.asarray(args[5]).tolist()
+    calls.append(seeds)
+    # The fault: any step where the row with seed 13 samples its second token or later.
+    if any(seed == 13 and i >= 1 for seed, i in zip(seeds, steps)):
+      raise OverflowError("injected fault")
     return original(graphdef, state, pool, tokens_BT, *args)
 
   monkeypatch.setattr(engine_module, "_forward_sample", step)
@@ -275,7 +275,8 @@ def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
       base_url=url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
     ) as client:
       other = asyncio.create_task(stream(client, {"prompt": "def f(x):", "max_tokens": 32}))
-      # n=2: choice 0 (seed 12) and choice 1 (seed 13) decode in the same steps.
+      # n=2: choice 0 (seed 12) and choice 1 (seed 13) are admitted in the same step, so
+      # they decode their second tokens in the same call.
       both = await stream(client, {"prompt": "import os", "max_tokens": 32, "n": 2, "seed": 12})
       return await other, both
 
@@ -283,7 +284,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
   assert other_errors == [] and other[0] == expected(model, tok, "def f(x):", 32)
   assert both[0] == expected(model, tok, "import os", 32)  # greedy: the seed does not matter
   assert len(errors) == 1 and "OverflowError: injected fault" in errors[0]["message"]
-  assert any(13 in seeds and 12 in seeds for seeds in decode_calls)  # batched, then isolated
+  assert any(13 in seeds and 12 in seeds for seeds in calls)  # batched, then isolated
   assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
