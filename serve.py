@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from atlas_jax import hf
-from atlas_jax.config import ServeConfig
+from atlas_jax.config import ServeConfig, load_config
 from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
@@ -44,12 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
-  p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-  p.add_argument("--temperature", type=float, default=d.temperature)
-  p.add_argument("--top-k", type=int, default=d.top_k)
-  p.add_argument("--top-p", type=float, default=d.top_p)
-  p.add_argument("--seed", type=int, default=d.seed)
-  p.add_argument("--max-batch", type=int, default=d.max_batch, help="running requests at most")
+  # Defaults: the run's `serve:` config section for a train.py run directory, else these.
+  default = lambda name: f"default: the run's serve.{name}, else {getattr(d, name)}"
+  p.add_argument("--max-new-tokens", type=int, help=default("max_new_tokens"))
+  p.add_argument("--temperature", type=float, help=default("temperature") + " (greedy)")
+  p.add_argument("--top-k", type=int, help=default("top_k") + " (off)")
+  p.add_argument("--top-p", type=float, help=default("top_p"))
+  p.add_argument("--seed", type=int, help=default("seed"))
+  p.add_argument("--max-batch", type=int, help="running requests at most; " + default("max_batch"))
   p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: max-batch full contexts)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
   p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
@@ -138,6 +140,17 @@ POSITIVE_FLAGS = (
   "max_n",
   "max_body_bytes",
 )
+
+
+def fill_defaults(args) -> None:
+  """Sampling flags not given come from the run's `serve:` section (a train.py run directory
+  knows how its model samples best), else from ServeConfig's defaults."""
+  d = ServeConfig()
+  if checkpoint.is_checkpoint(args.checkpoint):
+    d = load_config(Path(args.checkpoint) / "config.yaml").serve
+  for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "max_batch"):
+    if getattr(args, name) is None:
+      setattr(args, name, getattr(d, name))
 
 
 def check_args(args) -> None:
@@ -311,6 +324,7 @@ def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
+    fill_defaults(args)
     check_args(args)
     prompts = read_prompts(args) if args.port is None else []
     model, tokenizer = load_any(args.checkpoint, args.dtype)

@@ -109,30 +109,37 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = load_config(args.config, args.set)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    run_dir = Path(cfg.train.checkpoint_dir)
+    cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
+    check_resumable(run_dir, cfg)
+    resuming = run_dir.is_dir() and any(p.name.isdigit() for p in run_dir.iterdir())
+    if resuming and cfg.data.tokenizer != "byte" and (run_dir / "tokenizer.json").is_file():
+      tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))  # the one the run began with
+    else:
+      t0 = time.time()
+      tokenizer = pipeline.tokenizer_for(cfg.data, cache_dir)
+      if time.time() - t0 > 1:
+        print(f"tokenizer: {cfg.data.tokenizer} trained in {time.time() - t0:.1f}s")
     if tokenizer.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
         f"vocabulary ({tokenizer.vocab_size})"
       )
-    run_dir = Path(cfg.train.checkpoint_dir)
-    check_resumable(run_dir, cfg)
     init_distributed(cfg)
     trainer = make_trainer(cfg)
-  except (ConfigError, ValueError) as e:
+  except (ConfigError, ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
   if main_process:
-    checkpoint.write_run_files(run_dir, cfg)
+    checkpoint.write_run_files(run_dir, cfg, tokenizer)
   say(
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
   )
 
   t0 = time.time()
-  cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
   try:
     files = pipeline.token_files(cfg.data, tokenizer, cache_dir, log=say)
     train_ds = pipeline.train_dataset(
@@ -273,10 +280,13 @@ def main(argv=None) -> int:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
     prompt = tokenizer.encode(args.sample_prompt)
     max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    out = generate(
-      model, [prompt], SamplingParams(max_new_tokens=max_new), eos_id=tokenizer.eos_id
-    )[0]
-    print(f"sample (greedy): {args.sample_prompt + tokenizer.decode(out)!r}")
+    s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
+    params = SamplingParams(
+      max_new_tokens=max_new, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
+    )
+    out = generate(model, [prompt], params, eos_id=tokenizer.eos_id)[0]
+    how = "greedy" if s.temperature == 0 else f"temperature {s.temperature:g}, top-k {s.top_k}"
+    print(f"sample ({how}):\n{args.sample_prompt + tokenizer.decode(out)}")
   return 0
 
 

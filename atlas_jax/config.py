@@ -241,12 +241,21 @@ class DataConfig:
   """Training text and how it is tokenised."""
 
   source: str = "stdlib"  # "stdlib", a folder of text files, or a .jsonl file with a "text" field
-  tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
+  # "byte"; "bpe:N", a byte-level BPE of N tokens trained on the source's train split at the
+  # first run (seconds); or a path to a tokenizer.json.
+  tokenizer: str = "byte"
   eval_fraction: float = 0.02  # share of documents held out for eval
 
   def __post_init__(self):
     if not 0.0 <= self.eval_fraction < 1.0:
       _fail("data.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+    n = self.tokenizer.removeprefix("bpe:")
+    if self.tokenizer.startswith("bpe:") and not (n.isdigit() and int(n) >= 260):
+      _fail(
+        "data.tokenizer",
+        self.tokenizer,
+        "bpe:N needs an integer N >= 260 (256 bytes, 3 special tokens, at least one merge)",
+      )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,29 @@ import serve  # noqa: E402
 import train  # noqa: E402
 
 
+def small_run(data, out, *, steps: int) -> list[str]:
+  """train.py's arguments for a small byte-level run of tiny.yaml's kind on `data`."""
+  sets = [
+    f"data.source={data}",
+    "data.eval_fraction=0.1",
+    "data.tokenizer=byte",
+    "model.vocab_size=259",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    f"train.steps={steps}",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.log_every=20",
+    "train.eval_every=40",
+    "train.checkpoint_every=20",
+    f"train.checkpoint_dir={out}",
+  ]
+  return ["--config", str(ROOT / "configs" / "tiny.yaml")] + [x for s in sets for x in ("--set", s)]
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("run")
@@ -22,36 +45,7 @@ def run_dir(tmp_path_factory):
     "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200))
   )
   out = tmp / "ckpt"
-  rc = train.main(
-    [
-      "--config",
-      str(ROOT / "configs" / "tiny.yaml"),
-      "--set",
-      f"data.source={data}",
-      "--set",
-      "data.eval_fraction=0.1",
-      "--set",
-      "model.n_layers=2",
-      "--set",
-      "model.d_model=64",
-      "--set",
-      "model.ffn_dim=128",
-      "--set",
-      "train.steps=40",
-      "--set",
-      "train.seq_len=32",
-      "--set",
-      "train.log_every=20",
-      "--set",
-      "train.eval_every=40",
-      "--set",
-      "train.checkpoint_every=20",
-      "--set",
-      f"train.checkpoint_dir={out}",
-      "--sample-tokens",
-      "8",
-    ]
-  )
+  rc = train.main(small_run(data, out, steps=40) + ["--sample-tokens", "8"])
   assert rc == 0
   return out
 
@@ -95,7 +89,7 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
   "argv, match",
   [
-    (["--set", "model.n_heads=6"], "model.n_heads=6"),
+    (["--set", "model.n_heads=5"], "model.n_heads=5"),
     (["--set", "train.stepz=3"], "train.stepz is not a known field"),
     (["--config", "nope.yaml"], "does not exist"),
   ],
@@ -124,37 +118,7 @@ def copy_run(run_dir, out):
 def resume(run_dir, out, *extra):
   """Reruns the fixture's command, to train.steps=44, in `out` (a damaged copy of `run_dir`)."""
   data = run_dir.parent / "data.jsonl"
-  return train.main(
-    [
-      "--config",
-      str(ROOT / "configs" / "tiny.yaml"),
-      "--set",
-      f"data.source={data}",
-      "--set",
-      "data.eval_fraction=0.1",
-      "--set",
-      "model.n_layers=2",
-      "--set",
-      "model.d_model=64",
-      "--set",
-      "model.ffn_dim=128",
-      "--set",
-      "train.steps=44",
-      "--set",
-      "train.seq_len=32",
-      "--set",
-      "train.log_every=20",
-      "--set",
-      "train.eval_every=40",
-      "--set",
-      "train.checkpoint_every=20",
-      "--set",
-      f"train.checkpoint_dir={out}",
-      "--sample-prompt",
-      "",
-      *extra,
-    ]
-  )
+  return train.main(small_run(data, out, steps=44) + ["--sample-prompt", "", *extra])
 
 
 def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact(run_dir, tmp_path, capsys):
@@ -283,3 +247,20 @@ def test_serve_prints_hf_load_errors_as_one_line(tmp_path, capsys, damage):
   assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
   err = capsys.readouterr().err
   assert want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_samples_as_the_run_says_unless_told(run_dir):
+  from atlas_jax.config import ServeConfig, load_config
+
+  run = load_config(run_dir / "config.yaml").serve
+  assert run.temperature != ServeConfig().temperature  # tiny.yaml samples; the default is greedy
+  args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x"])
+  serve.fill_defaults(args)
+  assert (args.temperature, args.top_k, args.max_new_tokens) == (
+    run.temperature,
+    run.top_k,
+    run.max_new_tokens,
+  )
+  args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x", "--temperature", "0"])
+  serve.fill_defaults(args)
+  assert (args.temperature, args.top_k) == (0.0, run.top_k)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,21 +22,40 @@ import grain
 import numpy as np
 
 from atlas_jax.config import DataConfig
-from atlas_jax.data.corpus import source_files
-from atlas_jax.data.dataset import tokenize_corpus
-from atlas_jax.data.tokenizer import Tokenizer
+from atlas_jax.data.corpus import iter_documents, source_files
+from atlas_jax.data.dataset import held_out, tokenize_corpus
+from atlas_jax.data.tokenizer import HFTokenizer, Tokenizer, bpe_size, load_tokenizer, train_bpe
+
+
+def tokenizer_for(cfg: DataConfig, cache_dir: str | Path) -> Tokenizer:
+  """The tokenizer `cfg.tokenizer` names: "byte", a tokenizer.json, or "bpe:N", a byte-level
+  BPE of N tokens trained on the train split of `cfg.source` (seconds; kept in `cache_dir`,
+  keyed by the source's content, so later runs load it)."""
+  n = bpe_size(cfg.tokenizer)
+  if n is None:
+    return load_tokenizer(cfg.tokenizer)
+  files = source_files(cfg.source)
+  key = hashlib.sha256(f"{_sha256(files)} {n} {cfg.eval_fraction}".encode()).hexdigest()[:16]
+  path = Path(cache_dir) / f"bpe-{n}-{key}.json"
+  if path.is_file():
+    return HFTokenizer.from_file(path)
+  texts = (t for name, t in iter_documents(cfg.source) if not held_out(name, cfg.eval_fraction))
+  tokenizer = train_bpe(texts, vocab_size=n)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one run may share the cache
+  tokenizer.save(tmp)
+  tmp.replace(path)
+  return tokenizer
 
 
 def _cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
   """Which corpus, tokenised how: the folder of its token files. What the files hold right now
   is checked against the folder's manifest (see `token_files`)."""
-  tok_file = Path(cfg.tokenizer)
-  tok_file = tok_file / "tokenizer.json" if tok_file.is_dir() else tok_file
   spec = {
     "source": str(Path(cfg.source).absolute()) if cfg.source != "stdlib" else "stdlib",
     "tokenizer": cfg.tokenizer,
     # The tokenizer's own content: a retrained tokenizer.json at the same path tokenises anew.
-    "tokenizer_sha256": _sha256([tok_file]) if tok_file.is_file() else None,
+    "tokenizer_sha256": tokenizer.fingerprint(),
     "vocab": tokenizer.vocab_size,
     "eval_fraction": cfg.eval_fraction,
     "python": sys.version_info[:2],
@@ -92,11 +112,11 @@ def token_files(
     train, evals = tokenize_corpus(cfg.source, tokenizer, eval_fraction=cfg.eval_fraction)
     for split, corpus in (("train", train), ("eval", evals)):
       for part, array in (("tokens", corpus.tokens), ("starts", corpus.doc_starts)):
-        tmp = folder / f".{split}_{part}.tmp.npy"
+        tmp = folder / f".{split}_{part}.{os.getpid()}.tmp.npy"
         np.save(tmp, array)
         tmp.replace(folder / f"{split}_{part}.npy")  # atomic: a killed run leaves no half file
   if not fresh or manifest.get("files") != stats:
-    tmp = folder / ".source.tmp.json"
+    tmp = folder / f".source.{os.getpid()}.tmp.json"
     tmp.write_text(json.dumps({"sha256": digest or manifest["sha256"], "files": stats}))
     tmp.replace(manifest_path)
   return {

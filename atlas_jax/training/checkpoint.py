@@ -40,11 +40,16 @@ def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
   )
 
 
-def write_run_files(directory: str | Path, cfg: Config) -> None:
+def write_run_files(directory: str | Path, cfg: Config, tokenizer: Tokenizer | None = None) -> None:
+  """config.yaml, and tokenizer.json unless the tokenizer is bytes (serve.py reads both)."""
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.yaml").write_text(dump_config(cfg))
-  if cfg.data.tokenizer != "byte":
+  if tokenizer is not None and hasattr(tokenizer, "save"):
+    tmp = directory / ".tokenizer.tmp.json"
+    tokenizer.save(tmp)
+    tmp.replace(directory / "tokenizer.json")
+  elif cfg.data.tokenizer != "byte" and not cfg.data.tokenizer.startswith("bpe:"):
     src = Path(cfg.data.tokenizer)
     src = src / "tokenizer.json" if src.is_dir() else src
     if src.resolve() != (directory / "tokenizer.json").resolve():

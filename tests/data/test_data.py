@@ -1,5 +1,6 @@
 """Tokenisers round-trip; the stdlib corpus is reproducible; the eval split is stable."""
 
+import json
 import os
 
 import numpy as np
@@ -7,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atlas_jax.config import DataConfig
+from atlas_jax.config import ConfigError, DataConfig
 from atlas_jax.data.corpus import iter_documents, stdlib_files
 from atlas_jax.data.dataset import tokenize_corpus
-from atlas_jax.data.pipeline import eval_shortfall, token_files
-from atlas_jax.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from atlas_jax.data.pipeline import eval_shortfall, token_files, tokenizer_for
+from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 
 @given(st.text())
@@ -136,3 +137,29 @@ def test_an_eval_split_too_small_says_so():
   assert "train.batch_size * train.seq_len + 1 = 257" in note
   assert eval_shortfall(tokens, starts, seq_len=32, batch_size=3, eval_fraction=0.1) is None
   assert eval_shortfall(tokens[:0], starts, seq_len=32, batch_size=8, eval_fraction=0.0) is None
+
+
+def test_bpe_spec_trains_on_the_train_split_once(tmp_path):
+  path = tmp_path / "data.jsonl"
+  lines = [
+    json.dumps({"text": f"def handler_{i}(event):\n    return event.value\n"}) for i in range(60)
+  ]
+  path.write_text("\n".join(lines) + "\n")
+  cfg = DataConfig(source=str(path), tokenizer="bpe:300", eval_fraction=0.2)
+  first = tokenizer_for(cfg, tmp_path / "cache")
+  assert isinstance(first, HFTokenizer) and first.vocab_size <= 300
+  assert first.decode(first.encode("def handler_7(event):")) == "def handler_7(event):"
+  (cached,) = (tmp_path / "cache").glob("bpe-300-*.json")
+  again = tokenizer_for(cfg, tmp_path / "cache")  # read back, not trained again
+  assert again.fingerprint() == first.fingerprint()
+  cached.unlink()
+  assert tokenizer_for(cfg, tmp_path / "cache").fingerprint() == first.fingerprint()  # same run
+  # Eval documents are not seen: a corpus of only held-out documents trains on nothing.
+  every = DataConfig(source=str(path), tokenizer="bpe:300", eval_fraction=0.999)
+  assert tokenizer_for(every, tmp_path / "c2").vocab_size < first.vocab_size
+
+
+@pytest.mark.parametrize("spec", ["bpe:", "bpe:abc", "bpe:100", "bpe:-5"])
+def test_bpe_spec_is_checked(spec):
+  with pytest.raises(ConfigError, match=rf"data.tokenizer='{spec}' is not allowed: bpe:N needs"):
+    DataConfig(tokenizer=spec)
