@@ -171,9 +171,10 @@ def main(argv=None) -> int:
     say(f"note: {shortfall}")
   counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
+  unigram = float(-(p * np.log(p)).sum())  # the loss of a model that ignores the context
   say(
     f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
-    f"({time.time() - t0:.1f}s); unigram baseline {float(-(p * np.log(p)).sum()):.3f} nats/token"
+    f"({time.time() - t0:.1f}s); unigram baseline {unigram:.3f} nats/token"
   )
 
   mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
@@ -222,6 +223,7 @@ def main(argv=None) -> int:
   progress = sys.stdout.isatty() and main_process
 
   t_last, steps_since = time.time(), 0
+  record: dict = {}  # the last metrics logged
   for step in range(start + 1, cfg.train.steps + 1):
     state, metrics = train_step(state, to_global(train_ds[step - 1]))
     steps_since += 1
@@ -275,6 +277,11 @@ def main(argv=None) -> int:
   mngr.wait_until_finished()
   logger.close()
   say(f"checkpoint: {run_dir} (step {cfg.train.steps})")
+  if "eval_loss" in record:
+    say(
+      f"eval loss {record['eval_loss']:.3f} nats/token against the unigram baseline "
+      f"{unigram:.3f}: the context is worth {unigram - record['eval_loss']:.3f} nats/token"
+    )
 
   if args.sample_prompt and jax.process_count() == 1:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
