@@ -50,6 +50,11 @@ def test_same_seed_same_draw_and_rows_are_independent():
 @pytest.mark.parametrize("B", [1, 3])
 def test_mixed_rows(B):
   logits = jax.random.normal(jax.random.key(2), (B, 30))
-  out = sample(logits, jax.random.split(jax.random.key(0), B), temperature_B=jnp.zeros(B),
-               top_k_B=jnp.full((B,), 5, jnp.int32), top_p_B=jnp.full((B,), 0.9))
+  out = sample(
+    logits,
+    jax.random.split(jax.random.key(0), B),
+    temperature_B=jnp.zeros(B),
+    top_k_B=jnp.full((B,), 5, jnp.int32),
+    top_p_B=jnp.full((B,), 0.9),
+  )
   assert (np.asarray(out) == np.argmax(logits, -1)).all()

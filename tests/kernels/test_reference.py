@@ -11,8 +11,11 @@ from atlas_jax.kernels import attention, attention_reference
 
 def qkv(B, T, S, N, K, H, dtype=jnp.float32, seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(kq, (B, T, N, H), dtype), jax.random.normal(kk, (B, S, K, H), dtype),
-          jax.random.normal(kv, (B, S, K, H), dtype))
+  return (
+    jax.random.normal(kq, (B, T, N, H), dtype),
+    jax.random.normal(kk, (B, S, K, H), dtype),
+    jax.random.normal(kv, (B, S, K, H), dtype),
+  )
 
 
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (8, 2), (8, 1)])
@@ -30,8 +33,12 @@ def test_kv_lengths_and_bottom_right_alignment():
   for b, n in enumerate([10, 6]):
     # The three queries are the last three of the n valid keys: a causal T=S problem on the tail.
     full = jax.nn.dot_product_attention(
-      jnp.concatenate([jnp.zeros((1, n - 3, 4, 8)), q[b : b + 1]], 1), k[b : b + 1, :n],
-      v[b : b + 1, :n], is_causal=True, implementation="xla")
+      jnp.concatenate([jnp.zeros((1, n - 3, 4, 8)), q[b : b + 1]], 1),
+      k[b : b + 1, :n],
+      v[b : b + 1, :n],
+      is_causal=True,
+      implementation="xla",
+    )
     chex.assert_trees_all_close(got[b], full[0, -3:], atol=1e-5)
 
 
@@ -39,12 +46,14 @@ def test_fully_masked_rows_are_zero_not_nan():
   q, k, v = qkv(1, 4, 4, 2, 1, 8)
   seg_q = jnp.array([[0, 0, 1, 1]])
   seg_k = jnp.array([[0, 0, 2, 2]])
-  out, lse = attention_reference(q, k, v, q_segment_ids=seg_q, kv_segment_ids=seg_k,
-                                 return_lse=True)
+  out, lse = attention_reference(
+    q, k, v, q_segment_ids=seg_q, kv_segment_ids=seg_k, return_lse=True
+  )
   np.testing.assert_array_equal(out[0, 2:], 0.0)
   assert np.all(np.isneginf(lse[0, 2:]))
-  g = jax.grad(lambda q: attention_reference(q, k, v, q_segment_ids=seg_q,
-                                             kv_segment_ids=seg_k).sum())(q)
+  g = jax.grad(
+    lambda q: attention_reference(q, k, v, q_segment_ids=seg_q, kv_segment_ids=seg_k).sum()
+  )(q)
   assert np.all(np.isfinite(g))
 
 
@@ -58,8 +67,9 @@ def test_lse_matches_logsumexp():
 def test_sliding_window():
   q, k, v = qkv(1, 9, 9, 2, 2, 8)
   got = attention_reference(q, k, v, causal=True, sliding_window=3)
-  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(2, 0),
-                                      implementation="xla")
+  want = jax.nn.dot_product_attention(
+    q, k, v, is_causal=True, local_window_size=(2, 0), implementation="xla"
+  )
   chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
@@ -87,5 +97,6 @@ def test_dispatcher_rejects_bad_arguments():
     attention(q, k.astype(jnp.bfloat16), v)
   with pytest.raises(ValueError, match="cudnn.*bfloat16"):
     attention(q, k, v, implementation="cudnn")
-  chex.assert_trees_all_close(attention(q, k, v, implementation="xla"),
-                              attention_reference(q, k, v))
+  chex.assert_trees_all_close(
+    attention(q, k, v, implementation="xla"), attention_reference(q, k, v)
+  )

@@ -39,8 +39,9 @@ def test_restore_onto_a_different_mesh(tmp_path):
   assert float(m["loss"]) > 0
 
 
-@pytest.mark.parametrize("preset, devices, max_gib", [("llama3-8b", 8, 16.0),
-                                                        ("llama3-70b", 64, 18.0)])
+@pytest.mark.parametrize(
+  "preset, devices, max_gib", [("llama3-8b", 8, 16.0), ("llama3-70b", 64, 18.0)]
+)
 def test_big_presets_fit_per_device(preset, devices, max_gib):
   """Parameters + Adam state under zero3 (12 bytes/param in float32) split over the devices of an
   abstract mesh: nothing is allocated and no real devices are needed."""
@@ -50,7 +51,8 @@ def test_big_presets_fit_per_device(preset, devices, max_gib):
   trainer = make_trainer(cfg, mesh=mesh)
   abstract = trainer.abstract_state()
   n = sum(x.size for x in jax.tree.leaves(abstract.params))
-  per_device = (shd.sharded_bytes(abstract.params, trainer.state_shardings.params)
-                + shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state))
+  per_device = shd.sharded_bytes(
+    abstract.params, trainer.state_shardings.params
+  ) + shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state)
   assert per_device == pytest.approx(12 * n / devices, rel=0.01)
   assert per_device / 2**30 < max_gib

@@ -14,8 +14,14 @@ from .common import tiny_config
 
 
 def test_flops_per_token_matches_compiled_cost():
-  cfg = tiny_config("model.d_model=128", "model.ffn_dim=384", "model.max_seq_len=128",
-                    "train.seq_len=64", "model.vocab_size=256", "model.n_layers=2")
+  cfg = tiny_config(
+    "model.d_model=128",
+    "model.ffn_dim=384",
+    "model.max_seq_len=128",
+    "train.seq_len=64",
+    "model.vocab_size=256",
+    "model.n_layers=2",
+  )
   # Unrolled: XLA's cost analysis counts a loop body once, whatever the trip count.
   graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0), unroll_layers=True))
   B, T = 4, 64
@@ -56,11 +62,15 @@ def test_shuffle_is_deterministic_per_epoch_and_hosts_are_disjoint():
   b = train_dataset(tokens, starts, seq_len=16, batch_size=2, seed=3)
   first = lambda ds, k: [int(ds[i]["tokens"][j, 0]) // 16 for i in range(k) for j in range(2)]
   assert first(a, n) == first(b, n)  # same seed, same order
-  epoch0, epoch1 = first(a, n)[:n], first(a, 2 * n)[n:2 * n]
+  epoch0, epoch1 = first(a, n)[:n], first(a, 2 * n)[n : 2 * n]
   assert sorted(epoch0) == list(range(n)) and sorted(epoch1) == list(range(n))
   assert epoch0 != epoch1  # a fresh order each epoch
-  hosts = [train_dataset(tokens, starts, seq_len=16, batch_size=2, seed=3, process_index=h,
-                         process_count=2) for h in range(2)]
+  hosts = [
+    train_dataset(
+      tokens, starts, seq_len=16, batch_size=2, seed=3, process_index=h, process_count=2
+    )
+    for h in range(2)
+  ]
   seen = [int(hosts[h][i]["tokens"][0, 0]) // 16 for h in range(2) for i in range(n // 2)]
   assert sorted(seen) == list(range(n))  # one epoch split across two hosts, nothing twice
   assert len(eval_batches(tokens, starts, seq_len=16, batch_size=2, n_batches=2)) == 2
