@@ -99,6 +99,8 @@ def token_files(
       manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
       manifest = None  # a damaged manifest: tokenise again
+    if not isinstance(manifest, dict):
+      manifest = None
   fresh = manifest is not None and manifest.get("files") == stats
   digest = None
   if not fresh:
