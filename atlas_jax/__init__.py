@@ -7,10 +7,13 @@ Axis glossary, used in every shape suffix (`q_BTNH`) and shape comment in the pr
   H head dim         D model dim           F ffn dim
   V vocab            L layers              P pages (blocks)
   Z block size       C latent dim          R rope dim (MLA)
+  E MLA cache entry, C + R                 J MTP heads
+  M block-table columns (max blocks per sequence)
 """
 
 from atlas_jax import hf, kernels
-from atlas_jax.cache.contiguous import KVCache
+from atlas_jax.cache.contiguous import KVCache, LatentCache
+from atlas_jax.cache.paged import KVPool, LatentPool, PagedCache
 from atlas_jax.config import (
   AttentionConfig,
   Config,
@@ -24,7 +27,7 @@ from atlas_jax.config import (
   load_config,
 )
 from atlas_jax.decoding.generate import SamplingParams, generate
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model import Transformer, build
 
 __version__ = "0.1.0"
 
@@ -34,13 +37,18 @@ __all__ = [
   "ConfigError",
   "DataConfig",
   "KVCache",
+  "KVPool",
+  "LatentCache",
+  "LatentPool",
   "MeshConfig",
   "ModelConfig",
+  "PagedCache",
   "RopeScaling",
   "SamplingParams",
   "ServeConfig",
   "TrainConfig",
   "Transformer",
+  "build",
   "generate",
   "hf",
   "kernels",

@@ -21,8 +21,7 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.config import ConfigError, ModelConfig, RopeScaling
-from atlas_jax.model.deepseek import build
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model import Transformer, build
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -351,9 +350,9 @@ def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[s
   return params
 
 
-def _abstract_model(cfg: ModelConfig, implementation: str | None = None) -> nnx.Module:
-  """The model class `cfg` calls for (Transformer or DeepSeek), shapes only."""
-  return nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0), implementation=implementation))
+def _abstract_model(cfg: ModelConfig, implementation: str | None = None) -> Transformer:
+  """The model `cfg` calls for, shapes only."""
+  return nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0), implementation=implementation))
 
 
 def check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
@@ -375,8 +374,8 @@ def check_shapes(params: dict[str, Any], cfg: ModelConfig) -> None:
 
 def build_model(
   cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None
-) -> nnx.Module:
-  """The model holding `params` (Transformer or DeepSeek), never initialising random weights."""
+) -> Transformer:
+  """The model holding `params`, never initialising random weights."""
   graphdef, state = nnx.split(_abstract_model(cfg, implementation))
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
@@ -386,6 +385,8 @@ def load(
   path: str | Path, *, dtype: str = "float32", implementation: str | None = None
 ) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) into a Transformer.
+
+  Llama, Mistral, Qwen2 and Qwen3 folders, and DeepSeek-V3-style ones (MLA, dense layers, MTP).
 
   Args:
     path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub).

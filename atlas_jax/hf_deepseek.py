@@ -36,7 +36,7 @@ from atlas_jax.hf import (
   field,
   read_safetensors,
 )
-from atlas_jax.model.deepseek import DeepSeek
+from atlas_jax.model import Transformer
 
 MODEL_TYPES = ("deepseek_v3",)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -341,7 +341,7 @@ def load(
   *,
   dtype: str = "float32",
   implementation: str | None = None,
-) -> DeepSeek:
+) -> Transformer:
   """Loads a deepseek_v3 folder; called by `atlas_jax.hf.load` (which reads config.json)."""
   config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before reading weights
   tensors = read_safetensors(folder)

@@ -14,141 +14,69 @@ loop, twice per workload:
 The second workload prepends one shared system prompt to every request, which the paged cache
 stores once and serves from the prefix cache.
 
+A last table compares attention kinds at one width (d_model 2048, 16 query heads, 24 layers,
+bf16): MHA, GQA and DeepSeek's MLA. Bytes per token are read off the pools the models allocate
+(`model.init_pool`), and the paged replay of the ShareGPT workload on one fixed budget shows how
+many sequences each kind keeps running.
+
 Metrics are averaged over decode steps while requests are waiting (the budget is the bottleneck):
 utilisation (slots holding real tokens / slots reserved), concurrent sequences, and the prefix
 cache hit rate. Pure host-side bookkeeping: no device needed.
 
-    python bench/kv_memory.py [--requests 1000] [--max-len 2048] [--block-size 16]
+    python bench/kv_memory.py [--requests 1000] [--max-len 2048] [--block-size 16] [--pool-gib 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import time
-from collections import deque
 
 import numpy as np
 
-from atlas_jax.analysis.kv import kv_bytes_per_token, prefix_hit_rate, utilisation
-from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
-
-VOCAB = 32000
+from atlas_jax.analysis.kv import kv_bytes_per_token
+from atlas_jax.analysis.kv_sim import VOCAB, make_workload, run_paged, run_prealloc
 
 
-@dataclasses.dataclass
-class Request:
-  rid: int
-  prompt: list[int]
-  output: list[int]  # the tokens it will generate, fixed up front so a replay is deterministic
+def attention_kinds(args) -> None:
+  """KV bytes per token from allocated pools, and concurrency on one budget: MHA, GQA, MLA."""
+  from flax import nnx
 
+  from atlas_jax.cache.paged import pool_bytes_per_token
+  from atlas_jax.config import MLAConfig, ModelConfig
+  from atlas_jax.model import build
 
-@dataclasses.dataclass
-class Result:
-  utilisation: float
-  concurrency: float
-  steps: int
-  hit_rate: float | None
-  preemptions: int
-
-
-def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
-  # A log-normal's mean is exp(mu + sigma^2 / 2); solve for mu so the sample mean is `mean`.
-  mu = math.log(mean) - sigma**2 / 2
-  return np.maximum(1, np.round(rng.lognormal(mu, sigma, n))).astype(int)
-
-
-def make_workload(*, n: int, max_len: int, system_prompt_len: int, seed: int) -> list[Request]:
-  rng = np.random.default_rng(seed)
-  prompt_lens = lognormal_lengths(rng, 160.0, 1.0, n)
-  output_lens = lognormal_lengths(rng, 340.0, 0.9, n)
-  system = rng.integers(0, VOCAB, system_prompt_len).tolist()
-  requests = []
-  for rid in range(n):
-    prompt_len = min(int(prompt_lens[rid]), max_len // 2 - system_prompt_len)
-    output_len = min(int(output_lens[rid]), max_len - system_prompt_len - prompt_len)
-    prompt = system + rng.integers(0, VOCAB, prompt_len).tolist()
-    requests.append(Request(rid, prompt, rng.integers(0, VOCAB, output_len).tolist()))
-  return requests
-
-
-def run_prealloc(requests: list[Request], *, budget_tokens: int, max_len: int) -> Result:
-  """Each running sequence holds max_len slots; admission is a fixed number of seats."""
-  seats = budget_tokens // max_len
-  queue = deque(requests)
-  running: list[list[int]] = []  # [current length, tokens left to generate]
-  util_sum = conc_sum = 0.0
-  measured = steps = 0
-  while queue or running:
-    while queue and len(running) < seats:
-      req = queue.popleft()
-      running.append([len(req.prompt), len(req.output)])
-    if queue:
-      util_sum += sum(r[0] for r in running) / (len(running) * max_len)
-      conc_sum += len(running)
-      measured += 1
-    for r in running:
-      r[0] += 1
-      r[1] -= 1
-    running = [r for r in running if r[1] > 0]
-    steps += 1
-  return Result(util_sum / measured, conc_sum / measured, steps, None, 0)
-
-
-def run_paged(
-  requests: list[Request], *, budget_tokens: int, block_size: int, prefix_caching: bool = True
-) -> Result:
-  """Continuous batching over a `BlockAllocator` holding budget_tokens slots."""
-  n_blocks = budget_tokens // block_size
-  alloc = BlockAllocator(n_blocks, block_size, enable_prefix_caching=prefix_caching)
-  watermark = max(1, n_blocks // 100)  # headroom so new admissions do not preempt at once
-  queue = deque((req, 0) for req in requests)  # (request, tokens already generated)
-  running: list[tuple[Request, int]] = []
-  util_sum = conc_sum = 0.0
-  measured = steps = preemptions = 0
-  while queue or running:
-    while queue:
-      req, done = queue[0]
-      tokens = req.prompt + req.output[:done]
-      if alloc.n_available < -(-(len(tokens) + 1) // block_size) + watermark:
-        break
-      queue.popleft()
-      alloc.add_sequence(req.rid, tokens)
-      running.append((req, done))
-    if queue:
-      util_sum += utilisation(alloc.stats())
-      conc_sum += len(running)
-      measured += 1
-    still_running = []
-    for req, done in running:
-      if req.rid not in alloc:  # preempted earlier in this step
-        continue
-      while True:
-        try:
-          alloc.append(req.rid, [req.output[done]])
-          break
-        except OutOfBlocksError:
-          # Recompute-style preemption: free the newest running sequence (not yet stepped,
-          # or this one) and requeue it at the front; its full blocks stay in the prefix cache.
-          victim, victim_done = next((r, d) for r, d in reversed(running) if r.rid in alloc)
-          alloc.free(victim.rid)
-          queue.appendleft((victim, victim_done))
-          preemptions += 1
-          if victim is req:
-            break
-      if req.rid not in alloc:
-        continue
-      done += 1
-      if done == len(req.output):
-        alloc.free(req.rid)
-      else:
-        still_running.append((req, done))
-    running = still_running
-    steps += 1
-  return Result(
-    util_sum / measured, conc_sum / measured, steps, prefix_hit_rate(alloc.stats()), preemptions
+  width = dict(
+    vocab_size=VOCAB, d_model=2048, n_layers=24, n_heads=16, ffn_dim=5632, dtype="bfloat16"
   )
+  mla = MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+  kinds = {
+    "MHA (K=16, H=128)": ModelConfig(**width, n_kv_heads=16),
+    "GQA (K=4, H=128)": ModelConfig(**width, n_kv_heads=4),
+    "MLA (C=512, R=64)": ModelConfig(**width, n_kv_heads=16, mla=mla),
+  }
+  budget = int(args.pool_gib * 2**30)
+  requests = make_workload(n=args.requests, max_len=args.max_len, system_prompt_len=0, seed=0)
+  print(f"\nattention kinds at d_model 2048, 24 layers, bf16; pool budget {args.pool_gib:g} GiB")
+  header = (
+    f"| {'attention':<18} | {'pool B/token':>12} | {'vs MHA':>7} | {'token slots':>11} | "
+    f"{'concurrent sequences':>20} | {'vs GQA':>7} |"
+  )
+  print(header)
+  print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+  results = {}
+  for name, cfg in kinds.items():
+    model = nnx.eval_shape(lambda cfg=cfg: build(cfg, rngs=nnx.Rngs(0)))  # no weights allocated
+    pool = model.init_pool(n_blocks=4, block_size=args.block_size)  # real (small) pool arrays
+    per_token = pool_bytes_per_token(pool)
+    slots = budget // per_token
+    paged = run_paged(requests, budget_tokens=slots, block_size=args.block_size)
+    results[name] = (per_token, slots, paged.concurrency)
+  mha, gqa = results["MHA (K=16, H=128)"][0], results["GQA (K=4, H=128)"][2]
+  for name, (per_token, slots, conc) in results.items():
+    print(
+      f"| {name:<18} | {per_token:>12,} | {mha / per_token:>6.2f}x | {slots:>11,} | "
+      f"{conc:>20.1f} | {conc / gqa:>6.2f}x |"
+    )
 
 
 def main() -> None:
@@ -159,6 +87,7 @@ def main() -> None:
   parser.add_argument("--budget-mib", type=float, default=64.0)
   parser.add_argument("--system-prompt-len", type=int, default=256)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--pool-gib", type=float, default=1.0, help="budget of the MHA/GQA/MLA table")
   args = parser.parse_args()
 
   # A tiny model: 4 layers, 2 kv heads of 64, bf16.
@@ -216,6 +145,7 @@ def main() -> None:
     f"({worst_util:.1f}%); concurrent sequences >= 2x: {'PASS' if worst_ratio >= 2 else 'FAIL'} "
     f"({worst_ratio:.2f}x)"
   )
+  attention_kinds(args)
 
 
 if __name__ == "__main__":

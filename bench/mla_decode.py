@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.analysis.kv import format_kv_report, kv_report
-from atlas_jax.config import MLAConfig, ModelConfig
+from atlas_jax.analysis.models import REFERENCE_MODELS
 from atlas_jax.kernels.mla_decode import mla_decode
 
 C, R = 512, 64
@@ -75,30 +75,17 @@ def main() -> None:
     print(f"{impl:7s} {seconds * 1e6:10.1f} us/step  {cache_bytes / seconds / 1e9:8.1f} GB/s")
   print(f"pallas / xla speed: {results['xla'] / results['pallas']:.2f}x")
 
-  def deepseek(L, N, q):
-    mla = MLAConfig(
-      kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=q
-    )
-    return ModelConfig(d_model=7168, n_layers=L, n_heads=N, n_kv_heads=N, mla=mla)
-
-  def llama(L, N, K):
-    return ModelConfig(d_model=N * 128, n_layers=L, n_heads=N, n_kv_heads=K)
-
   print()
-  print(
-    format_kv_report(
-      kv_report(
-        {
-          "DeepSeek-V3 (61 L, 128 heads)": deepseek(61, 128, 1536),
-          "DeepSeek-V2 (60 L, 128 heads)": deepseek(60, 128, 1536),
-          "DeepSeek-V2-Lite (27 L, 16 heads)": deepseek(27, 16, None),
-          "Llama-2-7B (MHA)": llama(32, 32, 32),
-          "Llama-3-8B (GQA 8)": llama(32, 32, 8),
-          "Llama-3-70B (GQA 8)": llama(80, 64, 8),
-        }
-      )
-    )
-  )
+  labels = {
+    "DeepSeek-V3 (61 L, 128 heads)": "deepseek-v3",
+    "DeepSeek-V2 (60 L, 128 heads)": "deepseek-v2",
+    "DeepSeek-V2-Lite (27 L, 16 heads)": "deepseek-v2-lite",
+    "Llama-2-7B (MHA)": "llama-2-7b",
+    "Llama-3-8B (GQA 8)": "llama-3-8b",
+    "Llama-3-70B (GQA 8)": "llama-3-70b",
+  }
+  models = {label: REFERENCE_MODELS[name].model for label, name in labels.items()}
+  print(format_kv_report(kv_report(models)))
 
 
 if __name__ == "__main__":

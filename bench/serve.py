@@ -1,8 +1,13 @@
-"""Serving throughput and latency: our engine vs Hugging Face transformers, and KV cache vs none.
+"""Serving throughput and latency: the engine vs the model's own `generate`, vs transformers.
 
-Three measurements in one run, on one randomly initialised model (the tiny preset's shape by
-default) exported with `atlas_jax.hf.save` so both stacks use the same weights:
+Measurements in one run, on one randomly initialised model (the tiny preset's shape by default)
+exported with `atlas_jax.hf.save` so both stacks use the same weights:
 
+0. engine vs generate: the same prompts and lengths through `Engine.generate` (continuous
+   batching, paged KV, decode bursts) and through the jitted static-batch `generate`, interleaved
+   and repeated, with the load average of each repetition; the ratio is what the engine's
+   scheduling costs. Then batch-1 decode: ms per step against the bound of reading the weights
+   once per step at the device's measured copy bandwidth.
 1. online: requests arrive as a Poisson process with ShareGPT-like lengths (log-normal prompts
    and outputs, scaled to the context); the engine serves them with continuous batching. Reports
    request throughput, output tokens/s, TTFT and inter-token latency percentiles.
@@ -13,12 +18,16 @@ default) exported with `atlas_jax.hf.save` so both stacks use the same weights:
    each step (O(n) vs O(n^2) work per sequence), as a table over n.
 
     python bench/serve.py [--requests 64] [--rate 8] [--batch 8] [--config configs/tiny.yaml]
+    python bench/serve.py --only ratio --batches 8,32,64 --prompt-len 128 --new-tokens 256
+
+On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import platform
 import tempfile
 import time
@@ -31,6 +40,7 @@ from flax import nnx
 import atlas_jax
 from atlas_jax import hf
 from atlas_jax.config import load_config
+from atlas_jax.decoding.generate import generate
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving.engine import Engine, EngineConfig
@@ -127,6 +137,108 @@ def run_offline_hf(folder: str, prompts, outputs, batch: int, threads: int) -> f
   return produced / (time.perf_counter() - t0)
 
 
+def engine_vs_generate(
+  model: Transformer, *, batch: int, prompt_len: int, new_tokens: int, repeat: int, burst: int = 8
+) -> list[tuple[float, float, float]]:
+  """[(load average, generate tok/s, engine tok/s)] per repetition, the two stacks interleaved.
+
+  The same random prompts and output lengths (ignore_eos) through both; each stack is warmed up
+  first so no repetition pays for compilation.
+  """
+  cfg = model.cfg
+  rng = np.random.default_rng(batch)
+  prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
+  params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+  Z = 16
+  max_len = prompt_len + new_tokens
+  config = EngineConfig(
+    n_blocks=batch * -(-(max_len + burst) // Z) + 8,
+    block_size=Z,
+    max_num_seqs=batch,
+    max_num_batched_tokens=max(batch, 2048),
+    prefill_chunk=_pow2_at_most(prompt_len, 512),
+    max_model_len=max(max_len, cfg.max_seq_len),  # the model's context: tables follow real lengths
+    decode_burst=burst,
+  )
+
+  def run_generate():
+    t0 = time.perf_counter()
+    generate(model, prompts, params)
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+  def run_engine():
+    engine = Engine(model, config)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+  run_generate(), run_engine()  # compile every shape both will use
+  rows = []
+  for _ in range(repeat):
+    g = run_generate()
+    e = run_engine()
+    rows.append((os.getloadavg()[0], g, e))
+  return rows
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+  return min(cap, 1 << max(n - 1, 1).bit_length())
+
+
+def copy_bandwidth(n_bytes: int = 1 << 28) -> float:
+  """Bytes/s of a device-to-device copy (read + write counted once each), the bandwidth bound."""
+  x = jnp.ones((n_bytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)
+  copy(x).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(10):
+    y = copy(x)
+  y.block_until_ready()
+  return 2 * n_bytes * 10 / (time.perf_counter() - t0)
+
+
+def batch1_decode(model: Transformer, *, prompt_len: int, new_tokens: int) -> dict:
+  """ms per decode step of `generate` at batch 1 against reading the weights once per step."""
+  params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+  short = SamplingParams(max_new_tokens=1, ignore_eos=True)
+  prompt = [list(range(1, prompt_len + 1))]
+  generate(model, prompt, params), generate(model, prompt, short)  # compile
+  t0 = time.perf_counter()
+  generate(model, prompt, short)
+  t_prefill = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  generate(model, prompt, params)
+  ms = (time.perf_counter() - t0 - t_prefill) / (new_tokens - 1) * 1e3
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  bandwidth = copy_bandwidth()
+  bound_ms = weight_bytes / bandwidth * 1e3
+  return dict(ms=ms, weight_bytes=weight_bytes, bandwidth=bandwidth, bound_ms=bound_ms)
+
+
+def print_ratio_tables(model: Transformer, batches, prompt_len, new_tokens, repeat, burst) -> None:
+  print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
+  print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
+  print("|---|---|---|---|---|")
+  for batch in batches:
+    for load, g, e in engine_vs_generate(
+      model,
+      batch=batch,
+      prompt_len=prompt_len,
+      new_tokens=new_tokens,
+      repeat=repeat,
+      burst=burst,
+    ):
+      print(f"| {batch} | {load:.1f} | {g:.0f} | {e:.0f} | {e / g:.2f} |", flush=True)
+  b1 = batch1_decode(model, prompt_len=prompt_len, new_tokens=new_tokens)
+  print("\n## batch-1 decode (generate)")
+  print("| ms/step | weights MB | copy GB/s | bound ms/step | bound / measured |")
+  print("|---|---|---|---|---|")
+  print(
+    f"| {b1['ms']:.3f} | {b1['weight_bytes'] / 1e6:.0f} | {b1['bandwidth'] / 1e9:.0f} | "
+    f"{b1['bound_ms']:.3f} | {b1['bound_ms'] / b1['ms']:.2f} |"
+  )
+
+
 def decode_cost_table(model: Transformer, ns) -> list[tuple[int, float, float]]:
   """(n, ms per token with the KV cache, ms per token recomputing the n-token prefix)."""
   graphdef, state = nnx.split(model)
@@ -169,10 +281,30 @@ def main(argv=None) -> None:
   p.add_argument("--max-len", type=int, default=256, help="context the lengths are scaled to")
   p.add_argument("--threads", type=int, default=2, help="PyTorch CPU threads")
   p.add_argument("--skip-hf", action="store_true")
+  p.add_argument(
+    "--only", choices=["ratio", "rest"], help="ratio: engine vs generate and batch 1 only"
+  )
+  p.add_argument("--batches", default="16", help="engine vs generate batch sizes, comma-separated")
+  p.add_argument("--prompt-len", type=int, default=48)
+  p.add_argument("--new-tokens", type=int, default=96)
+  p.add_argument("--repeat", type=int, default=3)
+  p.add_argument("--burst", type=int, default=8, help="the engine's decode_burst")
+  p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   args = p.parse_args(argv)
 
-  cfg = load_config(args.config).model
+  cfg = load_config(args.config, args.set).model
   model = Transformer(cfg, rngs=nnx.Rngs(0))
+  print(
+    f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, "
+    f"jax {jax.__version__} ({jax.default_backend()}), atlas_jax {atlas_jax.__version__}; "
+    f"model d={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
+    f"F={cfg.ffn_dim} V={cfg.vocab_size} {cfg.dtype}"
+  )
+  if args.only != "rest":
+    batches = [int(b) for b in args.batches.split(",")]
+    print_ratio_tables(model, batches, args.prompt_len, args.new_tokens, args.repeat, args.burst)
+  if args.only == "ratio":
+    return
   rng = np.random.default_rng(0)
   plen, olen = sharegpt_lengths(rng, args.requests, args.max_len)
   prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in plen]
@@ -185,13 +317,8 @@ def main(argv=None) -> None:
     max_model_len=args.max_len,
   )
   print(
-    f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, "
-    f"jax {jax.__version__} ({jax.default_backend()}), atlas_jax {atlas_jax.__version__}"
-  )
-  print(
-    f"# model d={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
-    f"V={cfg.vocab_size}; {args.requests} requests, prompt mean {plen.mean():.0f}, "
-    f"output mean {olen.mean():.0f}, batch {args.batch}"
+    f"\n# {args.requests} requests, prompt mean {plen.mean():.0f}, output mean "
+    f"{olen.mean():.0f}, batch {args.batch}"
   )
 
   # A full warm-up pass compiles every bucketed shape, so no measurement pays for compilation.

@@ -11,12 +11,12 @@ Implementations (all share the masking semantics documented in `kernels.referenc
 
 from __future__ import annotations
 
-import importlib
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
+from . import flash_attention as flash
 from .reference import attention_reference, check_attention_inputs
 
 Array = jax.Array
@@ -24,26 +24,10 @@ Implementation = Literal["xla", "pallas", "cudnn"]
 IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 
 
-def _flash_module():
-  """The Pallas FlashAttention module, or None while it is unavailable in this install."""
-  try:
-    return importlib.import_module(f"{__package__}.flash_attention")
-  except ImportError:
-    return None
-
-
-def _pallas_supports(q: Array, **masking) -> bool:
-  flash = _flash_module()
-  if flash is None:
-    return False
-  supports = getattr(flash, "supports", None)
-  return True if supports is None else bool(supports(q, **masking))
-
-
 def default_implementation(q: Array, **masking) -> Implementation:
   """The implementation `attention(..., implementation=None)` picks for these inputs."""
   platform = jax.default_backend()
-  if platform in ("gpu", "tpu") and _pallas_supports(q, **masking):
+  if platform in ("gpu", "tpu") and flash.supports(q, **masking):
     return "pallas"
   return "xla"
 
@@ -110,10 +94,7 @@ def attention(
     return attention_reference(q, k, v, scale=scale, **masking)
 
   if implementation == "pallas":
-    flash = _flash_module()
-    if flash is None:
-      raise ValueError("attention: implementation='pallas' is not available in this install")
-    if not _pallas_supports(q, **masking):
+    if not flash.supports(q, **masking):
       raise ValueError(
         "attention: implementation='pallas' does not support these inputs "
         f"(q.shape={tuple(q.shape)}, dtype={q.dtype}); use implementation='xla' or None"

@@ -16,6 +16,9 @@ shared through the cache; a partial block is shared only by `fork`, and a sequen
 into a shared partial block first copies it (copy-on-write): `append` returns the (src, dst)
 block pairs whose device data the caller must copy before writing the new tokens.
 
+`reserve` takes blocks for tokens whose values are not known yet (a burst of decode steps on the
+device); `append` fills them once the tokens are read back, and `truncate` gives back the rest.
+
 Every operation checks what it needs before it changes anything, so a raised error leaves the
 allocator exactly as it was.
 """
@@ -277,6 +280,35 @@ class BlockAllocator:
       )
     return self._extend(seq, tokens)
 
+  def blocks_needed(self, seq_id: SeqId, n_tokens: int) -> int:
+    """Blocks that `append` or `reserve` of `n_tokens` more tokens would take from the pool."""
+    return self._blocks_needed(self._get(seq_id), n_tokens)
+
+  def reserve(self, seq_id: SeqId, n_tokens: int) -> list[tuple[int, int]]:
+    """Makes room for `n_tokens` more tokens before their values are known.
+
+    A burst of decode steps writes K/V for tokens the host has not seen yet; the blocks for them
+    are taken now and filled by `append` once the tokens are read back. `truncate` to the
+    sequence's length gives back what was not used. `block_table` includes reserved blocks.
+
+    Returns:
+      Copy-on-write pairs, as `append`: the block the next token goes into was shared.
+
+    Raises:
+      UnknownSequenceError, OutOfBlocksError (nothing changed).
+    """
+    seq = self._get(seq_id)
+    needed = self._blocks_needed(seq, n_tokens)
+    if needed > self.n_available:
+      raise OutOfBlocksError(
+        f"reserve: sequence {seq_id!r} (length {len(seq.tokens)}) needs {needed} blocks for "
+        f"{n_tokens} tokens, only {self.n_available} available"
+      )
+    copies = [self._copy_next_block(seq)] if n_tokens and self._next_block_shared(seq) else []
+    while len(seq.blocks) * self.block_size < len(seq.tokens) + n_tokens:
+      seq.blocks.append(self._new_block())
+    return copies
+
   def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
     """Starts `child_id` as a copy of `parent_id` that shares all of its blocks."""
     parent = self._get(parent_id)
@@ -287,6 +319,54 @@ class BlockAllocator:
     self._seqs[child_id] = _Sequence(
       blocks=list(parent.blocks), tokens=list(parent.tokens), hashes=list(parent.hashes)
     )
+
+  def truncate(self, seq_id: SeqId, length: int) -> list[tuple[int, int]]:
+    """Drops a sequence's tokens from position `length` on, releasing the blocks past it.
+
+    A fork that recomputes its parent's last token, or speculative decoding rolling back rejected
+    drafts, starts from here. The kept last block, if now partial, is about to be written again,
+    so it must be the sequence's own: a shared one is copied now (copy-on-write), and a private one
+    that the prefix cache had registered as full is withdrawn from the cache.
+
+    Returns:
+      Copy-on-write pairs (src_block, dst_block) whose device data the caller must copy.
+
+    Raises:
+      UnknownSequenceError; ValueError for a length outside [0, current length];
+      OutOfBlocksError when the copy needs a block and none is available.
+    """
+    seq = self._get(seq_id)
+    if not 0 <= length <= len(seq.tokens):
+      raise ValueError(
+        f"truncate: length={length} must be in [0, {len(seq.tokens)}] for sequence {seq_id!r}"
+      )
+    Z = self.block_size
+    keep = -(-length // Z)
+    tail = seq.blocks[keep - 1] if length % Z else None
+    if tail is not None and self._ref[tail] > 1:
+      released = sum(1 for b in seq.blocks[keep:] if self._ref[b] == 1)
+      if self.n_available + released < 1:
+        raise OutOfBlocksError(
+          f"truncate: sequence {seq_id!r} needs a block to copy its shared last block, none "
+          "available"
+        )
+    for block in reversed(seq.blocks[keep:]):
+      self._release(block)
+    del seq.blocks[keep:], seq.tokens[length:], seq.hashes[length // Z :]
+    if tail is None:
+      return []
+    if self._ref[tail] > 1:
+      dst = self._new_block()
+      self._ref[tail] -= 1
+      self._fill[dst] = length % Z
+      seq.blocks[-1] = dst
+      self._n_copies += 1
+      return [(tail, dst)]
+    h = self._hash_of.pop(tail, None)
+    if h is not None:
+      del self._block_of[h]
+    self._fill[tail] = length % Z
+    return []
 
   def free(self, seq_id: SeqId, *, computed: int | None = None) -> None:
     """Releases a sequence's blocks; its hashed full blocks stay cached until evicted.
@@ -306,14 +386,7 @@ class BlockAllocator:
     # Release the tail first so that, among this sequence's blocks, the tail is evicted first
     # and the more widely useful prefix blocks survive longest.
     for block in reversed(seq.blocks):
-      self._ref[block] -= 1
-      if self._ref[block] > 0:
-        continue
-      if block in self._hash_of:
-        self._cached[block] = None
-      else:
-        self._fill[block] = 0
-        self._free[block] = None
+      self._release(block)
 
   # -- internals -----------------------------------------------------------------------------
 
@@ -324,13 +397,39 @@ class BlockAllocator:
       raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never added, or freed)") from None
 
   def _blocks_needed(self, seq: _Sequence, n_tokens: int) -> int:
+    """Blocks that writing n_tokens more tokens takes: new ones past the held (or reserved)
+    blocks, plus a copy of the block the next token goes into if it is shared."""
     if n_tokens == 0:
       return 0
     Z = self.block_size
-    room = len(seq.blocks) * Z - len(seq.tokens)
-    n_new = -(-(n_tokens - room) // Z) if n_tokens > room else 0
-    cow = 1 if room > 0 and self._ref[seq.blocks[-1]] > 1 else 0
-    return n_new + cow
+    n_new = max(0, -(-(len(seq.tokens) + n_tokens) // Z) - len(seq.blocks))
+    return n_new + self._next_block_shared(seq)
+
+  def _next_block_shared(self, seq: _Sequence) -> bool:
+    i = len(seq.tokens) // self.block_size
+    return i < len(seq.blocks) and self._ref[seq.blocks[i]] > 1
+
+  def _copy_next_block(self, seq: _Sequence) -> tuple[int, int]:
+    """Copy-on-write of the shared block the next token goes into: (src, dst)."""
+    i = len(seq.tokens) // self.block_size
+    src = seq.blocks[i]
+    dst = self._new_block()
+    self._fill[dst] = self._fill[src]
+    self._ref[src] -= 1
+    seq.blocks[i] = dst
+    self._n_copies += 1
+    return src, dst
+
+  def _release(self, block: int) -> None:
+    """Drops one reference; an unreferenced block is cached (if hashed) or freed."""
+    self._ref[block] -= 1
+    if self._ref[block] > 0:
+      return
+    if block in self._hash_of:
+      self._cached[block] = None
+    else:
+      self._fill[block] = 0
+      self._free[block] = None
 
   def _take(self, block: int) -> None:
     """Adds a reference to a hashed block found in the cache."""
@@ -350,25 +449,20 @@ class BlockAllocator:
     return block
 
   def _extend(self, seq: _Sequence, tokens: list[int]) -> list[tuple[int, int]]:
-    """Writes tokens into the sequence's blocks; availability was checked by the caller."""
+    """Writes tokens into the sequence's blocks (reserved ones first, then new ones);
+    availability was checked by the caller."""
     Z = self.block_size
     copies: list[tuple[int, int]] = []
     pos = 0
     while pos < len(tokens):
-      offset = len(seq.tokens) % Z
-      if offset == 0:
+      offset, i = len(seq.tokens) % Z, len(seq.tokens) // Z
+      if i == len(seq.blocks):
         seq.blocks.append(self._new_block())
-      elif self._ref[seq.blocks[-1]] > 1:
-        src = seq.blocks[-1]
-        dst = self._new_block()
-        self._fill[dst] = self._fill[src]
-        self._ref[src] -= 1
-        seq.blocks[-1] = dst
-        copies.append((src, dst))
-        self._n_copies += 1
+      elif self._ref[seq.blocks[i]] > 1:
+        copies.append(self._copy_next_block(seq))
       take = min(Z - offset, len(tokens) - pos)
       seq.tokens.extend(tokens[pos : pos + take])
-      block = seq.blocks[-1]
+      block = seq.blocks[i]
       self._fill[block] = offset + take
       pos += take
       if offset + take == Z:
@@ -378,7 +472,7 @@ class BlockAllocator:
   def _seal(self, seq: _Sequence, block: int) -> None:
     """Hashes a block that just became full and offers it to the prefix cache."""
     Z = self.block_size
-    i = len(seq.blocks) - 1
+    i = len(seq.tokens) // Z - 1
     parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
     h = block_hash(parent, seq.tokens[i * Z : (i + 1) * Z])
     seq.hashes.append(h)

@@ -1,7 +1,7 @@
-"""Paged KV cache: a pool of fixed-size blocks per layer, a block table per sequence.
+"""Paged caches: a pool of fixed-size blocks per layer, a block table per sequence.
 
-Keys and values of every sequence live in one pool of P blocks of Z token slots each. A sequence
-owns a list of block ids (its row of the block table, written by the host-side
+The entries of every sequence live in one pool of P blocks of Z token slots each. A sequence owns
+a list of block ids (its row of the block table, written by the host-side
 `atlas_jax.cache.allocator.BlockAllocator`); token position p of sequence b lives in slot
 
     slot = block_table[b, p // Z] * Z + p % Z
@@ -9,16 +9,18 @@ owns a list of block ids (its row of the block table, written by the host-side
 so the memory a sequence holds grows a block at a time instead of being reserved for the maximum
 length, and sequences with a common prefix can point at the same blocks.
 
-Layouts (L layers, P blocks, Z slots per block, K kv heads, H head dim, C latent dim):
+Pools (L layers, P blocks, Z slots per block, K kv heads, H head dim, C + R latent dim):
 
-* `KVPool`: k and v [L, P, Z, K, H]. The layer axis leads so that a `jax.lax.scan` over layers
-  slices one layer's [P, Z, K, H] pool (and stacks the updated ones back).
+* `KVPool`: k and v [L, P, Z, K, H] (MHA, GQA, MQA).
 * `LatentPool`: the MLA latent [L, P, Z, C + R] (compressed KV plus the shared rope key).
-* `PageTable`: block_table i32[B, max_blocks] and lengths i32[B], replicated on every device.
 
-A layer writes its new tokens with `write_kv` (a scatter by slot, the pool donated under `jit`)
-and reads its pages with `gather_kv` (dense, for the reference path) or the Pallas kernel
-`atlas_jax.kernels.paged_attention`, which reads pages in place through the block table.
+The layer axis leads so that the model's `jax.lax.scan` over layers slices one layer's pool.
+`PagedCache(pool, block_table, lengths)` is what the model takes for a batch of sequences
+(`atlas_jax.cache.protocol`); its per-layer views write new tokens with a scatter by slot (the
+pool donated under `jit`, so in place) and attend through the paged kernels, which read pages
+in place through the block table: `kernels.paged_attention` for one KV decode token,
+`kernels.mla_decode` for one latent decode token. Several tokens per row (prefill chunks, padded)
+gather the pages densely and mask by position.
 """
 
 from __future__ import annotations
@@ -29,176 +31,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as PS
+
+from atlas_jax import kernels
+from atlas_jax.cache.protocol import added_tokens
+from atlas_jax.kernels.mla_decode import mla_decode
 
 Array = jax.Array
 
-TENSOR_AXIS = "tensor"
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVPool:
-  """Key and value blocks for every layer (MHA, GQA, MQA)."""
-
-  k: Array  # [L, P, Z, K, H]
-  v: Array  # [L, P, Z, K, H]
-
-  @property
-  def n_layers(self) -> int:
-    return self.k.shape[0]
-
-  @property
-  def n_blocks(self) -> int:
-    return self.k.shape[1]
-
-  @property
-  def block_size(self) -> int:
-    return self.k.shape[2]
-
-  @property
-  def n_kv_heads(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[4]
-
-  def layer(self, layer: int | Array) -> tuple[Array, Array]:
-    """(k, v), each [P, Z, K, H]: one layer's pool, for code that does not scan over layers."""
-    return self.k[layer], self.v[layer]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LatentPool:
-  """MLA cache blocks: one compressed KV vector (plus the rope key) per token and layer."""
-
-  c: Array  # [L, P, Z, C + R]
-
-  @property
-  def n_layers(self) -> int:
-    return self.c.shape[0]
-
-  @property
-  def n_blocks(self) -> int:
-    return self.c.shape[1]
-
-  @property
-  def block_size(self) -> int:
-    return self.c.shape[2]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PageTable:
-  """Which blocks each sequence of the batch reads, and how many tokens it holds."""
-
-  block_table: Array  # i32[B, max_blocks]; entries past a sequence's blocks are never read
-  lengths: Array  # i32[B]; tokens held, including those written this step
-
-  @classmethod
-  def from_host(cls, block_table: np.ndarray, lengths: np.ndarray) -> PageTable:
-    block_table = np.asarray(block_table)
-    lengths = np.asarray(lengths)
-    if block_table.ndim != 2 or lengths.shape != block_table.shape[:1]:
-      raise ValueError(
-        f"PageTable: need block_table [B, max_blocks] and lengths [B], got "
-        f"block_table.shape={block_table.shape} lengths.shape={lengths.shape}"
-      )
-    return cls(jnp.asarray(block_table, jnp.int32), jnp.asarray(lengths, jnp.int32))
-
 
 def _check_positive(name: str, value: int) -> None:
-  if not isinstance(value, int | np.integer) or value < 1:
+  if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def kv_pool_shape(
-  *, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int
-) -> tuple[int, int, int, int, int]:
-  """(L, P, Z, K, H), validated."""
-  dims = dict(
-    n_layers=n_layers,
-    n_blocks=n_blocks,
-    block_size=block_size,
-    n_kv_heads=n_kv_heads,
-    head_dim=head_dim,
-  )
-  for name, value in dims.items():
-    _check_positive(name, value)
-  return (n_layers, n_blocks, block_size, n_kv_heads, head_dim)
-
-
-def pool_sharding(mesh: Mesh, pool: KVPool | LatentPool) -> KVPool | LatentPool:
-  """The NamedSharding of every pool array, as a pytree shaped like `pool`.
-
-  K/V blocks are split over kv heads on the mesh's `tensor` axis, matching tensor-parallel
-  attention (each device holds the heads its attention shard computes), and replicated on every
-  other axis. When there is no `tensor` axis, or K is not a multiple of its size (MQA on a wide
-  mesh), the heads are replicated: every tensor shard then needs all of them. The MLA latent has
-  no head axis and is replicated. `pool` may hold arrays or `jax.ShapeDtypeStruct`s.
-  """
-  if isinstance(pool, LatentPool):
-    return LatentPool(c=NamedSharding(mesh, PS()))
-  if not isinstance(pool, KVPool):
-    raise ValueError(f"pool_sharding: expected a KVPool or LatentPool, got {type(pool).__name__}")
-  n_kv_heads = pool.k.shape[3]
-  tp = mesh.shape.get(TENSOR_AXIS, 1)
-  heads = TENSOR_AXIS if TENSOR_AXIS in mesh.shape and n_kv_heads % tp == 0 else None
-  sharding = NamedSharding(mesh, PS(None, None, None, heads, None))
-  return KVPool(k=sharding, v=sharding)
-
-
-def page_table_sharding(mesh: Mesh) -> PageTable:
-  """Block tables and lengths are tiny and read by every shard: replicated."""
-  replicated = NamedSharding(mesh, PS())
-  return PageTable(block_table=replicated, lengths=replicated)
-
-
-def init_kv_pool(
-  *,
-  n_layers: int,
-  n_blocks: int,
-  block_size: int,
-  n_kv_heads: int,
-  head_dim: int,
-  dtype: jnp.dtype = jnp.bfloat16,
-  mesh: Mesh | None = None,
-) -> KVPool:
-  """A zeroed pool, created directly in its sharded layout (never as an unsharded copy)."""
-  shape = kv_pool_shape(
-    n_layers=n_layers,
-    n_blocks=n_blocks,
-    block_size=block_size,
-    n_kv_heads=n_kv_heads,
-    head_dim=head_dim,
-  )
-  make = lambda: KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-  if mesh is None:
-    return jax.jit(make)()
-  return jax.jit(make, out_shardings=pool_sharding(mesh, jax.eval_shape(make)))()
-
-
-def init_latent_pool(
-  *,
-  n_layers: int,
-  n_blocks: int,
-  block_size: int,
-  latent_dim: int,
-  dtype: jnp.dtype = jnp.bfloat16,
-  mesh: Mesh | None = None,
-) -> LatentPool:
-  """A zeroed MLA pool [L, P, Z, C + R]; `latent_dim` is C + R."""
-  for name, value in dict(
-    n_layers=n_layers, n_blocks=n_blocks, block_size=block_size, latent_dim=latent_dim
-  ).items():
-    _check_positive(name, value)
-  make = lambda: LatentPool(c=jnp.zeros((n_layers, n_blocks, block_size, latent_dim), dtype))
-  if mesh is None:
-    return jax.jit(make)()
-  return jax.jit(make, out_shardings=pool_sharding(mesh, jax.eval_shape(make)))()
+# -- array functions -----------------------------------------------------------------------------
 
 
 def slot_mapping(block_table: Array, positions: Array, *, block_size: int) -> Array:
@@ -222,123 +68,310 @@ def slot_mapping(block_table: Array, positions: Array, *, block_size: int) -> Ar
   return jnp.where(valid_BT, block_BT * block_size + positions % block_size, -1)
 
 
-def _scatter_slots(pool_PZX: Array, slots_S: Array, new_SX: Array) -> Array:
-  P, Z = pool_PZX.shape[:2]
-  flat = pool_PZX.reshape(P * Z, *pool_PZX.shape[2:])
+def write_slots(pool_PZ_: Array, slot_mapping: Array, new: Array) -> Array:
+  """Scatters new tokens' entries into their slots of one layer's pool.
+
+  Call it inside the jitted step that donates the pool so XLA updates it in place.
+
+  Args:
+    pool_PZ_: [P, Z, ...] (k or v [P, Z, K, H], or latents [P, Z, C + R]).
+    slot_mapping: i32[...] slot (block_id * Z + offset) of each new token; -1 skips the token.
+    new: [..., *pool_PZ_.shape[2:]] with the token axes of slot_mapping.
+
+  Returns:
+    The pool, updated.
+  """
+  trailing = pool_PZ_.shape[2:]
+  if pool_PZ_.ndim < 2 or new.shape[new.ndim - len(trailing) :] != trailing:
+    raise ValueError(
+      f"write_slots: pool must be [P, Z, ...] and new values [..., {trailing}], got "
+      f"pool.shape={tuple(pool_PZ_.shape)} new.shape={tuple(new.shape)}"
+    )
+  if new.shape[: new.ndim - len(trailing)] != slot_mapping.shape:
+    raise ValueError(
+      f"write_slots: slot_mapping.shape={tuple(slot_mapping.shape)} must match the token axes of "
+      f"new.shape={tuple(new.shape)}"
+    )
+  P, Z = pool_PZ_.shape[:2]
+  flat = pool_PZ_.reshape(P * Z, *trailing)
+  slots_S = slot_mapping.reshape(-1).astype(jnp.int32)
   # Negative indices would wrap around to the last slots; send padding out of bounds instead,
   # where mode="drop" discards it.
   slots_S = jnp.where(slots_S < 0, P * Z, slots_S)
-  flat = flat.at[slots_S].set(new_SX.astype(pool_PZX.dtype), mode="drop")
-  return flat.reshape(pool_PZX.shape)
+  flat = flat.at[slots_S].set(new.reshape(-1, *trailing).astype(pool_PZ_.dtype), mode="drop")
+  return flat.reshape(pool_PZ_.shape)
 
 
-def _check_write(name: str, pool: Array, slots: Array, new: Array, trailing: int) -> None:
-  if pool.ndim != 2 + trailing or new.shape[-trailing:] != pool.shape[2:]:
-    raise ValueError(
-      f"{name}: pool must be [P, Z, ...] and new values [..., {pool.shape[2:]}], got "
-      f"pool.shape={tuple(pool.shape)} new.shape={tuple(new.shape)}"
-    )
-  if new.shape[:-trailing] != slots.shape:
-    raise ValueError(
-      f"{name}: slot_mapping.shape={tuple(slots.shape)} must match the token axes of "
-      f"new.shape={tuple(new.shape)}"
-    )
-
-
-def write_kv(
-  pool_k: Array, pool_v: Array, slot_mapping: Array, k_new: Array, v_new: Array
-) -> tuple[Array, Array]:
-  """Scatters new tokens' keys and values into their slots of one layer's pool.
-
-  Call it inside the jitted step that donates the pool (or use `write_kv_donated`) so XLA updates
-  the pool in place.
-
-  Args:
-    pool_k: [P, Z, K, H].
-    pool_v: [P, Z, K, H].
-    slot_mapping: i32[...] slot (block_id * Z + offset) of each new token; -1 skips the token.
-    k_new: [..., K, H] with the token axes of slot_mapping.
-    v_new: [..., K, H].
-
-  Returns:
-    (pool_k, pool_v), updated.
-  """
-  if pool_k.shape != pool_v.shape:
-    raise ValueError(
-      f"write_kv: pool_k.shape={tuple(pool_k.shape)} != pool_v.shape={tuple(pool_v.shape)}"
-    )
-  _check_write("write_kv", pool_k, slot_mapping, k_new, trailing=2)
-  _check_write("write_kv", pool_v, slot_mapping, v_new, trailing=2)
-  slots_S = slot_mapping.reshape(-1).astype(jnp.int32)
-  k_SKH = k_new.reshape(-1, *pool_k.shape[2:])
-  v_SKH = v_new.reshape(-1, *pool_v.shape[2:])
-  return _scatter_slots(pool_k, slots_S, k_SKH), _scatter_slots(pool_v, slots_S, v_SKH)
-
-
-def write_latent(pool_c: Array, slot_mapping: Array, c_new: Array) -> Array:
-  """MLA version of `write_kv`: pool_c [P, Z, C + R], c_new [..., C + R]."""
-  _check_write("write_latent", pool_c, slot_mapping, c_new, trailing=1)
-  return _scatter_slots(
-    pool_c, slot_mapping.reshape(-1).astype(jnp.int32), c_new.reshape(-1, pool_c.shape[-1])
-  )
-
-
-write_kv_donated = jax.jit(write_kv, donate_argnums=(0, 1))
-write_latent_donated = jax.jit(write_latent, donate_argnums=(0,))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def write_kv_layers(pool: KVPool, slot_mapping: Array, k_new: Array, v_new: Array) -> KVPool:
-  """Writes every layer's new keys and values at once, the pool donated.
-
-  Args:
-    pool: k and v [L, P, Z, K, H].
-    slot_mapping: i32[...] as in `write_kv`, the same for every layer.
-    k_new: [L, ..., K, H].
-    v_new: [L, ..., K, H].
-  """
-  if k_new.shape[0] != pool.n_layers or v_new.shape[0] != pool.n_layers:
-    raise ValueError(
-      f"write_kv_layers: k_new.shape={tuple(k_new.shape)} and v_new.shape={tuple(v_new.shape)} "
-      f"must lead with L={pool.n_layers}"
-    )
-  write = lambda pk, pv, kn, vn: write_kv(pk, pv, slot_mapping, kn, vn)
-  k, v = jax.vmap(write)(pool.k, pool.v, k_new, v_new)
-  return KVPool(k=k, v=v)
-
-
-def gather_kv(
-  pool_k: Array, pool_v: Array, block_table: Array, lengths: Array
-) -> tuple[Array, Array]:
-  """Reads one layer's pages into dense per-sequence K/V (the reference path of attention).
+def gather_pages(pool_PZ_: Array, block_table: Array, lengths: Array) -> Array:
+  """Reads one layer's pages into dense per-sequence entries [B, S, ...], S = max_blocks * Z.
 
   Slots at or past a sequence's length are zeroed: they hold stale or uninitialised data, and a
   NaN there would survive a zero attention weight (0 * NaN = NaN).
 
   Args:
-    pool_k: [P, Z, K, H].
-    pool_v: [P, Z, K, H].
+    pool_PZ_: [P, Z, ...].
     block_table: i32[B, max_blocks].
     lengths: i32[B].
-
-  Returns:
-    (k, v), each [B, S, K, H] with S = max_blocks * Z.
   """
-  if pool_k.ndim != 4 or pool_k.shape != pool_v.shape:
-    raise ValueError(
-      f"gather_kv: pools must be [P, Z, K, H] of one shape, got pool_k.shape="
-      f"{tuple(pool_k.shape)} pool_v.shape={tuple(pool_v.shape)}"
-    )
+  if pool_PZ_.ndim < 2:
+    raise ValueError(f"gather_pages: pool must be [P, Z, ...], got {tuple(pool_PZ_.shape)}")
   if block_table.ndim != 2 or lengths.shape != block_table.shape[:1]:
     raise ValueError(
-      f"gather_kv: need block_table [B, max_blocks] and lengths [B], got block_table.shape="
+      f"gather_pages: need block_table [B, max_blocks] and lengths [B], got block_table.shape="
       f"{tuple(block_table.shape)} lengths.shape={tuple(lengths.shape)}"
     )
   B, max_blocks = block_table.shape
-  _, Z, K, H = pool_k.shape
+  Z, trailing = pool_PZ_.shape[1], pool_PZ_.shape[2:]
   S = max_blocks * Z
-  valid_BS11 = (jnp.arange(S)[None, :] < lengths[:, None])[:, :, None, None]
-  k_BSKH = pool_k[block_table].reshape(B, S, K, H)
-  v_BSKH = pool_v[block_table].reshape(B, S, K, H)
-  zero = jnp.zeros((), pool_k.dtype)
-  return jnp.where(valid_BS11, k_BSKH, zero), jnp.where(valid_BS11, v_BSKH, zero)
+  dense_BS_ = pool_PZ_[block_table].reshape(B, S, *trailing)
+  valid_BS = jnp.arange(S)[None, :] < lengths[:, None]
+  valid = valid_BS.reshape(B, S, *(1,) * len(trailing))
+  return jnp.where(valid, dense_BS_, jnp.zeros((), pool_PZ_.dtype))
+
+
+# -- pools ---------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+  """Key and value blocks for every layer (MHA, GQA, MQA)."""
+
+  k: Array  # [L, P, Z, K, H]
+  v: Array  # [L, P, Z, K, H]
+
+  @classmethod
+  def init(
+    cls,
+    *,
+    n_layers: int,
+    n_blocks: int,
+    block_size: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+  ) -> KVPool:
+    """A zeroed pool."""
+    shape = (n_layers, n_blocks, block_size, n_kv_heads, head_dim)
+    for name, value in zip(("n_layers", "n_blocks", "block_size", "n_kv_heads", "head_dim"), shape):
+      _check_positive(name, value)
+    return cls(*_zeros((shape, shape), jnp.dtype(dtype)))
+
+  @property
+  def arrays(self) -> tuple[Array, Array]:
+    return self.k, self.v
+
+  def with_arrays(self, arrays) -> KVPool:
+    return KVPool(*arrays)
+
+  def layer(self, storage, block_table: Array, kv_lengths: Array) -> PagedKVLayer:
+    return PagedKVLayer(*storage, block_table, kv_lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LatentPool:
+  """MLA cache blocks: one compressed KV vector (plus the rope key) per token and layer."""
+
+  c: Array  # [L, P, Z, C + R]
+  rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
+
+  @classmethod
+  def init(
+    cls,
+    *,
+    n_layers: int,
+    n_blocks: int,
+    block_size: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype=jnp.bfloat16,
+  ) -> LatentPool:
+    """A zeroed pool [L, P, Z, C + R]."""
+    dims = (n_layers, n_blocks, block_size, kv_lora_rank, rope_dim)
+    for name, value in zip(
+      ("n_layers", "n_blocks", "block_size", "kv_lora_rank", "rope_dim"), dims
+    ):
+      _check_positive(name, value)
+    shape = (n_layers, n_blocks, block_size, kv_lora_rank + rope_dim)
+    (c,) = _zeros((shape,), jnp.dtype(dtype))
+    return cls(c, rope_dim)
+
+  @property
+  def arrays(self) -> tuple[Array]:
+    return (self.c,)
+
+  def with_arrays(self, arrays) -> LatentPool:
+    (c,) = arrays
+    return LatentPool(c, self.rope_dim)
+
+  def layer(self, storage, block_table: Array, kv_lengths: Array) -> PagedLatentLayer:
+    (c,) = storage
+    return PagedLatentLayer(c, block_table, kv_lengths, self.rope_dim)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(shapes: tuple[tuple[int, ...], ...], dtype) -> tuple[Array, ...]:
+  """Zeroed arrays made on the device; compiled once per shape, not once per pool."""
+  return tuple(jnp.zeros(s, dtype) for s in shapes)
+
+
+def pool_layers(pool: KVPool | LatentPool) -> int:
+  """L."""
+  return pool.arrays[0].shape[0]
+
+
+def pool_blocks(pool: KVPool | LatentPool) -> tuple[int, int]:
+  """(P, Z)."""
+  return pool.arrays[0].shape[1], pool.arrays[0].shape[2]
+
+
+def pool_bytes_per_token(pool: KVPool | LatentPool) -> int:
+  """Bytes one token occupies across every layer of the pool."""
+  L, P, Z = pool.arrays[0].shape[:3]
+  return sum(a.size * a.dtype.itemsize for a in pool.arrays) // (P * Z)
+
+
+# -- the cache and its per-layer views -----------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVLayer:
+  """One layer of a paged KV pool, for the rows of one call."""
+
+  k: Array  # [P, Z, K, H]
+  v: Array  # [P, Z, K, H]
+  block_table: Array  # i32[B, M]
+  kv_lengths: Array  # i32[B] tokens held including the new ones
+
+  @property
+  def storage(self) -> tuple[Array, Array]:
+    return self.k, self.v
+
+  def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
+    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.k.shape[1])
+    return dataclasses.replace(
+      self, k=write_slots(self.k, slots_BT, k_BTKH), v=write_slots(self.v, slots_BT, v_BTKH)
+    )
+
+  def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+    dtype = q_BTNH.dtype
+    if q_BTNH.shape[1] == 1 and sliding_window is None:
+      # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
+      # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros.
+      out_BNH = kernels.paged_attention(
+        q_BTNH[:, 0],
+        self.k.astype(dtype),
+        self.v.astype(dtype),
+        self.block_table,
+        self.kv_lengths,
+        scale=scale,
+        implementation=implementation if implementation in ("pallas", "xla") else None,
+      )
+      return out_BNH[:, None]
+    # Several tokens per row (prefill chunks, right-padded): gather the pages densely and mask by
+    # absolute position. Padding queries (position -1) are clamped; callers discard their rows.
+    k_BSKH, v_BSKH = self.read()
+    return kernels.attention(
+      q_BTNH,
+      k_BSKH.astype(dtype),
+      v_BSKH.astype(dtype),
+      causal=True,
+      scale=scale,
+      sliding_window=sliding_window,
+      q_positions=jnp.maximum(positions_BT, 0),
+      kv_lengths=self.kv_lengths,
+      implementation=implementation,
+    )
+
+  def read(self) -> tuple[Array, Array]:
+    return (
+      gather_pages(self.k, self.block_table, self.kv_lengths),
+      gather_pages(self.v, self.block_table, self.kv_lengths),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentLayer:
+  """One layer of a paged MLA latent pool, for the rows of one call."""
+
+  c: Array  # [P, Z, C + R]
+  block_table: Array  # i32[B, M]
+  kv_lengths: Array  # i32[B]
+  rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
+
+  @property
+  def storage(self) -> tuple[Array]:
+    return (self.c,)
+
+  def write(self, positions_BT: Array, latent_BTE: Array) -> PagedLatentLayer:
+    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.c.shape[1])
+    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTE))
+
+  def attend(self, q_BTNE, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+    """Absorbed MLA attention over the latents: [B, T, N, C]."""
+    if sliding_window is not None:
+      raise ValueError("PagedLatentLayer.attend: MLA has no sliding window")
+    dtype = q_BTNE.dtype
+    C = self.c.shape[-1] - self.rope_dim
+    if q_BTNE.shape[1] == 1:
+      # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a load.
+      impl = implementation if implementation in ("pallas", "xla") else None
+      return mla_decode(
+        q_BTNE[..., :C],
+        q_BTNE[..., C:],
+        self.c.astype(dtype),
+        self.kv_lengths,
+        scale=scale,
+        block_table=self.block_table,
+        implementation=impl,
+      )
+    # Absorbed MLA is multi-query attention with the latent as both key and value (one kv head):
+    # the first C dims of the output are the weighted latent sum. Padded rows need the
+    # positions, so several tokens per row take the dense path.
+    (c_BSE,) = self.read()
+    c_BS1E = c_BSE[:, :, None, :].astype(dtype)
+    out_BTNE = kernels.attention(
+      q_BTNE,
+      c_BS1E,
+      c_BS1E,
+      causal=True,
+      scale=scale,
+      q_positions=jnp.maximum(positions_BT, 0),
+      kv_lengths=self.kv_lengths,
+      implementation=implementation,
+    )
+    return out_BTNE[..., :C]
+
+  def read(self) -> tuple[Array]:
+    return (gather_pages(self.c, self.block_table, self.kv_lengths),)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+  """A batch of sequences over a shared block pool (KV or latent).
+
+  The new tokens of row b are written at their positions (by default `lengths[b] + t`); a
+  negative position marks a padding token, which is neither written nor counted, so rows of one
+  call may add different numbers of tokens.
+  """
+
+  pool: KVPool | LatentPool
+  block_table: Array  # i32[B, M]; entries past a sequence's blocks are never read
+  lengths: Array  # i32[B] tokens held before this call
+
+  @property
+  def layers(self) -> tuple[Array, ...]:
+    return self.pool.arrays
+
+  def layer(self, storage, positions_BT):
+    kv_lengths_B = self.lengths + added_tokens(positions_BT)
+    return self.pool.layer(storage, self.block_table, kv_lengths_B)
+
+  def advance(self, layers, positions_BT) -> PagedCache:
+    return dataclasses.replace(
+      self, pool=self.pool.with_arrays(layers), lengths=self.lengths + added_tokens(positions_BT)
+    )

@@ -1,4 +1,20 @@
-"""Small layers: RMSNorm and the SwiGLU MLP."""
+"""Parameters with logical axes, and the small layers: RMSNorm and the SwiGLU MLP.
+
+Every parameter is created by `param`, which records one logical axis name per dimension. The
+sharding rules (`atlas_jax.training.sharding`) map logical names to mesh axes, so a parameter's
+layout is declared where it is created and never inferred from its name. The names:
+
+  vocab      V, the embedding and output head rows / columns
+  embed      D, the residual stream
+  mlp        F, the SwiGLU hidden width
+  q_heads    N, query heads (also MLA's per-head key and value up-projections)
+  kv_heads   K, key/value heads
+  head_dim   H, Hn + R or Hv: within one head
+  q_lora     Q, MLA's query bottleneck
+  kv_lora    C (+ R), MLA's key/value latent
+  mtp_in     2D, the concatenated input of a DeepSeek MTP module's projection
+  layers     L (or J MTP heads): the stacking axis of the layer scan
+"""
 
 from __future__ import annotations
 
@@ -10,6 +26,13 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 
 
+def param(value: Array, axes: tuple[str, ...], *, decay: bool = True) -> nnx.Param:
+  """A parameter tagged with its logical axes (one per dimension) and whether AdamW decays it."""
+  if len(axes) != value.ndim:
+    raise ValueError(f"param: axes={axes} name {len(axes)} dims, value.shape={value.shape}")
+  return nnx.Param(value, logical_axes=tuple(axes), weight_decay=decay)
+
+
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
   """RMSNorm over the last axis, computed in float32 (the mean of squares underflows in bf16)."""
   x32 = x.astype(jnp.float32)
@@ -19,8 +42,9 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))  # [dim]
+  def __init__(self, dim: int, *, eps: float, axis: str = "embed", param_dtype=jnp.float32):
+    # Norm scales are not decayed: shrinking them toward 0 only distorts the model.
+    self.scale = param(jnp.ones((dim,), param_dtype), (axis,), decay=False)  # [dim]
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
@@ -45,9 +69,9 @@ class MLP(nnx.Module):
     param_dtype=jnp.float32,
   ):
     D, F = d_model, ffn_dim
-    self.w_gate = nnx.Param(normal(rngs, (D, F), init_std, param_dtype))  # [D, F]
-    self.w_up = nnx.Param(normal(rngs, (D, F), init_std, param_dtype))  # [D, F]
-    self.w_down = nnx.Param(normal(rngs, (F, D), out_std, param_dtype))  # [F, D]
+    self.w_gate = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
+    self.w_up = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
+    self.w_down = param(normal(rngs, (F, D), out_std, param_dtype), ("mlp", "embed"))  # [F, D]
 
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype

@@ -8,7 +8,7 @@ Keys and values of all N heads are decompressed from one latent per token,
 
 and the query is q[n] = [q_nope[n], RoPE(q_rope[n])], optionally through its own low-rank
 bottleneck (q_lora_rank). So the cache needs only c_kv and k_rope per token (C + R numbers, see
-`atlas_jax.cache.latent`).
+`atlas_jax.cache.contiguous.LatentCache`).
 
 Two paths compute the same attention:
 
@@ -16,8 +16,9 @@ Two paths compute the same attention:
   FlashAttention dispatcher `atlas_jax.kernels.attention`; V is zero-padded to the query/key head
   dim (the dispatcher takes one head dim) and the output sliced back;
 * absorbed (decoding): fold W_UK into the query, q_nope[n] @ W_UK[n]^T [C], attend over the latent
-  cache directly (`atlas_jax.kernels.mla_decode`), then apply W_UV to the weighted latent. No
-  per-head K or V is ever materialised, so each decode step reads C + R numbers per cached token.
+  cache directly (the cache's `attend`: `atlas_jax.kernels.mla_decode` on the contiguous or paged
+  layout), then apply W_UV to the weighted latent. No per-head K or V is ever materialised, so
+  each decode step reads C + R numbers per cached token.
 
 RoPE uses the rotate-half layout; Hugging Face's interleaved DeepSeek weights are permuted at
 import (`atlas_jax.hf_deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
@@ -34,10 +35,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax import kernels
-from atlas_jax.cache.latent import write_latent
+from atlas_jax.cache.contiguous import LatentCache
+from atlas_jax.cache.paged import LatentPool
+from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.kernels.mla_decode import mla_decode
-from atlas_jax.model.layers import RMSNorm, normal, rms_norm
+from atlas_jax.model.layers import RMSNorm, normal, param, rms_norm
 from atlas_jax.model.rope import (
   apply_rope,
   inverse_frequencies,
@@ -83,24 +85,36 @@ class MLA(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     std = cfg.init_std
     if m.q_lora_rank is None:
-      self.wq = nnx.Param(normal(rngs, (D, N, Hn + R), std, pdt))  # [D, N, Hn + R]
+      # [D, N, Hn + R]
+      self.wq = param(normal(rngs, (D, N, Hn + R), std, pdt), ("embed", "q_heads", "head_dim"))
       self.wq_a = self.q_norm = self.wq_b = None
     else:
       Q = m.q_lora_rank
       self.wq = None
-      self.wq_a = nnx.Param(normal(rngs, (D, Q), std, pdt))  # [D, Q]
-      self.q_norm = RMSNorm(Q, eps=LATENT_NORM_EPS, param_dtype=pdt)
-      self.wq_b = nnx.Param(normal(rngs, (Q, N, Hn + R), std, pdt))  # [Q, N, Hn + R]
-    self.wkv_a = nnx.Param(normal(rngs, (D, C + R), std, pdt))  # [D, C + R]: latent, rope key
-    self.kv_norm = RMSNorm(C, eps=LATENT_NORM_EPS, param_dtype=pdt)
-    self.wk_b = nnx.Param(normal(rngs, (C, N, Hn), std, pdt))  # [C, N, Hn]: W_UK
-    self.wv_b = nnx.Param(normal(rngs, (C, N, Hv), std, pdt))  # [C, N, Hv]: W_UV
+      self.wq_a = param(normal(rngs, (D, Q), std, pdt), ("embed", "q_lora"))  # [D, Q]
+      self.q_norm = RMSNorm(Q, eps=LATENT_NORM_EPS, axis="q_lora", param_dtype=pdt)
+      # [Q, N, Hn + R]
+      self.wq_b = param(normal(rngs, (Q, N, Hn + R), std, pdt), ("q_lora", "q_heads", "head_dim"))
+    # [D, C + R]: latent, rope key
+    self.wkv_a = param(normal(rngs, (D, C + R), std, pdt), ("embed", "kv_lora"))
+    self.kv_norm = RMSNorm(C, eps=LATENT_NORM_EPS, axis="kv_lora", param_dtype=pdt)
+    # [C, N, Hn]: W_UK and [C, N, Hv]: W_UV
+    self.wk_b = param(normal(rngs, (C, N, Hn), std, pdt), ("kv_lora", "q_heads", "head_dim"))
+    self.wv_b = param(normal(rngs, (C, N, Hv), std, pdt), ("kv_lora", "q_heads", "head_dim"))
     out_std = std / math.sqrt(2 * cfg.n_layers)
-    self.wo = nnx.Param(normal(rngs, (N, Hv, D), out_std, pdt))  # [N, Hv, D]
+    # [N, Hv, D]
+    self.wo = param(normal(rngs, (N, Hv, D), out_std, pdt), ("q_heads", "head_dim", "embed"))
     self.dims = (C, R, Hn, Hv)  # static
     self.cfg = cfg
     self.implementation = implementation
     self.absorb_max_tokens = absorb_max_tokens
+
+  # The caches this attention reads: one latent of C + R numbers per token and layer.
+  cache_type, pool_type = LatentCache, LatentPool
+
+  @staticmethod
+  def cache_dims(cfg: ModelConfig) -> dict[str, int]:
+    return dict(kv_lora_rank=cfg.mla.kv_lora_rank, rope_dim=cfg.mla.qk_rope_head_dim)
 
   def _rope(self, x, positions_BT):
     inv_freq, factor, _ = mla_rope(self.cfg)
@@ -155,19 +169,14 @@ class MLA(nnx.Module):
     return out_BTNH[..., :Hv]
 
   def attend_absorbed(
-    self, q_nope_BTNh: Array, q_rope_BTNR: Array, cache_BSE: Array, lengths_B: Array
+    self, q_nope_BTNh: Array, q_rope_BTNR: Array, cache: LayerCache, positions_BT: Array
   ) -> Array:
-    """Attends over the latent cache with W_UK folded into the query: [B, T, N, Hv].
-
-    `lengths_B` counts the tokens in the cache including the T new ones (the last T positions).
-    """
+    """Attends over the cached latents with W_UK folded into the query: [B, T, N, Hv]."""
     _, _, scale = mla_rope(self.cfg)
     dtype = q_nope_BTNh.dtype
     q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, self.wk_b[...].astype(dtype))
-    impl = self.implementation if self.implementation in ("pallas", "xla") else None
-    o_lat_BTNC = mla_decode(
-      q_lat_BTNC, q_rope_BTNR, cache_BSE.astype(dtype), lengths_B, scale=scale, implementation=impl
-    )
+    q_BTNE = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
+    o_lat_BTNC = cache.attend(q_BTNE, positions_BT, scale=scale, implementation=self.implementation)
     return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, self.wv_b[...].astype(dtype))
 
   def __call__(
@@ -176,20 +185,20 @@ class MLA(nnx.Module):
     positions_BT: Array,
     *,
     segment_ids_BT: Array | None = None,
-    cache: tuple[Array, Array] | None = None,
-  ) -> tuple[Array, Array | None]:
+    cache: LayerCache | None = None,
+  ) -> tuple[Array, LayerCache | None]:
     """Self-attention over x, or over the latent cache after writing x's latents into it.
 
     Args:
       x_BTD: [B, T, D] activations.
       positions_BT: i32[B, T] absolute positions (RoPE and the causal mask).
       segment_ids_BT: i32[B, T] packed-document ids (no cache).
-      cache: (latents [B, S, C + R], lengths i32[B]) of this layer; the new tokens are written at
-        offsets `lengths`. Up to `absorb_max_tokens` new tokens use the absorbed path, longer
-        chunks (prefill) reconstruct K and V from the cached latents.
+      cache: this layer's view of a latent cache; the new tokens' latents are written at their
+        positions. Up to `absorb_max_tokens` new tokens use the absorbed path, longer chunks
+        (prefill) reconstruct K and V from the cached latents.
 
     Returns:
-      [B, T, D] and the updated latents of this layer (None without a cache).
+      [B, T, D] and the updated layer cache (None without).
     """
     q_nope_BTNh, q_rope_BTNR, latent_BTE = self.project(x_BTD, positions_BT)
     T = x_BTD.shape[1]
@@ -202,20 +211,19 @@ class MLA(nnx.Module):
         q_segment_ids=segment_ids_BT,
         kv_segment_ids=segment_ids_BT,
       )
-      new_cache = None
     else:
-      cache_BSE, lengths_B = cache
-      new_cache = write_latent(cache_BSE, latent_BTE, lengths_B)
+      cache = cache.write(positions_BT, latent_BTE)
       if T <= self.absorb_max_tokens:
-        out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, new_cache, lengths_B + T)
+        out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, cache, positions_BT)
       else:
+        (latent_BSE,) = cache.read()
         out_BTNv = self.attend_expanded(
           q_nope_BTNh,
           q_rope_BTNR,
-          new_cache.astype(x_BTD.dtype),
+          latent_BSE.astype(x_BTD.dtype),
           causal=True,
-          q_positions=positions_BT,
-          kv_lengths=lengths_B + T,
+          q_positions=jnp.maximum(positions_BT, 0),  # padding (-1) is clamped, then discarded
+          kv_lengths=cache.kv_lengths,
         )
     out_BTD = jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype))
-    return out_BTD, new_cache
+    return out_BTD, cache

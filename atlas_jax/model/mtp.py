@@ -26,19 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, normal
+from atlas_jax.model.layers import RMSNorm, normal, param
+from atlas_jax.model.scan import stacked
 
 Array = jax.Array
 # A block: (x [B, T, D], positions i32[B, T], segment_ids=None) -> (x [B, T, D], None).
 BlockFactory = Callable[[nnx.Rngs], nnx.Module]
-
-
-def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
-  """One module whose parameters carry a leading [n] axis, initialised independently per copy."""
-  keys = jax.random.split(rngs.params(), n)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-  state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys)
-  return nnx.merge(graphdef, state)
 
 
 class SequentialHead(nnx.Module):
@@ -49,7 +42,9 @@ class SequentialHead(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     self.enorm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
     self.hnorm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
-    self.eh_proj = nnx.Param(normal(rngs, (2 * D, D), cfg.init_std, pdt))  # [2D, D]
+    self.eh_proj = param(
+      normal(rngs, (2 * D, D), cfg.init_std, pdt), ("mtp_in", "embed")
+    )  # [2D, D]
     self.block = make_block(rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)  # HF: shared_head.norm
 

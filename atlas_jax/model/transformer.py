@@ -1,37 +1,50 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3 families).
+"""The decoder-only transformer for every supported family.
 
-Layers are stored stacked (every block parameter has a leading [L] axis) and run with
-`jax.lax.scan`, so compile time does not grow with depth.
+One model: Llama-style GQA attention (Llama, Mistral, Qwen2, Qwen3) or DeepSeek's Multi-head Latent
+Attention (`cfg.mla`), SwiGLU MLPs, and optional multi-token-prediction heads (`cfg.mtp`). The
+attention class is chosen once from the config; everything else is shared.
+
+Layers are stored stacked (every block parameter has a leading [L] axis) and run under one
+`jax.lax.scan` (`atlas_jax.model.scan`), with the training-time remat policy applied to it. The
+model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
+`atlas_jax.cache.protocol`, so callers never branch on the family or the cache kind.
+Mixture-of-experts layers are not implemented: every layer is dense (DeepSeek's
+first_k_dense_replace >= n_layers).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from atlas_jax.cache.contiguous import KVCache
-from atlas_jax.cache.paged_view import PagedKVCache, PagedLayerCache
+from atlas_jax.cache.contiguous import KVCache, LatentCache
+from atlas_jax.cache.paged import KVPool, LatentPool
+from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
-from atlas_jax.model.layers import MLP, RMSNorm, normal
+from atlas_jax.model.layers import MLP, RMSNorm, normal, param
 from atlas_jax.model.mla import MLA
-from atlas_jax.training.remat import scan_blocks
+from atlas_jax.model.mtp import MTPHeads
+from atlas_jax.model.scan import scan_layers, stacked
 
 Array = jax.Array
 
 
+def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
+  """The attention module a config calls for: MLA when `cfg.mla` is set, else GQA."""
+  return Attention if cfg.mla is None else MLA
+
+
 class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); MLA when `cfg.mla` is set."""
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    attn_cls = Attention if cfg.mla is None else MLA
-    self.attn = attn_cls(cfg, rngs=rngs, implementation=implementation)
+    self.attn = attention_class(cfg)(cfg, rngs=rngs, implementation=implementation)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = MLP(
       cfg.d_model,
@@ -51,43 +64,24 @@ class Block(nnx.Module):
     return x_BTD, cache
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, implementation: str | None) -> Block:
-  """One Block whose parameters carry a leading [L] axis, initialised independently per layer."""
-  keys = jax.random.split(rngs.params(), cfg.n_layers)
-  graphdef = nnx.graphdef(
-    nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), implementation=implementation))
-  )
-  state = jax.vmap(
-    lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(key), implementation=implementation))
-  )(keys)
-  return nnx.merge(graphdef, state)
-
-
-def default_positions(tokens_BT: Array, cache) -> Array:
+def default_positions(tokens_BT: Array, cache: Cache | None) -> Array:
   """i32[B, T]: 0..T-1, or continuing from each sequence's cache length."""
   B, T = tokens_BT.shape
   start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
   return start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
 
-def scan_kv_cache(
-  graphdef, block_state, x_BTD: Array, positions_BT: Array, cache: KVCache
-) -> tuple[Array, KVCache]:
-  """Runs the stacked blocks over a contiguous KVCache, one layer's [B, S, K, H] slice a step."""
-
-  def body(x_BTD, layer):
-    state, k_BSKH, v_BSKH = layer
-    x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, state)(
-      x_BTD, positions_BT, cache=(k_BSKH, v_BSKH, cache.lengths)
-    )
-    return x_BTD, (k_BSKH, v_BSKH)
-
-  x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (block_state, cache.k, cache.v))
-  T = x_BTD.shape[1]
-  return x_BTD, cache.replace(k=k_LBSKH, v=v_LBSKH, lengths=cache.lengths + T)
-
-
 class Transformer(nnx.Module):
+  """The decoder.
+
+  Args:
+    cfg: the architecture.
+    rngs: parameter initialisation.
+    implementation: attention implementation for `atlas_jax.kernels` (None: best available).
+    remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
+    unroll_layers: unroll the layer scan (FLOP measurement only).
+  """
+
   def __init__(
     self,
     cfg: ModelConfig,
@@ -101,18 +95,83 @@ class Transformer(nnx.Module):
     V, D = cfg.vocab_size, cfg.d_model
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
-    # Training-time activation checkpointing (static). unroll_layers is for FLOP measurement only.
-    self.remat = (remat, remat_every, unroll_layers)
-    self.embed = nnx.Param(normal(rngs, (V, D), cfg.init_std, pdt))  # [V, D]
-    self.blocks = _stacked_blocks(cfg, rngs, implementation)  # every parameter [L, ...]
+    self.remat = (remat, remat_every, unroll_layers)  # static
+
+    def make_block(r: nnx.Rngs) -> Block:
+      return Block(cfg, rngs=r, implementation=implementation)
+
+    self.embed = param(normal(rngs, (V, D), cfg.init_std, pdt), ("vocab", "embed"))  # [V, D]
+    self.blocks = stacked(make_block, cfg.n_layers, rngs)  # every parameter [L, ...]
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
     self.lm_head = (
       None
       if cfg.tie_embeddings
-      else nnx.Param(
-        normal(rngs, (D, V), cfg.init_std, pdt)  # [D, V]
-      )
+      else param(normal(rngs, (D, V), cfg.init_std, pdt), ("embed", "vocab"))  # [D, V]
     )
+    self.mtp = None if cfg.mtp is None else MTPHeads(cfg, make_block, rngs=rngs)  # [J, ...]
+
+  # -- caches ------------------------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | LatentCache:
+    """A zeroed contiguous cache of `max_len` slots per sequence (KV, or MLA latents)."""
+    cfg, attn = self.cfg, attention_class(self.cfg)
+    return attn.cache_type.init(
+      n_layers=cfg.n_layers,
+      batch=batch,
+      max_len=max_len,
+      dtype=jnp.dtype(cfg.dtype if dtype is None else dtype),
+      **attn.cache_dims(cfg),
+    )
+
+  def init_pool(self, n_blocks: int, block_size: int, dtype=None) -> KVPool | LatentPool:
+    """A zeroed paged pool of `n_blocks` blocks of `block_size` tokens (KV, or MLA latents).
+
+    Wrap it with a block table and lengths in `atlas_jax.cache.paged.PagedCache` to call the
+    model on it.
+    """
+    cfg, attn = self.cfg, attention_class(self.cfg)
+    return attn.pool_type.init(
+      n_layers=cfg.n_layers,
+      n_blocks=n_blocks,
+      block_size=block_size,
+      dtype=jnp.dtype(cfg.dtype if dtype is None else dtype),
+      **attn.cache_dims(cfg),
+    )
+
+  # -- forward -----------------------------------------------------------------------------------
+
+  def _head_DV(self) -> Array:
+    return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+  def _logits(self, h_BTD: Array) -> Array:
+    head_DV = self._head_DV().astype(h_BTD.dtype)
+    return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
+
+  def _trunk(self, tokens_BT, positions_BT, segment_ids_BT, cache, *, keep_trunk=False):
+    """Runs the layers: (input to the last block or None, final normalised hidden, new cache).
+
+    `keep_trunk` carries each block's input through the scan, for the parallel MTP heads.
+    """
+    dtype = jnp.dtype(self.cfg.dtype)
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+    graphdef, block_state = nnx.split(self.blocks)
+    xs = (block_state, None if cache is None else cache.layers)
+
+    def step(carry, layer):
+      x_BTD = carry[0] if keep_trunk else carry
+      state, storage = layer
+      view = None if storage is None else cache.layer(storage, positions_BT)
+      y_BTD, view = nnx.merge(graphdef, state)(
+        x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=view
+      )
+      return ((y_BTD, x_BTD) if keep_trunk else y_BTD), (None if view is None else view.storage)
+
+    policy, every, unroll = self.remat
+    carry = (x_BTD, x_BTD) if keep_trunk else x_BTD
+    carry, layers = scan_layers(step, carry, xs, policy=policy, every=every, unroll=unroll)
+    x_BTD, trunk_BTD = carry if keep_trunk else (carry, None)
+    new_cache = None if cache is None else cache.advance(layers, positions_BT)
+    return trunk_BTD, self.final_norm(x_BTD), new_cache
 
   def __call__(
     self,
@@ -120,76 +179,66 @@ class Transformer(nnx.Module):
     *,
     positions_BT: Array | None = None,
     segment_ids_BT: Array | None = None,
-    cache: KVCache | PagedKVCache | None = None,
+    cache: Cache | None = None,
     logits_at_B: Array | None = None,
   ):
     """Next-token logits.
 
     Args:
       tokens_BT: i32[B, T].
-      positions_BT: i32[B, T]; default 0..T-1, or continuing from `cache.lengths`.
+      positions_BT: i32[B, T]; default 0..T-1, or continuing from `cache.lengths`. With a paged
+        cache, negative positions mark padding tokens (not written, not counted).
       segment_ids_BT: i32[B, T] document ids of packed sequences (no cache).
-      cache: a KVCache; the tokens are appended at each sequence's length.
-        Or a PagedKVCache over the block pool; positions < 0 mark padding tokens (not written).
+      cache: any cache from `init_cache`, or a `PagedCache` over `init_pool`'s pool; the
+        tokens are appended to each sequence.
       logits_at_B: i32[B]; compute logits only at this index of each row (then T = 1 in the
         result): prefill needs only each prompt's last position.
 
     Returns:
-      f32[B, T, V] logits; with a cache, (logits, cache) where cache.lengths grew by T.
+      f32[B, T, V] logits; with a cache, (logits, cache) where each row's length grew by the
+      tokens it added.
     """
-    cfg = self.cfg
-    dtype = jnp.dtype(cfg.dtype)
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT, cache)
-    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
-
-    graphdef, block_state = nnx.split(self.blocks)
-
-    if cache is None:
-
-      def block_fn(x_BTD, state):
-        block = nnx.merge(graphdef, state)
-        return block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)[0]
-
-      policy, every, unroll = self.remat
-      x_BTD = scan_blocks(block_fn, x_BTD, block_state, policy=policy, every=every, unroll=unroll)
-      new_cache = None
-    elif isinstance(cache, PagedKVCache):
-      # Rows may add different numbers of tokens (chunked prefill): padding has position < 0.
-      kv_lengths_B = cache.lengths + jnp.sum(positions_BT >= 0, axis=1, dtype=jnp.int32)
-
-      def body(x_BTD, layer):
-        state, k_PZKH, v_PZKH = layer
-        view = PagedLayerCache(k_PZKH, v_PZKH, cache.block_table, kv_lengths_B)
-        x_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
-        return x_BTD, (view.k, view.v)
-
-      x_BTD, (k_LPZKH, v_LPZKH) = jax.lax.scan(
-        body, x_BTD, (block_state, cache.pool.k, cache.pool.v)
-      )
-      new_cache = cache.replace(
-        pool=dataclasses.replace(cache.pool, k=k_LPZKH, v=v_LPZKH), lengths=kv_lengths_B
-      )
-    else:
-      x_BTD, new_cache = scan_kv_cache(graphdef, block_state, x_BTD, positions_BT, cache)
-
+    _, h_BTD, new_cache = self._trunk(tokens_BT, positions_BT, segment_ids_BT, cache)
     if logits_at_B is not None:
       # Only the rows' chosen positions reach the head: [B, 1, V] logits, not [B, T, V].
-      x_BTD = jnp.take_along_axis(x_BTD, logits_at_B[:, None, None], axis=1)
-    x_BTD = self.final_norm(x_BTD)
-    head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    logits_BTV = jnp.einsum(
-      "BTD,DV->BTV", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
-    )
+      h_BTD = jnp.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
+    logits_BTV = self._logits(h_BTD)
     return logits_BTV if cache is None else (logits_BTV, new_cache)
 
-  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-    cfg = self.cfg
-    return KVCache.init(
-      n_layers=cfg.n_layers,
-      batch=batch,
-      max_len=max_len,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=jnp.dtype(cfg.dtype) if dtype is None else dtype,
+  def forward_mtp(
+    self,
+    tokens_BT: Array,
+    *,
+    positions_BT: Array | None = None,
+    segment_ids_BT: Array | None = None,
+  ) -> tuple[Array, Array]:
+    """(next-token logits f32[B, T, V], MTP logits f32[J, B, T, V]) for training.
+
+    MTP head j (1-based) at position t predicts token t + 1 + j.
+    """
+    if self.mtp is None:
+      raise ValueError("forward_mtp: the model has no MTP heads (model.mtp is null)")
+    if positions_BT is None:
+      positions_BT = default_positions(tokens_BT, None)
+    # Parallel heads read the input of the last block; sequential ones the final hidden state.
+    keep_trunk = self.mtp.kind == "parallel"
+    trunk_BTD, h_BTD, _ = self._trunk(
+      tokens_BT, positions_BT, segment_ids_BT, None, keep_trunk=keep_trunk
     )
+    mtp_JBTV = self.mtp(
+      tokens_BT=tokens_BT,
+      trunk_BTD=trunk_BTD,
+      final_BTD=h_BTD,
+      positions_BT=positions_BT,
+      segment_ids_BT=segment_ids_BT,
+      embed_VD=self.embed[...],
+      head_DV=self._head_DV(),
+    )
+    return self._logits(h_BTD), mtp_JBTV
+
+
+def build(cfg: ModelConfig, *, rngs: nnx.Rngs, **kwargs) -> Transformer:
+  """The model for `cfg` (any supported family). `kwargs` go to `Transformer`."""
+  return Transformer(cfg, rngs=rngs, **kwargs)

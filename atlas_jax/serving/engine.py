@@ -17,6 +17,22 @@ in the pool (`n_computed`). Each `step()`:
    another row is computing reads them after they are written.
 4. samples each row whose tokens are all computed and applies the stop conditions.
 
+When every running request is decoding and nothing waits that could be admitted, a step is a
+burst instead: `decode_burst` iterations in one jitted call, each sampled token fed back on the
+device, blocks reserved ahead for them (`BlockAllocator.reserve`). The host reads the K tokens
+of every row once, cuts each at its first stop (eos, stop token, max_tokens, stop string) and
+gives back the blocks it did not need, so outputs are exactly those of single steps while the
+host's per-step work is paid once per K tokens.
+
+Attention work follows the real lengths: every call's block table has as many columns as its
+longest row holds blocks, rounded up to a power of two, not the context's maximum. Output text is
+detokenised incrementally (`atlas_jax.serving.detokenize`).
+
+`add_requests` queues n completions of one prompt (OpenAI's `n`): only the first computes the
+prompt; when its prompt is done, every other completion forks its blocks (`BlockAllocator.fork`),
+drops the last prompt token and recomputes just that one, in a device copy of the shared partial
+block (copy-on-write). So n completions cost one prefill.
+
 A request that cannot fit the pool (or the context) on its own is rejected when it is added, so
 the oldest request can always make progress by preempting newer ones: no crash, no livelock.
 Sampling keys are `fold_in(key(seed), i)` for the i-th generated token, as in `generate`, so
@@ -27,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import numbers
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -38,16 +53,10 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
-from atlas_jax.cache.paged import init_kv_pool
-from atlas_jax.cache.paged_view import PagedKVCache
-from atlas_jax.decoding.sampling import (
-  MAX_LOGPROBS,
-  SamplingArrays,
-  SamplingParams,
-  sample_rows,
-  step_keys,
-)
+from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
 from atlas_jax.model.transformer import Transformer
+from atlas_jax.serving import steps
+from atlas_jax.serving.detokenize import IncrementalDetokenizer
 
 Array = jax.Array
 RequestId = Hashable
@@ -60,7 +69,7 @@ class RequestError(ValueError):
 class _PoolLost(Exception):
   """A jitted call raised after the device took the donated pool."""
 
-  def __init__(self, rows, error: BaseException):
+  def __init__(self, rows: list[_Request], error: BaseException):
     super().__init__(str(error))
     self.rows, self.error = rows, error
 
@@ -74,9 +83,16 @@ class EngineConfig:
   prefill_chunk: int = 64  # most prompt tokens one request computes per step (a power of two)
   max_model_len: int | None = None  # default: the model's max_seq_len
   enable_prefix_caching: bool = True
+  decode_burst: int = 8  # K: decode iterations per call when no request needs the host; 1: off
 
   def __post_init__(self):
-    for name in ("n_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in (
+      "n_blocks",
+      "block_size",
+      "max_num_seqs",
+      "max_num_batched_tokens",
+      "decode_burst",
+    ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be a positive int")
     c = self.prefill_chunk
@@ -112,8 +128,9 @@ class _Request:
   stop_ids: frozenset[int]
   output: list[int] = dataclasses.field(default_factory=list)
   n_computed: int = 0  # tokens of prompt + output whose K/V are in the pool
-  text: str = ""  # detokenised output (only with a detokenizer)
+  detok: IncrementalDetokenizer | None = None  # the output's text (only with a detokenizer)
   n_text_sent: int = 0
+  stop_at: int | None = None  # where the first stop string starts in the text
   n_preemptions: int = 0
   suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
 
@@ -126,54 +143,31 @@ class _Request:
     return len(self.prompt) + len(self.output) - self.n_computed
 
 
+@dataclasses.dataclass
+class _Burst:
+  """A dispatched decode burst: its rows, and its outputs still on the device."""
+
+  rows: list[_Request]
+  start: list[int]  # each row's computed tokens when the burst began (its pending token's position)
+  first_step: np.ndarray  # i32[B] index of each row's first draw in the burst
+  prompt_mask: Array | None  # bool[B, V] (penalties)
+  tok: Array  # i32[K, B]
+  lp: Array  # f32[K, B]
+  top_ids: Array  # i32[K, B, 5]
+  top_lp: Array  # f32[K, B, 5]
+  counts: Array | None  # i32[B, V] output token counts after the burst (penalties)
+
+
 def _step_error(e: BaseException) -> str:
   return f"the model step failed: {type(e).__name__}: {e}"
 
 
+def _pool_lost(pool) -> bool:
+  return any(x.is_deleted() for x in jax.tree.leaves(pool))
+
+
 def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
-@functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
-def _forward_sample(
-  graphdef,
-  state,
-  pool,
-  tokens_BT,
-  positions_BT,
-  block_table_BM,
-  lengths_B,
-  last_B,
-  seed_B,
-  step_B,
-  arrays: SamplingArrays,
-  penalties: bool,
-  counts_BV,
-  prompt_mask_BV,
-):
-  """One model call over the pool (donated), then one draw per row from its last real token.
-
-  Args:
-    tokens_BT: i32[B, T] new tokens, right-padded; positions_BT i32[B, T] (-1 for padding).
-    block_table_BM: i32[B, M]; lengths_B i32[B] tokens in the pool before this call.
-    last_B: i32[B] index in T of each row's last real token.
-    seed_B, step_B: i32[B] each row's seed and the index of the token it samples.
-
-  Returns:
-    (pool, i32[B] tokens, f32[B] logprobs, i32[B, 5] top tokens, f32[B, 5] top logprobs).
-  """
-  model = nnx.merge(graphdef, state)
-  cache = PagedKVCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
-  logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
-  logits_BV = logits_B1V[:, 0]
-  out = sample_rows(
-    logits_BV,
-    step_keys(seed_B, step_B),
-    arrays,
-    counts_BV=counts_BV if penalties else None,
-    prompt_mask_BV=prompt_mask_BV if penalties else None,
-  )
-  return (cache.pool, *out)
 
 
 class Engine:
@@ -183,7 +177,7 @@ class Engine:
   `add_request` and `step` from one thread (see `atlas_jax.serving.server`).
 
   Args:
-    model: a Transformer.
+    model: a Transformer (any family: its pool holds K/V, or MLA latents).
     config: pool and scheduling limits.
     eos_id: the model's end-of-sequence token (a stop token unless a request sets ignore_eos).
     detokenize: token ids -> text; enables stop strings and the `text` of outputs.
@@ -204,14 +198,8 @@ class Engine:
     self.eos_id = eos_id
     self.detokenize = detokenize
     self.graphdef, self.state = nnx.split(model)
-    self.pool = init_kv_pool(
-      n_layers=cfg.n_layers,
-      n_blocks=config.n_blocks,
-      block_size=config.block_size,
-      n_kv_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      dtype=jnp.dtype(cfg.dtype),
-    )
+    self.programs = steps.programs(self.graphdef)
+    self.pool = model.init_pool(config.n_blocks, config.block_size)  # KV or MLA latents
     # Shapes, dtypes and placement of the pool, to build a fresh one if a failed step lost it.
     self._pool_spec = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.pool
@@ -219,15 +207,27 @@ class Engine:
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
-    self.max_blocks = -(-self.max_model_len // config.block_size)  # M, columns of block tables
+    # M, the most block-table columns: the context, plus what a burst may write past its end
+    # (draws after a request's last token, which are cut).
+    Z = config.block_size
+    self.max_blocks = -(-(self.max_model_len + config.decode_burst) // Z)
+    # Block tables narrower than 64 tokens would only add compiled shapes.
+    self._min_blocks = _pow2(-(-64 // Z))
     self.waiting: collections.deque[_Request] = collections.deque()
     self.running: list[_Request] = []  # oldest first
     self._requests: dict[RequestId, _Request] = {}
+    # Completions waiting for their first sibling's prompt, by that sibling's id (add_requests).
+    self._followers: dict[RequestId, list[_Request]] = {}
+    self._pending_copies: list[tuple[int, int]] = []  # copy-on-write pairs for the next step
+    self._inflight: _Burst | None = None  # a dispatched decode burst the host has not read yet
     self._aborts: list[RequestId] = []
     self._abort_lock = threading.Lock()
     self._arrivals = 0
     self.n_preemptions = 0
     self.n_steps = 0
+    self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
+    self.n_bursts = 0  # steps that ran `decode_burst` decode iterations
+    self.n_chained = 0  # bursts dispatched before the host read the previous one
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -236,13 +236,50 @@ class Engine:
   ) -> None:
     """Queues a request.
 
-    Everything the jitted step will hold is checked here (SamplingParams checks its own fields
-    against i32/f32), so an admitted request cannot make a batched step fail.
-
     Raises:
       RequestError: empty prompt, token ids that are not integers in the vocabulary, prompt +
         max_new_tokens past the context, or more blocks than the whole pool holds; or a
         duplicate id.
+    """
+    req = self._make_request(request_id, prompt, params)
+    self._requests[request_id] = req
+    self.waiting.append(req)
+
+  def add_requests(
+    self,
+    request_ids: Sequence[RequestId],
+    prompt: Sequence[int],
+    params: Sequence[SamplingParams],
+  ) -> None:
+    """Queues n completions of one prompt that share its computation and its blocks.
+
+    Each completion samples with its own params (seeds differ, say) and produces exactly what
+    `add_request` would; the prompt is computed once and its blocks are shared copy-on-write.
+    All or nothing: if any request is invalid, none is queued.
+
+    Raises:
+      RequestError: as `add_request`, for any of them; or ids and params of different lengths.
+    """
+    if len(request_ids) != len(params) or not request_ids:
+      raise RequestError(
+        f"add_requests: {len(request_ids)} request ids for {len(params)} SamplingParams"
+      )
+    if len(set(request_ids)) != len(request_ids):
+      raise RequestError(f"add_requests: duplicate request ids in {list(request_ids)!r}")
+    reqs = [self._make_request(rid, prompt, p) for rid, p in zip(request_ids, params)]
+    for req in reqs:
+      self._requests[req.id] = req
+    self.waiting.append(reqs[0])
+    if len(reqs) > 1:
+      self._followers[reqs[0].id] = reqs[1:]
+
+  def _make_request(
+    self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None
+  ) -> _Request:
+    """A validated request with the next arrival number; nothing is queued.
+
+    Everything the jitted steps will hold is checked here (SamplingParams checks its own fields
+    against i32/f32), so an admitted request cannot make a batched step fail.
     """
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
@@ -283,9 +320,10 @@ class Engine:
     if self.eos_id is not None and not params.ignore_eos:
       stop.add(self.eos_id)
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
+    if self.detokenize is not None:
+      req.detok = IncrementalDetokenizer(self.detokenize)
     self._arrivals += 1
-    self._requests[request_id] = req
-    self.waiting.append(req)
+    return req
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""
@@ -293,7 +331,9 @@ class Engine:
       self._aborts.append(request_id)
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting or self.running or self._aborts)
+    return bool(
+      self.waiting or self.running or self._aborts or self._followers or self._inflight is not None
+    )
 
   @property
   def n_running(self) -> int:
@@ -301,7 +341,7 @@ class Engine:
 
   @property
   def n_waiting(self) -> int:
-    return len(self.waiting)
+    return len(self.waiting) + sum(len(f) for f in self._followers.values())
 
   def kv_usage(self) -> float:
     """Fraction of the pool's blocks referenced by live requests."""
@@ -311,16 +351,31 @@ class Engine:
   # -- the step ------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Schedules, runs the model once or twice, samples; returns what changed.
+    """Schedules, runs the model (a mixed step, or a burst of decode steps), samples; returns
+    what changed.
 
     A request whose rows make the model step raise fails alone (finish_reason "error"); the
     others continue with unchanged outputs (see `_run_isolated`).
     """
     outputs = self._process_aborts()
-    scheduled = self._schedule()
+    try:
+      if self._inflight is not None:
+        # The host settles the burst in flight while the next one (if any) runs on the device.
+        burst = self._inflight
+        self._inflight = self._chain(burst)
+        return outputs + self._collect(burst)
+      if self._should_burst():
+        self._inflight = self._start_burst()
+        if self._inflight is not None:
+          return outputs  # its tokens are read by the next step, while the next burst runs
+    except _PoolLost as lost:
+      return outputs + self._recover_pool(lost)
+    scheduled, copies = self._schedule()
     if not scheduled:
       return outputs
     self.n_steps += 1
+    self.n_computed_tokens += sum(n for _, n in scheduled)
+    self._copy(copies)
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [(r, n) for r, n in scheduled if n == 1]
     results: dict[RequestId, tuple] = {}
@@ -338,11 +393,169 @@ class Engine:
       scheduled = [(r, n) for r, n in scheduled if r in self.running]  # not failed or preempted
     for req, n in scheduled:
       req.n_computed += n
+      if req.id in self._followers and req.n_computed == len(req.prompt):
+        self._fork_followers(req)  # before `_accept` may finish and free the leader
       if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
+        token, logprob, top_ids, top_lp = results[req.id]
         try:
-          outputs.append(self._accept(req, *results[req.id]))
+          outputs.append(self._accept(req, [token], [logprob], [top_ids], [top_lp])[0])
         except Exception as e:  # e.g. the detokenizer: this request's fault only
           outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
+    return outputs
+
+  def _copy(self, copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: shared blocks are copied on the device before a step writes into them."""
+    copies, self._pending_copies = self._pending_copies + copies, []
+    if copies:
+      # Padded to a power of two by repeating the last pair (an idempotent copy).
+      pairs = copies + copies[-1:] * (_pow2(len(copies)) - len(copies))
+      src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+      self.pool = steps.copy_blocks(self.pool, src, dst)
+
+  def _should_burst(self) -> bool:
+    """Whether no running request needs the host for `decode_burst` steps: all are decoding,
+    and nothing waits that could be admitted now."""
+    if self.config.decode_burst < 2 or not self.running:
+      return False
+    if any(r.suspect for r in self.running):
+      return False  # suspects run alone, in mixed steps
+    if any(r.n_pending != 1 for r in self.running):
+      return False
+    if self.waiting and len(self.running) < self.config.max_num_seqs:
+      head = self.waiting[0]
+      hit = self.allocator.cached_prefix_length(head.tokens)
+      first = min(len(head.tokens) - hit, self.config.prefill_chunk)
+      if -(-first // self.config.block_size) < self.allocator.n_available:
+        return False  # admit it with a mixed step rather than make it wait a burst
+    return True
+
+  def _reserve(self, rows: list[_Request], n_tokens: int) -> list[tuple[int, int]] | None:
+    """Reserves blocks for `n_tokens` tokens past each row's computed ones; None (and nothing
+    reserved) when the pool cannot hold them all."""
+    needed = sum(self.allocator.blocks_needed(r.id, n_tokens) for r in rows)
+    if needed > self.allocator.n_available:
+      return None
+    return [pair for r in rows for pair in self.allocator.reserve(r.id, n_tokens)]
+
+  def _start_burst(self) -> _Burst | None:
+    """Dispatches `decode_burst` decode iterations of every running request; None when the pool
+    cannot hold their reservations (a mixed step then preempts as usual)."""
+    K = self.config.decode_burst
+    rows = list(self.running)
+    copies = self._reserve(rows, K)
+    if copies is None:
+      return None
+    self._copy(copies)
+    B = _pow2(len(rows))
+    tokens = np.zeros((B,), np.int32)
+    first_step = np.zeros((B,), np.int32)
+    for b, req in enumerate(rows):
+      tokens[b] = req.tokens[req.n_computed]
+      first_step[b] = len(req.output)
+    penalties = any(r.params.uses_penalties for r in rows)
+    counts, prompt_mask = self._penalty_arrays(rows, B) if penalties else (None, None)
+    start = [r.n_computed for r in rows]
+    try:
+      return self._dispatch(rows, start, tokens, first_step, counts, prompt_mask)
+    except Exception as e:
+      if _pool_lost(self.pool):
+        raise _PoolLost(rows, e) from e
+      for r in rows:  # the mixed step that runs instead finds the failing rows
+        self.allocator.truncate(r.id, r.n_computed)
+      return None
+
+  def _dispatch(self, rows, start, tokens_B, first_step_B, counts_BV, prompt_mask_BV) -> _Burst:
+    K = self.config.decode_burst
+    B = _pow2(len(rows))
+    lengths = np.full((B,), -1, np.int32)
+    lengths[: len(rows)] = start
+    seeds = np.zeros((B,), np.int32)
+    seeds[: len(rows)] = [r.params.seed for r in rows]
+    params = [r.params for r in rows]
+    self.n_steps += 1
+    self.n_bursts += 1
+    self.n_computed_tokens += K * len(rows)
+    self.pool, *outs = self.programs.decode_burst(
+      self.state,
+      self.pool,
+      tokens_B,
+      lengths,
+      self._block_table([r.id for r in rows], B),
+      seeds,
+      first_step_B,
+      SamplingArrays.from_params(params, pad_to=B),
+      counts_BV,
+      K,
+      counts_BV is not None,
+      prompt_mask_BV,
+    )
+    return _Burst(rows, list(start), first_step_B, prompt_mask_BV, *outs)
+
+  def _chain(self, prev: _Burst) -> _Burst | None:
+    """Dispatches the next burst before the host has read `prev`, fed by `prev`'s last draws
+    on the device, for the rows that are still running and not certain to stop in `prev`.
+    None when a row needs the host first (an admission is possible, or the pool is short)."""
+    K = self.config.decode_burst
+    keep = [
+      b
+      for b, r in enumerate(prev.rows)
+      if r in self.running and len(r.output) + K < r.params.max_new_tokens
+    ]
+    if not keep:
+      return None
+    n_free_seats = self.config.max_num_seqs - len(keep)
+    if self.waiting and n_free_seats > 0:
+      return None  # finishing rows will free seats: admit rather than burst on
+    rows = [prev.rows[b] for b in keep]
+    copies = self._reserve(rows, 2 * K)  # the burst in flight holds the first K
+    if copies is None:
+      return None
+    self._copy(copies)
+    B = _pow2(len(rows))
+    index = np.zeros((B,), np.int32)
+    index[: len(keep)] = keep
+    tokens_B = prev.tok[K - 1][index]  # on the device: the host has not seen these yet
+    first_step = np.zeros((B,), np.int32)
+    first_step[: len(keep)] = prev.first_step[keep] + K
+    counts, prompt_mask = None, None
+    if prev.counts is not None:
+      counts, prompt_mask = prev.counts[index], prev.prompt_mask[index]
+    start = [prev.start[b] + K for b in keep]
+    try:
+      burst = self._dispatch(rows, start, tokens_B, first_step, counts, prompt_mask)
+    except Exception as e:
+      if _pool_lost(self.pool):
+        raise _PoolLost(prev.rows, e) from e
+      return None  # `_collect` gives back what the rows reserved
+    self.n_chained += 1
+    return burst
+
+  def _collect(self, burst: _Burst) -> list[RequestOutput]:
+    """Reads a burst's draws, cuts each row at its first stop, and settles the blocks."""
+    try:
+      tok, lp, top_ids, top_lp = map(np.asarray, (burst.tok, burst.lp, burst.top_ids, burst.top_lp))
+    except Exception as e:  # the burst failed on the device, which had taken the pool
+      self._inflight = None  # a chained burst read this one's draws: it failed too
+      raise _PoolLost(burst.rows, e) from e
+    chained = set() if self._inflight is None else {id(r) for r in self._inflight.rows}
+    outputs = []
+    for b, req in enumerate(burst.rows):
+      if req.id not in self._requests:
+        continue  # aborted while the burst ran
+      start = burst.start[b]
+      out, n_kept = self._accept(
+        req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
+      )
+      outputs.append(out)
+      # The pool holds the pending token and every kept draw but the last: register those (a
+      # finished request's full blocks then enter the prefix cache). A row that runs on in the
+      # next burst keeps its reservation; any other gives back what it did not use.
+      self.allocator.append(req.id, req.tokens[start : start + n_kept])
+      req.n_computed = start + n_kept
+      if out.finished:
+        self._release(req)
+      elif id(req) not in chained:
+        self.allocator.truncate(req.id, req.n_computed)
     return outputs
 
   def generate(
@@ -386,10 +599,37 @@ class Engine:
     self.n_preemptions += 1
     self.waiting.appendleft(req)
 
-  def _schedule(self) -> list[tuple[_Request, int]]:
+  def _fork_followers(self, leader: _Request) -> None:
+    """Starts the leader's sibling completions on its blocks, now that its prompt is computed.
+
+    Each forks the leader's sequence and drops the last prompt token, which it recomputes to
+    draw its own first token; a shared partial last block is copied at the start of the next
+    step. Siblings that do not fit the batch or the pool wait and are admitted normally (their
+    prompt's full blocks then come from the prefix cache).
+    """
+    late = []
+    for f in self._followers.pop(leader.id):
+      if len(self.running) >= self.config.max_num_seqs:
+        late.append(f)
+        continue
+      self.allocator.fork(leader.id, f.id)
+      try:
+        self._pending_copies += self.allocator.truncate(f.id, len(f.prompt) - 1)
+      except OutOfBlocksError:
+        self.allocator.free(f.id)
+        late.append(f)
+        continue
+      f.n_computed = len(f.prompt) - 1
+      self.running.append(f)
+    self.waiting.extendleft(reversed(late))
+    self.running.sort(key=lambda r: r.arrival)
+
+  def _schedule(self) -> tuple[list[tuple[_Request, int]], list[tuple[int, int]]]:
+    """(rows to run as (request, tokens to compute), copy-on-write block pairs to copy first)."""
     cfg = self.config
     budget = cfg.max_num_batched_tokens
     scheduled: list[tuple[_Request, int]] = []
+    copies: list[tuple[int, int]] = []
     preempted = False
     i = 0
     while i < len(self.running) and budget > 0:
@@ -398,8 +638,7 @@ class Engine:
       start = req.n_computed
       while True:
         try:
-          copies = self.allocator.append(req.id, req.tokens[start : start + n])
-          assert not copies, "the engine never forks, so no block is shared mid-write"
+          copies += self.allocator.append(req.id, req.tokens[start : start + n])
           break
         except OutOfBlocksError:
           preempted = True
@@ -429,7 +668,27 @@ class Engine:
       budget -= n
     # Running stays in arrival order so the oldest is scheduled first and preempted last.
     self.running.sort(key=lambda r: r.arrival)
-    return scheduled
+    return scheduled, copies
+
+  def _block_table(self, ids: list[RequestId], B: int) -> np.ndarray:
+    """i32[B, M]: the rows' blocks (reserved ones included), M the longest row's block count
+    rounded up to a power of two, so attention work follows the real lengths."""
+    table, _ = self.allocator.block_table(ids, self.max_blocks)
+    M = max(1, max(len(self.allocator.blocks(i)) for i in ids))
+    M = min(_pow2(M, self._min_blocks), self.max_blocks)
+    out = np.zeros((B, M), np.int32)
+    out[: len(ids)] = table[:, :M]
+    return out
+
+  def _penalty_arrays(self, rows: list[_Request], B: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[B, V] output token counts, bool[B, V] prompt tokens) for the penalties."""
+    V = self.model_config.vocab_size
+    counts = np.zeros((B, V), np.int32)
+    prompt_mask = np.zeros((B, V), bool)
+    for b, req in enumerate(rows):
+      np.add.at(counts[b], np.asarray(req.output, np.int64), 1)
+      prompt_mask[b, req.prompt] = True
+    return counts, prompt_mask
 
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
@@ -441,11 +700,7 @@ class Engine:
     lengths = np.zeros((B,), np.int32)
     last = np.zeros((B,), np.int32)
     seeds = np.zeros((B,), np.int32)
-    steps = np.zeros((B,), np.int32)
-    ids = [r.id for r, _ in rows]
-    table, _ = self.allocator.block_table(ids, self.max_blocks)
-    block_table = np.zeros((B, self.max_blocks), np.int32)
-    block_table[: len(rows)] = table
+    step_index = np.zeros((B,), np.int32)
     for b, (req, n) in enumerate(rows):
       start = req.n_computed
       tokens[b, :n] = req.tokens[start : start + n]
@@ -453,28 +708,22 @@ class Engine:
       lengths[b] = start
       last[b] = n - 1
       seeds[b] = req.params.seed
-      steps[b] = len(req.output)
+      step_index[b] = len(req.output)
     params = [r.params for r, _ in rows]
     penalties = any(p.uses_penalties for p in params)
-    counts = prompt_mask = None
-    if penalties:
-      V = self.model_config.vocab_size
-      counts = np.zeros((B, V), np.int32)
-      prompt_mask = np.zeros((B, V), bool)
-      for b, (req, _) in enumerate(rows):
-        np.add.at(counts[b], np.asarray(req.output, np.int64), 1)
-        prompt_mask[b, req.prompt] = True
-    self.pool, tok, lp, top_ids, top_lp = _forward_sample(
-      self.graphdef,
+    counts, prompt_mask = (
+      self._penalty_arrays([r for r, _ in rows], B) if penalties else (None, None)
+    )
+    self.pool, tok, lp, top_ids, top_lp = self.programs.forward_sample(
       self.state,
       self.pool,
       tokens,
       positions,
-      block_table,
+      self._block_table([r.id for r, _ in rows], B),
       lengths,
       last,
       seeds,
-      steps,
+      step_index,
       SamplingArrays.from_params(params, pad_to=B),
       penalties,
       counts,
@@ -506,8 +755,8 @@ class Engine:
       try:
         results.update(self._run(group, T))
       except Exception as e:
-        if any(x.is_deleted() for x in jax.tree.leaves(self.pool)):
-          raise _PoolLost(group, e) from e  # the donated pool went with it: nothing to re-run
+        if _pool_lost(self.pool):
+          raise _PoolLost([r for r, _ in group], e) from e  # nothing left to re-run on
         if len(group) == 1:
           failed[group[0][0].id] = _step_error(e)
           continue
@@ -559,17 +808,18 @@ class Engine:
     return outputs
 
   def _recover_pool(self, lost: _PoolLost) -> list[RequestOutput]:
-    """The step failed after the device took the donated pool: every running request's K/V are
+    """A call failed after the device took the donated pool: every running request's K/V are
     gone. A fresh pool and allocator, every running request recomputes (its outputs so far are
     kept, and its sampling keys make the recomputation draw the same tokens); the rows of the
     failed call fail if there was one, else run alone from now on until the culprit is found.
     """
     outputs = []
-    rows = [r for r, _ in lost.rows]
-    if len(rows) == 1:
-      outputs.append(self._finish(rows[0], "error", _step_error(lost.error)))
-    for req in rows:
+    if len(lost.rows) == 1 and lost.rows[0].id in self._requests:
+      outputs.append(self._finish(lost.rows[0], "error", _step_error(lost.error)))
+    for req in lost.rows:
       req.suspect = True
+    self._inflight = None
+    self._pending_copies = []
     self.pool = jax.tree.map(
       lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._pool_spec
     )
@@ -590,44 +840,65 @@ class Engine:
 
   # -- results -------------------------------------------------------------------------------
 
-  def _accept(self, req: _Request, token, logprob, top_ids, top_logprobs) -> RequestOutput:
-    req.output.append(token)
+  def _accept(self, req: _Request, tokens, logprobs, top_ids, top_logprobs, *, release=True):
+    """Appends drawn tokens to a request's output up to its first stop.
+
+    Returns:
+      (the RequestOutput, how many of `tokens` were kept). A finished request is released
+      unless `release` is False (the caller then releases it).
+    """
     n_top = req.params.logprobs or 0
-    top = [(int(t), float(p)) for t, p in zip(top_ids[:n_top], top_logprobs[:n_top])]
+    kept, kept_lp, kept_top = [], [], []
     reason = None
-    if token in req.stop_ids:
-      reason = "stop"
-    elif len(req.output) >= req.params.max_new_tokens:
-      reason = "length"
-    text = ""
-    if self.detokenize is not None:
-      req.text = self.detokenize(req.output)
-      end = len(req.text)
-      for s in req.params.stop:
-        at = req.text.find(s, max(0, req.n_text_sent - len(s) + 1))
-        if at >= 0 and at < end:
-          end, reason = at, "stop"
-      if reason is None:
-        # Hold back what could be the start of a stop string, or half a UTF-8 character.
-        hold = max((len(s) - 1 for s in req.params.stop), default=0)
-        end = len(req.text) - hold
-        while end > req.n_text_sent and req.text[end - 1] == "\ufffd":
-          end -= 1
-      end = max(end, req.n_text_sent)
-      text = req.text[req.n_text_sent : end]
-      req.n_text_sent = end
+    for token, logprob, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
+      token = int(token)
+      req.output.append(token)
+      kept.append(token)
+      kept_lp.append(float(logprob))
+      if req.params.logprobs is not None:
+        kept_top.append([(int(t), float(p)) for t, p in zip(ids[:n_top], lps[:n_top])])
+      if token in req.stop_ids:
+        reason = "stop"
+      elif len(req.output) >= req.params.max_new_tokens:
+        reason = "length"
+      if req.detok is not None and self._text(req, token, final=reason is not None):
+        reason = "stop"  # a stop string
+      if reason is not None:
+        break
+    text = "" if req.detok is None else self._emit(req, reason)
     out = RequestOutput(
-      req.id,
-      [token],
-      [logprob],
-      [top] if req.params.logprobs is not None else [],
-      text,
-      finished=reason is not None,
-      finish_reason=reason,
+      req.id, kept, kept_lp, kept_top, text, finished=reason is not None, finish_reason=reason
     )
-    if reason is not None:
+    if reason is not None and release:
       self._release(req)
-    return out
+    return out, len(kept)
+
+  def _text(self, req: _Request, token: int, *, final: bool) -> bool:
+    """Detokenises one more token; True when a stop string now appears in the text."""
+    req.detok.push(token)
+    if final:
+      req.detok.flush()
+    full = req.detok.text
+    for s in req.params.stop:
+      at = full.find(s, max(0, req.n_text_sent - len(s) + 1))
+      if at >= 0:
+        req.stop_at = at if req.stop_at is None else min(req.stop_at, at)
+    return req.stop_at is not None
+
+  def _emit(self, req: _Request, reason: str | None) -> str:
+    """The text a request may send now: up to a stop string, or holding back what could still
+    become one."""
+    full = req.detok.text
+    if req.stop_at is not None:
+      end = req.stop_at
+    elif reason is None:
+      end = len(full) - max((len(s) - 1 for s in req.params.stop), default=0)
+    else:
+      end = len(full)
+    end = max(end, req.n_text_sent)
+    text = full[req.n_text_sent : end]
+    req.n_text_sent = end
+    return text
 
   def _release(self, req: _Request) -> None:
     if req.id in self.allocator:
@@ -636,6 +907,11 @@ class Engine:
       self.running.remove(req)
     if req in self.waiting:
       self.waiting.remove(req)
+    # A leader that ends before its prompt is computed lets its siblings compute it themselves.
+    self.waiting.extendleft(reversed(self._followers.pop(req.id, [])))
+    for followers in self._followers.values():
+      if req in followers:
+        followers.remove(req)
     self._requests.pop(req.id, None)
 
   def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:

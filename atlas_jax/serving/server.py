@@ -159,27 +159,21 @@ class EngineRunner:
 
   def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
     """Queues a request; its RequestOutputs arrive on the returned queue (None ends it)."""
-    return self.submit_many(prompt, [params])[0]
+    return self.submit_all(prompt, [params])[0]
 
-  def submit_many(
+  def submit_all(
     self, prompt: list[int], params: list[SamplingParams]
   ) -> list[tuple[str, asyncio.Queue]]:
-    """Queues one request per params (the n choices of a request), admitted together: all or,
-    when one is refused (RequestError propagates), none."""
-    loop, now = asyncio.get_running_loop(), time.perf_counter()
-    subs = [(uuid.uuid4().hex, _Stream(asyncio.Queue(), loop, now, len(prompt))) for _ in params]
+    """Queues n completions of one prompt, computed once and sharing its blocks (all or none)."""
+    rids = [uuid.uuid4().hex for _ in params]
+    loop = asyncio.get_running_loop()
+    now = time.perf_counter()
+    streams = [_Stream(asyncio.Queue(), loop, now, len(prompt)) for _ in params]
     with self._lock:
-      try:
-        for (rid, stream), p in zip(subs, params):
-          self.engine.add_request(rid, prompt, p)
-          self._streams[rid] = stream
-      except Exception:
-        for rid, _ in subs:
-          if self._streams.pop(rid, None) is not None:
-            self.engine.abort(rid)
-        raise
+      self.engine.add_requests(rids, prompt, params)  # RequestError propagates
+      self._streams.update(zip(rids, streams))
     self._wake.set()
-    return [(rid, stream.queue) for rid, stream in subs]
+    return [(rid, s.queue) for rid, s in zip(rids, streams)]
 
   def abort(self, rid: str) -> None:
     self.engine.abort(rid)
@@ -422,7 +416,8 @@ def build_app(
   def submit_all(prompt_ids, body, logprobs):
     try:
       params = [sampling(body, len(prompt_ids), i, logprobs) for i in range(body.n)]
-      return runner.submit_many(prompt_ids, params)  # the n choices start in the same step
+      # The n choices share the prompt's computation and blocks (queued all or none).
+      return runner.submit_all(prompt_ids, params)
     except (RequestError, ValueError) as e:
       if isinstance(e, APIError):
         raise

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
-from atlas_jax.model.deepseek import build
+from atlas_jax.model import build
 
 T = TypeVar("T")
 
@@ -174,7 +174,7 @@ def load_model(
   cfg = load_config(directory / "config.yaml")
   mngr = manager(directory)
   graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: build(cfg.model, nnx.Rngs(0), implementation=implementation))
+    nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
   )
   # Only the parameters subtree of the train state is read (no optimizer state), onto one device.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

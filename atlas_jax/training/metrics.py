@@ -3,7 +3,8 @@
 MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token follow the PaLM appendix: 6 * N for
 the weight matmuls (forward 2N, backward 4N; N excludes the embedding lookup but includes the LM
 head) plus attention: 6 * 2 * L * T * N_heads * H for the QK^T and PV matmuls over a T-token
-context, halved when causal since half the score matrix is masked.
+context, halved when causal since half the score matrix is masked. The formula and the device
+table are the planner's (`atlas_jax.analysis.compute`, `atlas_jax.analysis.devices`).
 """
 
 from __future__ import annotations
@@ -13,38 +14,29 @@ from pathlib import Path
 
 import jax
 
+from atlas_jax.analysis.compute import train_flops_per_token
+from atlas_jax.analysis.devices import DEVICES, match_device_kind
 from atlas_jax.config import ModelConfig
 
-# Dense bf16 peak TFLOP/s per device (vendor figures, no sparsity).
-PEAK_TFLOPS = {
-  "H100": 989.0,
-  "H200": 989.0,
-  "H800": 989.0,
-  "A100": 312.0,
-  "L4": 121.0,
-  "A10": 125.0,
-  "B200": 2250.0,
-  "TPU v4": 275.0,
-  "TPU v5 lite": 197.0,
-  "TPU v5e": 197.0,
-  "TPU v5p": 459.0,
-  "TPU v6 lite": 918.0,
-  "TPU v6e": 918.0,
-}
+# Dense bf16 peak TFLOP/s per device, from the planner's device table (sources there).
+PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
 CPU_PEAK_TFLOPS = 0.1  # a nominal figure: CPU MFU is only indicative
 
 
 def matmul_params(params) -> int:
-  """Parameters that take part in matmuls per token: all but the embedding table (a gather)."""
+  """Parameters that take part in matmuls per token: all but the embedding table (a gather).
+
+  With tied embeddings the table is also the output head, so it stays in.
+  """
   total = sum(x.size for x in jax.tree.leaves(params))
-  return total - params["embed"][...].size
+  return total if params.get("lm_head") is None else total - params["embed"][...].size
 
 
 def flops_per_token(
   cfg: ModelConfig, n_matmul_params: int, seq_len: int, *, causal: bool = True
 ) -> float:
-  attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-  return 6 * n_matmul_params + (attention / 2 if causal else attention)
+  """Training FLOPs per token (`atlas_jax.analysis.compute.train_flops_per_token`)."""
+  return train_flops_per_token(cfg, seq_len, causal=causal, n_matmul_params=n_matmul_params)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float:
@@ -53,11 +45,8 @@ def peak_flops_per_device(override_tflops: float | None = None) -> float:
   device = jax.devices()[0]
   if device.platform == "cpu":
     return CPU_PEAK_TFLOPS * 1e12
-  kind = device.device_kind
-  for name, tflops in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
-    if name.lower() in kind.lower():
-      return tflops * 1e12
-  return CPU_PEAK_TFLOPS * 1e12
+  known = match_device_kind(device.device_kind)
+  return CPU_PEAK_TFLOPS * 1e12 if known is None else known.peak_bf16_flops
 
 
 def mfu(

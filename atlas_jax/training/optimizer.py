@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import jax
 import optax
+from flax import nnx
 
 from atlas_jax.config import TrainConfig
-
-# Norm scales and biases are not decayed: shrinking them toward 0 only distorts the model.
-_NO_DECAY_LEAVES = {"scale", "bq", "bk", "bv"}
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -23,14 +21,17 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """A pytree of bools like `params`: True where weight decay applies."""
+  """A pytree of bools, a prefix of `params`: True where weight decay applies.
 
-  def leaf_name(path) -> str:
-    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    names = [n for n in names if isinstance(n, str) and n != "value"]
-    return names[-1] if names else ""
-
-  return jax.tree_util.tree_map_with_path(lambda p, _: leaf_name(p) not in _NO_DECAY_LEAVES, params)
+  Read from each parameter's `weight_decay` tag (`atlas_jax.model.layers.param`): norm scales and
+  biases are created with decay=False.
+  """
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  return jax.tree.map(
+    lambda v: bool(v.get_metadata().get("weight_decay", True)) if is_variable(v) else True,
+    params,
+    is_leaf=is_variable,
+  )
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -1,4 +1,9 @@
-"""Sharding declared once: logical axis names per parameter, and rules mapping them to mesh axes.
+"""Sharding declared once: logical axes on every parameter, and rules mapping them to mesh axes.
+
+Every parameter records its logical axis names where it is created (`atlas_jax.model.layers.param`:
+"embed", "q_heads", "mlp", ...; the layer scan adds "layers"). A rules table per strategy maps
+logical names to mesh axes; nothing is matched by parameter name, and a parameter without logical
+axes is an error when the trainer is built, never a silent replication.
 
 Mesh axes: `data` (pure replication of state; batch split), `fsdp` (batch split; ZeRO shards state
 here), `tensor` (Megatron-style tensor parallelism: heads and FFN columns/rows, vocab).
@@ -12,7 +17,8 @@ Strategies (train.sharding), each a statement about which state is split over `f
   zero3/fsdp sharded      sharded     sharded           (parameters gathered per layer)
 
 Tensor parallelism applies whenever mesh.tensor > 1 and combines with any of them. A dimension that
-the mesh axis does not divide stays replicated (e.g. a 259-token vocab over 2 devices).
+the mesh axis does not divide stays replicated (e.g. a 259-token vocab over 2 devices), and a mesh
+axis shards at most one dimension of a parameter (the first whose logical axis maps to it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,26 +37,10 @@ from atlas_jax.config import ConfigError, MeshConfig
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# Logical axes of every parameter, by (parent, name); blocks get a leading "layers" axis.
-_LOGICAL = {
-  "embed": ("vocab", "embed"),
-  "lm_head": ("embed", "vocab"),
-  "wq": ("embed", "q_heads", "head_dim"),
-  "wk": ("embed", "kv_heads", "head_dim"),
-  "wv": ("embed", "kv_heads", "head_dim"),
-  "wo": ("q_heads", "head_dim", "embed"),
-  "bq": ("q_heads", "head_dim"),
-  "bk": ("kv_heads", "head_dim"),
-  "bv": ("kv_heads", "head_dim"),
-  "w_gate": ("embed", "mlp"),
-  "w_up": ("embed", "mlp"),
-  "w_down": ("mlp", "embed"),
-  "q_norm/scale": ("head_dim",),
-  "k_norm/scale": ("head_dim",),
-  "scale": ("embed",),
-}
+# Tensor parallelism splits heads, the FFN width and the vocabulary; ZeRO-3 splits the model width
+# and MLA's low-rank bottlenecks (the dims of those projections that carry no head axis).
 TENSOR_RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-FSDP_RULES = {"embed": "fsdp"}
+FSDP_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp"}
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
@@ -73,42 +64,66 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   return Mesh(grid, AXES)
 
 
-def _names(path) -> list[str]:
-  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-  return [n for n in names if isinstance(n, str) and n != "value"]
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
 
 
-def logical_axes(path, ndim: int) -> tuple[str | None, ...]:
-  """Logical axis names of the parameter (or optimizer-state leaf) at `path`."""
-  names = _names(path)
-  if not names or ndim == 0:
-    return (None,) * ndim
-  key = "/".join(names[-2:])
-  axes = _LOGICAL.get(key, _LOGICAL.get(names[-1]))
-  if axes is None:
-    return (None,) * ndim
-  if "blocks" in names:
-    axes = ("layers", *axes)
-  return axes if len(axes) == ndim else (None,) * ndim
+def logical_axes_of(variable: nnx.Variable) -> tuple[str, ...] | None:
+  """The logical axes a parameter was created with, or None."""
+  return variable.get_metadata().get("logical_axes")
 
 
-def spec_for(path, shape: tuple[int, ...], rules: dict[str, str], mesh: Mesh) -> P:
-  axes = []
-  for dim, name in zip(shape, logical_axes(path, len(shape))):
+def check_declared(params) -> None:
+  """Raises ConfigError naming every parameter without logical axes for each of its dims."""
+  bad = []
+  for path, v in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable):
+    axes = logical_axes_of(v) if _is_variable(v) else None
+    if axes is None or len(axes) != len(v.shape):
+      name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+      bad.append(f"{name} {tuple(v.shape)} axes={axes}")
+  if bad:
+    raise ConfigError(
+      "every parameter must declare one logical axis per dimension (atlas_jax.model.layers.param);"
+      " undeclared: " + "; ".join(bad)
+    )
+
+
+def spec_for(
+  axes: Sequence[str | None], shape: Sequence[int], rules: dict[str, str], mesh: Mesh
+) -> P:
+  """The PartitionSpec of an array with these logical axes under `rules`."""
+  spec, used = [], set()
+  for dim, name in zip(shape, axes):
     mesh_axis = rules.get(name) if name else None
-    # Replicate a dimension the mesh axis does not divide rather than pad it.
-    if mesh_axis is None or mesh.shape[mesh_axis] == 1 or dim % mesh.shape[mesh_axis]:
-      axes.append(None)
+    # Replicate a dimension the mesh axis does not divide rather than pad it; a mesh axis may
+    # shard only one dimension.
+    if (
+      mesh_axis is None
+      or mesh_axis in used
+      or mesh.shape.get(mesh_axis, 1) == 1
+      or dim % mesh.shape[mesh_axis]
+    ):
+      spec.append(None)
     else:
-      axes.append(mesh_axis)
-  return P(*axes)
+      spec.append(mesh_axis)
+      used.add(mesh_axis)
+  return P(*spec)
 
 
 def tree_shardings(tree, mesh: Mesh, rules: dict[str, str]):
-  """NamedShardings for every leaf of `tree` (arrays or ShapeDtypeStructs)."""
-  return jax.tree_util.tree_map_with_path(
-    lambda path, x: NamedSharding(mesh, spec_for(path, tuple(x.shape), rules, mesh)), tree
-  )
+  """NamedShardings for a tree of parameters (or optimizer state built from them).
+
+  Each parameter (an `nnx.Variable`, abstract or not) is laid out by its logical axes; any other
+  leaf (the optimizer's step count, say) is replicated. The result has the structure of `tree`.
+  """
+
+  def sharding(x):
+    axes = logical_axes_of(x) if _is_variable(x) else None
+    spec = P() if axes is None else spec_for(axes, x.shape, rules, mesh)
+    # Mapping over the Variable keeps it (and its metadata) as the node around the sharding.
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec), x)
+
+  return jax.tree.map(sharding, tree, is_leaf=_is_variable)
 
 
 def strategy_rules(strategy: str) -> dict[str, dict[str, str]]:

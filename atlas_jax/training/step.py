@@ -19,7 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from atlas_jax.config import Config
-from atlas_jax.model.deepseek import build
+from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.loss import cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
@@ -39,14 +39,11 @@ class TrainState:
   loss_scale: LossScale | None = None  # fp16 only
 
 
-def build_model(cfg: Config, key: Array | None = None) -> nnx.Module:
-  """The model this run trains (random init from `key`; abstract when called under eval_shape).
-
-  A Transformer for Llama-family configs, a DeepSeek model for MLA / MTP configs.
-  """
+def build_model(cfg: Config, key: Array | None = None) -> Transformer:
+  """The model this run trains (random init from `key`; abstract when called under eval_shape)."""
   return build(
     training_model_config(cfg.model, cfg.train.precision),
-    nnx.Rngs(0 if key is None else key),
+    rngs=nnx.Rngs(0 if key is None else key),
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
@@ -86,6 +83,7 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   optimizer = make_optimizer(cfg.train)
   partial = Trainer(cfg, graphdef, optimizer, mesh, None, None)
   abstract = partial.abstract_state()
+  shd.check_declared(abstract.params)
   rules = shd.strategy_rules(cfg.train.sharding)
   rep = shd.replicated(mesh)
   state_shardings = TrainState(

@@ -122,6 +122,25 @@ def test_fork_shares_and_copy_on_write_splits_the_partial_block():
   check_invariants(alloc)
 
 
+def test_truncate_releases_blocks_and_copies_a_shared_tail():
+  alloc = BlockAllocator(8, 4)
+  alloc.add_sequence("p", list(range(10)))  # blocks 0, 1 full and hashed; 2 partial
+  alloc.fork("p", "c")
+  assert alloc.truncate("c", 9) == [(2, 3)]  # its last block is shared and partial: copied
+  assert alloc.blocks("c") == [0, 1, 3] and alloc.ref_count(2) == 1
+  assert alloc.append("c", [99]) == []
+  assert alloc.tokens("c") == list(range(9)) + [99] and alloc.tokens("p") == list(range(10))
+  alloc.truncate("c", 8)  # drops block 3 (private): back to the free list
+  assert alloc.blocks("c") == [0, 1] and 3 in alloc.free_blocks()
+  # A private full block that the prefix cache holds is withdrawn when truncated into.
+  alloc.free("p")
+  alloc.truncate("c", 6)
+  assert alloc.cached_prefix_length(list(range(8)) + [5]) == 4
+  with pytest.raises(ValueError, match=r"length=7 must be in \[0, 6\]"):
+    alloc.truncate("c", 7)
+  check_invariants(alloc)
+
+
 def test_errors_are_clear_and_change_nothing():
   alloc = BlockAllocator(4, 4)
   alloc.add_sequence("a", range(9))
@@ -186,6 +205,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     self.completed: set[tuple[int, ...]] = set()  # every full-block prefix ever written
     self.next_id = 0
     self.dead: list[int] = []
+    self.truncated = False  # a truncation may withdraw a cached block: hits are then a lower bound
 
   def _write(self, seq_id, start):
     tokens = self.model[seq_id]
@@ -221,7 +241,7 @@ class AllocatorMachine(RuleBasedStateMachine):
       return
     assert hit % self.Z == 0 and hit <= max(len(prompt) - 1, 0)
     expected = self._expected_hit(prompt)
-    if evictions == 0:
+    if evictions == 0 and not self.truncated:
       assert hit == expected  # nothing ever evicted: every completed prefix is still cached
     else:
       assert hit <= expected
@@ -259,6 +279,55 @@ class AllocatorMachine(RuleBasedStateMachine):
     self.next_id += 1
     self.alloc.fork(parent, child)
     self.model[child] = list(self.model[parent])
+
+  @precondition(lambda self: self.model)
+  @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=7))
+  def reserve_write_release(self, data, tokens):
+    """A decode burst: reserve slots, write K/V into them on the device, learn the tokens, append
+    the ones kept (a stop may cut the burst short) and give back the rest."""
+    seq_id = data.draw(st.sampled_from(sorted(self.model)))
+    length = self.alloc.length(seq_id)
+    before = snapshot(self.alloc)
+    try:
+      copies = self.alloc.reserve(seq_id, len(tokens))
+    except OutOfBlocksError:
+      assert snapshot(self.alloc) == before
+      return
+    for src, dst in copies:
+      self.device[dst] = list(self.device[src])
+    blocks = self.alloc.blocks(seq_id)
+    assert len(blocks) == -(-(length + len(tokens)) // self.Z)
+    for pos, token in enumerate(tokens, start=length):  # the device writes before the host knows
+      block = blocks[pos // self.Z]
+      assert self.alloc.ref_count(block) == 1, "a burst wrote into a shared block"
+      self.device[block][pos % self.Z] = token
+    kept = tokens[: data.draw(st.integers(0, len(tokens)))]
+    assert self.alloc.append(seq_id, kept) == []  # the reserved blocks are already private
+    assert self.alloc.truncate(seq_id, length + len(kept)) == []
+    self.model[seq_id] = self.model[seq_id] + kept
+    for pos in range(length, length + len(kept)):
+      if (pos + 1) % self.Z == 0:
+        self.completed.add(tuple(self.model[seq_id][: pos + 1]))
+
+  @precondition(lambda self: self.model)
+  @rule(data=st.data())
+  def truncate(self, data):
+    seq_id = data.draw(st.sampled_from(sorted(self.model)))
+    length = data.draw(st.integers(0, len(self.model[seq_id])))
+    before = snapshot(self.alloc)
+    try:
+      copies = self.alloc.truncate(seq_id, length)
+    except OutOfBlocksError:
+      assert snapshot(self.alloc) == before
+      return
+    for src, dst in copies:
+      self.device[dst] = list(self.device[src])
+    self.model[seq_id] = self.model[seq_id][:length]
+    self.truncated = True
+    blocks = self.alloc.blocks(seq_id)
+    assert len(blocks) == -(-length // self.Z)
+    # The block the sequence will write next is its own.
+    assert len(copies) <= 1 and (length % self.Z == 0 or self.alloc.ref_count(blocks[-1]) == 1)
 
   @precondition(lambda self: self.model)
   @rule(data=st.data())

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlas_jax.cache.paged import slot_mapping, write_kv
+from atlas_jax.cache.paged import slot_mapping, write_slots
 from atlas_jax.kernels import attention_reference, paged_attention, paged_attention_reference
 from atlas_jax.kernels.paged_attention import paged_attention_pallas
 
@@ -43,7 +43,7 @@ def make_case(*, lengths, T, N, K, H, Z, dtype, seed=0):
   positions_BS = jnp.where(jnp.asarray(valid_BS), jnp.arange(S)[None, :], -1)
   slots_BS = slot_mapping(table, positions_BS, block_size=Z)
   nan_PZKH = jnp.full((P, Z, K, H), jnp.nan, dtype)
-  pool_k, pool_v = write_kv(nan_PZKH, nan_PZKH, slots_BS, k_BSKH, v_BSKH)
+  pool_k, pool_v = write_slots(nan_PZKH, slots_BS, k_BSKH), write_slots(nan_PZKH, slots_BS, v_BSKH)
   dense = dict(k=k_BSKH, v=v_BSKH)
   return q_BTNH, pool_k, pool_v, table, lengths, dense
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from atlas_jax.analysis.kv import config_kv_bytes_per_token, format_kv_report, kv_report
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, RopeScaling
-from atlas_jax.model.deepseek import DeepSeek
+from atlas_jax.model import Transformer
 
 YARN = RopeScaling(
   type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0
@@ -33,7 +33,7 @@ def tiny(**mla):
 def test_cached_decode_equals_full_forward():
   """Prefill (expanded path over the cache) + absorbed decode steps == one uncached forward."""
   cfg = tiny(q_lora_rank=20, v_head_dim=24)  # Hv > Hn + R: q and k get padded
-  model = DeepSeek(cfg, rngs=nnx.Rngs(0))
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
   model.blocks.attn.absorb_max_tokens = 2  # so the 6-token prefill takes the expanded path
   toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
   full = jax.jit(lambda t: model(t))(toks)
@@ -49,7 +49,7 @@ def test_cached_decode_equals_full_forward():
 
 def test_latent_cache_bytes_are_c_plus_r():
   cfg = dataclasses.replace(tiny(), dtype="bfloat16")
-  cache = nnx.eval_shape(lambda: DeepSeek(cfg, rngs=nnx.Rngs(0))).init_cache(3, 32)
+  cache = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))).init_cache(3, 32)
   per_token = cache.c.nbytes // (3 * 32)
   assert per_token == cfg.n_layers * (16 + 8) * 2 == config_kv_bytes_per_token(cfg)
 
@@ -118,7 +118,7 @@ def test_config_errors_name_the_field():
 def test_deepseek_v3_shaped_dense_model_eval_shape():
   """A DeepSeek-V3-shaped dense MLA model builds abstractly; its cache is 70,272 B/token in bf16."""
   cfg = dataclasses.replace(deepseek(61, 128), dtype="bfloat16", param_dtype="bfloat16")
-  model = nnx.eval_shape(lambda: DeepSeek(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   attn = model.blocks.attn
   assert attn.wq_a.shape == (61, 7168, 1536) and attn.wq_b.shape == (61, 1536, 128, 192)
   assert attn.wkv_a.shape == (61, 7168, 576) and attn.wk_b.shape == (61, 512, 128, 128)

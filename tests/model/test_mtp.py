@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig, load_config
-from atlas_jax.model.deepseek import DeepSeek, build
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model import Transformer, build
 from atlas_jax.training import mtp as mtp_loss
 
 
@@ -39,7 +38,7 @@ def nll(logits, targets):
 @pytest.mark.parametrize("kind,mla", [("sequential", True), ("parallel", False)])
 def test_loss_is_main_plus_weighted_mean_of_heads(kind, mla):
   cfg = tiny(kind, mla=mla)
-  model = DeepSeek(cfg, rngs=nnx.Rngs(0))
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   tokens = np.random.RandomState(0).randint(0, 31, (2, 11)).astype(np.int32)
   segments = np.array([[0] * 6 + [1] * 4, [0] * 10], np.int32)
@@ -65,7 +64,7 @@ def test_model_and_heads_are_causal(kind, mla):
   """At position t the main head reads tokens <= t, MTP head j tokens <= t + j (sequential:
   it embeds token t + j) or <= t (parallel)."""
   cfg = tiny(kind, mla=mla, n_predict=1)
-  graphdef, state = nnx.split(DeepSeek(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
 
   def at_4(st, which):
     main, heads = nnx.merge(graphdef, st).forward_mtp(jnp.arange(10)[None])
@@ -81,7 +80,7 @@ def test_model_and_heads_are_causal(kind, mla):
 @pytest.mark.parametrize("kind", ["sequential", "parallel"])
 def test_training_lowers_every_head_loss(kind):
   cfg = tiny(kind, n_predict=1)
-  model = DeepSeek(cfg, rngs=nnx.Rngs(0))
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   opt = optax.adam(1e-2)
   opt_state = opt.init(params)
@@ -105,8 +104,8 @@ def test_training_lowers_every_head_loss(kind):
 
 def test_preset_builds_deepseek_with_mtp():
   cfg = load_config("configs/deepseek-tiny.yaml").model
-  model = nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0)))
-  assert isinstance(model, DeepSeek) and model.mtp is not None
+  model = nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+  assert isinstance(model, Transformer) and model.mtp is not None
   assert model.mtp.heads.eh_proj.shape == (1, 2 * cfg.d_model, cfg.d_model)
   plain = dataclasses.replace(cfg, mla=None, mtp=None, n_kv_heads=4, head_dim=None)
-  assert isinstance(nnx.eval_shape(lambda: build(plain, nnx.Rngs(0))), Transformer)
+  assert isinstance(nnx.eval_shape(lambda: build(plain, rngs=nnx.Rngs(0))), Transformer)

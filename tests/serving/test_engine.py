@@ -1,10 +1,12 @@
 """The engine serves what `generate` would, whatever the arrivals, batching or preemption."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.serving.engine import Engine, EngineConfig, RequestError, _forward_sample
+from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 
 def workload(seed, n=10, vocab=40):
@@ -39,11 +41,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("order", ["fifo", "reversed", "staggered"])
-def test_engine_equals_generate(tiny_model, reference, name, order):
-  prompts, params, want = reference
-  engine = Engine(tiny_model, CONFIGS[name])
+def serve(model, config, prompts, params, order):
+  """Runs the engine over the workload in an arrival order; the new tokens per prompt."""
+  engine = Engine(model, config)
   idx = list(range(len(prompts)))
   if order == "reversed":
     idx = idx[::-1]
@@ -57,11 +57,38 @@ def test_engine_equals_generate(tiny_model, reference, name, order):
     pending = pending[take:]
     for out in engine.step():
       got[out.request_id].extend(out.new_token_ids)
-  assert [got[i] for i in range(len(prompts))] == want
-  if name == "tight":
-    assert engine.n_preemptions > 0
   s = engine.allocator.stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+  return [got[i] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("order", ["fifo", "reversed", "staggered"])
+def test_engine_equals_generate(tiny_model, reference, name, order):
+  prompts, params, want = reference
+  got, engine = serve(tiny_model, CONFIGS[name], prompts, params, order)
+  assert got == want
+  if name == "tight":
+    assert engine.n_preemptions > 0
+  else:
+    assert engine.n_bursts > 0
+
+
+@pytest.fixture(scope="module")
+def mla_reference(mla_model):
+  prompts, params = workload(0)
+  return prompts, params, generate(mla_model, prompts, params)
+
+
+@pytest.mark.parametrize("name, order", [("tight", "reversed"), ("roomy", "staggered")])
+def test_mla_engine_equals_generate(mla_model, mla_reference, name, order):
+  """MLA models are served over a paged latent pool: same tokens as `generate` (greedy and
+  seeded sampling), in two arrival orders, with preemption in the tight pool."""
+  prompts, params, want = mla_reference
+  got, engine = serve(mla_model, CONFIGS[name], prompts, params, order)
+  assert got == want
+  if name == "tight":
+    assert engine.n_preemptions > 0
 
 
 def test_logprobs_and_stop_tokens_match_generate(tiny_model):
@@ -92,13 +119,13 @@ def test_logprobs_and_stop_tokens_match_generate(tiny_model):
   assert all(t[0][0] == g and abs(t[0][1] - lp) < 1e-5 for t, g, lp in zip(tops[0], got[0], lps[0]))
 
 
-def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model):
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(any_model):
   prompt = list(np.random.default_rng(1).integers(0, 40, 30))
-  engine = Engine(tiny_model, CONFIGS["roomy"])
+  engine = Engine(any_model, CONFIGS["roomy"])
   first = engine.generate([prompt], SamplingParams(max_new_tokens=5))
   again = engine.generate([prompt, prompt[:21] + [3]], SamplingParams(max_new_tokens=5))
   assert again[0] == first[0]
-  assert again[1] == generate(tiny_model, [prompt[:21] + [3]], SamplingParams(max_new_tokens=5))[0]
+  assert again[1] == generate(any_model, [prompt[:21] + [3]], SamplingParams(max_new_tokens=5))[0]
   # 7 of the first prompt's full blocks (the 8th holds its last token, always recomputed) + 5.
   assert engine.allocator.stats().prefix_hit_tokens == 4 * (7 + 5)
 
@@ -137,19 +164,26 @@ def test_abort_frees_blocks(tiny_model):
   assert engine.allocator.stats().n_used == 0 and engine.n_running == 0
 
 
-def test_stop_strings_cut_the_text(tiny_model):
+@pytest.mark.parametrize("at", [3, 8, 15], ids=["first_burst", "across_bursts", "later"])
+def test_stop_strings_cut_the_text(tiny_model, at):
+  """A stop string ends the request where it first appears in the text, even when its
+  characters come from two bursts (output tokens 1-8 and 9-16 are drawn by one burst each)."""
   detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)
-  free = generate(tiny_model, [[5, 6]], SamplingParams(max_new_tokens=10))[0]
-  stop = detok(free[3:5])
+  free = generate(tiny_model, [[5, 6]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+  stop = detok(free[at : at + 2])
   engine = Engine(tiny_model, CONFIGS["roomy"], detokenize=detok)
-  engine.add_request("s", [5, 6], SamplingParams(max_new_tokens=10, stop=(stop,)))
-  text, reason = "", None
+  engine.add_request("s", [5, 6], SamplingParams(max_new_tokens=24, stop=(stop,)))
+  text, tokens, reason = "", [], None
   while engine.has_unfinished():
     for out in engine.step():
       text += out.text
+      tokens += out.new_token_ids
       reason = out.finish_reason or reason
   full = detok(free)
-  assert reason == "stop" and text == full[: full.find(stop)]
+  cut = full.find(stop)
+  assert reason == "stop" and text == full[:cut]
+  assert tokens == free[: cut + 2]  # through the token that completes the stop string
+  assert engine.n_bursts > 0 or cut + 2 <= 1
 
 
 def test_steady_state_never_recompiles(tiny_model):
@@ -161,7 +195,8 @@ def test_steady_state_never_recompiles(tiny_model):
   )
   rng = np.random.default_rng(3)
   count = 0
-  before = _forward_sample._cache_size()
+  before = engine.programs.forward_sample._cache_size()
+  bursts_before = engine.programs.decode_burst._cache_size()
 
   def run(steps):
     nonlocal count
@@ -174,9 +209,111 @@ def test_steady_state_never_recompiles(tiny_model):
         count += 1
       engine.step()
 
-  run(150)  # warm-up: visits the (batch, chunk) buckets
-  compiled = _forward_sample._cache_size()
+  run(150)  # warm-up: visits the (batch, chunk, block-table width) buckets
+  compiled = engine.programs.forward_sample._cache_size()
+  bursts = engine.programs.decode_burst._cache_size()
   run(200)
-  assert _forward_sample._cache_size() == compiled
-  # A handful of shapes: prefill row buckets x chunk buckets (16 only here), decode row buckets.
+  assert engine.programs.forward_sample._cache_size() == compiled
+  assert engine.programs.decode_burst._cache_size() == bursts
+  # A handful of shapes: prefill row buckets x chunk buckets (16 only here) x table widths (64
+  # tokens only here), decode row buckets; bursts: one per row bucket.
   assert compiled - before <= 4 + 3
+  assert bursts - bursts_before <= 3
+
+
+@pytest.mark.parametrize("prompt_len", [30, 29], ids=["shared_partial_block", "block_aligned"])
+def test_n_completions_compute_the_prompt_once(any_model, prompt_len):
+  """add_requests: n completions equal n independent ones, but the prompt runs once and only the
+  shared partial block is copied (copy-on-write), once per extra completion."""
+  prompt = np.random.default_rng(2).integers(0, 40, prompt_len).tolist()
+  params = [SamplingParams(max_new_tokens=9, temperature=1.0, seed=s) for s in range(4)]
+  want = generate(any_model, [prompt] * 4, params)
+  # Single decode steps, so every computed token counts exactly (bursts overrun stops).
+  engine = Engine(any_model, dataclasses.replace(CONFIGS["roomy"], decode_burst=1))
+  engine.add_requests(["a", "b", "c", "d"], prompt, params)
+  got = {rid: [] for rid in "abcd"}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+  assert [got[r] for r in "abcd"] == want
+  # The prompt once, the last prompt token again per extra completion, then the decode steps.
+  assert engine.n_computed_tokens == prompt_len + 3 + sum(len(w) - 1 for w in want)
+  Z = CONFIGS["roomy"].block_size
+  assert engine.allocator.stats().n_copies == (3 if (prompt_len - 1) % Z else 0)
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_n_completions_survive_preemption_and_a_leader_abort(tiny_model):
+  prompts, params = workload(1, n=6)
+  group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in (7, 8, 9)]
+  long_prompt = list(range(3, 38))
+  want_group = generate(tiny_model, [long_prompt] * 3, group)
+  want = generate(tiny_model, prompts, params)
+  engine = Engine(tiny_model, CONFIGS["tight"])
+  engine.add_requests(["g0", "g1", "g2"], long_prompt, group)
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got = {rid: [] for rid in ["g0", "g1", "g2", *range(6)]}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+  assert [got[i] for i in range(6)] == want
+  assert [got[r] for r in ("g0", "g1", "g2")] == want_group
+  assert engine.n_preemptions > 0
+
+  # The leader aborted before its prompt is computed: its siblings compute it themselves.
+  engine = Engine(tiny_model, CONFIGS["tight"])
+  engine.add_requests(["h0", "h1", "h2"], long_prompt, group)
+  engine.step()
+  engine.abort("h0")
+  got = {"h1": [], "h2": []}
+  reasons = {}
+  while engine.has_unfinished():
+    for out in engine.step():
+      if out.request_id in got:
+        got[out.request_id] += out.new_token_ids
+      reasons[out.request_id] = out.finish_reason
+  assert [got["h1"], got["h2"]] == want_group[1:] and reasons["h0"] == "abort"
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_add_requests_is_all_or_nothing(tiny_model):
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  with pytest.raises(RequestError, match="max_tokens 200"):
+    engine.add_requests(
+      ["ok", "bad"], [1, 2, 3], [SamplingParams(), SamplingParams(max_new_tokens=200)]
+    )
+  with pytest.raises(RequestError, match="duplicate request ids"):
+    engine.add_requests(["x", "x"], [1, 2], [SamplingParams(), SamplingParams()])
+  assert not engine.has_unfinished() and engine.n_waiting == 0
+
+
+def test_chained_bursts_and_an_abort_in_flight(tiny_model):
+  """Bursts run back to back, each fed on the device by the previous one's last draws before
+  the host reads them; a request aborted while a burst runs ends alone, its blocks freed."""
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 40, 6).tolist() for _ in range(4)]
+  params = [
+    SamplingParams(max_new_tokens=45, temperature=float(i % 2), seed=i, repetition_penalty=1.3)
+    for i in range(4)
+  ]
+  want = generate(tiny_model, prompts, params)
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got = {i: [] for i in range(4)}
+  reasons = {}
+  while engine.has_unfinished():
+    if engine._inflight is not None and 2 not in reasons and len(got[2]) >= 9:
+      engine.abort(2)
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+      if out.finished:
+        reasons[out.request_id] = out.finish_reason
+  assert engine.n_chained > 0
+  assert [got[i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+  assert reasons[2] == "abort" and got[2] == want[2][: len(got[2])]
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks

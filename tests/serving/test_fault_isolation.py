@@ -1,11 +1,12 @@
 """One request's failure inside a batched step fails that request only; the rest are unchanged."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.serving import engine as engine_module
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 POISON_SEED = 13  # a request with this seed makes the jitted step raise
@@ -14,23 +15,31 @@ CONFIG = EngineConfig(
 )
 
 
-def poison(monkeypatch, *, lose_pool: bool):
-  """Makes every model step holding a row with POISON_SEED raise; after consuming the donated
-  pool (as a failure on the device would) when `lose_pool`, else before running."""
-  original = engine_module._forward_sample
+def poison(engine, *, lose_pool: bool):
+  """Makes every model call holding a row with POISON_SEED raise (a mixed step or a decode
+  burst); after consuming the donated pool (as a failure on the device would) when
+  `lose_pool`, else before running. Returns the batch size of every call."""
+  original = engine.programs
   calls = []
 
-  def step(graphdef, state, pool, *args):
-    seeds = np.asarray(args[5])
-    calls.append(len(seeds))
-    if POISON_SEED in seeds.tolist():
-      if lose_pool:
-        for x in jax.tree.leaves(pool):
-          x.delete()
-      raise RuntimeError("injected fault")
-    return original(graphdef, state, pool, *args)
+  def guard(program, seed_arg):
+    def call(state, pool, *args):
+      seeds = np.asarray(args[seed_arg])
+      calls.append(len(seeds))
+      if POISON_SEED in seeds.tolist():
+        if lose_pool:
+          for x in jax.tree.leaves(pool):
+            x.delete()
+        raise RuntimeError("injected fault")
+      return program(state, pool, *args)
 
-  monkeypatch.setattr(engine_module, "_forward_sample", step)
+    return call
+
+  engine.programs = dataclasses.replace(
+    original,
+    forward_sample=guard(original.forward_sample, 5),
+    decode_burst=guard(original.decode_burst, 3),
+  )
   return calls
 
 
@@ -62,11 +71,11 @@ def workload():
 
 
 @pytest.mark.parametrize("lose_pool", [False, True], ids=["before-run", "pool-lost"])
-def test_a_failing_request_fails_alone(tiny_model, monkeypatch, lose_pool):
+def test_a_failing_request_fails_alone(tiny_model, lose_pool):
   prompts, params, requests = workload()
   want = generate(tiny_model, prompts, params)
-  calls = poison(monkeypatch, lose_pool=lose_pool)
   engine = Engine(tiny_model, CONFIG)
+  calls = poison(engine, lose_pool=lose_pool)
   got, ends = run(engine, requests)
   assert ends.pop("bad") == ("error", "the model step failed: RuntimeError: injected fault")
   assert got.pop("bad") == []

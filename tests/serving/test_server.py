@@ -1,6 +1,7 @@
 """The HTTP server end to end on loopback: the openai client, SSE streams, errors, metrics, load."""
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -17,7 +18,6 @@ from atlas_jax.config import ModelConfig
 from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model.transformer import Transformer
-from atlas_jax.serving import engine as engine_module
 from atlas_jax.serving.engine import Engine, EngineConfig
 from atlas_jax.serving.server import EngineRunner, ServerLimits, build_app
 
@@ -242,18 +242,30 @@ def test_a_chunked_body_is_cut_off_at_the_limit(server):
 
 def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
   url, model, tok, engine = server
-  original = engine_module._forward_sample
+  original = engine.programs
   calls = []
 
-  def step(graphdef, state, pool, tokens_BT, *args):
-    seeds, steps = np.asarray(args[4]).tolist(), np.asarray(args[5]).tolist()
-    calls.append(seeds)
-    # The fault: any step where the row with seed 13 samples its second token or later.
-    if any(seed == 13 and i >= 1 for seed, i in zip(seeds, steps)):
-      raise OverflowError("injected fault")
-    return original(graphdef, state, pool, tokens_BT, *args)
+  def guard(program, seed_arg, step_arg, n_draws):
+    def call(state, pool, *args):
+      seeds, steps = np.asarray(args[seed_arg]).tolist(), np.asarray(args[step_arg]).tolist()
+      calls.append(seeds)
+      # The fault: any call in which the row with seed 13 draws its second token or later.
+      if any(seed == 13 and i + n_draws > 1 for seed, i in zip(seeds, steps)):
+        raise OverflowError("injected fault")
+      return program(state, pool, *args)
 
-  monkeypatch.setattr(engine_module, "_forward_sample", step)
+    return call
+
+  K = engine.config.decode_burst  # draws per burst call
+  monkeypatch.setattr(
+    engine,
+    "programs",
+    dataclasses.replace(
+      original,
+      forward_sample=guard(original.forward_sample, 5, 6, 1),
+      decode_burst=guard(original.decode_burst, 3, 4, K),
+    ),
+  )
 
   async def stream(client, body):
     texts, errors, lines = {}, [], []

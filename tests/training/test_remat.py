@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from atlas_jax.model.scan import default_every
 from atlas_jax.model.transformer import Transformer
-from atlas_jax.training.remat import default_every
 from atlas_jax.training.step import loss_fn
 
 from .common import tiny_config

@@ -1,4 +1,8 @@
-"""Rematerialisation (activation checkpointing) policies for the layer scan.
+"""The layer scan and its rematerialisation (activation checkpointing) policies.
+
+Layers are stored stacked (every block parameter has a leading [L] axis) and run with
+`jax.lax.scan`, so compile time does not grow with depth. The policies decide what the forward
+pass keeps for the backward pass:
 
 * none: keep every residual the backward pass needs.
 * full: keep only each block's input; recompute the whole block in the backward pass.
@@ -14,6 +18,7 @@ import math
 from collections.abc import Callable
 
 import jax
+from flax import nnx
 
 POLICIES = ("none", "full", "every_k", "selective")
 # Names tagged in atlas_jax/model/attention.py and layers.py.
@@ -35,46 +40,65 @@ def default_every(n_layers: int) -> int:
   return min(divisors, key=lambda k: (abs(k - math.sqrt(n_layers)), k))
 
 
-def scan_blocks(
-  block_fn: Callable,
-  x,
-  stacked,
+def scan_layers(
+  step: Callable,
+  carry,
+  xs,
   *,
   policy: str = "none",
   every: int | None = None,
   unroll: bool = False,
 ):
-  """Runs `x = block_fn(x, layer_params)` over the stacked layers with the given remat policy.
+  """`jax.lax.scan(step, carry, xs)` over the stacked layers, under a remat policy.
 
   Args:
-    block_fn: (x, params of one layer) -> x.
-    x: the carry (activations [B, T, D]).
-    stacked: a pytree whose leaves have a leading [L] axis.
+    step: (carry, one layer's slice of xs) -> (carry, y).
+    carry: what flows from layer to layer (activations [B, T, D]).
+    xs: a pytree whose leaves have a leading [L] axis (layer parameters, cache layers).
     policy: one of POLICIES.
     every: k for "every_k" (must divide L); default `default_every(L)`.
     unroll: unroll the layer loops. Only for measurement: XLA's cost analysis counts a loop body
       once, whatever its trip count.
+
+  Returns:
+    (final carry, ys stacked on a leading [L] axis).
   """
   if policy not in POLICIES:
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
-  step = lambda x, params: (block_fn(x, params), None)
-  if policy == "none":
-    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
   if policy == "full":
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
-    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
-  if policy == "selective":
+  elif policy == "selective":
     step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*MATMUL_NAMES))
-    return jax.lax.scan(step, x, stacked, unroll=unroll)[0]
-  n_layers = jax.tree.leaves(stacked)[0].shape[0]
+  if policy != "every_k":
+    return jax.lax.scan(step, carry, xs, unroll=unroll)
+  n_layers = jax.tree.leaves(xs)[0].shape[0]
   k = default_every(n_layers) if every is None else every
   if n_layers % k:
     raise ValueError(f"remat every_k: k={k} must divide the number of layers {n_layers}")
-  grouped = jax.tree.map(lambda a: a.reshape(n_layers // k, k, *a.shape[1:]), stacked)
+  grouped = jax.tree.map(lambda a: a.reshape(n_layers // k, k, *a.shape[1:]), xs)
 
-  def group(x, params_k):
+  def group(carry, xs_k):
     # Only the group's input survives the forward; its k blocks are recomputed together.
-    return jax.lax.scan(step, x, params_k, unroll=unroll)[0], None
+    return jax.lax.scan(step, carry, xs_k, unroll=unroll)
 
   group = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable)
-  return jax.lax.scan(group, x, grouped, unroll=unroll)[0]
+  carry, ys = jax.lax.scan(group, carry, grouped, unroll=unroll)
+  return carry, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), ys)
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+  """One module whose parameters carry a leading [n] axis, initialised independently per copy.
+
+  Each parameter's logical axes gain a leading "layers" axis, so the sharding rules see it.
+  """
+  keys = jax.random.split(rngs.params(), n)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys)
+
+  def add_layer_axis(v):
+    if not isinstance(v, nnx.Param):
+      return v
+    return v.replace(logical_axes=("layers", *v.get_metadata()["logical_axes"]))
+
+  state = jax.tree.map(add_layer_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)

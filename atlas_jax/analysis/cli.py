@@ -1,0 +1,151 @@
+"""`atlas-plan` / `python -m atlas_jax.plan`: memory and compute of a model, before running it.
+
+    atlas-plan --config configs/llama3-8b.yaml
+    atlas-plan --config path/to/hf_folder --seq-len 4096 --batch 16 --device H200 --json
+    atlas-plan --config llama-2-70b --devices 64 --strategy zero3 --plot charts/
+
+`--config` takes a YAML preset, a Hugging Face folder (its config.json alone is read), or a
+published model's name (see `atlas_jax.analysis.models`). A preset supplies the defaults for the
+sequence length, batch, precision, remat policy, sharding and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from atlas_jax.analysis import memory
+from atlas_jax.analysis.devices import DEVICES
+from atlas_jax.analysis.models import REFERENCE_MODELS, get_reference
+from atlas_jax.analysis.planner import PRECISIONS, PlanInputs, make_plan
+from atlas_jax.analysis.report import render
+from atlas_jax.config import Config, ConfigError, ModelConfig, load_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  name: str
+  model: ModelConfig
+  config: Config | None  # a YAML preset's full config (training defaults), else None
+  notes: tuple[str, ...] = ()
+
+
+def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Source:
+  """The model behind `--config`: a YAML preset, a Hugging Face folder, or a known model name."""
+  path = Path(spec)
+  if path.is_file() and path.suffix in (".yaml", ".yml"):
+    cfg = load_config(path, overrides)
+    return Source(path.stem, cfg.model, cfg)
+  if overrides:
+    raise ValueError(f"--set {overrides[0]!r}: overrides apply to YAML presets only")
+  if path.is_file() and path.name == "config.json":
+    path = path.parent
+  if path.is_dir():
+    if not (path / "config.json").is_file():
+      raise ValueError(
+        f"--config={spec!r}: the folder has no config.json (expected a Hugging Face model folder)"
+      )
+    from atlas_jax import hf
+
+    try:
+      return Source(path.name, hf.load_config(path), None)
+    except hf.HFLoadError as e:
+      hint = ""
+      if "mixture-of-experts" in str(e):
+        names = [n for n in REFERENCE_MODELS if n.startswith("deepseek")]
+        hint = f"; for DeepSeek's attention and KV cache use --config {' / '.join(names)}"
+      raise ValueError(f"--config={spec!r}: {e}{hint}") from e
+  ref = get_reference(spec)
+  if ref is not None:
+    return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
+  raise ValueError(
+    f"--config={spec!r} is not a YAML preset, a Hugging Face folder with a config.json, or a "
+    f"known model; known models: {', '.join(REFERENCE_MODELS)}"
+  )
+
+
+def preset_defaults(source: Source, devices: int) -> dict:
+  """PlanInputs fields a preset implies (training shape, precision, remat, sharding)."""
+  cfg = source.config
+  if cfg is None:
+    return {"seq_len": min(4096, source.model.max_seq_len), "batch": devices}
+  t = cfg.train
+  tensor = cfg.mesh.tensor if devices % cfg.mesh.tensor == 0 else 1
+  strategy = {"fsdp": "zero3"}.get(t.sharding, t.sharding)
+  return {
+    "seq_len": t.seq_len,
+    "batch": t.batch_size,
+    "precision": t.precision,
+    "remat": t.remat,
+    "remat_every": t.remat_every,
+    "strategy": strategy,
+    "tensor": tensor,
+    "grad_accum": t.grad_accum,
+    "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
+  }
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="atlas-plan",
+    description="Memory and compute of a model: parameters, KV cache, training memory per "
+    "device, activations per remat policy, FLOPs, time to train and the decode ceiling.",
+  )
+  p.add_argument("--config", required=True, help="YAML preset, HF folder, or a known model name")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset override")
+  p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+  p.add_argument("--batch", type=int, help="global batch / sequences served")
+  p.add_argument("--devices", type=int, default=8, help="devices to train on (default 8)")
+  p.add_argument("--strategy", choices=memory.STRATEGIES, help="sharding strategy")
+  p.add_argument("--tensor", type=int, help="tensor-parallel ways combined with the strategy")
+  p.add_argument("--remat", choices=memory.REMAT_POLICIES, help="activation checkpointing")
+  p.add_argument("--remat-every", type=int, help="k for --remat every_k")
+  p.add_argument("--precision", choices=PRECISIONS, help="compute precision (default bf16)")
+  p.add_argument("--device", default="H100", help=f"one of: {', '.join(DEVICES)}")
+  p.add_argument("--attention", choices=memory.ATTENTION_IMPLS, help="attention implementation")
+  p.add_argument("--grad-accum", type=int, help="micro-batches per step")
+  p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
+  p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
+  p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
+  out = p.add_mutually_exclusive_group()
+  out.add_argument("--json", action="store_true", help="print every figure as JSON")
+  out.add_argument("--markdown", action="store_true", help="print markdown tables")
+  p.add_argument("--plot", metavar="DIR", help="also write PNG charts into DIR")
+  return p
+
+
+def build_plan(args: argparse.Namespace) -> dict:
+  source = load_source(args.config, args.set)
+  fields = {"devices": args.devices, **preset_defaults(source, args.devices)}
+  for name in ("seq_len", "batch", "strategy", "tensor", "remat", "remat_every", "precision"):
+    if getattr(args, name) is not None:
+      fields[name] = getattr(args, name)
+  for name in ("attention", "grad_accum"):
+    if getattr(args, name) is not None:
+      fields[name] = getattr(args, name)
+  if args.tokens is not None:
+    fields["tokens"] = int(args.tokens)
+  fields.update(device=args.device, mfu=args.mfu, block_size=args.block_size)
+  return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=source.notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  try:
+    plan = build_plan(args)
+  except (ValueError, ConfigError) as e:  # HFLoadError and ConfigError are ValueErrors
+    print(f"atlas-plan: error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(plan, indent=2))
+  else:
+    print(render(plan, markdown=args.markdown))
+  if args.plot:
+    from atlas_jax.analysis.charts import save_charts
+
+    for path in save_charts(plan, args.plot):
+      print(f"wrote {path}", file=sys.stderr)
+  return 0

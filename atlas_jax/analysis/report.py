@@ -1,0 +1,227 @@
+"""The planner's figures as tables for people: aligned text for a terminal, or markdown.
+
+Sizes are printed in decimal units (1 GB = 10^9 bytes, as accelerator memory is sold) beside the
+exact count; `--json` carries the exact numbers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def fmt_bytes(n: float) -> str:
+  """1.34 GB, 131 kB, 512 B (decimal units)."""
+  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+  """8.03 B, 110 M, 1.2 k: parameter and token counts."""
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n:g}"
+
+
+def fmt_seconds(s: float) -> str:
+  if s >= 86400:
+    return f"{s / 86400:.3g} days"
+  if s >= 3600:
+    return f"{s / 3600:.3g} h"
+  if s >= 1:
+    return f"{s:.3g} s"
+  return f"{s * 1e3:.3g} ms"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bool) -> str:
+  """A table; the first column left-aligned, the others right-aligned."""
+  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+  if markdown:
+    lines = ["| " + " | ".join(cells[0]) + " |"]
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in cells[1:]]
+    return "\n".join(lines)
+  widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+  def line(row):
+    first = row[0].ljust(widths[0])
+    rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+    return "  " + "  ".join([first, *rest])
+
+  rule = "  " + "  ".join("-" * w for w in widths)
+  return "\n".join([line(cells[0]), rule, *map(line, cells[1:])])
+
+
+def _section(title: str, body: str, *, markdown: bool) -> str:
+  return f"### {title}\n\n{body}\n" if markdown else f"{title}\n{body}\n"
+
+
+def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
+  """Every section of a plan as tables."""
+  m, inp, dev = plan["model"], plan["inputs"], plan["device"]
+  T = inp["seq_len"]
+  heads = (
+    f"MLA latent {m['kv_lora_rank']} + rope {m['qk_rope_head_dim']}, {m['n_heads']} heads"
+    if m["attention"] == "MLA"
+    else f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads of {m['head_dim']}"
+  )
+  out = [
+    f"{plan['name']}: {m['attention']}, {m['n_layers']} layers, d_model {m['d_model']}, "
+    f"{heads}, ffn {m['ffn_dim']}, vocab {m['vocab_size']}"
+    + (f", {m['mtp_heads']} MTP head(s)" if "mtp_heads" in m else ""),
+    f"plan: seq_len {T}, batch {inp['batch']}, {inp['devices']} x {dev['name']} "
+    f"({dev['peak_bf16_flops'] / 1e12:g} TFLOP/s bf16, {fmt_bytes(dev['hbm_bytes'])}, "
+    f"{fmt_bytes(dev['hbm_bytes_per_s'])}/s), precision {inp['precision']}, "
+    f"remat {inp['remat']}, strategy {inp['strategy']}"
+    + (f" x tensor {inp['tensor']}" if inp["tensor"] > 1 else "")
+    + f", {inp['attention']} attention",
+  ]
+  out += [f"note: {n}" for n in plan["notes"]]
+  out.append("")
+  if markdown:
+    out = [line + "  " if line else line for line in out]
+
+  p = plan["params"]
+  rows = [
+    ("total", f"{p['total']:,}", fmt_count(p["total"])),
+    ("embedding", f"{p['embed']:,}", fmt_count(p["embed"])),
+    ("output head", f"{p['lm_head']:,}", fmt_count(p["lm_head"])),
+    ("blocks", f"{p['blocks']:,}", fmt_count(p["blocks"])),
+    ("per layer", f"{p['per_layer']:,}", fmt_count(p["per_layer"])),
+    ("MTP heads", f"{p['mtp']:,}", fmt_count(p["mtp"])),
+    ("in matmuls (the N of 6N)", f"{p['matmul']:,}", fmt_count(p["matmul"])),
+  ]
+  body = table(("parameters", "count", ""), rows, markdown=markdown)
+  out.append(_section("Parameters", body, markdown=markdown))
+
+  kv = plan["kv_cache"]
+  rows = [
+    (
+      f"{kv['attention']} (this model)",
+      f"{kv['bytes_per_token']:,}",
+      fmt_bytes(kv["bytes_per_sequence"]),
+      fmt_bytes(kv["bytes_batch"]),
+      "1.00x",
+    )
+  ]
+  for alt in kv["alternatives"]:
+    shape = (
+      f"{alt['kv_heads']} kv head{'s' if alt['kv_heads'] > 1 else ''}"
+      if "kv_heads" in alt
+      else f"latent {alt['kv_lora_rank']} + {alt['rope_dim']}"
+    )
+    rows.append(
+      (
+        f"{alt['kind']} ({shape})",
+        f"{alt['bytes_per_token']:,}",
+        fmt_bytes(alt["bytes_per_sequence"]),
+        fmt_bytes(alt["bytes_per_token"] * T * inp["batch"]),
+        f"{alt['vs_model']:.2f}x",
+      )
+    )
+  body = table(
+    ("attention", "bytes/token", f"per sequence ({T})", f"x {inp['batch']} sequences", "vs model"),
+    rows,
+    markdown=markdown,
+  )
+  body += (
+    f"\n\n{kv['dtype_bytes']}-byte cache; paged in blocks of {kv['block_size']}: "
+    f"{kv['blocks_per_sequence']} blocks, {fmt_bytes(kv['paged_bytes_per_sequence'])} per sequence"
+  )
+  out.append(_section("KV cache", body, markdown=markdown))
+
+  rows = []
+  for s in plan["training"]["strategies"]:
+    mesh = s["mesh"]
+    rows.append(
+      (
+        s["strategy"] + (" *" if s["strategy"] == plan["training"]["selected"] else ""),
+        f"{mesh['data']}x{mesh['fsdp']}x{mesh['tensor']}",
+        s["micro_batch"],
+        fmt_bytes(s["params"]),
+        fmt_bytes(s["grads"]),
+        fmt_bytes(s["opt_state"]),
+        fmt_bytes(s["activations_peak"]),
+        fmt_bytes(s["total"]),
+        "yes" if s["fits"] else "no",
+      )
+    )
+  body = table(
+    (
+      "strategy",
+      "mesh d x f x t",
+      "micro-batch",
+      "params",
+      "grads",
+      "Adam",
+      f"activations ({inp['remat']})",
+      "total",
+      f"fits {dev['name']}",
+    ),
+    rows,
+    markdown=markdown,
+  )
+  body += (
+    "\n\nfloat32 master weights, gradients and Adam moments: 16 bytes per parameter before "
+    "sharding; activations at their peak (saved + one block recomputed)"
+  )
+  out.append(_section("Training memory per device", body, markdown=markdown))
+
+  sel = next(s for s in plan["training"]["strategies"] if s["strategy"] == inp["strategy"])
+  rows = [
+    (a["policy"], fmt_bytes(a["saved"]), fmt_bytes(a["recompute"]), fmt_bytes(a["peak"]))
+    for a in plan["activations"]
+  ]
+  body = table(("remat", "saved", "recomputed at a time", "peak"), rows, markdown=markdown)
+  out.append(
+    _section(
+      f"Activations per device ({sel['micro_batch']} x {T} tokens, {inp['strategy']})",
+      body,
+      markdown=markdown,
+    )
+  )
+
+  c = plan["compute"]
+  rows = [
+    ("FLOPs per token", f"{c['flops_per_token']:.4g}"),
+    ("  6N", f"{c['flops_per_token_6n']:.4g}"),
+    ("  attention", f"{c['attention_flops_per_token']:.4g}"),
+    ("Chinchilla-optimal tokens (20 / parameter)", fmt_count(c["chinchilla_tokens"])),
+    ("tokens trained", fmt_count(c["tokens"])),
+    ("training FLOPs", f"{c['train_flops']:.4g}"),
+    (
+      f"time on {inp['devices']} x {dev['name']} at {c['mfu']:.0%} MFU",
+      fmt_seconds(c["seconds"]),
+    ),
+  ]
+  body = table(("training", "FLOPs, tokens, time"), rows, markdown=markdown)
+  out.append(_section("Compute", body, markdown=markdown))
+
+  d = plan["decode"]
+  rows = []
+  for bound in d.values():
+    if not isinstance(bound, dict):
+      continue
+    rows.append(
+      (
+        f"{bound['devices']} device{'s' if bound['devices'] > 1 else ''}, batch {bound['batch']}",
+        fmt_bytes(bound["bytes_per_step"]),
+        fmt_seconds(bound["seconds_per_step"]),
+        f"{bound['tokens_per_s']:,.0f}",
+        "memory" if bound["memory_bound"] else "compute",
+      )
+    )
+  body = table(
+    ("decoding", "bytes read per step", "step time", "tokens/s ceiling", "bound by"),
+    rows,
+    markdown=markdown,
+  )
+  body += (
+    f"\n\nweights {fmt_bytes(d['weight_bytes'])} (read once per step), cache "
+    f"{fmt_bytes(d['cache_bytes_per_sequence'])} per sequence at {T} tokens"
+  )
+  out.append(_section("Decode ceiling", body, markdown=markdown))
+  return "\n".join(out)

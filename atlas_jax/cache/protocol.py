@@ -1,0 +1,88 @@
+"""The cache protocol: what every cache kind offers the model and each attention layer.
+
+Four cache kinds share it: contiguous KV (`KVCache`) and contiguous MLA latents (`LatentCache`),
+in `atlas_jax.cache.contiguous`, and paged KV or latent pools behind a block table
+(`PagedCache`), in `atlas_jax.cache.paged`. The model never asks which kind it holds:
+
+    xs = cache.layers                               # per-layer storage, leading [L] axis
+    for each layer (inside `jax.lax.scan`):
+      view = cache.layer(xs_l, positions_BT)        # a LayerCache
+      view = view.write(positions_BT, *new_BT)      # store this call's entries
+      out = view.attend(q_BTN_, positions_BT, ...)  # attend over everything held
+      xs_l = view.storage                           # back into the scan
+    cache = cache.advance(xs, positions_BT)         # new storage, lengths grown
+
+A KV layer stores (k, v), each [.., K, H] per token, and `attend` takes queries [B, T, N, H]. A
+latent layer stores MLA's latent [.., C + R] per token and `attend` is the absorbed MLA attention:
+queries [B, T, N, C + R] (W_UK folded into the no-rope part) score against whole latents and the
+output is the weighted sum of their first C dims, [B, T, N, C]. `read` returns the held entries
+densely, [B, S, ...] per stored array, for attention paths that need them (MLA's expanded
+prefill); slots at or past `kv_lengths` are zeros or stale and must be masked.
+
+Positions: the T new tokens of row b sit at positions lengths[b], lengths[b] + 1, ...; a paged
+cache also accepts negative positions, marking right padding (not written, not counted), so the
+rows of one call may add different numbers of tokens. Contiguous caches add T tokens to every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+Array = jax.Array
+
+
+class LayerCache(Protocol):
+  """One layer's slice of a cache, as the attention module sees it."""
+
+  kv_lengths: Array  # i32[B] tokens held per row, including this call's
+
+  @property
+  def storage(self) -> tuple[Array, ...]:
+    """This layer's arrays, handed back to the model's layer scan."""
+    ...
+
+  def write(self, positions_BT: Array, *new: Array) -> LayerCache:
+    """Stores the new tokens' entries ([B, T, ...] each) at their positions."""
+    ...
+
+  def attend(
+    self,
+    q: Array,
+    positions_BT: Array,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    implementation: str | None = None,
+  ) -> Array:
+    """Causal attention of the T queries over every entry held (after `write`)."""
+    ...
+
+  def read(self) -> tuple[Array, ...]:
+    """The held entries densely, [B, S, ...] per stored array."""
+    ...
+
+
+class Cache(Protocol):
+  """A batch of sequences' cache, threaded through the model's layer scan."""
+
+  lengths: Array  # i32[B] tokens held per row before the call
+
+  @property
+  def layers(self) -> tuple[Array, ...]:
+    """The per-layer storage the scan slices, each with a leading [L] axis."""
+    ...
+
+  def layer(self, storage: tuple[Array, ...], positions_BT: Array) -> LayerCache:
+    """The view of one layer, given its slice of `layers`."""
+    ...
+
+  def advance(self, layers: tuple[Array, ...], positions_BT: Array) -> Any:
+    """The cache holding the scan's updated storage, with each row's length grown."""
+    ...
+
+
+def added_tokens(positions_BT: Array) -> Array:
+  """i32[B]: tokens a call adds per row; negative positions mark padding."""
+  return (positions_BT >= 0).sum(axis=1, dtype=jax.numpy.int32)

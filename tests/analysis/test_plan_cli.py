@@ -1,0 +1,136 @@
+"""`atlas-plan` / `python -m atlas_jax.plan`: presets, Hugging Face folders, JSON, plots, errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atlas_jax import hf
+from atlas_jax.analysis.cli import main
+from atlas_jax.analysis.models import REFERENCE_MODELS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(capsys, *argv):
+  rc = main(list(argv))
+  out = capsys.readouterr()
+  return rc, out.out, out.err
+
+
+def numbers(tree):
+  """Every leaf of a JSON tree that is not a name, flag or note."""
+  if isinstance(tree, dict):
+    for v in tree.values():
+      yield from numbers(v)
+  elif isinstance(tree, list):
+    for v in tree:
+      yield from numbers(v)
+  elif not isinstance(tree, str | bool | type(None)):
+    yield tree
+
+
+def test_preset_json_takes_the_presets_training_shape(capsys):
+  rc, out, _ = run(capsys, "--config", str(ROOT / "configs/small.yaml"), "--json", "--devices", "4")
+  assert rc == 0
+  plan = json.loads(out)
+  assert plan["inputs"]["seq_len"] == 1024 and plan["inputs"]["batch"] == 32
+  assert (plan["inputs"]["precision"], plan["inputs"]["remat"]) == ("bf16", "selective")
+  assert plan["inputs"]["strategy"] == "zero1" and plan["training"]["selected"] == "zero1"
+  assert plan["params"]["total"] == 75_914_496
+  assert all(isinstance(x, int | float) for x in numbers(plan))
+  zero1 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero1")
+  assert zero1["micro_batch"] == 8 and zero1["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def test_set_overrides_a_preset(capsys):
+  rc, out, _ = run(
+    capsys, "--config", str(ROOT / "configs/tiny.yaml"), "--set", "model.n_layers=2", "--json"
+  )
+  assert rc == 0 and json.loads(out)["model"]["n_layers"] == 2
+
+
+def test_hugging_face_folder_needs_only_config_json(tmp_path, capsys):
+  cfg = REFERENCE_MODELS["llama-2-70b"].model
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
+  for target in (tmp_path, tmp_path / "config.json"):
+    rc, out, _ = run(capsys, "--config", str(target), "--precision", "fp16", "--json")
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["params"]["total"] == 68_976_648_192
+    assert plan["inputs"]["seq_len"] == 4096  # min(4096, max_position_embeddings)
+    assert plan["kv_cache"]["bytes_per_sequence"] == 1_342_177_280
+
+
+def test_module_entry_point_markdown_and_known_model():
+  result = subprocess.run(
+    [sys.executable, "-m", "atlas_jax.plan", "--config", "deepseek-v3", "--markdown"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "| MLA (this model) | 70,272 |" in result.stdout
+  assert "mixture-of-experts" in result.stdout  # the dense stand-in is said out loud
+
+
+def test_plot_writes_pngs(tmp_path, capsys):
+  rc, out, err = run(capsys, "--config", "llama-3-8b", "--plot", str(tmp_path / "charts"))
+  assert rc == 0 and "Training memory per device" in out
+  pngs = sorted((tmp_path / "charts").glob("*.png"))
+  assert [p.name for p in pngs] == [
+    "activations.png",
+    "kv_cache.png",
+    "kv_context.png",
+    "training_memory.png",
+  ]
+  assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+@pytest.mark.parametrize(
+  "argv,message",
+  [
+    (["--config", "no/such.yaml"], "--config='no/such.yaml' is not a YAML preset"),
+    (["--config", "llama-9"], "known models: llama-2-7b"),
+    (
+      ["--config", "llama-2-7b", "--device", "Z80"],
+      "--device='Z80' is not a known device; allowed",
+    ),
+    (["--config", "llama-2-7b", "--batch", "12"], "--batch=12 must be a multiple of 8"),
+    (["--config", "llama-2-7b", "--tensor", "3"], "--tensor=3 must divide --devices=8"),
+    (["--config", "llama-2-7b", "--mfu", "1.5"], "--mfu=1.5 must be in (0, 1]"),
+    (["--config", "llama-2-7b", "--remat-every", "3"], "--remat-every=3 must divide"),
+    (["--config", "llama-2-7b", "--set", "a.b=1"], "overrides apply to YAML presets only"),
+    (["--config", "configs/tiny.yaml", "--set", "train.remat=most"], "train.remat='most'"),
+  ],
+)
+def test_bad_input_names_the_flag_and_the_allowed_values(argv, message, capsys, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  rc, out, err = run(capsys, *argv)
+  assert rc == 2 and out == ""
+  assert err.startswith("atlas-plan: error: ")
+  assert message in err, err
+
+
+def test_folder_without_config_json(tmp_path, capsys):
+  rc, _, err = run(capsys, "--config", str(tmp_path))
+  assert rc == 2 and "has no config.json" in err
+
+
+def test_mixture_of_experts_folder_points_at_the_known_shapes(tmp_path, capsys):
+  hf_config = hf.config_to_hf(REFERENCE_MODELS["llama-2-7b"].model)
+  hf_config.update(model_type="deepseek_v3", first_k_dense_replace=3, n_routed_experts=256)
+  hf_config.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+  (tmp_path / "config.json").write_text(json.dumps(hf_config))
+  rc, _, err = run(capsys, "--config", str(tmp_path))
+  assert rc == 2 and "mixture-of-experts" in err and "--config deepseek-v2-lite" in err
+
+
+def test_bad_choice_is_argparse_error(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["--config", "llama-2-7b", "--strategy", "zero4"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--strategy: invalid choice: 'zero4'" in err and "'zero3'" in err
