@@ -543,9 +543,13 @@ class Engine:
       if req.id not in self._requests:
         continue  # aborted while the burst ran
       start = burst.start[b]
-      out, n_kept = self._accept(
-        req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
-      )
+      try:
+        out, n_kept = self._accept(
+          req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
+        )
+      except Exception as e:  # e.g. the detokenizer: this request's fault only
+        outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
+        continue
       outputs.append(out)
       # The pool holds the pending token and every kept draw but the last: register those (a
       # finished request's full blocks then enter the prefix cache). A row that runs on in the

@@ -15,30 +15,38 @@ CONFIG = EngineConfig(
 )
 
 
-def poison(engine, *, lose_pool: bool):
-  """Makes every model call holding a row with POISON_SEED raise (a mixed step or a decode
-  burst); after consuming the donated pool (as a failure on the device would) when
-  `lose_pool`, else before running. Returns the batch size of every call."""
+def poison(engine, mode: str):
+  """Makes every model call holding a row with POISON_SEED fail. "before-run": it raises before
+  running (the pool intact); "pool-lost": it raises after consuming the donated pool, as a
+  failure on the device would; "on-device": only decode bursts fail, when their draws are read
+  (mixed steps run). Returns the batch size of every call."""
   original = engine.programs
   calls = []
 
-  def guard(program, seed_arg):
+  def guard(program, seed_arg, burst):
     def call(state, pool, *args):
       seeds = np.asarray(args[seed_arg])
       calls.append(len(seeds))
-      if POISON_SEED in seeds.tolist():
-        if lose_pool:
-          for x in jax.tree.leaves(pool):
-            x.delete()
-        raise RuntimeError("injected fault")
-      return program(state, pool, *args)
+      if POISON_SEED not in seeds.tolist():
+        return program(state, pool, *args)
+      if mode == "on-device":
+        if not burst:
+          return program(state, pool, *args)
+        pool, *outs = program(state, pool, *args)
+        for x in jax.tree.leaves((pool, outs)):
+          x.delete()  # as if the burst had failed on the device
+        return (pool, *outs)
+      if mode != "before-run":
+        for x in jax.tree.leaves(pool):
+          x.delete()
+      raise RuntimeError("injected fault")
 
     return call
 
   engine.programs = dataclasses.replace(
     original,
-    forward_sample=guard(original.forward_sample, 5),
-    decode_burst=guard(original.decode_burst, 3),
+    forward_sample=guard(original.forward_sample, 5, burst=False),
+    decode_burst=guard(original.decode_burst, 3, burst=True),
   )
   return calls
 
@@ -70,18 +78,20 @@ def workload():
   return prompts, params, requests
 
 
-@pytest.mark.parametrize("lose_pool", [False, True], ids=["before-run", "pool-lost"])
-def test_a_failing_request_fails_alone(tiny_model, lose_pool):
+@pytest.mark.parametrize("mode", ["before-run", "pool-lost"])
+def test_a_failing_request_fails_alone(tiny_model, mode):
   prompts, params, requests = workload()
   want = generate(tiny_model, prompts, params)
   engine = Engine(tiny_model, CONFIG)
-  calls = poison(engine, lose_pool=lose_pool)
+  calls = poison(engine, mode)
   got, ends = run(engine, requests)
   assert ends.pop("bad") == ("error", "the model step failed: RuntimeError: injected fault")
   assert got.pop("bad") == []
   assert [got[i] for i in range(5)] == want
   assert all(reason == "length" for reason, _ in ends.values())
   assert max(calls) > 1  # the poisoned row was batched with others, then isolated
+  if mode != "before-run":
+    assert engine.n_preemptions > 0  # the lost pool was rebuilt and the running recomputed
   s = engine.allocator.stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
   # Its prompt was never computed: the prefix cache must not serve its blocks to a later request.
@@ -89,20 +99,38 @@ def test_a_failing_request_fails_alone(tiny_model, lose_pool):
   assert again == [want[1]]
 
 
+def test_a_burst_failing_on_the_device_is_recomputed(tiny_model):
+  # The fault strikes only in decode bursts, which take the pool: the engine rebuilds it and
+  # recomputes, and the rows of the failed burst run in mixed steps, where nothing fails.
+  prompts, params, requests = workload()
+  bad = requests[1][2]
+  want = generate(tiny_model, [*prompts, prompts[1]], [*params, bad])
+  engine = Engine(tiny_model, CONFIG)
+  poison(engine, "on-device")
+  got, ends = run(engine, requests)
+  assert [got[i] for i in range(5)] + [got["bad"]] == want
+  assert all(reason == "length" and error is None for reason, error in ends.values())
+  assert engine.n_bursts > 0 and engine.n_preemptions > 0
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
 def test_a_failing_detokenizer_fails_its_request_only(tiny_model):
   prompts = [[1, 2, 3], [4, 5, 6, 7]]
   want = generate(tiny_model, prompts, SamplingParams(max_new_tokens=6))
+  bad = want[1][2]  # the detokenizer fails on request 1's third token
 
   def detokenize(ids):
-    if ids[-1] == want[1][2]:
+    if bad in ids:
       raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
     return "".join(chr(97 + t % 26) for t in ids)
 
-  assert want[1][2] not in want[0]  # the fault hits request 1 only
+  assert bad not in want[0] and bad not in want[1][:2]  # the fault hits request 1 only
   engine = Engine(tiny_model, CONFIG, detokenize=detokenize)
   got, ends = run(engine, [(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts)])
   assert got[0] == want[0] and ends[0] == ("length", None)
-  assert got[1] == want[1][:2] and ends[1][0] == "error" and "UnicodeDecodeError" in ends[1][1]
+  assert ends[1][0] == "error" and "UnicodeDecodeError" in ends[1][1]
+  assert len(got[1]) <= 2 and got[1] == want[1][: len(got[1])]
 
 
 @pytest.mark.parametrize(
