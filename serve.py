@@ -18,10 +18,18 @@ import sys
 from pathlib import Path
 
 from atlas_jax import hf
-from atlas_jax.config import ServeConfig
+from atlas_jax.config import ServeConfig, load_config
 from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
+from atlas_jax.serving.server import (
+  EngineRunner,
+  ServerLimits,
+  build_app,
+  check_sampling_fields,
+  encodable,
+  jinja_chat_template,
+)
 from atlas_jax.training import checkpoint
 
 
@@ -36,12 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
-  p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-  p.add_argument("--temperature", type=float, default=d.temperature)
-  p.add_argument("--top-k", type=int, default=d.top_k)
-  p.add_argument("--top-p", type=float, default=d.top_p)
-  p.add_argument("--seed", type=int, default=d.seed)
-  p.add_argument("--max-batch", type=int, default=d.max_batch, help="running requests at most")
+  # Defaults: the run's `serve:` config section for a train.py run directory, else these.
+  default = lambda name: f"default: the run's serve.{name}, else {getattr(d, name)}"
+  p.add_argument("--max-new-tokens", type=int, help=default("max_new_tokens"))
+  p.add_argument("--temperature", type=float, help=default("temperature") + " (greedy)")
+  p.add_argument("--top-k", type=int, help=default("top_k") + " (off)")
+  p.add_argument("--top-p", type=float, help=default("top_p"))
+  p.add_argument("--seed", type=int, help=default("seed"))
+  p.add_argument("--max-batch", type=int, help="running requests at most; " + default("max_batch"))
   p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: max-batch full contexts)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
   p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
@@ -81,48 +91,141 @@ def load_any(path: str, dtype: str):
 
 
 def read_prompts(args) -> list[str]:
-  prompts = list(args.prompt)
+  prompts = [(f"--prompt {i + 1}", p) for i, p in enumerate(args.prompt)]
   if args.prompts:
-    with open(args.prompts, encoding="utf-8") as f:
-      for i, line in enumerate(f, 1):
+    with open(args.prompts, "rb") as f:
+      for i, raw in enumerate(f, 1):
+        where = f"{args.prompts}:{i}"
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
         if not line.strip():
           continue
         try:
           record = json.loads(line)
         except json.JSONDecodeError as e:
-          raise ValueError(f"{args.prompts}:{i}: not valid JSON ({e.msg})") from e
+          raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-          raise ValueError(f"{args.prompts}:{i}: expected an object with a string 'prompt' field")
-        prompts.append(record["prompt"])
+          raise ValueError(f"{where}: expected an object with a string 'prompt' field")
+        prompts.append((where, record["prompt"]))
   if not prompts:
     raise ValueError("no prompts: pass --prompt TEXT or --prompts FILE.jsonl")
-  return prompts
+  for where, prompt in prompts:
+    try:
+      encodable(prompt)
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
+  return [p for _, p in prompts]
+
+
+# serve.py's sampling flags and the API fields they stand for: one set of rules for both.
+SAMPLING_FLAGS = {
+  "max_new_tokens": ("--max-new-tokens", "max_tokens"),
+  "temperature": ("--temperature", "temperature"),
+  "top_k": ("--top-k", "top_k"),
+  "top_p": ("--top-p", "top_p"),
+  "seed": ("--seed", "seed"),
+}
+# Engine and server flags: each a positive integer (None where the flag has a default of none).
+POSITIVE_FLAGS = (
+  "max_batch",
+  "num_blocks",
+  "block_size",
+  "max_num_batched_tokens",
+  "prefill_chunk",
+  "max_model_len",
+  "max_prompt_tokens",
+  "max_tokens_limit",
+  "max_n",
+  "max_body_bytes",
+)
+
+
+def fill_defaults(args) -> None:
+  """Sampling flags not given come from the run's `serve:` section (a train.py run directory
+  knows how its model samples best), else from ServeConfig's defaults."""
+  d = ServeConfig()
+  if checkpoint.is_checkpoint(args.checkpoint):
+    d = load_config(Path(args.checkpoint) / "config.yaml").serve
+  for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "max_batch"):
+    if getattr(args, name) is None:
+      setattr(args, name, getattr(d, name))
+
+
+def check_args(args) -> None:
+  """Every flag checked before anything is loaded; errors name the flag, the value and what is
+  allowed (the sampling flags with the HTTP API's own rules and messages)."""
+  for name, (flag, api_name) in SAMPLING_FLAGS.items():
+    try:
+      check_sampling_fields(**{api_name: getattr(args, name)})
+    except ValueError as e:
+      raise ValueError(f"{flag}={getattr(args, name)}: {e}") from None
+  for name in POSITIVE_FLAGS:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      flag = "--" + name.replace("_", "-")
+      raise ValueError(f"{flag}={value} is not allowed: must be a positive integer")
+  if args.prefill_chunk & (args.prefill_chunk - 1):
+    raise ValueError(f"--prefill-chunk={args.prefill_chunk} is not allowed: must be a power of two")
+  if args.port is not None and not 1 <= args.port <= 65535:
+    raise ValueError(f"--port={args.port} is not allowed: must be in [1, 65535]")
+  if args.output is not None:
+    out = Path(args.output)
+    if out.is_dir():
+      raise ValueError(f"--output={args.output} is a folder; give a file path")
+    if not out.absolute().parent.is_dir():
+      raise ValueError(f"--output={args.output}: the folder {out.absolute().parent} does not exist")
 
 
 def chat_template_of(path: str):
   """The folder's chat template (tokenizer_config.json or chat_template.jinja), else None."""
-  from atlas_jax.serving.server import jinja_chat_template
-
   folder = Path(path)
   settings = {}
-  if (folder / "tokenizer_config.json").is_file():
-    settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+  config_file = folder / "tokenizer_config.json"
+  if config_file.is_file():
+    try:
+      settings = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(settings, dict):
+      raise ValueError(f"{config_file}: expected a JSON object")
+  source = f"{config_file} chat_template"
   template = settings.get("chat_template")
   if template is None and (folder / "chat_template.jinja").is_file():
+    source = str(folder / "chat_template.jinja")
     template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
   if not isinstance(template, str):
     return None
   # Special tokens are strings, or {"content": ...} objects, in tokenizer_config.json.
   token = lambda t: (t.get("content", "") if isinstance(t, dict) else t) or ""
-  return jinja_chat_template(
-    template,
-    bos_token=token(settings.get("bos_token")),
-    eos_token=token(settings.get("eos_token")),
+  try:
+    return jinja_chat_template(
+      template,
+      bos_token=token(settings.get("bos_token")),
+      eos_token=token(settings.get("eos_token")),
+    )
+  except Exception as e:  # jinja2's TemplateSyntaxError and the like
+    raise ValueError(f"{source}: not a valid Jinja template ({e})") from None
+
+
+def sampling_params(args) -> SamplingParams:
+  return SamplingParams(
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=max(0, args.top_k),  # -1 is off, as in the API
+    top_p=args.top_p,
+    seed=args.seed,
   )
 
 
 def make_engine(args, model, tokenizer) -> Engine:
   max_len = args.max_model_len or model.cfg.max_seq_len
+  if max_len > model.cfg.max_seq_len:
+    raise ValueError(
+      f"--max-model-len={max_len} is not allowed: the model's context is "
+      f"{model.cfg.max_seq_len} tokens"
+    )
   n_blocks = args.num_blocks or args.max_batch * -(-max_len // args.block_size)
   config = EngineConfig(
     n_blocks=n_blocks,
@@ -136,9 +239,14 @@ def make_engine(args, model, tokenizer) -> Engine:
 
 
 def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: SamplingParams) -> int:
-  out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+  try:
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+  except OSError as e:
+    print(f"error: --output={args.output}: {e.strerror}", file=sys.stderr)
+    return 2
   results: dict[int, list[int]] = {}
   texts: dict[int, str] = {}
+  errors: dict[int, str] = {}
   try:
     for i, prompt in enumerate(prompts):
       try:
@@ -157,6 +265,9 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
     while engine.has_unfinished():
       for o in engine.step():
         results[o.request_id] += o.new_token_ids
+        if o.error:
+          errors[o.request_id] = o.error
+          print(f"error: prompt {o.request_id + 1}: {o.error}", file=sys.stderr)
         if o.finished:
           done.add(o.request_id)
           if bar is not None:
@@ -169,6 +280,8 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
           "completion": tokenizer.decode(ids),
           "completion_tokens": len(ids),
         }
+        if next_out in errors:
+          record["error"] = errors[next_out]
         out.write(json.dumps(record) + "\n")
         out.flush()
         next_out += 1
@@ -177,13 +290,11 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
   finally:
     if out is not sys.stdout:
       out.close()
-  return 0
+  return 1 if errors else 0
 
 
-def run_server(args, engine: Engine, tokenizer) -> int:
+def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
   import uvicorn
-
-  from atlas_jax.serving.server import EngineRunner, ServerLimits, build_app
 
   runner = EngineRunner(engine)
   app = build_app(
@@ -191,7 +302,7 @@ def run_server(args, engine: Engine, tokenizer) -> int:
     encode=lambda text: tokenizer.encode(text) or [tokenizer.bos_id],
     decode=tokenizer.decode,
     model_name=args.model_name or Path(args.checkpoint).name,
-    chat_template=chat_template_of(args.checkpoint),
+    chat_template=chat_template,
     limits=ServerLimits(
       max_prompt_tokens=args.max_prompt_tokens,
       max_tokens=args.max_tokens_limit,
@@ -200,13 +311,7 @@ def run_server(args, engine: Engine, tokenizer) -> int:
       default_max_tokens=args.max_new_tokens,
     ),
     api_key=args.api_key,
-    default_params=SamplingParams(
-      max_new_tokens=args.max_new_tokens,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-      seed=args.seed,
-    ),
+    default_params=sampling_params(args),
   )
   print(f"serving on http://{args.host}:{args.port}", file=sys.stderr)
   try:
@@ -219,29 +324,18 @@ def run_server(args, engine: Engine, tokenizer) -> int:
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
-    ServeConfig(
-      max_new_tokens=args.max_new_tokens,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-      max_batch=args.max_batch,
-      seed=args.seed,
-    )
+    fill_defaults(args)
+    check_args(args)
     prompts = read_prompts(args) if args.port is None else []
     model, tokenizer = load_any(args.checkpoint, args.dtype)
     engine = make_engine(args, model, tokenizer)
-    params = SamplingParams(
-      max_new_tokens=args.max_new_tokens,
-      temperature=args.temperature,
-      top_k=args.top_k,
-      top_p=args.top_p,
-      seed=args.seed,
-    )
+    params = sampling_params(args)
+    chat_template = chat_template_of(args.checkpoint) if args.port is not None else None
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.port is not None:
-    return run_server(args, engine, tokenizer)
+    return run_server(args, engine, tokenizer, chat_template)
   return run_batch(args, engine, tokenizer, prompts, params)
 
 

@@ -85,6 +85,7 @@ RESUME_MAY_CHANGE = {
   "remat_every",
   "sharding",
   "peak_tflops",
+  "on_corrupt_checkpoint",
 }
 
 
@@ -108,39 +109,50 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = load_config(args.config, args.set)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    run_dir = Path(cfg.train.checkpoint_dir)
+    cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
+    check_resumable(run_dir, cfg)
+    resuming = run_dir.is_dir() and any(p.name.isdigit() for p in run_dir.iterdir())
+    if resuming and cfg.data.tokenizer != "byte" and (run_dir / "tokenizer.json").is_file():
+      tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))  # the one the run began with
+    else:
+      t0 = time.time()
+      tokenizer = pipeline.tokenizer_for(cfg.data, cache_dir)
+      if time.time() - t0 > 1:
+        print(f"tokenizer: {cfg.data.tokenizer} trained in {time.time() - t0:.1f}s")
     if tokenizer.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
         f"vocabulary ({tokenizer.vocab_size})"
       )
-    run_dir = Path(cfg.train.checkpoint_dir)
-    check_resumable(run_dir, cfg)
     init_distributed(cfg)
     trainer = make_trainer(cfg)
-  except (ConfigError, ValueError) as e:
+  except (ConfigError, ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
   if main_process:
-    checkpoint.write_run_files(run_dir, cfg)
+    checkpoint.write_run_files(run_dir, cfg, tokenizer)
   say(
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
   )
 
   t0 = time.time()
-  cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
-  files = pipeline.token_files(cfg.data, tokenizer, cache_dir)
-  train_ds = pipeline.train_dataset(
-    *files["train"],
-    seq_len=cfg.train.seq_len,
-    batch_size=cfg.train.batch_size,
-    seed=cfg.train.seed,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
-  )
+  try:
+    files = pipeline.token_files(cfg.data, tokenizer, cache_dir, log=say)
+    train_ds = pipeline.train_dataset(
+      *files["train"],
+      seq_len=cfg.train.seq_len,
+      batch_size=cfg.train.batch_size,
+      seed=cfg.train.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+  except (ValueError, OSError) as e:
+    print(f"error: data.source={cfg.data.source!r}: {e}", file=sys.stderr)
+    return 2
   eval_data = pipeline.eval_batches(
     *files["eval"],
     seq_len=cfg.train.seq_len,
@@ -149,17 +161,46 @@ def main(argv=None) -> int:
     process_index=jax.process_index(),
     process_count=jax.process_count(),
   )
+  shortfall = pipeline.eval_shortfall(
+    *files["eval"],
+    seq_len=cfg.train.seq_len,
+    batch_size=cfg.train.batch_size,
+    eval_fraction=cfg.data.eval_fraction,
+  )
+  if shortfall and cfg.train.eval_every and cfg.train.eval_batches:
+    say(f"note: {shortfall}")
   counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
+  unigram = float(-(p * np.log(p)).sum())  # the loss of a model that ignores the context
   say(
     f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
-    f"({time.time() - t0:.1f}s); unigram baseline {float(-(p * np.log(p)).sum()):.3f} nats/token"
+    f"({time.time() - t0:.1f}s); unigram baseline {unigram:.3f} nats/token"
   )
 
   mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = 0
   if mngr.latest_step() is not None:
-    state, meta = checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings)
+    try:
+      step, (state, meta), damaged = checkpoint.newest_intact(
+        list(mngr.all_steps()),
+        lambda s: checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings, s),
+        fallback=cfg.train.on_corrupt_checkpoint == "fallback",
+        warn=lambda message: say(message, file=sys.stderr),
+        hint=" (train.on_corrupt_checkpoint=stop; 'fallback' resumes from the newest intact step)",
+      )
+    except checkpoint.CheckpointError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    if damaged:
+      # Out of orbax's sight, or the resumed run could not save those steps again.
+      if main_process:
+        moved = checkpoint.set_aside(run_dir, damaged)
+        say(f"set aside the damaged steps as {', '.join(p.name for p in moved)}")
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("checkpoint.set_aside")
+      mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
     start = int(meta["data_index"])
     say(f"resumed from {run_dir} at step {start}")
   else:
@@ -182,6 +223,7 @@ def main(argv=None) -> int:
   progress = sys.stdout.isatty() and main_process
 
   t_last, steps_since = time.time(), 0
+  record: dict = {}  # the last metrics logged
   for step in range(start + 1, cfg.train.steps + 1):
     state, metrics = train_step(state, to_global(train_ds[step - 1]))
     steps_since += 1
@@ -235,15 +277,23 @@ def main(argv=None) -> int:
   mngr.wait_until_finished()
   logger.close()
   say(f"checkpoint: {run_dir} (step {cfg.train.steps})")
+  if "eval_loss" in record:
+    say(
+      f"eval loss {record['eval_loss']:.3f} nats/token against the unigram baseline "
+      f"{unigram:.3f}: the context is worth {unigram - record['eval_loss']:.3f} nats/token"
+    )
 
   if args.sample_prompt and jax.process_count() == 1:
     model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
     prompt = tokenizer.encode(args.sample_prompt)
     max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    out = generate(
-      model, [prompt], SamplingParams(max_new_tokens=max_new), eos_id=tokenizer.eos_id
-    )[0]
-    print(f"sample (greedy): {args.sample_prompt + tokenizer.decode(out)!r}")
+    s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
+    params = SamplingParams(
+      max_new_tokens=max_new, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
+    )
+    out = generate(model, [prompt], params, eos_id=tokenizer.eos_id)[0]
+    how = "greedy" if s.temperature == 0 else f"temperature {s.temperature:g}, top-k {s.top_k}"
+    print(f"sample ({how}):\n{args.sample_prompt + tokenizer.decode(out)}")
   return 0
 
 

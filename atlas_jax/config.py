@@ -241,12 +241,21 @@ class DataConfig:
   """Training text and how it is tokenised."""
 
   source: str = "stdlib"  # "stdlib", a folder of text files, or a .jsonl file with a "text" field
-  tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
+  # "byte"; "bpe:N", a byte-level BPE of N tokens trained on the source's train split at the
+  # first run (seconds); or a path to a tokenizer.json.
+  tokenizer: str = "byte"
   eval_fraction: float = 0.02  # share of documents held out for eval
 
   def __post_init__(self):
     if not 0.0 <= self.eval_fraction < 1.0:
       _fail("data.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+    n = self.tokenizer.removeprefix("bpe:")
+    if self.tokenizer.startswith("bpe:") and not (n.isdigit() and int(n) >= 260):
+      _fail(
+        "data.tokenizer",
+        self.tokenizer,
+        "bpe:N needs an integer N >= 260 (256 bytes, 3 special tokens, at least one merge)",
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +284,9 @@ class TrainConfig:
   remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
   sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
   on_nan: Literal["stop", "skip"] = "stop"
+  # A damaged newest checkpoint: resume from the newest intact step (set aside as <step>.corrupt)
+  # or stop with the error.
+  on_corrupt_checkpoint: Literal["fallback", "stop"] = "fallback"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
   peak_tflops: float | None = None  # per device; default from the device table
 
@@ -472,7 +484,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     path = Path(path)
     if not path.is_file():
       raise ConfigError(f"config file {str(path)!r} does not exist")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+      loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+      detail = " ".join(str(e).split())
+      raise ConfigError(f"config file {str(path)!r} is not valid YAML: {detail}") from None
     if not isinstance(loaded, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     data = loaded

@@ -33,38 +33,83 @@ class HFLoadError(ValueError):
 
 def _read_json(path: Path) -> dict[str, Any]:
   try:
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text(encoding="utf-8"))
   except FileNotFoundError:
     raise HFLoadError(
-      f"{path.parent}: no config.json (expected a Hugging Face model folder)"
+      f"{path.parent}: no {path.name} (expected a Hugging Face model folder)"
     ) from None
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise HFLoadError(f"{path}: not valid JSON ({e})") from e
+  except OSError as e:
+    raise HFLoadError(f"{path}: cannot be read ({e})") from e
+  if not isinstance(data, dict):
+    raise HFLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+  return data
+
+
+REQUIRED = object()  # `field`'s default for a field config.json must have
+_KINDS = {
+  int: "an integer",
+  float: "a number",
+  bool: "true or false",
+  str: "a string",
+  dict: "an object",
+}
+
+
+def field(hf: Mapping[str, Any], key: str, kind: type, default: Any = REQUIRED, *, where=""):
+  """config.json's `key`, checked to be of `kind` (int, float, bool, str or dict).
+
+  Absent or null gives `default`; without one the field is required. Errors name the field
+  (`where` prefixes it, e.g. "rope_scaling.") and the value.
+  """
+  value = hf.get(key)
+  if value is None:
+    if default is REQUIRED:
+      raise HFLoadError(f"config.json lacks the field '{where}{key}'")
+    return default
+  ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    ok, value = True, float(value)
+  if not ok:
+    raise HFLoadError(
+      f"config.json field '{where}{key}'={value!r} is not allowed: must be {_KINDS[kind]}"
+    )
+  return value
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   """(theta, scaling) from either transformers v5's `rope_parameters` or v4's fields."""
-  params = hf.get("rope_parameters")
-  if params is None:
-    params = dict(hf.get("rope_scaling") or {})
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+  params = dict(field(hf, key, dict, {}))
+  if key == "rope_scaling":
+    params.setdefault("rope_theta", field(hf, "rope_theta", float, 10000.0))
+  rope = lambda name, kind, default=REQUIRED: field(params, name, kind, default, where=f"{key}.")
+  rope_type = rope("rope_type", str, None) or rope("type", str, "default")
+  theta = rope("rope_theta", float, None)
+  theta = field(hf, "rope_theta", float, 10000.0) if theta is None else theta
   if rope_type == "default":
     return theta, None
   if rope_type == "linear":
-    return theta, RopeScaling(type="linear", factor=float(params["factor"]))
+    return theta, _rope_scaling(type="linear", factor=rope("factor", float))
   if rope_type == "llama3":
-    return theta, RopeScaling(
+    return theta, _rope_scaling(
       type="llama3",
-      factor=float(params["factor"]),
-      low_freq_factor=float(params["low_freq_factor"]),
-      high_freq_factor=float(params["high_freq_factor"]),
-      original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+      factor=rope("factor", float),
+      low_freq_factor=rope("low_freq_factor", float),
+      high_freq_factor=rope("high_freq_factor", float),
+      original_max_position_embeddings=rope("original_max_position_embeddings", int),
     )
   raise HFLoadError(
     f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
   )
+
+
+def _rope_scaling(**kwargs) -> RopeScaling:
+  try:
+    return RopeScaling(**kwargs)
+  except ConfigError as e:
+    raise HFLoadError(f"config.json's rope scaling maps to an invalid model config: {e}") from e
 
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32") -> ModelConfig:
@@ -79,46 +124,50 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32") -> ModelCon
       f"model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
       f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )
-  if hf.get("hidden_act", "silu") != "silu":
-    raise HFLoadError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-  if model_type in ("llama", "mistral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+  hidden_act = field(hf, "hidden_act", str, "silu")
+  if hidden_act != "silu":
+    raise HFLoadError(f"hidden_act={hidden_act!r} is not supported; only 'silu' (SwiGLU)")
+  attention_bias = field(hf, "attention_bias", bool, False)
+  mlp_bias = field(hf, "mlp_bias", bool, False)
+  if model_type in ("llama", "mistral") and (attention_bias or mlp_bias):
     raise HFLoadError(
-      f"{model_type} with attention_bias={hf.get('attention_bias')} / mlp_bias="
-      f"{hf.get('mlp_bias')} is not supported; only bias-free Llama/Mistral projections"
+      f"{model_type} with attention_bias={attention_bias} / mlp_bias={mlp_bias} is not "
+      "supported; only bias-free Llama/Mistral projections"
     )
-  if model_type == "qwen3" and hf.get("attention_bias"):
+  if model_type == "qwen3" and attention_bias:
     raise HFLoadError("qwen3 with attention_bias=true is not supported")
   sliding_window = None
   if model_type == "mistral":
-    sliding_window = hf.get("sliding_window")
-  elif hf.get("use_sliding_window"):
+    sliding_window = field(hf, "sliding_window", int, None)
+  elif field(hf, "use_sliding_window", bool, False):
     raise HFLoadError(
       f"{model_type} with use_sliding_window=true is not supported (per-layer windows)"
     )
   theta, scaling = _rope_from_hf(hf)
+  n_heads = field(hf, "num_attention_heads", int)
+  d_model = field(hf, "hidden_size", int)
+  if n_heads <= 0:
+    raise HFLoadError(f"config.json field 'num_attention_heads'={n_heads} must be > 0")
   try:
-    n_heads = hf["num_attention_heads"]
     return ModelConfig(
-      vocab_size=hf["vocab_size"],
-      d_model=hf["hidden_size"],
-      n_layers=hf["num_hidden_layers"],
+      vocab_size=field(hf, "vocab_size", int),
+      d_model=d_model,
+      n_layers=field(hf, "num_hidden_layers", int),
       n_heads=n_heads,
-      n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-      ffn_dim=hf["intermediate_size"],
-      max_seq_len=hf.get("max_position_embeddings", 4096),
+      n_kv_heads=field(hf, "num_key_value_heads", int, n_heads),
+      head_dim=field(hf, "head_dim", int, d_model // n_heads),
+      ffn_dim=field(hf, "intermediate_size", int),
+      max_seq_len=field(hf, "max_position_embeddings", int, 4096),
       rope_theta=theta,
       rope_scaling=scaling,
-      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      norm_eps=field(hf, "rms_norm_eps", float, 1e-6),
       qkv_bias=model_type == "qwen2",
       qk_norm=model_type == "qwen3",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      tie_embeddings=field(hf, "tie_word_embeddings", bool, False),
       sliding_window=sliding_window,
       dtype=dtype,
       param_dtype=dtype,
     )
-  except KeyError as e:
-    raise HFLoadError(f"config.json lacks the field {e.args[0]!r}") from e
   except ConfigError as e:
     raise HFLoadError(f"config.json maps to an invalid model config: {e}") from e
 
@@ -130,7 +179,9 @@ def load_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
 def _safetensors_files(folder: Path) -> list[Path]:
   index = folder / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = _read_json(index).get("weight_map", {})
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+      raise HFLoadError(f"{index}: 'weight_map' must map tensor names to file names")
     return sorted({folder / name for name in weight_map.values()})
   files = sorted(folder.glob("*.safetensors"))
   if not files:
@@ -139,17 +190,87 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
-  """All tensors of a folder (single file or sharded), as jax arrays on the host."""
+  """All tensors of a folder (single file or sharded), as jax arrays on the host.
+
+  Raises:
+    HFLoadError naming the file when one is missing, truncated or not safetensors.
+  """
   from safetensors import safe_open
 
   tensors = {}
   for file in _safetensors_files(Path(folder)):
     if not file.is_file():
       raise HFLoadError(f"{file} is listed in the index but missing")
-    with safe_open(str(file), framework="flax") as f:
-      for name in f.keys():
-        tensors[name] = f.get_tensor(name)
+    try:
+      with safe_open(str(file), framework="flax") as f:
+        for name in f.keys():
+          tensors[name] = f.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types, and OSError
+      raise HFLoadError(
+        f"{file}: not a readable safetensors file (truncated or damaged?): {type(e).__name__}: {e}"
+      ) from e
   return tensors
+
+
+def check_tensor_shapes(
+  tensors: Mapping[str, Any], expected: Mapping[str, tuple[tuple[int, ...], str]]
+) -> None:
+  """Checks each stored tensor's shape exactly against `expected` ({name: (shape, legend)})
+  before anything is reshaped or transposed: a transposed projection whose transpose would
+  still reshape must not load as wrong weights."""
+  for name, (shape, legend) in expected.items():
+    got = tuple(tensors[name].shape)
+    if got != tuple(shape):
+      hint = " (stored transposed?)" if got == tuple(shape)[::-1] else ""
+      raise HFLoadError(
+        f"tensor {name} has shape {got} in the checkpoint, but config.json implies "
+        f"{tuple(shape)} = ({legend}){hint}"
+      )
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+  """The shape of every tensor in torch's layout, with what each dimension is in config.json."""
+  N, K, H, D, F, V = (
+    cfg.n_heads,
+    cfg.n_kv_heads,
+    cfg.head_dim,
+    cfg.d_model,
+    cfg.ffn_dim,
+    cfg.vocab_size,
+  )
+  q, kv, d, f = (
+    "num_attention_heads * head_dim",
+    "num_key_value_heads * head_dim",
+    "hidden_size",
+    "intermediate_size",
+  )
+  per_layer = {
+    "input_layernorm.weight": ((D,), d),
+    "self_attn.q_proj.weight": ((N * H, D), f"{q}, {d}"),
+    "self_attn.k_proj.weight": ((K * H, D), f"{kv}, {d}"),
+    "self_attn.v_proj.weight": ((K * H, D), f"{kv}, {d}"),
+    "self_attn.o_proj.weight": ((D, N * H), f"{d}, {q}"),
+    "post_attention_layernorm.weight": ((D,), d),
+    "mlp.gate_proj.weight": ((F, D), f"{f}, {d}"),
+    "mlp.up_proj.weight": ((F, D), f"{f}, {d}"),
+    "mlp.down_proj.weight": ((D, F), f"{d}, {f}"),
+  }
+  if cfg.qkv_bias:
+    per_layer["self_attn.q_proj.bias"] = ((N * H,), q)
+    per_layer["self_attn.k_proj.bias"] = ((K * H,), kv)
+    per_layer["self_attn.v_proj.bias"] = ((K * H,), kv)
+  if cfg.qk_norm:
+    per_layer["self_attn.q_norm.weight"] = ((H,), "head_dim")
+    per_layer["self_attn.k_norm.weight"] = ((H,), "head_dim")
+  shapes = {
+    "model.embed_tokens.weight": ((V, D), f"vocab_size, {d}"),
+    "model.norm.weight": ((D,), d),
+  }
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = ((V, D), f"vocab_size, {d}")
+  for i in range(cfg.n_layers):
+    shapes.update({f"model.layers.{i}.{n}": v for n, v in per_layer.items()})
+  return shapes
 
 
 # Per-layer tensors: HF name (after `model.layers.{i}.`) -> (our path, torch -> ours).
@@ -194,10 +315,8 @@ def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[s
   """Our pure parameter dict from HF tensors; raises HFLoadError listing missing/unused names."""
   dtype = jnp.dtype(cfg.param_dtype)
   layer_map = _layer_map(cfg)
-  expected = ["model.embed_tokens.weight", "model.norm.weight"]
-  if not cfg.tie_embeddings:
-    expected.append("lm_head.weight")
-  expected += [f"model.layers.{i}.{n}" for i in range(cfg.n_layers) for n in layer_map]
+  shapes = _shapes(cfg)
+  expected = list(shapes)
   missing = [n for n in expected if n not in tensors]
   if missing:
     shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
@@ -211,6 +330,8 @@ def params_from_hf(tensors: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[s
     raise HFLoadError(
       f"unexpected tensors (a feature this importer does not support?): {', '.join(unused[:8])}"
     )
+
+  check_tensor_shapes(tensors, shapes)
 
   def cast(x):
     return jnp.asarray(x).astype(dtype)
@@ -295,7 +416,10 @@ def load_tokenizer(path: str | Path):
   file = Path(path) / "tokenizer.json"
   if not file.is_file():
     raise HFLoadError(f"{Path(path)}: no tokenizer.json")
-  return Tokenizer.from_file(str(file))
+  try:
+    return Tokenizer.from_file(str(file))
+  except Exception as e:  # the tokenizers library raises a bare Exception
+    raise HFLoadError(f"{file}: not a readable tokenizer ({e})") from e
 
 
 # ---------------------------------------------------------------------------------------------

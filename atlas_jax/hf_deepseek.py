@@ -27,6 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig, RopeScaling
+from atlas_jax.hf import (
+  REQUIRED,
+  HFLoadError,
+  build_model,
+  check_shapes,
+  check_tensor_shapes,
+  field,
+  read_safetensors,
+)
 from atlas_jax.model import Transformer
 
 MODEL_TYPES = ("deepseek_v3",)
@@ -36,38 +45,43 @@ _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def _error(message: str) -> Exception:
-  from atlas_jax.hf import HFLoadError
-
   return HFLoadError(message)
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-  params = hf.get("rope_parameters")
-  if params is None:
-    params = dict(hf.get("rope_scaling") or {})
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  rope_type = params.get("rope_type", params.get("type", "default"))
+  key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+  params = field(hf, key, dict, {})
+  rope = lambda name, kind, default=None: field(params, name, kind, default, where=f"{key}.")
+  theta = rope("rope_theta", float)
+  theta = field(hf, "rope_theta", float, 10000.0) if theta is None else theta
+  rope_type = rope("rope_type", str) or rope("type", str, "default")
   if rope_type == "default":
     return theta, None
-  if rope_type == "linear":
-    return theta, RopeScaling(type="linear", factor=float(params["factor"]))
-  if rope_type == "yarn":
-    old_len = int(params["original_max_position_embeddings"])
-    factor = params.get("factor")
-    if factor is None:  # DeepSeek's convention: the context extension ratio
-      factor = hf["max_position_embeddings"] / old_len
-    attention_factor = params.get("attention_factor")
-    return theta, RopeScaling(
-      type="yarn",
-      factor=float(factor),
-      original_max_position_embeddings=old_len,
-      beta_fast=float(params.get("beta_fast") or 32),
-      beta_slow=float(params.get("beta_slow") or 1),
-      mscale=float(params.get("mscale") or 0.0),
-      mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-      attention_factor=None if attention_factor is None else float(attention_factor),
-      truncate=bool(params.get("truncate", True)),
-    )
+  try:
+    if rope_type == "linear":
+      return theta, RopeScaling(type="linear", factor=rope("factor", float, REQUIRED))
+    if rope_type == "yarn":
+      old_len = rope("original_max_position_embeddings", int, REQUIRED)
+      if old_len <= 0:
+        raise _error(
+          f"config.json field '{key}.original_max_position_embeddings'={old_len} must be > 0"
+        )
+      factor = rope("factor", float)
+      if factor is None:  # DeepSeek's convention: the context extension ratio
+        factor = field(hf, "max_position_embeddings", int) / old_len
+      return theta, RopeScaling(
+        type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=old_len,
+        beta_fast=rope("beta_fast", float) or 32.0,
+        beta_slow=rope("beta_slow", float) or 1.0,
+        mscale=rope("mscale", float) or 0.0,
+        mscale_all_dim=rope("mscale_all_dim", float) or 0.0,
+        attention_factor=rope("attention_factor", float),
+        truncate=rope("truncate", bool, True),
+      )
+  except ConfigError as e:
+    raise _error(f"config.json's rope scaling maps to an invalid model config: {e}") from e
   raise _error(
     f"deepseek_v3 rope scaling type {rope_type!r} is not supported; supported: default, linear, "
     "yarn"
@@ -75,7 +89,8 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def n_mtp_layers(hf: Mapping[str, Any]) -> int:
-  return int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0)
+  key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf else "num_mtp_layers"
+  return field(hf, key, int, 0)
 
 
 def config_from_hf(
@@ -84,53 +99,105 @@ def config_from_hf(
   """A ModelConfig with `mla` (and `mtp` when `mtp_layers` > 0) for a deepseek_v3 config.json."""
   if hf.get("model_type") not in MODEL_TYPES:
     raise _error(f"model_type={hf.get('model_type')!r} is not one of {MODEL_TYPES}")
-  n_layers = hf["num_hidden_layers"]
-  dense = hf.get("first_k_dense_replace")
-  if hf.get("n_routed_experts") and (dense is None or dense < n_layers):
+  n_layers = field(hf, "num_hidden_layers", int)
+  dense = field(hf, "first_k_dense_replace", int, None)
+  n_experts = field(hf, "n_routed_experts", int, None)
+  if n_experts and (dense is None or dense < n_layers):
     raise _error(
       f"deepseek_v3 with first_k_dense_replace={dense} < num_hidden_layers={n_layers} has "
-      f"mixture-of-experts layers (n_routed_experts={hf.get('n_routed_experts')}), which are not "
+      f"mixture-of-experts layers (n_routed_experts={n_experts}), which are not "
       "supported; only dense layers (first_k_dense_replace >= num_hidden_layers)"
     )
-  if hf.get("hidden_act", "silu") != "silu":
-    raise _error(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-  if hf.get("attention_bias"):
+  hidden_act = field(hf, "hidden_act", str, "silu")
+  if hidden_act != "silu":
+    raise _error(f"hidden_act={hidden_act!r} is not supported; only 'silu' (SwiGLU)")
+  if field(hf, "attention_bias", bool, False):
     raise _error("deepseek_v3 with attention_bias=true is not supported")
-  n_heads = hf["num_attention_heads"]
-  if (hf.get("num_key_value_heads") or n_heads) != n_heads:
+  n_heads = field(hf, "num_attention_heads", int)
+  n_kv_heads = field(hf, "num_key_value_heads", int, n_heads)
+  if n_kv_heads != n_heads:
     raise _error(
-      f"deepseek_v3 with num_key_value_heads={hf['num_key_value_heads']} != "
+      f"deepseek_v3 with num_key_value_heads={n_kv_heads} != "
       f"num_attention_heads={n_heads} is not supported (MLA decompresses every head)"
     )
   theta, scaling = _rope_from_hf(hf)
   try:
     return ModelConfig(
-      vocab_size=hf["vocab_size"],
-      d_model=hf["hidden_size"],
+      vocab_size=field(hf, "vocab_size", int),
+      d_model=field(hf, "hidden_size", int),
       n_layers=n_layers,
       n_heads=n_heads,
       n_kv_heads=n_heads,
-      ffn_dim=hf["intermediate_size"],
-      max_seq_len=hf.get("max_position_embeddings", 4096),
+      ffn_dim=field(hf, "intermediate_size", int),
+      max_seq_len=field(hf, "max_position_embeddings", int, 4096),
       rope_theta=theta,
       rope_scaling=scaling,
-      norm_eps=hf.get("rms_norm_eps", 1e-6),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      norm_eps=field(hf, "rms_norm_eps", float, 1e-6),
+      tie_embeddings=field(hf, "tie_word_embeddings", bool, False),
       dtype=dtype,
       param_dtype=dtype,
       mla=MLAConfig(
-        kv_lora_rank=hf["kv_lora_rank"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"],
-        v_head_dim=hf["v_head_dim"],
-        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=field(hf, "kv_lora_rank", int),
+        qk_rope_head_dim=field(hf, "qk_rope_head_dim", int),
+        qk_nope_head_dim=field(hf, "qk_nope_head_dim", int),
+        v_head_dim=field(hf, "v_head_dim", int),
+        q_lora_rank=field(hf, "q_lora_rank", int, None),
       ),
       mtp=MTPConfig(kind="sequential", n_predict=mtp_layers) if mtp_layers else None,
     )
-  except KeyError as e:
-    raise _error(f"config.json lacks the field {e.args[0]!r}") from e
   except ConfigError as e:
     raise _error(f"config.json maps to an invalid model config: {e}") from e
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+  """Every tensor's shape in torch's layout, with what each dimension is in config.json."""
+  m = cfg.mla
+  D, N, F, V = cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.vocab_size
+  C, R, Hn, Hv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+  Q = m.q_lora_rank
+  L, J = cfg.n_layers, 0 if cfg.mtp is None else cfg.mtp.n_predict
+  d, f, nq = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads * (qk_nope + qk_rope_head_dim)",
+  )
+  per_layer = {
+    "input_layernorm.weight": ((D,), d),
+    "self_attn.kv_a_proj_with_mqa.weight": ((C + R, D), f"kv_lora_rank + qk_rope_head_dim, {d}"),
+    "self_attn.kv_a_layernorm.weight": ((C,), "kv_lora_rank"),
+    "self_attn.kv_b_proj.weight": (
+      (N * (Hn + Hv), C),
+      "num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank",
+    ),
+    "self_attn.o_proj.weight": ((D, N * Hv), f"{d}, num_attention_heads * v_head_dim"),
+    "post_attention_layernorm.weight": ((D,), d),
+    "mlp.gate_proj.weight": ((F, D), f"{f}, {d}"),
+    "mlp.up_proj.weight": ((F, D), f"{f}, {d}"),
+    "mlp.down_proj.weight": ((D, F), f"{d}, {f}"),
+  }
+  if Q is None:
+    per_layer["self_attn.q_proj.weight"] = ((N * (Hn + R), D), f"{nq}, {d}")
+  else:
+    per_layer["self_attn.q_a_proj.weight"] = ((Q, D), f"q_lora_rank, {d}")
+    per_layer["self_attn.q_a_layernorm.weight"] = ((Q,), "q_lora_rank")
+    per_layer["self_attn.q_b_proj.weight"] = ((N * (Hn + R), Q), f"{nq}, q_lora_rank")
+  mtp = {
+    "enorm.weight": ((D,), d),
+    "hnorm.weight": ((D,), d),
+    "eh_proj.weight": ((D, 2 * D), f"{d}, 2 * {d}"),
+    "shared_head.norm.weight": ((D,), d),
+  }
+  shapes = {
+    "model.embed_tokens.weight": ((V, D), f"vocab_size, {d}"),
+    "model.norm.weight": ((D,), d),
+  }
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = ((V, D), f"vocab_size, {d}")
+  for i in range(L + J):
+    shapes.update({f"model.layers.{i}.{n}": v for n, v in per_layer.items()})
+  for j in range(J):
+    shapes.update({f"model.layers.{L + j}.{n}": v for n, v in mtp.items()})
+  return shapes
 
 
 def _deinterleave(R: int) -> np.ndarray:
@@ -218,11 +285,8 @@ def params_from_hf(
       f"mixture-of-experts tensors ({', '.join(moe[:4])}, ...) are not supported; only dense "
       "DeepSeek layers load"
     )
-  expected = ["model.embed_tokens.weight", "model.norm.weight"]
-  if not cfg.tie_embeddings:
-    expected.append("lm_head.weight")
-  expected += [f"model.layers.{i}.{n}" for i in range(L + J) for n in layer_map]
-  expected += [f"model.layers.{L + j}.{n}" for j in range(J) for n in mtp_map]
+  shapes = _shapes(cfg)
+  expected = list(shapes)
   missing = [n for n in expected if n not in tensors]
   if missing:
     shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
@@ -237,6 +301,8 @@ def params_from_hf(
     raise _error(
       f"unexpected tensors (a feature this importer does not support?): {', '.join(unused[:8])}"
     )
+
+  check_tensor_shapes(tensors, shapes)
 
   def cast(x):
     return jnp.asarray(x).astype(dtype)
@@ -265,8 +331,6 @@ def params_from_hf(
     stack(range(L, L + J), extra, block)
     heads["block"] = block
     params["mtp"] = {"heads": heads}
-  from atlas_jax.hf import check_shapes
-
   check_shapes(params, cfg)
   return params
 
@@ -279,11 +343,9 @@ def load(
   implementation: str | None = None,
 ) -> Transformer:
   """Loads a deepseek_v3 folder; called by `atlas_jax.hf.load` (which reads config.json)."""
-  from atlas_jax.hf import read_safetensors
-
   config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before reading weights
   tensors = read_safetensors(folder)
-  L = hf_config["num_hidden_layers"]
+  L = config_from_hf(hf_config, dtype=dtype).n_layers
   # Count the MTP modules actually stored: transformers' save_pretrained drops them, so a
   # config may announce num_nextn_predict_layers without the weights.
   stored = 0
@@ -296,8 +358,6 @@ def load(
       f"num_nextn_predict_layers={announced}"
     )
   cfg = config_from_hf(hf_config, dtype=dtype, mtp_layers=stored)
-  interleaved = bool(hf_config.get("rope_interleave", True))
+  interleaved = field(hf_config, "rope_interleave", bool, True)
   params = params_from_hf(tensors, cfg, interleaved=interleaved)
-  from atlas_jax.hf import build_model
-
   return build_model(cfg, params, implementation=implementation)

@@ -1,6 +1,7 @@
 """train.py and serve.py end to end on a tiny run, and their errors on bad input."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,6 +14,29 @@ import serve  # noqa: E402
 import train  # noqa: E402
 
 
+def small_run(data, out, *, steps: int) -> list[str]:
+  """train.py's arguments for a small byte-level run of tiny.yaml's kind on `data`."""
+  sets = [
+    f"data.source={data}",
+    "data.eval_fraction=0.1",
+    "data.tokenizer=byte",
+    "model.vocab_size=259",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    f"train.steps={steps}",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.log_every=20",
+    "train.eval_every=40",
+    "train.checkpoint_every=20",
+    f"train.checkpoint_dir={out}",
+  ]
+  return ["--config", str(ROOT / "configs" / "tiny.yaml")] + [x for s in sets for x in ("--set", s)]
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("run")
@@ -21,36 +45,7 @@ def run_dir(tmp_path_factory):
     "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200))
   )
   out = tmp / "ckpt"
-  rc = train.main(
-    [
-      "--config",
-      str(ROOT / "configs" / "tiny.yaml"),
-      "--set",
-      f"data.source={data}",
-      "--set",
-      "data.eval_fraction=0.1",
-      "--set",
-      "model.n_layers=2",
-      "--set",
-      "model.d_model=64",
-      "--set",
-      "model.ffn_dim=128",
-      "--set",
-      "train.steps=40",
-      "--set",
-      "train.seq_len=32",
-      "--set",
-      "train.log_every=20",
-      "--set",
-      "train.eval_every=40",
-      "--set",
-      "train.checkpoint_every=20",
-      "--set",
-      f"train.checkpoint_dir={out}",
-      "--sample-tokens",
-      "8",
-    ]
-  )
+  rc = train.main(small_run(data, out, steps=40) + ["--sample-tokens", "8"])
   assert rc == 0
   return out
 
@@ -94,7 +89,7 @@ def test_serve_batch_mode(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
   "argv, match",
   [
-    (["--set", "model.n_heads=6"], "model.n_heads=6"),
+    (["--set", "model.n_heads=5"], "model.n_heads=5"),
     (["--set", "train.stepz=3"], "train.stepz is not a known field"),
     (["--config", "nope.yaml"], "does not exist"),
   ],
@@ -110,6 +105,162 @@ def test_serve_rejects_bad_input(run_dir, tmp_path, capsys):
   assert serve.main(["--checkpoint", str(run_dir), "--prompts", str(bad)]) == 2
   assert "bad.jsonl:2" in capsys.readouterr().err
   assert serve.main(["--checkpoint", str(run_dir), "--prompt", "x", "--top-p", "2"]) == 2
-  assert "serve.top_p=2.0" in capsys.readouterr().err
+  assert "--top-p=2.0: invalid value for 'top_p'" in capsys.readouterr().err
   assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
   assert "no config.json" in capsys.readouterr().err
+
+
+def copy_run(run_dir, out):
+  shutil.copytree(run_dir, out)
+  return out
+
+
+def resume(run_dir, out, *extra):
+  """Reruns the fixture's command, to train.steps=44, in `out` (a damaged copy of `run_dir`)."""
+  data = run_dir.parent / "data.jsonl"
+  return train.main(small_run(data, out, steps=44) + ["--sample-prompt", "", *extra])
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "40" / "meta" / "metadata").write_text('{"step": 4')  # truncated mid-write
+  assert resume(run_dir, out) == 0
+  captured = capsys.readouterr()
+  assert f"{out}/40/meta/metadata is not valid JSON" in captured.err
+  assert "trying step 20" in captured.err
+  assert "resumed from" in captured.out and "at step 20" in captured.out
+  assert (out / "40.corrupt").is_dir()
+  assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["20", "40", "44"]
+  steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert steps[-2:] == [40, 44]
+
+
+def test_a_damaged_checkpoint_can_stop_the_run(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "40" / "state" / "_METADATA").write_text('{"tree_metadata": {')
+  assert resume(run_dir, out, "--set", "train.on_corrupt_checkpoint=stop") == 2
+  err = capsys.readouterr().err
+  assert f"error: checkpoint step 40 in {out} cannot be restored: " in err
+  assert f"{out}/40/state/_METADATA is not valid JSON" in err
+  assert "train.on_corrupt_checkpoint=stop" in err
+  assert (out / "40").is_dir() and not (out / "40.corrupt").exists()
+
+
+def test_a_damaged_run_config_is_named(run_dir, tmp_path, capsys):
+  out = copy_run(run_dir, tmp_path / "run")
+  (out / "config.yaml").write_text("model: {vocab_size: 259\n  d_model")
+  assert serve.main(["--checkpoint", str(out), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert f"config file '{out}/config.yaml' is not valid YAML" in err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_names_a_bad_jsonl_line(tmp_path, capsys):
+  data = tmp_path / "data.jsonl"
+  data.write_text('{"text": "def f(): pass"}\n{"text": ["not", "a", "string"]}\n')
+  rc = train.main(
+    [
+      "--config",
+      str(ROOT / "configs" / "tiny.yaml"),
+      "--set",
+      f"data.source={data}",
+      "--set",
+      "train.steps=1",
+      "--set",
+      f"train.checkpoint_dir={tmp_path / 'run'}",
+      "--sample-prompt",
+      "",
+    ]
+  )
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert f"{data}:2: field 'text' must be a string, got list" in err
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    # The sampling flags follow the HTTP API's rules, with its messages.
+    (
+      ["--temperature", "nan"],
+      "--temperature=nan: invalid value for 'temperature': Input should be a finite number",
+    ),
+    (
+      ["--temperature", "3"],
+      "--temperature=3.0: invalid value for 'temperature': Input should be less than or equal to 2",
+    ),
+    (
+      ["--top-k", str(2**31)],
+      "--top-k=2147483648: invalid value for 'top_k': Input should be "
+      "less than or equal to 2147483647",
+    ),
+    (
+      ["--max-new-tokens", "0"],
+      "--max-new-tokens=0: invalid value for 'max_tokens': Input "
+      "should be greater than or equal to 1",
+    ),
+    (["--seed", "-1"], "--seed=-1: invalid value for 'seed'"),
+    (["--block-size", "0"], "--block-size=0 is not allowed: must be a positive integer"),
+    (["--max-batch", "-2"], "--max-batch=-2 is not allowed: must be a positive integer"),
+    (["--prefill-chunk", "48"], "--prefill-chunk=48 is not allowed: must be a power of two"),
+    (["--port", "70000"], "--port=70000 is not allowed: must be in [1, 65535]"),
+    (["--output", "{tmp}/missing/out.jsonl"], "the folder {tmp}/missing does not exist"),
+    (["--output", "{tmp}"], "is a folder; give a file path"),
+    (["--prompt", "ok \udcff"], "--prompt 2: the text cannot be encoded as UTF-8 (character 3"),
+  ],
+)
+def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+  # Checked before the checkpoint is read: the folder need not exist.
+  assert serve.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", *argv]) == 2
+  err = capsys.readouterr().err
+  want = message.replace("{tmp}", str(tmp_path))
+  assert want in err and err.startswith("error: --") and len(err.strip().splitlines()) == 1
+
+
+def test_serve_rejects_a_context_past_the_model(run_dir, capsys):
+  argv = ["--checkpoint", str(run_dir), "--prompt", "x", "--max-model-len", "4096"]
+  assert serve.main(argv) == 2
+  assert "--max-model-len=4096 is not allowed: the model's context is 512 tokens" in (
+    capsys.readouterr().err
+  )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "config"])
+def test_serve_prints_hf_load_errors_as_one_line(tmp_path, capsys, damage):
+  from flax import nnx
+
+  from atlas_jax import hf
+  from atlas_jax.config import ModelConfig
+  from atlas_jax.model.transformer import Transformer
+
+  cfg = ModelConfig(vocab_size=259, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+  hf.save(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path)
+  if damage == "truncated":
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    want = f"{weights}: not a readable safetensors file"
+  else:
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": "64"}))
+    want = "config.json field 'intermediate_size'='64' is not allowed: must be an integer"
+  assert serve.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_samples_as_the_run_says_unless_told(run_dir):
+  from atlas_jax.config import ServeConfig, load_config
+
+  run = load_config(run_dir / "config.yaml").serve
+  assert run.temperature != ServeConfig().temperature  # tiny.yaml samples; the default is greedy
+  args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x"])
+  serve.fill_defaults(args)
+  assert (args.temperature, args.top_k, args.max_new_tokens) == (
+    run.temperature,
+    run.top_k,
+    run.max_new_tokens,
+  )
+  args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x", "--temperature", "0"])
+  serve.fill_defaults(args)
+  assert (args.temperature, args.top_k) == (0.0, run.top_k)

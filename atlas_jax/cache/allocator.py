@@ -368,9 +368,20 @@ class BlockAllocator:
     self._fill[tail] = length % Z
     return []
 
-  def free(self, seq_id: SeqId) -> None:
-    """Releases a sequence's blocks; its hashed full blocks stay cached until evicted."""
+  def free(self, seq_id: SeqId, *, computed: int | None = None) -> None:
+    """Releases a sequence's blocks; its hashed full blocks stay cached until evicted.
+
+    Args:
+      computed: how many leading tokens have their K/V written in the pool (default: all). A
+        full block past them leaves the prefix cache, since its hash promises K/V the pool does
+        not hold (a step that failed before writing them).
+    """
     seq = self._get(seq_id)
+    if computed is not None:
+      for i, block in enumerate(seq.blocks):
+        if (i + 1) * self.block_size > computed and i < len(seq.hashes):
+          if self._hash_of.get(block) == seq.hashes[i]:
+            del self._block_of[self._hash_of.pop(block)]
     del self._seqs[seq_id]
     # Release the tail first so that, among this sequence's blocks, the tail is evicted first
     # and the more widely useful prefix blocks survive longest.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+MIN_BPE_VOCAB = 260
 
 
 class Tokenizer(Protocol):
@@ -16,6 +19,8 @@ class Tokenizer(Protocol):
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
+
+  def fingerprint(self) -> str: ...
 
 
 class ByteTokenizer:
@@ -29,6 +34,9 @@ class ByteTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+  def fingerprint(self) -> str:
+    return "byte"
 
 
 class HFTokenizer:
@@ -68,6 +76,10 @@ class HFTokenizer:
   def save(self, path: str | Path) -> None:
     self._tok.save(str(path))
 
+  def fingerprint(self) -> str:
+    """A hash of the whole tokenizer (vocabulary, merges, normalisation): equal means equal ids."""
+    return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
   """A byte-level BPE trained on `texts` with the `tokenizers` library (seconds on a few MB)."""
@@ -87,13 +99,31 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
   return HFTokenizer(tok, bos="<s>", eos="</s>", pad="<pad>")
 
 
+def bpe_size(spec: str) -> int | None:
+  """N for a "bpe:N" spec (a BPE of N tokens to train on the data), else None."""
+  if not spec.startswith("bpe:"):
+    return None
+  n = spec.removeprefix("bpe:")
+  if not n.isdigit() or int(n) < MIN_BPE_VOCAB:
+    raise ValueError(
+      f"data.tokenizer={spec!r}: expected bpe:N with an integer N >= {MIN_BPE_VOCAB} "
+      "(256 bytes, 3 special tokens, at least one merge)"
+    )
+  return int(n)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-  """ "byte", a tokenizer.json file, or a folder holding one."""
+  """ "byte", a tokenizer.json file, or a folder holding one ("bpe:N" is trained on the data:
+  see `atlas_jax.data.pipeline.tokenizer_for`)."""
   if spec == "byte":
     return ByteTokenizer()
+  if bpe_size(spec) is not None:
+    raise ValueError(f"data.tokenizer={spec!r} is trained on the data, not loaded from a file")
   path = Path(spec)
   if path.is_dir():
     path = path / "tokenizer.json"
   if not path.is_file():
-    raise ValueError(f"data.tokenizer={spec!r}: expected 'byte' or a path to a tokenizer.json")
+    raise ValueError(
+      f"data.tokenizer={spec!r}: expected 'byte', 'bpe:N' or a path to a tokenizer.json"
+    )
   return HFTokenizer.from_file(path)

@@ -10,6 +10,8 @@ output whatever the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -20,6 +22,36 @@ Array = jax.Array
 
 # Top alternatives returned per token when logprobs are asked for (the OpenAI API allows 0..5).
 MAX_LOGPROBS = 5
+# The largest values the jitted steps' per-row arrays (i32, f32) hold.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _iterable(value) -> bool:
+  try:
+    iter(value)
+  except TypeError:
+    return False
+  return True
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> int:
+  """`value` as an int in [lo, hi], or a ValueError naming the field, the value and the range."""
+  if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name}={value!r} is not allowed: must be an integer in [{lo}, {hi}]")
+  if not lo <= value <= hi:
+    raise ValueError(f"{name}={value} is not allowed: must be in [{lo}, {hi}]")
+  return int(value)
+
+
+def _float_in(name: str, value, lo: float, hi: float, allowed: str) -> float:
+  """`value` as a finite float in [lo, hi] (so a finite float32), or a ValueError."""
+  if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name}={value!r} is not allowed: {allowed}")
+  value = float(value)
+  if not (math.isfinite(value) and lo <= value <= hi):
+    raise ValueError(f"{name}={value} is not allowed: {allowed}")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,27 +77,42 @@ class SamplingParams:
   logprobs: int | None = None  # None: none; n: the sampled token's plus the top n (n <= 5)
 
   def __post_init__(self):
-    if self.max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-    if not 0 <= self.min_p <= 1:
-      raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-    if self.repetition_penalty <= 0:
-      raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is off)")
-    for name in ("presence_penalty", "frequency_penalty"):
-      if not -2 <= getattr(self, name) <= 2:
-        raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
-    if not 0 <= self.seed < 2**31:
-      raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
-    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
-    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-    object.__setattr__(self, "stop", tuple(self.stop))
+    # Every field must fit what the jitted step holds (i32 and f32 per row), so a request that
+    # passes here cannot overflow inside a batched step and take its neighbours down with it.
+    ints = {"max_new_tokens": (1, INT32_MAX), "top_k": (0, INT32_MAX), "seed": (0, INT32_MAX)}
+    for name, (lo, hi) in ints.items():
+      object.__setattr__(self, name, _int_in(name, getattr(self, name), lo, hi))
+    floats = {
+      "temperature": (0.0, FLOAT32_MAX, "must be a finite number >= 0 (0 is greedy)"),
+      "top_p": (0.0, 1.0, "must be in (0, 1] (1 disables top-p)"),
+      "min_p": (0.0, 1.0, "must be in [0, 1] (0 disables min-p)"),
+      "repetition_penalty": (0.0, FLOAT32_MAX, "must be a finite number > 0 (1 is off)"),
+      "presence_penalty": (-2.0, 2.0, "must be in [-2, 2]"),
+      "frequency_penalty": (-2.0, 2.0, "must be in [-2, 2]"),
+    }
+    for name, (lo, hi, allowed) in floats.items():
+      value = _float_in(name, getattr(self, name), lo, hi, allowed)
+      if value == 0 and name in ("top_p", "repetition_penalty"):
+        raise ValueError(f"{name}=0.0 is not allowed: {allowed}")
+      object.__setattr__(self, name, value)
+    if self.logprobs is not None:
+      object.__setattr__(self, "logprobs", _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+    if not isinstance(self.ignore_eos, bool | np.bool_):
+      raise ValueError(f"ignore_eos={self.ignore_eos!r} is not allowed: must be true or false")
+    object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+    if isinstance(self.stop_token_ids, str | bytes) or not _iterable(self.stop_token_ids):
+      raise ValueError(
+        f"stop_token_ids={self.stop_token_ids!r} is not allowed: must be a list of token ids"
+      )
+    object.__setattr__(
+      self,
+      "stop_token_ids",
+      tuple(_int_in("stop_token_ids", t, 0, INT32_MAX) for t in self.stop_token_ids),
+    )
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+    if not _iterable(stop) or not all(isinstance(s, str) and s for s in stop):
+      raise ValueError(f"stop={self.stop!r} is not allowed: must be a list of non-empty strings")
+    object.__setattr__(self, "stop", tuple(stop))
 
   @property
   def uses_penalties(self) -> bool:

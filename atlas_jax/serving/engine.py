@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -62,6 +64,14 @@ RequestId = Hashable
 
 class RequestError(ValueError):
   """A request the engine cannot serve (too long for the context or the pool, bad token ids)."""
+
+
+class _PoolLost(Exception):
+  """A jitted call raised after the device took the donated pool."""
+
+  def __init__(self, rows: list[_Request], error: BaseException):
+    super().__init__(str(error))
+    self.rows, self.error = rows, error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +132,7 @@ class _Request:
   n_text_sent: int = 0
   stop_at: int | None = None  # where the first stop string starts in the text
   n_preemptions: int = 0
+  suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
 
   @property
   def tokens(self) -> list[int]:
@@ -145,6 +156,14 @@ class _Burst:
   top_ids: Array  # i32[K, B, 5]
   top_lp: Array  # f32[K, B, 5]
   counts: Array | None  # i32[B, V] output token counts after the burst (penalties)
+
+
+def _step_error(e: BaseException) -> str:
+  return f"the model step failed: {type(e).__name__}: {e}"
+
+
+def _pool_lost(pool) -> bool:
+  return any(x.is_deleted() for x in jax.tree.leaves(pool))
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -181,6 +200,10 @@ class Engine:
     self.graphdef, self.state = nnx.split(model)
     self.programs = steps.programs(self.graphdef)
     self.pool = model.init_pool(config.n_blocks, config.block_size)  # KV or MLA latents
+    # Shapes, dtypes and placement of the pool, to build a fresh one if a failed step lost it.
+    self._pool_spec = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.pool
+    )
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
@@ -214,8 +237,9 @@ class Engine:
     """Queues a request.
 
     Raises:
-      RequestError: empty prompt, token ids outside the vocabulary, prompt + max_new_tokens past
-        the context, or more blocks than the whole pool holds; or a duplicate id.
+      RequestError: empty prompt, token ids that are not integers in the vocabulary, prompt +
+        max_new_tokens past the context, or more blocks than the whole pool holds; or a
+        duplicate id.
     """
     req = self._make_request(request_id, prompt, params)
     self._requests[request_id] = req
@@ -252,16 +276,34 @@ class Engine:
   def _make_request(
     self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None
   ) -> _Request:
-    """A validated request with the next arrival number; nothing is queued."""
+    """A validated request with the next arrival number; nothing is queued.
+
+    Everything the jitted steps will hold is checked here (SamplingParams checks its own fields
+    against i32/f32), so an admitted request cannot make a batched step fail.
+    """
     params = SamplingParams() if params is None else params
-    prompt = [int(t) for t in prompt]
+    if not isinstance(params, SamplingParams):
+      raise RequestError(f"params={params!r} is not allowed: must be a SamplingParams")
     V = self.model_config.vocab_size
+    try:
+      hash(request_id)
+    except TypeError:
+      raise RequestError(f"request id {request_id!r} is not allowed: must be hashable") from None
     if request_id in self._requests:
       raise RequestError(f"request {request_id!r} already exists")
+    if isinstance(prompt, str | bytes):
+      raise RequestError("the prompt must be a list of token ids, not text (encode it first)")
+    prompt = list(prompt)
+    if not all(
+      isinstance(t, numbers.Integral) and not isinstance(t, bool | np.bool_) for t in prompt
+    ):
+      raise RequestError(f"prompt token ids must be integers in [0, {V})")
+    prompt = [int(t) for t in prompt]
     if not prompt:
       raise RequestError("the prompt needs at least one token")
     if min(prompt) < 0 or max(prompt) >= V:
-      raise RequestError(f"prompt token ids must be in [0, {V})")
+      bad = next(t for t in prompt if not 0 <= t < V)
+      raise RequestError(f"prompt token id {bad} is not allowed: token ids must be in [0, {V})")
     total = len(prompt) + params.max_new_tokens
     if total > self.max_model_len:
       raise RequestError(
@@ -310,17 +352,24 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Schedules, runs the model (a mixed step, or a burst of decode steps), samples; returns
-    what changed."""
+    what changed.
+
+    A request whose rows make the model step raise fails alone (finish_reason "error"); the
+    others continue with unchanged outputs (see `_run_isolated`).
+    """
     outputs = self._process_aborts()
-    if self._inflight is not None:
-      # The host settles the burst in flight while the next one (if any) runs on the device.
-      burst = self._inflight
-      self._inflight = self._chain(burst)
-      return outputs + self._collect(burst)
-    if self._should_burst():
-      self._inflight = self._start_burst()
+    try:
       if self._inflight is not None:
-        return outputs  # its tokens are read by the next step, while the next burst runs
+        # The host settles the burst in flight while the next one (if any) runs on the device.
+        burst = self._inflight
+        self._inflight = self._chain(burst)
+        return outputs + self._collect(burst)
+      if self._should_burst():
+        self._inflight = self._start_burst()
+        if self._inflight is not None:
+          return outputs  # its tokens are read by the next step, while the next burst runs
+    except _PoolLost as lost:
+      return outputs + self._recover_pool(lost)
     scheduled, copies = self._schedule()
     if not scheduled:
       return outputs
@@ -329,17 +378,29 @@ class Engine:
     self._copy(copies)
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [(r, n) for r, n in scheduled if n == 1]
-    results = {}
-    for rows, T in ((prefill, None), (decode, 1)):
-      if rows:
-        results.update(self._run(rows, T))
+    results: dict[RequestId, tuple] = {}
+    failed: dict[RequestId, str] = {}
+    try:
+      for rows, T in ((prefill, None), (decode, 1)):
+        if rows:
+          got, bad = self._run_isolated(rows, T)
+          results.update(got)
+          failed.update(bad)
+    except _PoolLost as lost:
+      return outputs + self._recover_pool(lost)
+    if failed:
+      outputs += self._fail_rows(scheduled, failed)
+      scheduled = [(r, n) for r, n in scheduled if r in self.running]  # not failed or preempted
     for req, n in scheduled:
       req.n_computed += n
       if req.id in self._followers and req.n_computed == len(req.prompt):
         self._fork_followers(req)  # before `_accept` may finish and free the leader
       if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
         token, logprob, top_ids, top_lp = results[req.id]
-        outputs.append(self._accept(req, [token], [logprob], [top_ids], [top_lp])[0])
+        try:
+          outputs.append(self._accept(req, [token], [logprob], [top_ids], [top_lp])[0])
+        except Exception as e:  # e.g. the detokenizer: this request's fault only
+          outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
     return outputs
 
   def _copy(self, copies: list[tuple[int, int]]) -> None:
@@ -356,6 +417,8 @@ class Engine:
     and nothing waits that could be admitted now."""
     if self.config.decode_burst < 2 or not self.running:
       return False
+    if any(r.suspect for r in self.running):
+      return False  # suspects run alone, in mixed steps
     if any(r.n_pending != 1 for r in self.running):
       return False
     if self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -392,7 +455,14 @@ class Engine:
     penalties = any(r.params.uses_penalties for r in rows)
     counts, prompt_mask = self._penalty_arrays(rows, B) if penalties else (None, None)
     start = [r.n_computed for r in rows]
-    return self._dispatch(rows, start, tokens, first_step, counts, prompt_mask)
+    try:
+      return self._dispatch(rows, start, tokens, first_step, counts, prompt_mask)
+    except Exception as e:
+      if _pool_lost(self.pool):
+        raise _PoolLost(rows, e) from e
+      for r in rows:  # the mixed step that runs instead finds the failing rows
+        self.allocator.truncate(r.id, r.n_computed)
+      return None
 
   def _dispatch(self, rows, start, tokens_B, first_step_B, counts_BV, prompt_mask_BV) -> _Burst:
     K = self.config.decode_burst
@@ -451,21 +521,35 @@ class Engine:
     if prev.counts is not None:
       counts, prompt_mask = prev.counts[index], prev.prompt_mask[index]
     start = [prev.start[b] + K for b in keep]
+    try:
+      burst = self._dispatch(rows, start, tokens_B, first_step, counts, prompt_mask)
+    except Exception as e:
+      if _pool_lost(self.pool):
+        raise _PoolLost(prev.rows, e) from e
+      return None  # `_collect` gives back what the rows reserved
     self.n_chained += 1
-    return self._dispatch(rows, start, tokens_B, first_step, counts, prompt_mask)
+    return burst
 
   def _collect(self, burst: _Burst) -> list[RequestOutput]:
     """Reads a burst's draws, cuts each row at its first stop, and settles the blocks."""
-    tok, lp, top_ids, top_lp = map(np.asarray, (burst.tok, burst.lp, burst.top_ids, burst.top_lp))
+    try:
+      tok, lp, top_ids, top_lp = map(np.asarray, (burst.tok, burst.lp, burst.top_ids, burst.top_lp))
+    except Exception as e:  # the burst failed on the device, which had taken the pool
+      self._inflight = None  # a chained burst read this one's draws: it failed too
+      raise _PoolLost(burst.rows, e) from e
     chained = set() if self._inflight is None else {id(r) for r in self._inflight.rows}
     outputs = []
     for b, req in enumerate(burst.rows):
       if req.id not in self._requests:
         continue  # aborted while the burst ran
       start = burst.start[b]
-      out, n_kept = self._accept(
-        req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
-      )
+      try:
+        out, n_kept = self._accept(
+          req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
+        )
+      except Exception as e:  # e.g. the detokenizer: this request's fault only
+        outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
+        continue
       outputs.append(out)
       # The pool holds the pending token and every kept draw but the last: register those (a
       # finished request's full blocks then enter the prefix cache). A row that runs on in the
@@ -653,6 +737,110 @@ class Engine:
     return {
       req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b]) for b, (req, _) in enumerate(rows)
     }
+
+  # -- fault isolation ------------------------------------------------------------------------
+
+  def _run_isolated(self, rows: list[tuple[_Request, int]], T: int | None):
+    """`_run`, and when it raises, the rows split in halves until the failing ones are alone.
+
+    Halves run in order, so a row reading blocks that an earlier row writes this step still
+    reads them after they are written. Requests flagged `suspect` (in a call that lost the pool)
+    run alone. Returns ({id: draw}, {id: error message}).
+    """
+    groups: list[list[tuple[_Request, int]]] = []
+    for row in rows:
+      if row[0].suspect or not groups or groups[-1][0][0].suspect:
+        groups.append([row])
+      else:
+        groups[-1].append(row)
+    results: dict[RequestId, tuple] = {}
+    failed: dict[RequestId, str] = {}
+    for group in groups:
+      try:
+        results.update(self._run(group, T))
+      except Exception as e:
+        if _pool_lost(self.pool):
+          raise _PoolLost([r for r, _ in group], e) from e  # nothing left to re-run on
+        if len(group) == 1:
+          failed[group[0][0].id] = _step_error(e)
+          continue
+        mid = len(group) // 2
+        for half in (group[:mid], group[mid:]):
+          got, bad = self._run_isolated(half, T)
+          results.update(got)
+          failed.update(bad)
+    return results, failed
+
+  def _fail_rows(
+    self, scheduled: list[tuple[_Request, int]], failed: dict[RequestId, str]
+  ) -> list[RequestOutput]:
+    """Ends the failed requests; recomputes those that read K/V the failed ones never wrote.
+
+    The blocks a failed row was to fill this step hold no valid K/V, though the allocator may
+    have hashed them into the prefix cache and another request admitted this step may read them:
+    they leave the cache, and every reader (transitively) is preempted to recompute.
+    """
+    by_id = {r.id: r for r, _ in scheduled}
+    lost_blocks: set[int] = set()
+    tainted = set(failed)
+    changed = True
+    while changed:
+      changed = False
+      for req, _ in scheduled:
+        blocks = self.allocator.blocks(req.id)
+        written = blocks[req.n_computed // self.config.block_size :]  # blocks filled this step
+        if req.id in tainted:
+          if not lost_blocks.issuperset(written):
+            lost_blocks.update(written)
+            changed = True
+        elif lost_blocks.intersection(blocks):
+          tainted.add(req.id)
+          changed = True
+    outputs = []
+    for rid in tainted:
+      req = by_id[rid]
+      self.allocator.free(rid, computed=req.n_computed)
+      if rid in failed:
+        outputs.append(self._finish(req, "error", failed[rid]))
+      else:
+        self.running.remove(req)
+        req.n_computed = 0
+        req.n_preemptions += 1
+        self.n_preemptions += 1
+        self.waiting.appendleft(req)
+    self.waiting = collections.deque(sorted(self.waiting, key=lambda r: r.arrival))
+    return outputs
+
+  def _recover_pool(self, lost: _PoolLost) -> list[RequestOutput]:
+    """A call failed after the device took the donated pool: every running request's K/V are
+    gone. A fresh pool and allocator, every running request recomputes (its outputs so far are
+    kept, and its sampling keys make the recomputation draw the same tokens); the rows of the
+    failed call fail if there was one, else run alone from now on until the culprit is found.
+    """
+    outputs = []
+    if len(lost.rows) == 1 and lost.rows[0].id in self._requests:
+      outputs.append(self._finish(lost.rows[0], "error", _step_error(lost.error)))
+    for req in lost.rows:
+      req.suspect = True
+    self._inflight = None
+    self._pending_copies = []
+    self.pool = jax.tree.map(
+      lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._pool_spec
+    )
+    self.allocator = BlockAllocator(
+      self.config.n_blocks,
+      self.config.block_size,
+      enable_prefix_caching=self.config.enable_prefix_caching,
+    )
+    for req in self.running:
+      req.n_computed = 0
+      req.n_preemptions += 1
+      self.n_preemptions += 1
+    self.waiting = collections.deque(
+      sorted([*self.running, *self.waiting], key=lambda r: r.arrival)
+    )
+    self.running = []
+    return outputs
 
   # -- results -------------------------------------------------------------------------------
 

@@ -14,18 +14,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (
+  AfterValidator,
+  BaseModel,
+  ConfigDict,
+  Field,
+  StrictBool,
+  StrictInt,
+  ValidationError,
+)
+from starlette.exceptions import HTTPException
 
-from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingParams
+from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
 from atlas_jax.serving.engine import Engine, RequestError, RequestOutput
 from atlas_jax.serving.metrics import ServingMetrics
 
@@ -46,9 +56,77 @@ class APIError(Exception):
     self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
 
-def _error_response(status: int, message: str, param=None, kind="invalid_request_error"):
+def _error_response(
+  status: int, message: str, param=None, kind="invalid_request_error", headers=None
+) -> JSONResponse:
   body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-  return JSONResponse(body, status_code=status)
+  return JSONResponse(body, status_code=status, headers=headers)
+
+
+log = logging.getLogger("atlas_jax.serving")
+
+
+class _Guard:
+  """The outermost layer of the app (raw ASGI): API key, body size, and unexpected errors.
+
+  The body is read here, up to `max_body_bytes` whatever the transfer encoding (a chunked body
+  has no Content-Length to check up front), and handed on whole; a larger one gets 413 without
+  being read further, and the connection is closed, since the rest of it is still on the way.
+  An exception no handler took becomes an OpenAI-shaped 500 (logged with its traceback), so the
+  client's keep-alive connection survives it.
+  """
+
+  def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    if self.api_key is not None and scope["path"].startswith("/v1/"):
+      if headers.get("authorization", "") != f"Bearer {self.api_key}":
+        response = _error_response(401, "invalid or missing API key", kind="authentication_error")
+        return await response(scope, receive, send)
+    too_large = _error_response(
+      413, f"request body over {self.max_body_bytes} bytes", headers={"Connection": "close"}
+    )
+    size = headers.get("content-length", "")
+    if size.isdigit() and int(size) > self.max_body_bytes:
+      return await too_large(scope, receive, send)
+    chunks, n = [], 0
+    while True:
+      message = await receive()
+      if message["type"] == "http.disconnect":
+        return
+      chunks.append(message.get("body", b""))
+      n += len(chunks[-1])
+      if n > self.max_body_bytes:
+        return await too_large(scope, receive, send)
+      if not message.get("more_body", False):
+        break
+    body, replayed = b"".join(chunks), False
+
+    async def replay():
+      nonlocal replayed
+      if not replayed:
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+      return await receive()  # then the disconnect, which streaming responses listen for
+
+    started = False
+
+    async def watch(message):
+      nonlocal started
+      started = started or message["type"] == "http.response.start"
+      await send(message)
+
+    try:
+      await self.app(scope, replay, watch)
+    except Exception:
+      if started:
+        raise  # mid-response: nothing better than closing the connection
+      log.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+      await _error_response(500, "internal server error", kind="server_error")(scope, replay, send)
 
 
 # -- the engine thread --------------------------------------------------------------------------
@@ -160,15 +238,32 @@ class EngineRunner:
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
-class _Body(BaseModel):
-  model_config = ConfigDict(extra="forbid", strict=True)
+def encodable(text: str) -> str:
+  """`text`, or a ValueError when UTF-8 cannot encode it (a lone surrogate: JSON may escape one,
+  and a command line's undecodable bytes arrive as such)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(
+      f"the text cannot be encoded as UTF-8 (character {e.start} is a lone surrogate "
+      f"{text[e.start]!r})"
+    ) from None
+  return text
 
-  model: str | None = None
+
+# Every string a request carries.
+Text = Annotated[str, AfterValidator(encodable)]
+
+
+class _Body(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+  model: Text | None = None
   max_tokens: PositiveInt | None = None
   max_completion_tokens: PositiveInt | None = None
   temperature: Annotated[float, Field(ge=0, le=2)] | None = None
   top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-  top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+  top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
   min_p: Annotated[float, Field(ge=0, le=1)] | None = None
   presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
   frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -176,15 +271,56 @@ class _Body(BaseModel):
   n: PositiveInt = 1
   stream: StrictBool = False
   stream_options: dict[str, StrictBool] | None = None
-  stop: str | list[str] | None = None
-  stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+  stop: Text | list[Text] | None = None
+  stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]] | None = None
   seed: Annotated[StrictInt, Field(ge=0, lt=2**31)] | None = None
   ignore_eos: StrictBool = False
-  user: str | None = None
+  user: Text | None = None
+
+
+# The labels pydantic gives the members of a union in an error's location (not field names).
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def describe_invalid(errors) -> tuple[str, str | None]:
+  """(message, param) for pydantic's errors about a request: the field and what was wrong.
+
+  Of a union's errors (one per member), the one that got past the type check says the most.
+  """
+  errors = list(errors)
+  if not errors:
+    return "invalid request body", None
+  err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+  loc = [
+    str(x)
+    for x in err.get("loc", ())
+    if x != "body" and not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS))
+  ]
+  param = ".".join(loc) or None
+  msg = str(err.get("msg", "")).removeprefix("Value error, ")
+  if err.get("type") == "json_invalid":
+    return f"malformed JSON body: {msg}", None
+  if err.get("type") == "extra_forbidden":
+    return f"unknown field '{param}'", param
+  if param is None:  # the body as a whole: empty, not an object, or not sent as JSON
+    return (
+      f"the body must be a JSON object sent with Content-Type: application/json ({msg})",
+      None,
+    )
+  return f"invalid value for '{param}': {msg}", param
+
+
+def check_sampling_fields(**fields) -> None:
+  """Applies the API's rules to sampling fields given elsewhere (serve.py's flags), by their API
+  names (max_tokens, temperature, top_k, top_p, seed, ...): ValueError with the API's message."""
+  try:
+    _Body.model_validate(fields)
+  except ValidationError as e:
+    raise ValueError(describe_invalid(e.errors())[0]) from None
 
 
 class CompletionBody(_Body):
-  prompt: str | list[Annotated[StrictInt, Field(ge=0)]]
+  prompt: Text | list[Annotated[StrictInt, Field(ge=0)]]
   logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
   echo: Literal[False] = False
 
@@ -192,8 +328,8 @@ class CompletionBody(_Body):
 class ChatMessage(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True)
   role: Literal["system", "user", "assistant", "tool", "developer"]
-  content: str
-  name: str | None = None
+  content: Text
+  name: Text | None = None
 
 
 class ChatBody(_Body):
@@ -224,28 +360,23 @@ def build_app(
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request, exc: RequestValidationError):
-    err = exc.errors()[0] if exc.errors() else {}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
-      return _error_response(400, f"malformed JSON body: {err.get('msg', '')}")
-    if err.get("type") == "extra_forbidden":
-      return _error_response(400, f"unknown field '{param}'", param)
-    return _error_response(400, f"invalid value for '{param}': {err.get('msg', '')}", param)
+    message, param = describe_invalid(exc.errors())
+    return _error_response(400, message, param)
 
   @app.exception_handler(APIError)
   async def _api_error(request, exc: APIError):
     return _error_response(exc.status, exc.message, exc.param, exc.kind)
 
-  @app.middleware("http")
-  async def _guard(request: Request, call_next):
-    if api_key is not None and request.url.path.startswith("/v1/"):
-      if request.headers.get("authorization", "") != f"Bearer {api_key}":
-        return _error_response(401, "invalid or missing API key", kind="authentication_error")
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-      return _error_response(413, f"request body over {limits.max_body_bytes} bytes")
-    return await call_next(request)
+  @app.exception_handler(HTTPException)
+  async def _http_error(request, exc: HTTPException):
+    # Routing (404, 405) and body parsing (e.g. bytes that are not UTF-8), in OpenAI's shape.
+    message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if message == "There was an error parsing the body":
+      cause = exc.__cause__
+      message = "malformed JSON body" + (f": {cause}" if cause is not None else "")
+    return _error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+  app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
   def sampling(body: _Body, n_prompt: int, index: int, logprobs: int | None) -> SamplingParams:
     default_max = min(limits.default_max_tokens, limits.max_tokens)
@@ -256,12 +387,13 @@ def build_app(
       )
     if body.n > limits.max_n:
       raise APIError(400, f"n={body.n} exceeds the limit {limits.max_n}", "n")
+    where = "messages" if isinstance(body, ChatBody) else "prompt"
     if n_prompt > limits.max_prompt_tokens:
       raise APIError(
-        400, f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens}", "prompt"
+        400, f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens}", where
       )
     if n_prompt == 0:
-      raise APIError(400, "the prompt is empty", "prompt")
+      raise APIError(400, "the prompt is empty", where)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     pick = lambda v, d: d if v is None else v
     seed = pick(body.seed, defaults.seed)
@@ -289,7 +421,8 @@ def build_app(
     except (RequestError, ValueError) as e:
       if isinstance(e, APIError):
         raise
-      raise APIError(400, str(e), "prompt" if isinstance(e, RequestError) else None) from None
+      where = "messages" if isinstance(body, ChatBody) else "prompt"
+      raise APIError(400, str(e), where if isinstance(e, RequestError) else None) from None
 
   async def merged(subs):
     """(choice index, RequestOutput) in arrival order across the n choices."""

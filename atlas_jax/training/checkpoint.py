@@ -13,9 +13,12 @@ resumes on another.
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -27,6 +30,8 @@ from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build
 
+T = TypeVar("T")
+
 
 def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
@@ -35,11 +40,16 @@ def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
   )
 
 
-def write_run_files(directory: str | Path, cfg: Config) -> None:
+def write_run_files(directory: str | Path, cfg: Config, tokenizer: Tokenizer | None = None) -> None:
+  """config.yaml, and tokenizer.json unless the tokenizer is bytes (serve.py reads both)."""
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.yaml").write_text(dump_config(cfg))
-  if cfg.data.tokenizer != "byte":
+  if tokenizer is not None and hasattr(tokenizer, "save"):
+    tmp = directory / ".tokenizer.tmp.json"
+    tokenizer.save(tmp)
+    tmp.replace(directory / "tokenizer.json")
+  elif cfg.data.tokenizer != "byte" and not cfg.data.tokenizer.startswith("bpe:"):
     src = Path(cfg.data.tokenizer)
     src = src / "tokenizer.json" if src.is_dir() else src
     if src.resolve() != (directory / "tokenizer.json").resolve():
@@ -53,19 +63,98 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any
   )
 
 
+class CheckpointError(ValueError):
+  """A checkpoint step that cannot be restored (damaged files, or none intact)."""
+
+
+# The JSON files orbax writes in a step directory; a damaged one is named in the error.
+_JSON_FILES = ("meta/metadata", "state/_METADATA", "state/_sharding", "_CHECKPOINT_METADATA")
+
+
+def _damage(step_dir: Path, error: BaseException) -> str:
+  """Which file of a step directory is damaged, as far as can be told, and the error."""
+  for name in _JSON_FILES:
+    file = step_dir / name
+    if not file.is_file():
+      continue
+    try:
+      json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return f"{file} is not valid JSON ({e})"
+  detail = " ".join(str(error).split()).split(" See full TensorStore details")[0]
+  detail = detail[:300] + ("..." if len(detail) > 300 else "")
+  return f"{type(error).__name__}: {detail}"
+
+
 def restore(
   mngr: ocp.CheckpointManager, abstract_state: Any, shardings: Any, step: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
-  """(state, meta) of `step` (default latest), laid out with `shardings` (any mesh)."""
+  """(state, meta) of `step` (default latest), laid out with `shardings` (any mesh).
+
+  Raises:
+    CheckpointError naming the step and, where it can tell, the damaged file.
+  """
   step = mngr.latest_step() if step is None else step
   target = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
   )
-  restored = mngr.restore(
-    step,
-    args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+  try:
+    restored = mngr.restore(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+    )
+    meta = restored["meta"]
+    if not isinstance(meta, dict) or not isinstance(meta.get("data_index"), int):
+      raise ValueError(f"meta {meta!r} lacks an integer 'data_index'")
+  except Exception as e:
+    step_dir = Path(mngr.directory) / str(step)
+    raise CheckpointError(
+      f"checkpoint step {step} in {mngr.directory} cannot be restored: {_damage(step_dir, e)}"
+    ) from e
+  return restored["state"], meta
+
+
+def newest_intact(
+  steps: list[int],
+  load: Callable[[int], T],
+  *,
+  fallback: bool,
+  warn: Callable[[str], None],
+  hint: str = "",
+) -> tuple[int, T, list[int]]:
+  """Loads the newest step that loads: (step, what `load` returned, the newer damaged steps).
+
+  Without `fallback`, a damaged newest step raises its CheckpointError (with `hint` appended).
+  When no step loads, the error lists every step's.
+  """
+  errors = []
+  for i, step in enumerate(sorted(steps, reverse=True)):
+    try:
+      return step, load(step), [s for s, _ in errors]
+    except CheckpointError as e:
+      errors.append((step, e))
+      if not fallback:
+        raise CheckpointError(f"{e}{hint}") from e
+      older = sorted(steps, reverse=True)[i + 1 : i + 2]
+      warn(f"warning: {e}" + (f"; trying step {older[0]}" if older else ""))
+  raise CheckpointError(
+    "no checkpoint step could be restored: " + "; ".join(str(e) for _, e in errors)
   )
-  return restored["state"], restored["meta"]
+
+
+def set_aside(directory: str | Path, steps: list[int]) -> list[Path]:
+  """Renames damaged step folders to `<step>.corrupt` (kept for a look, out of orbax's sight,
+  so the resumed run can save those steps again)."""
+  moved = []
+  for step in steps:
+    src = Path(directory) / str(step)
+    dst = src.with_name(f"{step}.corrupt")
+    n = 1
+    while dst.exists():
+      dst, n = src.with_name(f"{step}.corrupt{n}"), n + 1
+    src.rename(dst)
+    moved.append(dst)
+  return moved
 
 
 def is_checkpoint(directory: str | Path) -> bool:
@@ -84,9 +173,6 @@ def load_model(
     raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
   cfg = load_config(directory / "config.yaml")
   mngr = manager(directory)
-  step = mngr.latest_step() if step is None else step
-  if step is None:
-    raise ValueError(f"{directory}: holds no checkpoint step")
   graphdef, abstract = nnx.split(
     nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
   )
@@ -100,12 +186,26 @@ def load_model(
   restore_args = jax.tree.map(
     lambda x: ocp.ArrayRestoreArgs(sharding=device, dtype=x.dtype), target
   )
-  restored = mngr.restore(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-    ),
-  )
+
+  def load(step: int):
+    try:
+      return mngr.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        ),
+      )
+    except Exception as e:
+      raise CheckpointError(
+        f"checkpoint step {step} in {directory} cannot be restored: "
+        f"{_damage(directory / str(step), e)}"
+      ) from e
+
+  steps = list(mngr.all_steps()) if step is None else [step]
+  if not steps:
+    raise ValueError(f"{directory}: holds no checkpoint step")
+  warn = lambda message: print(message, file=sys.stderr)
+  _, restored, _ = newest_intact(steps, load, fallback=step is None, warn=warn)
   params = restored["state"]["params"]
   nnx.replace_by_pure_dict(
     abstract, nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params

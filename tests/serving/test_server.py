@@ -1,6 +1,7 @@
 """The HTTP server end to end on loopback: the openai client, SSE streams, errors, metrics, load."""
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -136,6 +137,18 @@ def test_sse_ends_with_done(server):
     (json.dumps({"prompt": "x" * 65}), 400, "the limit is 64"),
     (json.dumps({"prompt": "x" * 5000}), 413, "4096 bytes"),
     (json.dumps({"max_tokens": 3}), 400, "prompt"),
+    # Fields past what the engine's step holds are refused before they reach it.
+    (json.dumps({"prompt": "x", "top_k": 2**40}), 400, "invalid value for 'top_k'"),
+    (json.dumps({"prompt": "x", "stop_token_ids": [2**31]}), 400, "'stop_token_ids.0'"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "'temperature': Input should be a finite"),
+    # Text no tokenizer can encode (a lone surrogate), in any string field.
+    (b'{"prompt": "ab\\ud800"}', 400, "'prompt': the text cannot be encoded as UTF-8"),
+    (b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "'stop.0': the text cannot be encoded"),
+    (b'{"prompt": "x", "model": "\\ud800"}', 400, "'model': the text cannot be encoded"),
+    # Body-parse errors: bytes that are not UTF-8, nesting past the parser, not an object.
+    (b"\xff\xfe", 400, "malformed JSON body"),
+    (b"[" * 3000, 400, "malformed JSON body"),
+    (b"[1, 2]", 400, "the body must be a JSON object"),
   ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, match):
@@ -148,6 +161,143 @@ def test_bad_requests_get_openai_errors(server, body, status, match):
   assert r.status_code == status
   assert match in r.json()["error"]["message"]
   assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
+
+
+def test_chat_text_that_cannot_be_encoded(server):
+  body = {"messages": [{"role": "user", "content": "hi \ud83d"}]}
+  r = httpx.post(
+    server[0] + "/v1/chat/completions",
+    content=json.dumps(body),  # ASCII JSON with the surrogate escaped, as a client would send it
+    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+  )
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+
+
+@pytest.mark.parametrize(
+  "method, path, status",
+  [("GET", "/nope", 404), ("GET", "/v1/models/x", 404), ("GET", "/v1/completions", 405)],
+)
+def test_routing_errors_have_openai_shape(server, method, path, status):
+  r = httpx.request(method, server[0] + path, headers={"Authorization": f"Bearer {KEY}"})
+  assert r.status_code == status
+  assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _request(sock, body: bytes, path="/v1/completions", extra=b"") -> bytes:
+  head = (
+    f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEY}\r\n"
+    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+  ).encode()
+  sock.sendall(head + extra + b"\r\n" + body)
+
+
+def _response(sock) -> tuple[int, dict, bytes]:
+  """One HTTP/1.1 response read off a raw socket: (status, headers, body)."""
+  data = b""
+  while b"\r\n\r\n" not in data:
+    chunk = sock.recv(65536)
+    if not chunk:
+      raise ConnectionError(f"closed after {data!r}")
+    data += chunk
+  head, body = data.split(b"\r\n\r\n", 1)
+  lines = head.decode("latin-1").split("\r\n")
+  headers = dict((k.strip().lower(), v.strip()) for k, v in (x.split(":", 1) for x in lines[1:]))
+  while len(body) < int(headers.get("content-length", 0)):
+    chunk = sock.recv(65536)
+    if not chunk:
+      raise ConnectionError("closed mid-body")
+    body += chunk
+  return int(lines[0].split()[1]), headers, body
+
+
+def test_the_connection_stays_usable_after_a_4xx(server):
+  host, port = server[0].removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=60) as sock:
+    for bad in (b'{"prompt": "\\ud800"}', b"{oops", b'{"prompt": "x", "top_k": 1e999}'):
+      _request(sock, bad)
+      status, headers, body = _response(sock)
+      assert status == 400 and headers.get("connection") != "close"
+      assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    _request(sock, json.dumps({"prompt": "ab", "max_tokens": 2}).encode())
+    status, _, body = _response(sock)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(server):
+  # No Content-Length to check up front: the limit (4096) must hold while the body is read.
+  host, port = server[0].removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=60) as sock:
+    sock.sendall(
+      b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+      + f"Authorization: Bearer {KEY}\r\n".encode()
+      + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    for _ in range(3):  # 3 x 2000 bytes, and the body never ends: only the limit can answer
+      sock.sendall(b"7d0\r\n" + b" " * 2000 + b"\r\n")
+    status, headers, body = _response(sock)
+  assert status == 413 and "4096 bytes" in json.loads(body)["error"]["message"]
+  assert headers["connection"] == "close"  # the rest of the body is still on its way
+  assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
+  url, model, tok, engine = server
+  original = engine.programs
+  calls = []
+
+  def guard(program, seed_arg, step_arg, n_draws):
+    def call(state, pool, *args):
+      seeds, steps = np.asarray(args[seed_arg]).tolist(), np.asarray(args[step_arg]).tolist()
+      calls.append(seeds)
+      # The fault: any call in which the row with seed 13 draws its second token or later.
+      if any(seed == 13 and i + n_draws > 1 for seed, i in zip(seeds, steps)):
+        raise OverflowError("injected fault")
+      return program(state, pool, *args)
+
+    return call
+
+  K = engine.config.decode_burst  # draws per burst call
+  monkeypatch.setattr(
+    engine,
+    "programs",
+    dataclasses.replace(
+      original,
+      forward_sample=guard(original.forward_sample, 5, 6, 1),
+      decode_burst=guard(original.decode_burst, 3, 4, K),
+    ),
+  )
+
+  async def stream(client, body):
+    texts, errors, lines = {}, [], []
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+      assert r.status_code == 200
+      async for line in r.aiter_lines():
+        lines += [line] if line else []
+        if line.startswith("data: {"):
+          event = json.loads(line[6:])
+          if "error" in event:
+            errors.append(event["error"])
+          for c in event.get("choices", []):
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert lines[-1] == "data: [DONE]"
+    return texts, errors
+
+  async def main():
+    async with httpx.AsyncClient(
+      base_url=url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+    ) as client:
+      other = asyncio.create_task(stream(client, {"prompt": "def f(x):", "max_tokens": 32}))
+      # n=2: choice 0 (seed 12) and choice 1 (seed 13) are admitted in the same step, so
+      # they decode their second tokens in the same call.
+      both = await stream(client, {"prompt": "import os", "max_tokens": 32, "n": 2, "seed": 12})
+      return await other, both
+
+  (other, other_errors), (both, errors) = asyncio.run(main())
+  assert other_errors == [] and other[0] == expected(model, tok, "def f(x):", 32)
+  assert both[0] == expected(model, tok, "import os", 32)  # greedy: the seed does not matter
+  assert len(errors) == 1 and "OverflowError: injected fault" in errors[0]["message"]
+  assert any(13 in seeds and 12 in seeds for seeds in calls)  # batched, then isolated
+  assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
 def test_api_key_and_metrics(server):
