@@ -33,6 +33,12 @@ prompt; when its prompt is done, every other completion forks its blocks (`Block
 drops the last prompt token and recomputes just that one, in a device copy of the shared partial
 block (copy-on-write). So n completions cost one prefill.
 
+A guided request (`SamplingParams.guided`, a compiled grammar) holds a matcher: each step that
+samples for it passes its allowed tokens (packed bits i32[W], from the matcher's state) into the
+jitted step, which masks the logits; the drawn token advances the matcher, and the request stops
+("stop") once only eos could follow. No burst runs while a guided request is running, since its
+mask depends on each drawn token. Preemption keeps the output tokens, so the matcher stays valid.
+
 A request that cannot fit the pool (or the context) on its own is rejected when it is added, so
 the oldest request can always make progress by preempting newer ones: no crash, no livelock.
 Sampling keys are `fold_in(key(seed), i)` for the i-th generated token, as in `generate`, so
@@ -51,6 +57,7 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
+from atlas_jax.decoding.guided import GuidedMatcher
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving import steps
@@ -122,6 +129,7 @@ class _Request:
   n_text_sent: int = 0
   stop_at: int | None = None  # where the first stop string starts in the text
   n_preemptions: int = 0
+  matcher: GuidedMatcher | None = None  # guided requests: where the output is in the grammar
 
   @property
   def tokens(self) -> list[int]:
@@ -260,7 +268,15 @@ class Engine:
     stop = set(params.stop_token_ids)
     if self.eos_id is not None and not params.ignore_eos:
       stop.add(self.eos_id)
+    if params.guided is not None:
+      if params.guided.vocab_size != V:
+        raise RequestError(
+          f"guided grammar compiled for {params.guided.vocab_size} tokens; the model has {V}"
+        )
+      stop.add(params.guided.eos_id)  # the grammar allows eos only where the output is whole
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
+    if params.guided is not None:
+      req.matcher = params.guided.matcher()
     if self.detokenize is not None:
       req.detok = IncrementalDetokenizer(self.detokenize)
     self._arrivals += 1
@@ -332,8 +348,8 @@ class Engine:
     and nothing waits that could be admitted now."""
     if self.config.decode_burst < 2 or not self.running:
       return False
-    if any(r.n_pending != 1 for r in self.running):
-      return False
+    if any(r.n_pending != 1 or r.matcher is not None for r in self.running):
+      return False  # a guided row's mask follows each token it draws
     if self.waiting and len(self.running) < self.config.max_num_seqs:
       head = self.waiting[0]
       hit = self.allocator.cached_prefix_length(head.tokens)
@@ -537,6 +553,17 @@ class Engine:
       prompt_mask[b, req.prompt] = True
     return counts, prompt_mask
 
+  def _allowed_bits(self, rows: list[tuple[_Request, int]], B: int) -> np.ndarray | None:
+    """i32[B, W] packed allowed tokens: guided rows' from their matchers, all set for the
+    others; None when no row is guided."""
+    if all(req.matcher is None for req, _ in rows):
+      return None
+    bits = np.full((B, -(-self.model_config.vocab_size // 32)), -1, np.int32)
+    for b, (req, _) in enumerate(rows):
+      if req.matcher is not None:
+        bits[b] = req.matcher.allowed_bits()
+    return bits
+
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
     B = _pow2(len(rows))
@@ -571,7 +598,7 @@ class Engine:
       last,
       seeds,
       step_index,
-      SamplingArrays.from_params(params, pad_to=B),
+      SamplingArrays.from_params(params, pad_to=B, allowed_bits=self._allowed_bits(rows, B)),
       penalties,
       counts,
       prompt_mask,
@@ -602,6 +629,8 @@ class Engine:
         kept_top.append([(int(t), float(p)) for t, p in zip(ids[:n_top], lps[:n_top])])
       if token in req.stop_ids:
         reason = "stop"
+      elif req.matcher is not None and self._guide(req.matcher, token):
+        reason = "stop"  # the output is whole and only eos could follow
       elif len(req.output) >= req.params.max_new_tokens:
         reason = "length"
       if req.detok is not None and self._text(req, token, final=reason is not None):
@@ -615,6 +644,12 @@ class Engine:
     if reason is not None and release:
       self._release(req)
     return out, len(kept)
+
+  @staticmethod
+  def _guide(matcher: GuidedMatcher, token: int) -> bool:
+    """Advances a guided request's matcher; True when its output is complete."""
+    matcher.advance(token)
+    return matcher.is_complete
 
   def _text(self, req: _Request, token: int, *, final: bool) -> bool:
     """Detokenises one more token; True when a stop string now appears in the text."""

@@ -99,6 +99,8 @@ def decode_burst(
   Returns:
     (pool, i32[K, B] tokens, f32[K, B] logprobs, i32[K, B, 5] top ids, f32[K, B, 5] top logprobs).
   """
+  if arrays.allowed_bits is not None:
+    raise ValueError("decode_burst: a guided row's mask needs the host after every token")
   model = nnx.merge(graphdef, state)
   valid_B = lengths_B >= 0
   B = tokens_B.shape[0]
