@@ -183,9 +183,12 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
 def run_server(args, engine: Engine, tokenizer) -> int:
   import uvicorn
 
+  from atlas_jax.decoding.guided import GrammarCompiler
   from atlas_jax.serving.server import EngineRunner, ServerLimits, build_app
 
   runner = EngineRunner(engine)
+  # response_format / guided_json / guided_regex / guided_choice, over the model's tokenizer
+  guided = GrammarCompiler(tokenizer, vocab_size=engine.model_config.vocab_size)
   app = build_app(
     runner,
     encode=lambda text: tokenizer.encode(text) or [tokenizer.bos_id],
@@ -200,6 +203,7 @@ def run_server(args, engine: Engine, tokenizer) -> int:
       default_max_tokens=args.max_new_tokens,
     ),
     api_key=args.api_key,
+    guided=guided,
     default_params=SamplingParams(
       max_new_tokens=args.max_new_tokens,
       temperature=args.temperature,

@@ -151,6 +151,16 @@ def _schema_spec(schema: Any, field: str) -> GuidedSpec:
 
 # -- the token automaton -------------------------------------------------------------------------
 
+# The regex is compiled as `(?:R)` + END, END a character no real token can spell (its lead
+# byte 0xF4 is left out of the vocabulary), spelt by one extra token, END_ID; a state is final
+# where END_ID leads to acceptance. Why: outlines-core 0.2.14 drops a token whose bytes pass
+# through a complete match and go on (after "no" in (no|nope), the token "p"); with END, no
+# prefix of an output is a complete match. The cost: characters U+100000..U+10FFFF (private
+# use) cannot be generated.
+END = "\\x{10FFFF}"
+END_BYTES = chr(0x10FFFF).encode()
+END_ID = 2**31 - 1
+
 _COMPILE = """
 import pickle, sys
 import outlines_core
@@ -164,6 +174,36 @@ sys.stdout.buffer.write(pickle.dumps(index))
 """
 
 
+def _closes_early(regex: str) -> bool:
+  """Whether `regex` has a `)` with no `(` before it (outside escapes and classes), which would
+  close the group it is wrapped in and change its meaning."""
+  depth, in_class, i = 0, 0, 0
+  while i < len(regex):
+    ch = regex[i]
+    if ch == "\\":
+      i += 2
+      continue
+    if in_class:
+      if ch == "[":
+        in_class += 1
+      elif ch == "]":
+        in_class -= 1
+    elif ch == "[":
+      in_class = 1
+      if regex[i + 1 : i + 2] == "^":
+        i += 1
+      if regex[i + 1 : i + 2] == "]":  # a leading ']' is a literal
+        i += 1
+    elif ch == "(":
+      depth += 1
+    elif ch == ")":
+      depth -= 1
+      if depth < 0:
+        return True
+    i += 1
+  return False
+
+
 class Grammar:
   """A compiled constraint over one vocabulary: the token automaton and a cache of the packed
   allowed-token masks of the states visited so far. Shared by every request that uses it."""
@@ -175,28 +215,41 @@ class Grammar:
     self.n_words = -(-vocab_size // 32)  # W
     self.description = description
     self.initial_state = index.get_initial_state()
-    self._masks: dict[int, tuple[np.ndarray, bool]] = {}
+    self._masks: dict[int, tuple[np.ndarray, bool, bool]] = {}
 
-  def mask(self, state: int) -> tuple[np.ndarray, bool]:
-    """(i32[W] packed allowed tokens, whether eos is the only one) of a state."""
+  def mask(self, state: int) -> tuple[np.ndarray, bool, bool]:
+    """(i32[W] packed allowed tokens, whether eos is allowed, whether it is the only one)."""
     got = self._masks.get(state)
     if got is None:
       ids = np.asarray(self._index.get_allowed_tokens(state), np.int64)
+      # END may also be allowed as a character of R (in `.`, say): the text is whole only if the
+      # automaton accepts right after it.
+      final = bool(np.any(ids == END_ID)) and self._index.is_final_state(
+        self._index.get_next_state(state, END_ID)
+      )
+      ids = ids[(ids < self.vocab_size) & (ids != self.eos_id)]
+      only_eos = final and not len(ids)
+      if final or not len(ids):
+        # not len(ids) and not final: R goes on only through U+100000..U+10FFFF, which no token
+        # here spells; ending the output beats a row with nothing to draw.
+        ids = np.append(ids, self.eos_id)
       words = np.zeros(self.n_words, np.uint32)
       np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
       bits_W = words.view(np.int32)
       bits_W.flags.writeable = False
-      got = (bits_W, ids.tolist() == [self.eos_id])
+      got = (bits_W, final, only_eos)
       self._masks[state] = got
     return got
 
   def next_state(self, state: int, token: int) -> int | None:
     if token == self.eos_id:
-      return state if self._index.is_final_state(state) else None
+      return state if self.is_final(state) else None
+    if not 0 <= token < self.vocab_size:
+      return None
     return self._index.get_next_state(state, token)
 
   def is_final(self, state: int) -> bool:
-    return self._index.is_final_state(state)
+    return self.mask(state)[1]
 
   def matcher(self) -> GuidedMatcher:
     return GuidedMatcher(self)
@@ -254,7 +307,7 @@ class GuidedMatcher:
   @property
   def is_complete(self) -> bool:
     """Nothing but eos may follow: the output is finished."""
-    return self.grammar.mask(self._states[-1])[1]
+    return self.grammar.mask(self._states[-1])[2]
 
 
 def unpack_bits(bits_W: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -287,8 +340,9 @@ class GrammarCompiler:
     self.eos_id = int(tokenizer.eos_id)
     token_map: dict[bytes, list[int]] = collections.defaultdict(list)
     for i, piece in enumerate(pieces):
-      if piece and i != self.eos_id:
+      if piece and i != self.eos_id and END_BYTES[0] not in piece:
         token_map[piece].append(i)
+    token_map[END_BYTES] = [END_ID]
     self._payload_map = dict(token_map)
     self.timeout_s = timeout_s
     self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
@@ -306,7 +360,9 @@ class GrammarCompiler:
       if got is not None:
         self._cache.move_to_end(regex)
         return got
-    payload = pickle.dumps((regex, self.eos_id, self._payload_map))
+    if _closes_early(regex):
+      raise GuidedDecodingError(field, f"unbalanced ')' in the regex {regex[:200]!r}")
+    payload = pickle.dumps((f"(?:{regex}){END}", self.eos_id, self._payload_map))
     try:
       proc = subprocess.run(
         [sys.executable, "-c", _COMPILE], input=payload, capture_output=True, timeout=self.timeout_s
