@@ -280,6 +280,10 @@ class BlockAllocator:
       )
     return self._extend(seq, tokens)
 
+  def blocks_needed(self, seq_id: SeqId, n_tokens: int) -> int:
+    """Blocks that `append` or `reserve` of `n_tokens` more tokens would take from the pool."""
+    return self._blocks_needed(self._get(seq_id), n_tokens)
+
   def reserve(self, seq_id: SeqId, n_tokens: int) -> list[tuple[int, int]]:
     """Makes room for `n_tokens` more tokens before their values are known.
 

@@ -8,7 +8,7 @@ Keys and values of all N heads are decompressed from one latent per token,
 
 and the query is q[n] = [q_nope[n], RoPE(q_rope[n])], optionally through its own low-rank
 bottleneck (q_lora_rank). So the cache needs only c_kv and k_rope per token (C + R numbers, see
-`atlas_jax.cache.latent`).
+`atlas_jax.cache.contiguous.LatentCache`).
 
 Two paths compute the same attention:
 

@@ -140,6 +140,21 @@ class _Request:
     return len(self.prompt) + len(self.output) - self.n_computed
 
 
+@dataclasses.dataclass
+class _Burst:
+  """A dispatched decode burst: its rows, and its outputs still on the device."""
+
+  rows: list[_Request]
+  start: list[int]  # each row's computed tokens when the burst began (its pending token's position)
+  first_step: np.ndarray  # i32[B] index of each row's first draw in the burst
+  prompt_mask: Array | None  # bool[B, V] (penalties)
+  tok: Array  # i32[K, B]
+  lp: Array  # f32[K, B]
+  top_ids: Array  # i32[K, B, 5]
+  top_lp: Array  # f32[K, B, 5]
+  counts: Array | None  # i32[B, V] output token counts after the burst (penalties)
+
+
 def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
@@ -189,6 +204,7 @@ class Engine:
     # Completions waiting for their first sibling's prompt, by that sibling's id (add_requests).
     self._followers: dict[RequestId, list[_Request]] = {}
     self._pending_copies: list[tuple[int, int]] = []  # copy-on-write pairs for the next step
+    self._inflight: _Burst | None = None  # a dispatched decode burst the host has not read yet
     self._aborts: list[RequestId] = []
     self._abort_lock = threading.Lock()
     self._arrivals = 0
@@ -196,6 +212,7 @@ class Engine:
     self.n_steps = 0
     self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
     self.n_bursts = 0  # steps that ran `decode_burst` decode iterations
+    self.n_chained = 0  # bursts dispatched before the host read the previous one
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -288,7 +305,9 @@ class Engine:
       self._aborts.append(request_id)
 
   def has_unfinished(self) -> bool:
-    return bool(self.waiting or self.running or self._aborts or self._followers)
+    return bool(
+      self.waiting or self.running or self._aborts or self._followers or self._inflight is not None
+    )
 
   @property
   def n_running(self) -> int:
@@ -309,10 +328,15 @@ class Engine:
     """Schedules, runs the model (a mixed step, or a burst of decode steps), samples; returns
     what changed."""
     outputs = self._process_aborts()
+    if self._inflight is not None:
+      # The host settles the burst in flight while the next one (if any) runs on the device.
+      burst = self._inflight
+      self._inflight = self._chain(burst)
+      return outputs + self._collect(burst)
     if self._should_burst():
-      burst = self._burst()
-      if burst is not None:
-        return outputs + burst
+      self._inflight = self._start_burst()
+      if self._inflight is not None:
+        return outputs  # its tokens are read by the next step, while the next burst runs
     scheduled, copies = self._schedule()
     if not scheduled:
       return outputs
@@ -358,67 +382,116 @@ class Engine:
         return False  # admit it with a mixed step rather than make it wait a burst
     return True
 
-  def _burst(self) -> list[RequestOutput] | None:
-    """`decode_burst` decode iterations of every running request in one call; None when the
-    pool cannot hold their reservations (the mixed step then preempts as usual)."""
+  def _reserve(self, rows: list[_Request], n_tokens: int) -> list[tuple[int, int]] | None:
+    """Reserves blocks for `n_tokens` tokens past each row's computed ones; None (and nothing
+    reserved) when the pool cannot hold them all."""
+    needed = sum(self.allocator.blocks_needed(r.id, n_tokens) for r in rows)
+    if needed > self.allocator.n_available:
+      return None
+    return [pair for r in rows for pair in self.allocator.reserve(r.id, n_tokens)]
+
+  def _start_burst(self) -> _Burst | None:
+    """Dispatches `decode_burst` decode iterations of every running request; None when the pool
+    cannot hold their reservations (a mixed step then preempts as usual)."""
     K = self.config.decode_burst
     rows = list(self.running)
-    copies: list[tuple[int, int]] = []
-    for i, req in enumerate(rows):
-      try:
-        copies += self.allocator.reserve(req.id, K)
-      except OutOfBlocksError:
-        for r in rows[:i]:
-          self.allocator.truncate(r.id, r.n_computed)
-        # A reservation's copy-on-write replaced a shared partial block that the row keeps.
-        self._pending_copies += copies
-        return None
-    self.n_steps += 1
-    self.n_bursts += 1
-    self.n_computed_tokens += K * len(rows)
+    copies = self._reserve(rows, K)
+    if copies is None:
+      return None
     self._copy(copies)
     B = _pow2(len(rows))
     tokens = np.zeros((B,), np.int32)
-    lengths = np.full((B,), -1, np.int32)
-    seeds = np.zeros((B,), np.int32)
     first_step = np.zeros((B,), np.int32)
     for b, req in enumerate(rows):
       tokens[b] = req.tokens[req.n_computed]
-      lengths[b] = req.n_computed
-      seeds[b] = req.params.seed
       first_step[b] = len(req.output)
-    params = [r.params for r in rows]
-    penalties = any(p.uses_penalties for p in params)
+    penalties = any(r.params.uses_penalties for r in rows)
     counts, prompt_mask = self._penalty_arrays(rows, B) if penalties else (None, None)
-    self.pool, tok, lp, top_ids, top_lp = self.programs.decode_burst(
+    start = [r.n_computed for r in rows]
+    return self._dispatch(rows, start, tokens, first_step, counts, prompt_mask)
+
+  def _dispatch(self, rows, start, tokens_B, first_step_B, counts_BV, prompt_mask_BV) -> _Burst:
+    K = self.config.decode_burst
+    B = _pow2(len(rows))
+    lengths = np.full((B,), -1, np.int32)
+    lengths[: len(rows)] = start
+    seeds = np.zeros((B,), np.int32)
+    seeds[: len(rows)] = [r.params.seed for r in rows]
+    params = [r.params for r in rows]
+    self.n_steps += 1
+    self.n_bursts += 1
+    self.n_computed_tokens += K * len(rows)
+    self.pool, *outs = self.programs.decode_burst(
       self.state,
       self.pool,
-      tokens,
+      tokens_B,
       lengths,
       self._block_table([r.id for r in rows], B),
       seeds,
-      first_step,
+      first_step_B,
       SamplingArrays.from_params(params, pad_to=B),
-      counts,
+      counts_BV,
       K,
-      penalties,
-      prompt_mask,
+      counts_BV is not None,
+      prompt_mask_BV,
     )
-    tok, lp, top_ids, top_lp = map(np.asarray, (tok, lp, top_ids, top_lp))  # [K, B, ...]
+    return _Burst(rows, list(start), first_step_B, prompt_mask_BV, *outs)
+
+  def _chain(self, prev: _Burst) -> _Burst | None:
+    """Dispatches the next burst before the host has read `prev`, fed by `prev`'s last draws
+    on the device, for the rows that are still running and not certain to stop in `prev`.
+    None when a row needs the host first (an admission is possible, or the pool is short)."""
+    K = self.config.decode_burst
+    keep = [
+      b
+      for b, r in enumerate(prev.rows)
+      if r in self.running and len(r.output) + K < r.params.max_new_tokens
+    ]
+    if not keep:
+      return None
+    n_free_seats = self.config.max_num_seqs - len(keep)
+    if self.waiting and n_free_seats > 0:
+      return None  # finishing rows will free seats: admit rather than burst on
+    rows = [prev.rows[b] for b in keep]
+    copies = self._reserve(rows, 2 * K)  # the burst in flight holds the first K
+    if copies is None:
+      return None
+    self._copy(copies)
+    B = _pow2(len(rows))
+    index = np.zeros((B,), np.int32)
+    index[: len(keep)] = keep
+    tokens_B = prev.tok[K - 1][index]  # on the device: the host has not seen these yet
+    first_step = np.zeros((B,), np.int32)
+    first_step[: len(keep)] = prev.first_step[keep] + K
+    counts, prompt_mask = None, None
+    if prev.counts is not None:
+      counts, prompt_mask = prev.counts[index], prev.prompt_mask[index]
+    start = [prev.start[b] + K for b in keep]
+    self.n_chained += 1
+    return self._dispatch(rows, start, tokens_B, first_step, counts, prompt_mask)
+
+  def _collect(self, burst: _Burst) -> list[RequestOutput]:
+    """Reads a burst's draws, cuts each row at its first stop, and settles the blocks."""
+    tok, lp, top_ids, top_lp = map(np.asarray, (burst.tok, burst.lp, burst.top_ids, burst.top_lp))
+    chained = set() if self._inflight is None else {id(r) for r in self._inflight.rows}
     outputs = []
-    for b, req in enumerate(rows):
-      start = req.n_computed
+    for b, req in enumerate(burst.rows):
+      if req.id not in self._requests:
+        continue  # aborted while the burst ran
+      start = burst.start[b]
       out, n_kept = self._accept(
         req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
       )
       outputs.append(out)
-      # The pool now holds the pending token and every kept draw but the last: register those
-      # (a finished request's full blocks then enter the prefix cache), give back the rest.
+      # The pool holds the pending token and every kept draw but the last: register those (a
+      # finished request's full blocks then enter the prefix cache). A row that runs on in the
+      # next burst keeps its reservation; any other gives back what it did not use.
       self.allocator.append(req.id, req.tokens[start : start + n_kept])
-      self.allocator.truncate(req.id, start + n_kept)
       req.n_computed = start + n_kept
       if out.finished:
         self._release(req)
+      elif id(req) not in chained:
+        self.allocator.truncate(req.id, req.n_computed)
     return outputs
 
   def generate(

@@ -97,7 +97,8 @@ def decode_burst(
     counts_BV: i32[B, V] output token counts so far (penalties), updated on the device.
 
   Returns:
-    (pool, i32[K, B] tokens, f32[K, B] logprobs, i32[K, B, 5] top ids, f32[K, B, 5] top logprobs).
+    (pool, i32[K, B] tokens, f32[K, B] logprobs, i32[K, B, 5] top ids, f32[K, B, 5] top logprobs,
+    i32[B, V] counts after the burst, or None without penalties).
   """
   if arrays.allowed_bits is not None:
     raise ValueError("decode_burst: a guided row's mask needs the host after every token")
@@ -121,8 +122,8 @@ def decode_burst(
       counts_BV = counts_BV.at[jnp.arange(B), out[0]].add(1)
     return (cache.pool, out[0], counts_BV), out
 
-  (pool, _, _), outs = jax.lax.scan(body, (pool, tokens_B, counts_BV), jnp.arange(n_steps))
-  return (pool, *outs)
+  (pool, _, counts_BV), outs = jax.lax.scan(body, (pool, tokens_B, counts_BV), jnp.arange(n_steps))
+  return (pool, *outs, counts_BV)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

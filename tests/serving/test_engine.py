@@ -288,3 +288,32 @@ def test_add_requests_is_all_or_nothing(tiny_model):
   with pytest.raises(RequestError, match="duplicate request ids"):
     engine.add_requests(["x", "x"], [1, 2], [SamplingParams(), SamplingParams()])
   assert not engine.has_unfinished() and engine.n_waiting == 0
+
+
+def test_chained_bursts_and_an_abort_in_flight(tiny_model):
+  """Bursts run back to back, each fed on the device by the previous one's last draws before
+  the host reads them; a request aborted while a burst runs ends alone, its blocks freed."""
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 40, 6).tolist() for _ in range(4)]
+  params = [
+    SamplingParams(max_new_tokens=45, temperature=float(i % 2), seed=i, repetition_penalty=1.3)
+    for i in range(4)
+  ]
+  want = generate(tiny_model, prompts, params)
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got = {i: [] for i in range(4)}
+  reasons = {}
+  while engine.has_unfinished():
+    if engine._inflight is not None and 2 not in reasons and len(got[2]) >= 9:
+      engine.abort(2)
+    for out in engine.step():
+      got[out.request_id] += out.new_token_ids
+      if out.finished:
+        reasons[out.request_id] = out.finish_reason
+  assert engine.n_chained > 0
+  assert [got[i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+  assert reasons[2] == "abort" and got[2] == want[2][: len(got[2])]
+  s = engine.allocator.stats()
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks

@@ -1,0 +1,158 @@
+"""The one-shot GPU benchmark: every accelerator figure BENCHMARKS.md quotes, in one command.
+
+Each section runs in its own process with its own time limit, so one hang or crash cannot eat the
+rest, and prints markdown tables with the peer beside ours and the ratio:
+
+* serving: the engine against the model's own jitted `generate` (same prompts and lengths) at
+  batch 8, 32 and 64; batch-1 decode ms/step against the bound of reading the weights once per
+  step at the card's measured copy bandwidth; transformers `generate` on CUDA in bf16 with its
+  static cache, eager and under `torch.compile`, on the same weights.
+
+    python bench/gpu.py              # on the GPU machine: every section, about 5 minutes
+    python bench/gpu.py --smoke      # the same code paths on CPU at toy sizes, under a minute
+    python bench/gpu.py --only serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# name -> (seconds allowed on the GPU, seconds allowed under --smoke)
+SECTIONS = {"serving": (240, 120)}
+
+
+# -- serving -------------------------------------------------------------------------------------
+
+
+def serving(smoke: bool) -> None:
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  import serve as serve_bench
+  from atlas_jax import hf
+  from atlas_jax.config import ModelConfig
+  from atlas_jax.model import build
+
+  if smoke:
+    cfg = ModelConfig(vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    batches, prompt_len, new_tokens = [2], 8, 8
+  else:
+    # The 0.5B shape the serving issue measured: d 2048, 8 layers, 16/8 heads, ffn 5632.
+    cfg = ModelConfig(
+      vocab_size=32000,
+      d_model=2048,
+      n_layers=8,
+      n_heads=16,
+      n_kv_heads=8,
+      ffn_dim=5632,
+      max_seq_len=1024,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+    batches, prompt_len, new_tokens = [8, 32, 64], 128, 256
+  model = build(cfg, rngs=nnx.Rngs(0))
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {cfg}", flush=True)
+  serve_bench.print_ratio_tables(model, batches, prompt_len, new_tokens, repeat=1, burst=8)
+
+  peer_batch = batches[min(1, len(batches) - 1)]
+  ours = serve_bench.engine_vs_generate(
+    model, batch=peer_batch, prompt_len=prompt_len, new_tokens=new_tokens, repeat=1
+  )[0][2]
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, cfg.vocab_size, (peer_batch, prompt_len)).tolist()
+  with tempfile.TemporaryDirectory() as folder:
+    hf.save(model, folder)
+    print("\n## transformers generate on the same weights (greedy, fixed lengths)")
+    print("| stack | batch | tok/s | ours / theirs |")
+    print("|---|---|---|---|")
+    print(f"| atlas_jax engine | {peer_batch} | {ours:.0f} | 1.00 |", flush=True)
+    # torch.compile is left out of the smoke run: minutes of compilation on a CPU.
+    for compiled in (False,) if smoke else (False, True):
+      name = "static cache, torch.compile" if compiled else "static cache, eager"
+      try:
+        theirs = transformers_tok_s(folder, prompts, new_tokens, compiled=compiled, smoke=smoke)
+      except Exception as e:  # torch.compile support varies by version: report, go on
+        print(f"| transformers ({name}) | {peer_batch} | failed: {type(e).__name__} | - |")
+        continue
+      print(f"| transformers ({name}) | {peer_batch} | {theirs:.0f} | {ours / theirs:.2f} |")
+
+
+def transformers_tok_s(folder, prompts, new_tokens: int, *, compiled: bool, smoke: bool) -> float:
+  """Output tokens/s of transformers `generate`, greedy, every row to `new_tokens`."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
+  dtype = torch.float32 if device == "cpu" else torch.bfloat16
+  model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+  if compiled:
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+  ids = torch.tensor(prompts, device=device)
+
+  def run():
+    with torch.no_grad():
+      model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+      )
+    if device == "cuda":
+      torch.cuda.synchronize()
+
+  run()  # warm-up (and compilation)
+  t0 = time.perf_counter()
+  run()
+  return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+# -- driver --------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="CPU, toy sizes: the same code paths")
+  p.add_argument("--only", choices=list(SECTIONS), action="append", help="run these sections")
+  p.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)  # one, in-process
+  args = p.parse_args(argv)
+  if args.section:
+    globals()[args.section](args.smoke)
+    return 0
+  failed = []
+  for name in args.only or list(SECTIONS):
+    limit = SECTIONS[name][1 if args.smoke else 0]
+    print(f"\n# section {name} (limit {limit} s)", flush=True)
+    cmd = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), __file__]
+    cmd += ["--section", name] + (["--smoke"] if args.smoke else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.smoke:
+      env["JAX_PLATFORMS"] = "cpu"
+    t0 = time.perf_counter()
+    try:
+      rc = subprocess.run(cmd, env=env, timeout=limit).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+    print(
+      f"# section {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in "
+      f"{time.perf_counter() - t0:.0f} s",
+      flush=True,
+    )
+    if rc != 0:
+      failed.append(name)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
