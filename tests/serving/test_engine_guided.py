@@ -72,11 +72,11 @@ def _run(engine, requests):
   return got
 
 
-def _requests(tok, grammars, seeds):
+def _requests(tok, grammars, seeds, max_new_tokens=96):
   reqs = []
   for seed in seeds:
     for kind, g in grammars.items():
-      params = SamplingParams(max_new_tokens=96, temperature=1.0, seed=seed, guided=g)
+      params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, guided=g)
       reqs.append(((kind, seed), tok.encode(f"{kind} {seed}: "), params))
   return reqs
 
@@ -96,7 +96,7 @@ def test_guided_outputs_parse_and_validate_across_seeds(setup):
   tok, model, grammars = setup
   engine = _engine(model, tok)
   plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
-  got = _run(engine, _requests(tok, grammars, range(8)) + [plain])
+  got = _run(engine, _requests(tok, grammars, range(5)) + [plain])
   for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
     _check(tok, kind, tokens, reason)
   assert engine.n_bursts == 0  # a guided request was running throughout
@@ -126,9 +126,9 @@ def test_a_complete_output_stops_without_eos(setup):
 
 def test_preemption_changes_no_guided_output(setup):
   tok, model, grammars = setup
-  reqs = _requests(tok, {"schema": grammars["schema"]}, range(4))
+  reqs = _requests(tok, {"schema": grammars["schema"]}, range(4), max_new_tokens=64)
   roomy = _run(_engine(model, tok), reqs)
-  small = _engine(model, tok, n_blocks=14, max_num_seqs=4)
+  small = _engine(model, tok, n_blocks=10, max_num_seqs=4)
   tight = _run(small, [(("again",) + rid, p, sp) for rid, p, sp in reqs])
   assert small.n_preemptions > 0
   for rid, _, _ in reqs:
