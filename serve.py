@@ -296,7 +296,15 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
 def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
   import uvicorn
 
+  from atlas_jax.decoding.guided import GrammarCompiler
+
   runner = EngineRunner(engine)
+  # response_format / guided_json / guided_regex / guided_choice, over the model's tokenizer
+  try:
+    guided = GrammarCompiler(tokenizer, vocab_size=engine.model_config.vocab_size)
+  except ValueError as e:  # e.g. a tokenizer without an eos token: serve, without guided decoding
+    guided = None
+    print(f"guided decoding is off: {e}", file=sys.stderr)
   app = build_app(
     runner,
     encode=lambda text: tokenizer.encode(text) or [tokenizer.bos_id],
@@ -311,6 +319,7 @@ def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
       default_max_tokens=args.max_new_tokens,
     ),
     api_key=args.api_key,
+    guided=guided,
     default_params=sampling_params(args),
   )
   print(f"serving on http://{args.host}:{args.port}", file=sys.stderr)

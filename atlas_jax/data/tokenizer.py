@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +40,10 @@ class ByteTokenizer:
 
   def fingerprint(self) -> str:
     return "byte"
+
+  def token_bytes(self) -> list[bytes | None]:
+    """Per id, the bytes it stands for in decoded text; None for the special tokens."""
+    return [bytes([i]) for i in range(256)] + [None, None, None]
 
 
 class HFTokenizer:
@@ -79,6 +86,48 @@ class HFTokenizer:
   def fingerprint(self) -> str:
     """A hash of the whole tokenizer (vocabulary, merges, normalisation): equal means equal ids."""
     return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
+  def token_bytes(self) -> list[bytes | None]:
+    """Per id, the bytes it stands for in decoded text; None for special tokens and for tokens
+    whose bytes cannot be told apart from their neighbours' (see below).
+
+    Byte-level BPE (GPT-2, Llama 3, `train_bpe`) spells each byte as one printable character;
+    SentencePiece-style vocabularies write spaces as U+2581 and raw bytes as `<0xAB>`. Anything
+    else is decoded one token at a time, and tokens that decode to a partial character are left
+    out (None).
+    """
+    decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+    byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+    out: list[bytes | None] = []
+    for i in range(self.vocab_size):
+      piece = self._tok.id_to_token(i)
+      if piece is None or i in special:
+        out.append(None)
+      elif "ByteLevel" in kinds:
+        out.append(bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else None)
+      elif "ByteFallback" in kinds or "Metaspace" in kinds:
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        out.append(bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode())
+      else:
+        text = self._tok.decode([i], skip_special_tokens=False)
+        out.append(None if "\ufffd" in text else text.encode())
+    return out
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[int, str]:
+  """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  table, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      table[b] = chr(b)
+    else:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:

@@ -131,6 +131,8 @@ def generate(
   per_row = [params] * B if isinstance(params, SamplingParams) else list(params)
   if len(per_row) != B:
     raise ValueError(f"generate: {len(per_row)} SamplingParams for {B} prompts")
+  if any(p.guided is not None for p in per_row):
+    raise ValueError("generate: guided decoding (SamplingParams.guided) is served by the Engine")
   max_new = max(p.max_new_tokens for p in per_row)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = _bucket(int(lengths.max()))

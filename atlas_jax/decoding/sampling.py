@@ -13,10 +13,14 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  from atlas_jax.decoding.guided import Grammar
 
 Array = jax.Array
 
@@ -75,6 +79,9 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
   logprobs: int | None = None  # None: none; n: the sampled token's plus the top n (n <= 5)
+  # A compiled constraint (`atlas_jax.decoding.guided.Grammar`, from a GrammarCompiler): the
+  # output must match it. Served by the Engine, which masks each draw with it.
+  guided: Grammar | None = None
 
   def __post_init__(self):
     # Every field must fit what the jitted step holds (i32 and f32 per row), so a request that
@@ -133,10 +140,18 @@ class SamplingArrays:
   repetition: Array  # f32[B]
   presence: Array  # f32[B]
   frequency: Array  # f32[B]
+  # i32[B, W] packed allowed tokens (bit v % 32 of word v // 32) for guided rows, all bits set
+  # for the others; None when no row is guided.
+  allowed_bits: Array | None = None
 
   @classmethod
-  def from_params(cls, params: Sequence[SamplingParams], pad_to: int | None = None):
-    """Rows for `params`, padded (greedy) to `pad_to` rows."""
+  def from_params(
+    cls,
+    params: Sequence[SamplingParams],
+    pad_to: int | None = None,
+    allowed_bits: np.ndarray | None = None,
+  ):
+    """Rows for `params`, padded (greedy) to `pad_to` rows; `allowed_bits` i32[pad_to, W]."""
     rows = list(params) + [SamplingParams()] * ((pad_to or len(params)) - len(params))
     col = lambda name, dt: np.asarray([getattr(p, name) for p in rows], dt)
     return cls(
@@ -147,7 +162,15 @@ class SamplingArrays:
       repetition=col("repetition_penalty", np.float32),
       presence=col("presence_penalty", np.float32),
       frequency=col("frequency_penalty", np.float32),
+      allowed_bits=allowed_bits,
     )
+
+
+def unpack_allowed(bits_BW: Array, vocab_size: int) -> Array:
+  """bool[B, V] from packed allowed-token bits i32[B, W] (bit v % 32 of word v // 32)."""
+  v_V = jnp.arange(vocab_size)
+  words_BV = bits_BW[:, v_V >> 5]
+  return ((words_BV >> (v_V & 31)) & 1).astype(bool)
 
 
 def apply_penalties(
@@ -254,16 +277,21 @@ def sample_rows(
   counts_BV: Array | None = None,
   prompt_mask_BV: Array | None = None,
 ) -> tuple[Array, Array, Array, Array]:
-  """Penalties (when counts are given), then `sample`, then the logprobs of the draw.
+  """The guided mask (when `arrays.allowed_bits` is set), penalties (when counts are given), then
+  `sample`, then the logprobs of the draw.
 
-  Logprobs are those of the model's distribution (before penalties and filters), as the OpenAI
-  API reports them.
+  Disallowed tokens get -inf before anything else, so top-k / top-p / min-p choose among allowed
+  tokens only. Logprobs are those of the model's distribution (before the mask, penalties and
+  filters), as the OpenAI API reports them.
 
   Returns:
     (i32[B] tokens, f32[B] their logprobs, i32[B, 5] top tokens, f32[B, 5] their logprobs).
   """
   logits_BV = logits_BV.astype(jnp.float32)
   logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+  if arrays.allowed_bits is not None:
+    allowed_BV = unpack_allowed(arrays.allowed_bits, logits_BV.shape[-1])
+    logits_BV = jnp.where(allowed_BV, logits_BV, -jnp.inf)
   if counts_BV is not None:
     logits_BV = apply_penalties(
       logits_BV,

@@ -100,7 +100,7 @@ def round_keys(seed_B: Array, step_B: Array, n: int) -> Array:
   return jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 0x5EC), n))(base_B)
 
 
-def _flat_probs(logits_BJV: Array, arrays: SamplingArrays) -> Array:
+def probabilities_per_position(logits_BJV: Array, arrays: SamplingArrays) -> Array:
   """`probabilities` at every position: f32[B, J, V]."""
   B, J, V = logits_BJV.shape
   rep = jax.tree.map(lambda a: jnp.repeat(a, J, axis=0), arrays)
@@ -228,7 +228,7 @@ def _draft_model_loop(
     target = nnx.merge(t_graphdef, t_state)
     tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
     logits_BTV, t_cache = target(tokens_BT, cache=t_cache)
-    p_BTV = _flat_probs(logits_BTV, arrays)
+    p_BTV = probabilities_per_position(logits_BTV, arrays)
     a_B, next_B = verify(p_BTV, q_BJV, draft_BJ, keys_BK[:, k])
     new_BT, n_B, out_BN, logp_BN, done2_B = _settle(
       draft_BJ, a_B, next_B, logits_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
@@ -326,7 +326,7 @@ def _mtp_loop(
     base_B = t_cache.lengths
     tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
     logits_BTV, t_cache, hidden = model(tokens_BT, cache=t_cache, return_hidden=True)
-    p_BTV = _flat_probs(logits_BTV, arrays)
+    p_BTV = probabilities_per_position(logits_BTV, arrays)
     a_B, next_B = verify(p_BTV, q_BJV, draft_BJ, keys_BK[:, k])
     new_BT, n_B, out_BN, logp_BN, done2_B = _settle(
       draft_BJ, a_B, next_B, logits_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN

@@ -33,6 +33,24 @@ prompt; when its prompt is done, every other completion forks its blocks (`Block
 drops the last prompt token and recomputes just that one, in a device copy of the shared partial
 block (copy-on-write). So n completions cost one prefill.
 
+A guided request (`SamplingParams.guided`, a compiled grammar) holds a matcher: each step that
+samples for it passes its allowed tokens (packed bits i32[W], from the matcher's state) into the
+jitted step, which masks the logits; the drawn token advances the matcher, and the request stops
+("stop") once only eos could follow. No burst runs while a guided request is running, since its
+mask depends on each drawn token. Preemption keeps the output tokens, so the matcher stays valid.
+
+With a draft model (`Engine(..., draft=...)`), a step in which every running request decodes
+and the batch is at most `speculative_max_batch` is a speculative round instead
+(`steps.speculative_round`): the draft proposes `num_speculative_tokens` tokens per row, the
+target scores them in one pass, and each row keeps its accepted drafts and the token after them;
+blocks are reserved for all k + 1 positions and those past the kept tokens are given back
+(`BlockAllocator.truncate`). The draft has its own pool with the target's block tables and runs
+over every token the target computes (prefill chunks and bursts too), so it never needs to catch
+up. Outputs follow the target's law exactly; greedy outputs equal plain greedy decoding. Rows
+with penalties or a grammar do not speculate (the batch takes plain steps while one runs).
+Larger batches burst instead: there the target's pass is no longer bound by reading its
+weights, and speculation's extra draft and rejected-token work stops paying.
+
 A request that cannot fit the pool (or the context) on its own is rejected when it is added, so
 the oldest request can always make progress by preempting newer ones: no crash, no livelock.
 Sampling keys are `fold_in(key(seed), i)` for the i-th generated token, as in `generate`, so
@@ -53,6 +71,7 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
+from atlas_jax.decoding.guided import GuidedMatcher
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving import steps
@@ -84,6 +103,9 @@ class EngineConfig:
   max_model_len: int | None = None  # default: the model's max_seq_len
   enable_prefix_caching: bool = True
   decode_burst: int = 8  # K: decode iterations per call when no request needs the host; 1: off
+  # With a draft model: tokens it proposes per round, and the largest batch that speculates.
+  num_speculative_tokens: int = 4
+  speculative_max_batch: int = 4
 
   def __post_init__(self):
     for name in (
@@ -92,6 +114,8 @@ class EngineConfig:
       "max_num_seqs",
       "max_num_batched_tokens",
       "decode_burst",
+      "num_speculative_tokens",
+      "speculative_max_batch",
     ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be a positive int")
@@ -133,6 +157,7 @@ class _Request:
   stop_at: int | None = None  # where the first stop string starts in the text
   n_preemptions: int = 0
   suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
+  matcher: GuidedMatcher | None = None  # guided requests: where the output is in the grammar
 
   @property
   def tokens(self) -> list[int]:
@@ -156,6 +181,7 @@ class _Burst:
   top_ids: Array  # i32[K, B, 5]
   top_lp: Array  # f32[K, B, 5]
   counts: Array | None  # i32[B, V] output token counts after the burst (penalties)
+  n_draws: np.ndarray | None = None  # i32[B] real draws per row (a speculative round), else all K
 
 
 def _step_error(e: BaseException) -> str:
@@ -170,6 +196,22 @@ def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def _check_draft(draft, cfg, max_model_len: int) -> None:
+  """ValueError naming the field when `draft` cannot draft for a model of config `cfg`."""
+  if not isinstance(draft, Transformer):
+    raise ValueError(f"draft={draft!r} is not allowed: must be a Transformer (or None)")
+  if draft.cfg.vocab_size != cfg.vocab_size:
+    raise ValueError(
+      f"draft vocab_size={draft.cfg.vocab_size} != the model's vocab_size={cfg.vocab_size}: "
+      "speculation needs one vocabulary"
+    )
+  if draft.cfg.max_seq_len < max_model_len:
+    raise ValueError(
+      f"draft max_seq_len={draft.cfg.max_seq_len} is shorter than the served context "
+      f"max_model_len={max_model_len}"
+    )
+
+
 class Engine:
   """Continuous batching over a paged KV cache.
 
@@ -181,6 +223,7 @@ class Engine:
     config: pool and scheduling limits.
     eos_id: the model's end-of-sequence token (a stop token unless a request sets ignore_eos).
     detokenize: token ids -> text; enables stop strings and the `text` of outputs.
+    draft: a smaller model with the same vocabulary, for speculative decoding.
   """
 
   def __init__(
@@ -190,6 +233,7 @@ class Engine:
     *,
     eos_id: int | None = None,
     detokenize: Callable[[Sequence[int]], str] | None = None,
+    draft: Transformer | None = None,
   ):
     cfg = model.cfg
     self.config = config
@@ -197,20 +241,29 @@ class Engine:
     self.max_model_len = config.max_model_len or cfg.max_seq_len
     self.eos_id = eos_id
     self.detokenize = detokenize
-    self.graphdef, self.state = nnx.split(model)
-    self.programs = steps.programs(self.graphdef)
-    self.pool = model.init_pool(config.n_blocks, config.block_size)  # KV or MLA latents
-    # Shapes, dtypes and placement of the pool, to build a fresh one if a failed step lost it.
+    self.graphdef, state = nnx.split(model)
+    self.draft = draft
+    d_graphdef, d_state, d_pool = None, None, None
+    if draft is not None:
+      _check_draft(draft, cfg, self.max_model_len)
+      d_graphdef, d_state = nnx.split(draft)
+      d_pool = draft.init_pool(config.n_blocks, config.block_size)
+    self.states = (state, d_state)
+    self.programs = steps.programs(self.graphdef, d_graphdef)
+    # The target's pool (KV or MLA latents) and the draft's, indexed by the same block tables.
+    self.pools = (model.init_pool(config.n_blocks, config.block_size), d_pool)
+    # Shapes, dtypes and placement of the pools, to build fresh ones if a failed step lost them.
     self._pool_spec = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.pool
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.pools
     )
     self.allocator = BlockAllocator(
       config.n_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
-    # M, the most block-table columns: the context, plus what a burst may write past its end
-    # (draws after a request's last token, which are cut).
+    # M, the most block-table columns: the context, plus what a burst or a speculative round may
+    # write past its end (draws after a request's last token, which are cut).
     Z = config.block_size
-    self.max_blocks = -(-(self.max_model_len + config.decode_burst) // Z)
+    ahead = max(config.decode_burst, config.num_speculative_tokens + 1)
+    self.max_blocks = -(-(self.max_model_len + ahead) // Z)
     # Block tables narrower than 64 tokens would only add compiled shapes.
     self._min_blocks = _pow2(-(-64 // Z))
     self.waiting: collections.deque[_Request] = collections.deque()
@@ -228,6 +281,16 @@ class Engine:
     self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
     self.n_bursts = 0  # steps that ran `decode_burst` decode iterations
     self.n_chained = 0  # bursts dispatched before the host read the previous one
+    self.n_spec_rounds = 0  # steps that were speculative rounds
+    self.n_spec_row_rounds = 0  # of those, summed over their rows (target passes per row)
+    self.n_drafted = 0  # draft tokens proposed to the target
+    self.n_accepted = 0  # of those, accepted
+    self.n_spec_emitted = 0  # tokens emitted by speculative rounds (accepted + one per row round)
+
+  @property
+  def mean_acceptance_length(self) -> float:
+    """Tokens a row emits per speculative round (accepted drafts + 1; cut at stops)."""
+    return self.n_spec_emitted / max(self.n_spec_row_rounds, 1)
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -319,7 +382,15 @@ class Engine:
     stop = set(params.stop_token_ids)
     if self.eos_id is not None and not params.ignore_eos:
       stop.add(self.eos_id)
+    if params.guided is not None:
+      if params.guided.vocab_size != V:
+        raise RequestError(
+          f"guided grammar compiled for {params.guided.vocab_size} tokens; the model has {V}"
+        )
+      stop.add(params.guided.eos_id)  # the grammar allows eos only where the output is whole
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
+    if params.guided is not None:
+      req.matcher = params.guided.matcher()
     if self.detokenize is not None:
       req.detok = IncrementalDetokenizer(self.detokenize)
     self._arrivals += 1
@@ -364,7 +435,11 @@ class Engine:
         burst = self._inflight
         self._inflight = self._chain(burst)
         return outputs + self._collect(burst)
-      if self._should_burst():
+      if self._should_speculate():
+        got = self._speculate()
+        if got is not None:
+          return outputs + got
+      elif self._should_burst():
         self._inflight = self._start_burst()
         if self._inflight is not None:
           return outputs  # its tokens are read by the next step, while the next burst runs
@@ -410,17 +485,33 @@ class Engine:
       # Padded to a power of two by repeating the last pair (an idempotent copy).
       pairs = copies + copies[-1:] * (_pow2(len(copies)) - len(copies))
       src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
-      self.pool = steps.copy_blocks(self.pool, src, dst)
+      self.pools = steps.copy_blocks(self.pools, src, dst)
 
   def _should_burst(self) -> bool:
-    """Whether no running request needs the host for `decode_burst` steps: all are decoding,
+    """Whether no running request needs the host for `decode_burst` steps."""
+    return self.config.decode_burst >= 2 and self._decode_only()
+
+  def _should_speculate(self) -> bool:
+    """Whether this step is a speculative round: a draft, a small enough batch, no row with
+    penalties (their counts would follow each draft), and no request that needs the host."""
+    return self._speculates(self.running) and self._decode_only()
+
+  def _speculates(self, rows: list[_Request]) -> bool:
+    return (
+      self.draft is not None
+      and len(rows) <= self.config.speculative_max_batch
+      and not any(r.params.uses_penalties for r in rows)
+    )
+
+  def _decode_only(self) -> bool:
+    """Whether every running request is decoding with nothing that needs the host per token,
     and nothing waits that could be admitted now."""
-    if self.config.decode_burst < 2 or not self.running:
+    if not self.running:
       return False
     if any(r.suspect for r in self.running):
       return False  # suspects run alone, in mixed steps
-    if any(r.n_pending != 1 for r in self.running):
-      return False
+    if any(r.n_pending != 1 or r.matcher is not None for r in self.running):
+      return False  # a guided row's mask follows each token it draws
     if self.waiting and len(self.running) < self.config.max_num_seqs:
       head = self.waiting[0]
       hit = self.allocator.cached_prefix_length(head.tokens)
@@ -458,7 +549,7 @@ class Engine:
     try:
       return self._dispatch(rows, start, tokens, first_step, counts, prompt_mask)
     except Exception as e:
-      if _pool_lost(self.pool):
+      if _pool_lost(self.pools):
         raise _PoolLost(rows, e) from e
       for r in rows:  # the mixed step that runs instead finds the failing rows
         self.allocator.truncate(r.id, r.n_computed)
@@ -475,9 +566,9 @@ class Engine:
     self.n_steps += 1
     self.n_bursts += 1
     self.n_computed_tokens += K * len(rows)
-    self.pool, *outs = self.programs.decode_burst(
-      self.state,
-      self.pool,
+    self.pools, *outs = self.programs.decode_burst(
+      self.states,
+      self.pools,
       tokens_B,
       lengths,
       self._block_table([r.id for r in rows], B),
@@ -507,6 +598,8 @@ class Engine:
     if self.waiting and n_free_seats > 0:
       return None  # finishing rows will free seats: admit rather than burst on
     rows = [prev.rows[b] for b in keep]
+    if self._speculates(rows):
+      return None  # the batch has shrunk enough to speculate
     copies = self._reserve(rows, 2 * K)  # the burst in flight holds the first K
     if copies is None:
       return None
@@ -524,11 +617,63 @@ class Engine:
     try:
       burst = self._dispatch(rows, start, tokens_B, first_step, counts, prompt_mask)
     except Exception as e:
-      if _pool_lost(self.pool):
+      if _pool_lost(self.pools):
         raise _PoolLost(prev.rows, e) from e
       return None  # `_collect` gives back what the rows reserved
     self.n_chained += 1
     return burst
+
+  def _speculate(self) -> list[RequestOutput] | None:
+    """One speculative round over every running request, settled at once; None when the pool
+    cannot hold k + 1 tokens per row, or the round raised without taking the pools (a mixed step
+    then runs and finds the failing rows)."""
+    k = self.config.num_speculative_tokens
+    rows = list(self.running)
+    copies = self._reserve(rows, k + 1)
+    if copies is None:
+      return None
+    self._copy(copies)
+    B = _pow2(len(rows))
+    tokens = np.zeros((B,), np.int32)
+    lengths = np.full((B,), -1, np.int32)
+    seeds = np.zeros((B,), np.int32)
+    first_step = np.zeros((B,), np.int32)
+    for b, req in enumerate(rows):
+      tokens[b] = req.tokens[req.n_computed]
+      lengths[b] = req.n_computed
+      seeds[b] = req.params.seed
+      first_step[b] = len(req.output)
+    start = [r.n_computed for r in rows]
+    self.n_steps += 1
+    self.n_computed_tokens += (k + 1) * len(rows)
+    try:
+      self.pools, *outs, accepted_B = self.programs.speculative_round(
+        self.states,
+        self.pools,
+        tokens,
+        lengths,
+        self._block_table([r.id for r in rows], B),
+        seeds,
+        first_step,
+        SamplingArrays.from_params([r.params for r in rows], pad_to=B),
+        k,
+      )
+      accepted_B = np.asarray(accepted_B)[: len(rows)]
+    except Exception as e:
+      if _pool_lost(self.pools):
+        raise _PoolLost(rows, e) from e
+      for r in rows:
+        self.allocator.truncate(r.id, r.n_computed)
+      return None
+    self.n_spec_rounds += 1
+    self.n_spec_row_rounds += len(rows)
+    self.n_drafted += k * len(rows)
+    self.n_accepted += int(accepted_B.sum())
+    outputs = self._collect(
+      _Burst(rows, start, first_step, None, *outs, counts=None, n_draws=accepted_B + 1)
+    )
+    self.n_spec_emitted += sum(len(out.new_token_ids) for out in outputs)
+    return outputs
 
   def _collect(self, burst: _Burst) -> list[RequestOutput]:
     """Reads a burst's draws, cuts each row at its first stop, and settles the blocks."""
@@ -543,9 +688,10 @@ class Engine:
       if req.id not in self._requests:
         continue  # aborted while the burst ran
       start = burst.start[b]
+      n = len(tok) if burst.n_draws is None else int(burst.n_draws[b])
       try:
         out, n_kept = self._accept(
-          req, tok[:, b], lp[:, b], top_ids[:, b], top_lp[:, b], release=False
+          req, tok[:n, b], lp[:n, b], top_ids[:n, b], top_lp[:n, b], release=False
         )
       except Exception as e:  # e.g. the detokenizer: this request's fault only
         outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
@@ -694,6 +840,17 @@ class Engine:
       prompt_mask[b, req.prompt] = True
     return counts, prompt_mask
 
+  def _allowed_bits(self, rows: list[tuple[_Request, int]], B: int) -> np.ndarray | None:
+    """i32[B, W] packed allowed tokens: guided rows' from their matchers, all set for the
+    others; None when no row is guided."""
+    if all(req.matcher is None for req, _ in rows):
+      return None
+    bits = np.full((B, -(-self.model_config.vocab_size // 32)), -1, np.int32)
+    for b, (req, _) in enumerate(rows):
+      if req.matcher is not None:
+        bits[b] = req.matcher.allowed_bits()
+    return bits
+
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
     B = _pow2(len(rows))
@@ -718,9 +875,9 @@ class Engine:
     counts, prompt_mask = (
       self._penalty_arrays([r for r, _ in rows], B) if penalties else (None, None)
     )
-    self.pool, tok, lp, top_ids, top_lp = self.programs.forward_sample(
-      self.state,
-      self.pool,
+    self.pools, tok, lp, top_ids, top_lp = self.programs.forward_sample(
+      self.states,
+      self.pools,
       tokens,
       positions,
       self._block_table([r.id for r, _ in rows], B),
@@ -728,7 +885,7 @@ class Engine:
       last,
       seeds,
       step_index,
-      SamplingArrays.from_params(params, pad_to=B),
+      SamplingArrays.from_params(params, pad_to=B, allowed_bits=self._allowed_bits(rows, B)),
       penalties,
       counts,
       prompt_mask,
@@ -759,7 +916,7 @@ class Engine:
       try:
         results.update(self._run(group, T))
       except Exception as e:
-        if _pool_lost(self.pool):
+        if _pool_lost(self.pools):
           raise _PoolLost([r for r, _ in group], e) from e  # nothing left to re-run on
         if len(group) == 1:
           failed[group[0][0].id] = _step_error(e)
@@ -824,7 +981,7 @@ class Engine:
       req.suspect = True
     self._inflight = None
     self._pending_copies = []
-    self.pool = jax.tree.map(
+    self.pools = jax.tree.map(
       lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._pool_spec
     )
     self.allocator = BlockAllocator(
@@ -863,6 +1020,8 @@ class Engine:
         kept_top.append([(int(t), float(p)) for t, p in zip(ids[:n_top], lps[:n_top])])
       if token in req.stop_ids:
         reason = "stop"
+      elif req.matcher is not None and self._guide(req.matcher, token):
+        reason = "stop"  # the output is whole and only eos could follow
       elif len(req.output) >= req.params.max_new_tokens:
         reason = "length"
       if req.detok is not None and self._text(req, token, final=reason is not None):
@@ -876,6 +1035,12 @@ class Engine:
     if reason is not None and release:
       self._release(req)
     return out, len(kept)
+
+  @staticmethod
+  def _guide(matcher: GuidedMatcher, token: int) -> bool:
+    """Advances a guided request's matcher; True when its output is complete."""
+    matcher.advance(token)
+    return matcher.is_complete
 
   def _text(self, req: _Request, token: int, *, final: bool) -> bool:
     """Detokenises one more token; True when a stop string now appears in the text."""

@@ -7,6 +7,12 @@ request, which frees its blocks.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream as server-sent events ending
 in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+
+Guided decoding: both completion endpoints take OpenAI's `response_format` (`json_object`,
+`json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`. The constraint is
+compiled off the event loop (in a worker thread, itself bounded by the compiler's time limit) and
+a bad one (invalid regex, unsupported or unsatisfiable schema, empty choices) is a 400 naming the
+field.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from pydantic import (
 )
 from starlette.exceptions import HTTPException
 
+from atlas_jax.decoding.guided import Grammar, GrammarCompiler, GuidedDecodingError
+from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
 from atlas_jax.serving.engine import Engine, RequestError, RequestOutput
 from atlas_jax.serving.metrics import ServingMetrics
@@ -276,6 +284,11 @@ class _Body(BaseModel):
   seed: Annotated[StrictInt, Field(ge=0, lt=2**31)] | None = None
   ignore_eos: StrictBool = False
   user: Text | None = None
+  # guided decoding (OpenAI, then vLLM's fields)
+  response_format: dict[str, Any] | None = None
+  guided_json: dict[str, Any] | Text | None = None
+  guided_regex: Text | None = None
+  guided_choice: list[Text] | None = None
 
 
 # The labels pydantic gives the members of a union in an error's location (not field names).
@@ -351,9 +364,11 @@ def build_app(
   limits: ServerLimits = ServerLimits(),
   api_key: str | None = None,
   default_params: SamplingParams | None = None,
+  guided: GrammarCompiler | None = None,
 ) -> FastAPI:
   """The FastAPI app. `chat_template` renders messages to a prompt string (default: a plain
-  "role: content" transcript ending in "assistant:")."""
+  "role: content" transcript ending in "assistant:"); `guided` compiles guided-decoding
+  constraints over the model's tokenizer (without it, they are refused with a 400)."""
   app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None)
   defaults = default_params or SamplingParams()
   created = int(time.time())
@@ -378,7 +393,26 @@ def build_app(
 
   app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
-  def sampling(body: _Body, n_prompt: int, index: int, logprobs: int | None) -> SamplingParams:
+  async def grammar_of(body: _Body) -> Grammar | None:
+    """The request's compiled constraint, or None; a 400 naming the field when it is bad."""
+    try:
+      spec = guided_spec(
+        response_format=body.response_format,
+        guided_json=body.guided_json,
+        guided_regex=body.guided_regex,
+        guided_choice=body.guided_choice,
+      )
+      if spec is None:
+        return None
+      if guided is None:
+        raise APIError(400, "guided decoding is not enabled on this server", spec.field)
+      return await asyncio.to_thread(guided.compile, spec)
+    except GuidedDecodingError as e:
+      raise APIError(400, str(e), e.field) from None
+
+  def sampling(
+    body: _Body, n_prompt: int, index: int, logprobs: int | None, grammar: Grammar | None
+  ) -> SamplingParams:
     default_max = min(limits.default_max_tokens, limits.max_tokens)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max
     if max_tokens > limits.max_tokens:
@@ -411,11 +445,12 @@ def build_app(
       stop=tuple(s for s in stop if s),
       ignore_eos=body.ignore_eos,
       logprobs=logprobs,
+      guided=grammar,
     )
 
-  def submit_all(prompt_ids, body, logprobs):
+  def submit_all(prompt_ids, body, logprobs, grammar):
     try:
-      params = [sampling(body, len(prompt_ids), i, logprobs) for i in range(body.n)]
+      params = [sampling(body, len(prompt_ids), i, logprobs, grammar) for i in range(body.n)]
       # The n choices share the prompt's computation and blocks (queued all or none).
       return runner.submit_all(prompt_ids, params)
     except (RequestError, ValueError) as e:
@@ -469,7 +504,7 @@ def build_app(
     }
 
   async def respond(body: _Body, prompt_ids: list[int], chat: bool, logprobs: int | None):
-    subs = submit_all(prompt_ids, body, logprobs)
+    subs = submit_all(prompt_ids, body, logprobs, await grammar_of(body))
     rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0][:24]
     obj = "chat.completion" if chat else "text_completion"
     model = body.model or model_name

@@ -9,10 +9,17 @@ host-side scheduler (`atlas_jax.serving.engine`) decides what runs; these only c
   next input without leaving the device; the host reads all K tokens per row afterwards. Rows do
   not stop inside the burst: tokens past a stop are cut by the host, whose block reservation
   covered them.
+* `speculative_round`: the draft model proposes k tokens per row, the target scores all of
+  them in one pass, the rejection sampler keeps a prefix and draws the token after it.
 * `copy_blocks`: copy-on-write of pool blocks.
 
-`programs(graphdef)` returns the jitted programs with the model's graph bound in, made once per
-graph: a step then hashes no graph, only its arrays' shapes.
+With a draft model, every program takes `states` and `pools` as (target, draft) pairs: the draft
+runs over the same new tokens as the target into its own pool, indexed by the same block tables,
+so it always holds K/V for every token the target does and a speculative round needs no
+catch-up. Without one the draft halves are None.
+
+`programs(graphdef, draft_graphdef)` returns the jitted programs with the graphs bound in, made
+once per pair: a step then hashes no graph, only its arrays' shapes.
 """
 
 from __future__ import annotations
@@ -26,15 +33,34 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax.cache.paged import PagedCache
-from atlas_jax.decoding.sampling import SamplingArrays, sample_rows, step_keys
+from atlas_jax.decoding.sampling import (
+  MAX_LOGPROBS,
+  SamplingArrays,
+  probabilities,
+  sample_rows,
+  step_keys,
+)
+from atlas_jax.decoding.speculative import draw, probabilities_per_position, round_keys, verify
 
 Array = jax.Array
 
 
+def _draft_forward(d_graphdef, d_state, d_pool, tokens_BT, positions_BT, block_table_BM, lengths_B):
+  """The draft over the target's new tokens, into its own pool; its logits are not needed."""
+  if d_graphdef is None:
+    return d_pool
+  draft = nnx.merge(d_graphdef, d_state)
+  cache = PagedCache(pool=d_pool, block_table=block_table_BM, lengths=lengths_B)
+  last_B = jnp.zeros(tokens_BT.shape[:1], jnp.int32)  # one position's head: the cheapest
+  _, cache = draft(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
+  return cache.pool
+
+
 def forward_sample(
   graphdef,
-  state,
-  pool,
+  d_graphdef,
+  states,
+  pools,
   tokens_BT,
   positions_BT,
   block_table_BM,
@@ -56,11 +82,15 @@ def forward_sample(
     seed_B, step_B: i32[B] each row's seed and the index of the token it samples.
 
   Returns:
-    (pool, i32[B] tokens, f32[B] logprobs, i32[B, 5] top tokens, f32[B, 5] top logprobs).
+    (pools, i32[B] tokens, f32[B] logprobs, i32[B, 5] top tokens, f32[B, 5] top logprobs).
   """
+  (state, d_state), (pool, d_pool) = states, pools
   model = nnx.merge(graphdef, state)
   cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
   logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
+  d_pool = _draft_forward(
+    d_graphdef, d_state, d_pool, tokens_BT, positions_BT, block_table_BM, lengths_B
+  )
   out = sample_rows(
     logits_B1V[:, 0],
     step_keys(seed_B, step_B),
@@ -68,13 +98,14 @@ def forward_sample(
     counts_BV=counts_BV if penalties else None,
     prompt_mask_BV=prompt_mask_BV if penalties else None,
   )
-  return (cache.pool, *out)
+  return ((cache.pool, d_pool), *out)
 
 
 def decode_burst(
   graphdef,
-  state,
-  pool,
+  d_graphdef,
+  states,
+  pools,
   tokens_B,
   lengths_B,
   block_table_BM,
@@ -97,18 +128,25 @@ def decode_burst(
     counts_BV: i32[B, V] output token counts so far (penalties), updated on the device.
 
   Returns:
-    (pool, i32[K, B] tokens, f32[K, B] logprobs, i32[K, B, 5] top ids, f32[K, B, 5] top logprobs,
+    (pools, i32[K, B] tokens, f32[K, B] logprobs, i32[K, B, 5] top ids, f32[K, B, 5] top logprobs,
     i32[B, V] counts after the burst, or None without penalties).
   """
+  if arrays.allowed_bits is not None:
+    raise ValueError("decode_burst: a guided row's mask needs the host after every token")
+  (state, d_state) = states
   model = nnx.merge(graphdef, state)
   valid_B = lengths_B >= 0
   B = tokens_B.shape[0]
 
   def body(carry, k):
-    pool, token_B, counts_BV = carry
+    (pool, d_pool), token_B, counts_BV = carry
     positions_B1 = jnp.where(valid_B, lengths_B + k, -1)[:, None]
-    cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=positions_B1[:, 0] + ~valid_B)
+    at_B = positions_B1[:, 0] + ~valid_B  # padding rows: 0
+    cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=at_B)
     logits_B1V, cache = model(token_B[:, None], positions_BT=positions_B1, cache=cache)
+    d_pool = _draft_forward(
+      d_graphdef, d_state, d_pool, token_B[:, None], positions_B1, block_table_BM, at_B
+    )
     out = sample_rows(
       logits_B1V[:, 0],
       step_keys(seed_B, step_B + k),
@@ -118,10 +156,84 @@ def decode_burst(
     )
     if penalties:
       counts_BV = counts_BV.at[jnp.arange(B), out[0]].add(1)
-    return (cache.pool, out[0], counts_BV), out
+    return ((cache.pool, d_pool), out[0], counts_BV), out
 
-  (pool, _, counts_BV), outs = jax.lax.scan(body, (pool, tokens_B, counts_BV), jnp.arange(n_steps))
-  return (pool, *outs, counts_BV)
+  (pools, _, counts_BV), outs = jax.lax.scan(
+    body, (pools, tokens_B, counts_BV), jnp.arange(n_steps)
+  )
+  return (pools, *outs, counts_BV)
+
+
+def speculative_round(
+  graphdef,
+  d_graphdef,
+  states,
+  pools,
+  tokens_B,
+  lengths_B,
+  block_table_BM,
+  seed_B,
+  step_B,
+  arrays: SamplingArrays,
+  k: int,
+):
+  """One round of speculation for every row (`atlas_jax.decoding.speculative`).
+
+  The draft runs k + 1 single-token steps from each row's pending token (the last only writes
+  d_k's K/V, so the draft pool keeps up with the target's); the target runs once over
+  [pending, d_1..d_k]; `verify` keeps a_b drafts of row b and draws the token after them. Both
+  pools then hold K/V for positions up to lengths + k; the host keeps lengths + 1 + a_b of them
+  (cut at stops), and the next round overwrites the rest.
+
+  Args:
+    tokens_B: i32[B] each row's pending token, at position lengths_B (-1: a padding row).
+    block_table_BM: i32[B, M] covering positions up to lengths + k.
+    seed_B, step_B: i32[B] seeds, and the index of the round's first emitted token (its keys
+      are `round_keys(seed, step)`, as in `generate`'s speculative loop).
+
+  Returns:
+    (pools, i32[k+1, B] emitted tokens (row b's first a_b + 1 are real), f32[k+1, B] their target
+    logprobs, i32[k+1, B, 5] top ids, f32[k+1, B, 5] top logprobs, i32[B] accepted drafts a_b).
+  """
+  (state, d_state), (pool, d_pool) = states, pools
+  model, draft = nnx.merge(graphdef, state), nnx.merge(d_graphdef, d_state)
+  valid_B = lengths_B >= 0
+  start_B = jnp.where(valid_B, lengths_B, 0)
+  keys_BK = round_keys(seed_B, step_B, k + 1)
+
+  def draft_step(carry, j):
+    d_pool, x_B = carry
+    positions_B1 = jnp.where(valid_B, lengths_B + j, -1)[:, None]
+    at_B = jnp.where(valid_B, lengths_B + j, 0)
+    cache = PagedCache(pool=d_pool, block_table=block_table_BM, lengths=at_B)
+    logits_B1V, cache = draft(x_B[:, None], positions_BT=positions_B1, cache=cache)
+    q_BV = probabilities(logits_B1V[:, 0], arrays)
+    d_B = draw(keys_BK[:, j], q_BV)  # the last step's draw is not used
+    return (cache.pool, d_B), (d_B, q_BV)
+
+  (d_pool, _), (d_JB, q_JBV) = jax.lax.scan(draft_step, (d_pool, tokens_B), jnp.arange(k + 1))
+  draft_BJ, q_BJV = d_JB[:k].T, q_JBV[:k].transpose(1, 0, 2)
+  tokens_BT = jnp.concatenate([tokens_B[:, None], draft_BJ], axis=1)
+  offsets_1T = jnp.arange(k + 1)[None, :]
+  positions_BT = jnp.where(valid_B[:, None], lengths_B[:, None] + offsets_1T, -1)
+  cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=start_B)
+  logits_BTV, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache)
+  a_B, next_B = verify(
+    probabilities_per_position(logits_BTV, arrays), q_BJV, draft_BJ, keys_BK[:, k]
+  )
+  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
+  new_BT = jnp.where(offsets_1T < a_B[:, None], drafts_BT, next_B[:, None])
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  lp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
+  top_lp_BTK, top_ids_BTK = jax.lax.top_k(logp_BTV, min(MAX_LOGPROBS, logp_BTV.shape[-1]))
+  return (
+    (cache.pool, d_pool),
+    new_BT.T,
+    lp_BT.T,
+    top_ids_BTK.astype(jnp.int32).transpose(1, 0, 2),
+    top_lp_BTK.transpose(1, 0, 2),
+    a_B,
+  )
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -136,16 +248,17 @@ class Programs:
 
   forward_sample: Callable
   decode_burst: Callable
+  speculative_round: Callable | None  # with a draft model only
 
 
 @functools.cache
-def programs(graphdef) -> Programs:
-  """The step programs with `graphdef` bound, compiled lazily per shape; one set per graph."""
+def programs(graphdef, draft_graphdef=None) -> Programs:
+  """The step programs with the graphs bound, compiled lazily per shape; one set per pair."""
+  bind = lambda f: functools.partial(f, graphdef, draft_graphdef)
   return Programs(
-    forward_sample=jax.jit(
-      functools.partial(forward_sample, graphdef), static_argnums=(10,), donate_argnums=(1,)
-    ),
-    decode_burst=jax.jit(
-      functools.partial(decode_burst, graphdef), static_argnums=(9, 10), donate_argnums=(1,)
-    ),
+    forward_sample=jax.jit(bind(forward_sample), static_argnums=(10,), donate_argnums=(1,)),
+    decode_burst=jax.jit(bind(decode_burst), static_argnums=(9, 10), donate_argnums=(1,)),
+    speculative_round=None
+    if draft_graphdef is None
+    else jax.jit(bind(speculative_round), static_argnums=(8,), donate_argnums=(1,)),
   )

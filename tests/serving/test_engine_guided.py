@@ -1,0 +1,146 @@
+"""Guided requests in the engine: outputs parse and validate across seeds on a model over a real
+(byte-level BPE) vocabulary, no bursts while one runs, preemption changes nothing, neighbours'
+outputs are unchanged."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+from flax import nnx
+
+from atlas_jax.config import ModelConfig
+from atlas_jax.data.tokenizer import train_bpe
+from atlas_jax.decoding import SamplingParams, generate
+from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
+from atlas_jax.model import build
+from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
+
+SCHEMA = {
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": 5},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    "ok": {"type": "boolean"},
+  },
+  "required": ["name", "age"],
+}
+CHOICES = ["yes", "no", "nope", "maybe"]
+REGEX = r"[a-c]{1,3}-[0-9]{1,4}"
+
+
+@pytest.fixture(scope="module")
+def setup():
+  corpus = ['{"name": "ab", "age": 7, "ok": true, "pets": ["cat"]}\n' * 20, "yes no nope" * 20]
+  tok = train_bpe(corpus + ["def f(x):\n  return x\n" * 20], 300)
+  cfg = ModelConfig(
+    vocab_size=tok.vocab_size,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=64,
+    max_seq_len=256,
+    init_std=0.3,
+  )
+  model = build(cfg, rngs=nnx.Rngs(0))
+  compiler = GrammarCompiler(tok, vocab_size=cfg.vocab_size)
+  grammars = {
+    "schema": compiler.compile(spec_from_request(guided_json=SCHEMA)),
+    "choice": compiler.compile(spec_from_request(guided_choice=CHOICES)),
+    "regex": compiler.compile(spec_from_request(guided_regex=REGEX)),
+  }
+  return tok, model, grammars
+
+
+def _engine(model, tok, **kw):
+  cfg = dict(n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+  return Engine(model, EngineConfig(**(cfg | kw)), eos_id=tok.eos_id, detokenize=tok.decode)
+
+
+def _run(engine, requests):
+  """{id: (tokens, finish_reason)} for requests [(id, prompt ids, params)]."""
+  for rid, prompt, params in requests:
+    engine.add_request(rid, prompt, params)
+  got = {rid: ([], None) for rid, _, _ in requests}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id][0].extend(out.new_token_ids)
+      if out.finished:
+        got[out.request_id] = (got[out.request_id][0], out.finish_reason)
+  return got
+
+
+def _requests(tok, grammars, seeds, max_new_tokens=96):
+  reqs = []
+  for seed in seeds:
+    for kind, g in grammars.items():
+      params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, guided=g)
+      reqs.append(((kind, seed), tok.encode(f"{kind} {seed}: "), params))
+  return reqs
+
+
+def _check(tok, kind, tokens, reason):
+  assert reason == "stop", (kind, tok.decode(tokens))
+  text = tok.decode([t for t in tokens if t != tok.eos_id])
+  if kind == "schema":
+    jsonschema.validate(json.loads(text), SCHEMA)
+  elif kind == "choice":
+    assert text in CHOICES
+  else:
+    assert re.fullmatch(REGEX, text), text
+
+
+def test_guided_outputs_parse_and_validate_across_seeds(setup):
+  tok, model, grammars = setup
+  engine = _engine(model, tok)
+  plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
+  got = _run(engine, _requests(tok, grammars, range(5)) + [plain])
+  for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
+    _check(tok, kind, tokens, reason)
+  assert engine.n_bursts == 0  # a guided request was running throughout
+  # The unguided neighbour draws exactly what it draws alone (with bursts).
+  alone = _engine(model, tok)
+  assert _run(alone, [plain])["plain"] == got["plain"]
+  assert alone.n_bursts > 0
+
+
+def test_a_complete_output_stops_without_eos(setup):
+  tok, model, grammars = setup
+  engine = _engine(model, tok)
+  reqs = [
+    (
+      s,
+      tok.encode("answer: "),
+      SamplingParams(max_new_tokens=16, seed=s, guided=grammars["choice"]),
+    )
+    for s in range(6)
+  ]
+  for tokens, reason in _run(engine, reqs).values():
+    text = tok.decode(tokens)
+    assert reason == "stop" and text in CHOICES
+    # Where nothing may follow ("yes", "maybe", "nope") the request ends without drawing eos.
+    assert (tokens[-1] == tok.eos_id) == (text == "no")
+
+
+def test_preemption_changes_no_guided_output(setup):
+  tok, model, grammars = setup
+  reqs = _requests(tok, {"schema": grammars["schema"]}, range(4), max_new_tokens=64)
+  roomy = _run(_engine(model, tok), reqs)
+  small = _engine(model, tok, n_blocks=10, max_num_seqs=4)
+  tight = _run(small, [(("again",) + rid, p, sp) for rid, p, sp in reqs])
+  assert small.n_preemptions > 0
+  for rid, _, _ in reqs:
+    assert tight[("again",) + rid] == roomy[rid]
+    _check(tok, "schema", *roomy[rid])
+
+
+def test_guided_params_need_the_models_vocabulary_and_the_engine(setup):
+  tok, model, grammars = setup
+  other = GrammarCompiler(tok, vocab_size=tok.vocab_size + 32)
+  params = SamplingParams(guided=other.compile(spec_from_request(guided_choice=["a"])))
+  with pytest.raises(RequestError, match="compiled for"):
+    _engine(model, tok).add_request("r", [1, 2], params)
+  with pytest.raises(ValueError, match="served by the Engine"):
+    generate(model, [[1, 2]], SamplingParams(guided=grammars["choice"]))
