@@ -85,6 +85,8 @@ RESUME_MAY_CHANGE = {
   "remat_every",
   "sharding",
   "peak_tflops",
+  "loss_chunk",
+  "xla_flags",
 }
 
 

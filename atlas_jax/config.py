@@ -270,6 +270,9 @@ class TrainConfig:
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
   z_loss: float = 0.0
+  # Sequence positions per chunk of the chunked cross-entropy (LM head fused in, [B, T, V] float32
+  # logits never held); 0: the plain loss over the whole [B, T, V] logits.
+  loss_chunk: int = 0
   precision: Literal["fp32", "bf16", "fp16"] = "fp32"
   remat: Literal["none", "full", "every_k", "selective"] = "none"
   remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
@@ -301,6 +304,15 @@ class TrainConfig:
       _fail("train.remat_every", self.remat_every, "must be a positive int or null")
     if self.z_loss < 0:
       _fail("train.z_loss", self.z_loss, "must be >= 0")
+    if self.loss_chunk < 0:
+      _fail(
+        "train.loss_chunk",
+        self.loss_chunk,
+        "must be >= 0: 0 for the plain loss, or sequence positions per chunk of the chunked "
+        "cross-entropy",
+      )
+    if self.peak_tflops is not None and self.peak_tflops <= 0:
+      _fail("train.peak_tflops", self.peak_tflops, "must be > 0 (TFLOP/s per device) or null")
     for name in (
       "warmup_steps",
       "weight_decay",
