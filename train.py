@@ -33,6 +33,7 @@ from atlas_jax.training.metrics import (
   peak_memory_bytes,
 )
 from atlas_jax.training.step import make_eval_step, make_train_step, make_trainer
+from atlas_jax.training.xla_flags import apply as apply_xla_flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = load_config(args.config, args.set)
+    # Before anything starts a jax backend: XLA reads its flags once, at start-up.
+    added_flags = apply_xla_flags(cfg.train.xla_flags)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
   )
+  if added_flags:
+    say(f"XLA flags added for {jax.default_backend()}: {added_flags}")
 
   t0 = time.time()
   cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
@@ -210,8 +215,11 @@ def main(argv=None) -> int:
         "grad_norm": metrics["grad_norm"],
         "learning_rate": metrics["learning_rate"],
         "tokens_per_s": tps,
-        "mfu": mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops),
       }
+      # Only where the device's peak is known or given (train.peak_tflops): not on a CPU.
+      util = mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops)
+      if util is not None:
+        record["mfu"] = util
       record.update({k: v for k, v in metrics.items() if k.startswith("loss_mtp")})
       if "loss_scale" in metrics:
         record["loss_scale"] = metrics["loss_scale"]

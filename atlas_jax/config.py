@@ -279,7 +279,12 @@ class TrainConfig:
   sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
   on_nan: Literal["stop", "skip"] = "stop"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
-  peak_tflops: float | None = None  # per device; default from the device table
+  # Per device, for MFU; default from the device table (`atlas_jax.analysis.devices`). On a
+  # device the table does not know (every CPU), MFU is not reported unless this is given.
+  peak_tflops: float | None = None
+  # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults
+  # (`atlas_jax.training.xla_flags`), "": none of them.
+  xla_flags: str | None = None
 
   def __post_init__(self):
     _positive(
@@ -311,6 +316,9 @@ class TrainConfig:
         "must be >= 0: 0 for the plain loss, or sequence positions per chunk of the chunked "
         "cross-entropy",
       )
+    for flag in (self.xla_flags or "").split():
+      if not flag.startswith("--xla_"):
+        _fail("train.xla_flags", self.xla_flags, f"{flag!r}: every flag must start with --xla_")
     if self.peak_tflops is not None and self.peak_tflops <= 0:
       _fail("train.peak_tflops", self.peak_tflops, "must be > 0 (TFLOP/s per device) or null")
     for name in (
