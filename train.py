@@ -21,7 +21,7 @@ import numpy as np
 
 from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline
-from atlas_jax.data.tokenizer import load_tokenizer
+from atlas_jax.data.tokenizer import bpe_vocab_size, corpus_bpe, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
@@ -113,14 +113,20 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.set)
     # Before anything starts a jax backend: XLA reads its flags once, at start-up.
     added_flags = apply_xla_flags(cfg.train.xla_flags)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    run_dir = Path(cfg.train.checkpoint_dir)
+    check_resumable(run_dir, cfg)
+    cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
+    tokenizer = load_tokenizer(
+      cfg.data.tokenizer,
+      source=cfg.data.source,
+      eval_fraction=cfg.data.eval_fraction,
+      cache_dir=cache_dir,
+    )
     if tokenizer.vocab_size > cfg.model.vocab_size:
       raise ConfigError(
         f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
         f"vocabulary ({tokenizer.vocab_size})"
       )
-    run_dir = Path(cfg.train.checkpoint_dir)
-    check_resumable(run_dir, cfg)
     init_distributed(cfg)
     trainer = make_trainer(cfg)
   except (ConfigError, ValueError) as e:
@@ -129,7 +135,11 @@ def main(argv=None) -> int:
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
   if main_process:
-    checkpoint.write_run_files(run_dir, cfg)
+    bpe = bpe_vocab_size(cfg.data.tokenizer)
+    trained = None
+    if bpe is not None:
+      trained = corpus_bpe(cfg.data.source, bpe, cache_dir, eval_fraction=cfg.data.eval_fraction)
+    checkpoint.write_run_files(run_dir, cfg, trained)
   say(
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
@@ -138,7 +148,6 @@ def main(argv=None) -> int:
     say(f"XLA flags added for {jax.default_backend()}: {added_flags}")
 
   t0 = time.time()
-  cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
   files = pipeline.token_files(cfg.data, tokenizer, cache_dir)
   train_ds = pipeline.train_dataset(
     *files["train"],

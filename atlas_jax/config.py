@@ -241,12 +241,18 @@ class DataConfig:
   """Training text and how it is tokenised."""
 
   source: str = "stdlib"  # "stdlib", a folder of text files, or a .jsonl file with a "text" field
-  tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
+  # "byte", a path to a tokenizer.json, or "bpe:N": a byte-level BPE of N tokens trained on the
+  # source's training documents the first time (cached beside the token files)
+  tokenizer: str = "byte"
   eval_fraction: float = 0.02  # share of documents held out for eval
 
   def __post_init__(self):
     if not 0.0 <= self.eval_fraction < 1.0:
       _fail("data.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+    if self.tokenizer.startswith("bpe:"):
+      size = self.tokenizer[4:]
+      if not size.isdigit() or int(size) < 259:
+        _fail("data.tokenizer", self.tokenizer, "'bpe:N' needs an integer N >= 259")
 
 
 @dataclasses.dataclass(frozen=True)

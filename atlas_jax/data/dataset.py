@@ -20,7 +20,7 @@ class TokenCorpus:
     return int(self.tokens.shape[0])
 
 
-def _held_out(name: str, fraction: float) -> bool:
+def held_out(name: str, fraction: float) -> bool:
   # A hash of the document's name, not its position, so adding files does not reshuffle the split.
   h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
   return h / 2**64 < fraction
@@ -33,7 +33,7 @@ def tokenize_corpus(
   parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
   for name, text in iter_documents(source):
     ids = np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], np.int32)
-    parts[_held_out(name, eval_fraction)].append(ids)
+    parts[held_out(name, eval_fraction)].append(ids)
 
   def join(docs: list[np.ndarray]) -> TokenCorpus:
     if not docs:

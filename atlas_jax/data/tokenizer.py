@@ -87,13 +87,61 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
   return HFTokenizer(tok, bos="<s>", eos="</s>", pad="<pad>")
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-  """ "byte", a tokenizer.json file, or a folder holding one."""
+def bpe_vocab_size(spec: str) -> int | None:
+  """N for a "bpe:N" spec (a BPE of N tokens trained on the run's corpus), else None."""
+  if not spec.startswith("bpe:"):
+    return None
+  size = spec[4:]
+  if not size.isdigit() or int(size) < 259:
+    raise ValueError(
+      f"data.tokenizer={spec!r}: 'bpe:N' needs an integer N >= 259 (256 bytes + 3 specials)"
+    )
+  return int(size)
+
+
+def corpus_bpe(source: str, vocab_size: int, cache_dir: str | Path, *, eval_fraction: float):
+  """A byte-level BPE of `vocab_size` tokens trained on the training documents of `source`
+  (held-out documents are left out), cached in `cache_dir` and reused after the first run."""
+  import hashlib
+  import json
+  import sys
+
+  from atlas_jax.data.corpus import iter_documents
+  from atlas_jax.data.dataset import held_out
+
+  key = json.dumps([source, vocab_size, eval_fraction, sys.version_info[:2]])
+  folder = Path(cache_dir) / f"bpe-{vocab_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+  path = folder / "tokenizer.json"
+  if not path.is_file():
+    texts = (t for name, t in iter_documents(source) if not held_out(name, eval_fraction))
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / ".tokenizer.tmp.json"
+    train_bpe(texts, vocab_size).save(tmp)
+    tmp.replace(path)  # atomic: a killed run leaves no half file
+  return path
+
+
+def load_tokenizer(
+  spec: str,
+  *,
+  source: str = "stdlib",
+  eval_fraction: float = 0.0,
+  cache_dir: str | Path | None = None,
+) -> Tokenizer:
+  """ "byte", a tokenizer.json file, a folder holding one, or "bpe:N": a BPE of N tokens trained
+  on the training documents of `source` (`corpus_bpe`, cached in `cache_dir`)."""
   if spec == "byte":
     return ByteTokenizer()
+  n = bpe_vocab_size(spec)
+  if n is not None:
+    if cache_dir is None:
+      raise ValueError(f"data.tokenizer={spec!r}: a trained BPE needs a cache folder")
+    return HFTokenizer.from_file(corpus_bpe(source, n, cache_dir, eval_fraction=eval_fraction))
   path = Path(spec)
   if path.is_dir():
     path = path / "tokenizer.json"
   if not path.is_file():
-    raise ValueError(f"data.tokenizer={spec!r}: expected 'byte' or a path to a tokenizer.json")
+    raise ValueError(
+      f"data.tokenizer={spec!r}: expected 'byte', 'bpe:N' or a path to a tokenizer.json"
+    )
   return HFTokenizer.from_file(path)

@@ -35,12 +35,16 @@ def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointMan
   )
 
 
-def write_run_files(directory: str | Path, cfg: Config) -> None:
+def write_run_files(
+  directory: str | Path, cfg: Config, tokenizer_file: str | Path | None = None
+) -> None:
+  """The run's config.yaml, and its tokenizer.json unless byte-level (`tokenizer_file`: where a
+  "bpe:N" tokenizer was trained; default the data.tokenizer path)."""
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.yaml").write_text(dump_config(cfg))
   if cfg.data.tokenizer != "byte":
-    src = Path(cfg.data.tokenizer)
+    src = Path(cfg.data.tokenizer if tokenizer_file is None else tokenizer_file)
     src = src / "tokenizer.json" if src.is_dir() else src
     if src.resolve() != (directory / "tokenizer.json").resolve():
       shutil.copy(src, directory / "tokenizer.json")

@@ -59,3 +59,26 @@ def test_jsonl_source(tmp_path):
   path.write_text('{"text": "hello world"}\n\n{"text": "second document here"}\n')
   train, _ = tokenize_corpus(str(path), ByteTokenizer(), eval_fraction=0.0)
   assert len(train) == len("hello world") + len("second document here") + 2
+
+
+def test_bpe_spec_trains_on_the_training_documents_once(tmp_path):
+  import pytest
+
+  from atlas_jax.config import ConfigError, DataConfig
+  from atlas_jax.data.tokenizer import corpus_bpe
+
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i in range(30):
+    (docs / f"m{i:02d}.py").write_text(f"def handler_{i}(request):\n    return request * {i}\n")
+  tok = load_tokenizer("bpe:300", source=str(docs), eval_fraction=0.2, cache_dir=tmp_path / "c")
+  assert tok.vocab_size == 300
+  sample = "def handler_7(request):\n    return request * 7\n"
+  assert tok.decode(tok.encode(sample)) == sample
+  path = corpus_bpe(str(docs), 300, tmp_path / "c", eval_fraction=0.2)
+  stamp = path.stat().st_mtime_ns
+  again = load_tokenizer("bpe:300", source=str(docs), eval_fraction=0.2, cache_dir=tmp_path / "c")
+  assert path.stat().st_mtime_ns == stamp  # read from the cache, not retrained
+  assert again.encode(sample) == tok.encode(sample)
+  with pytest.raises(ConfigError, match=r"data\.tokenizer='bpe:12' .*N >= 259"):
+    DataConfig(tokenizer="bpe:12")
