@@ -28,7 +28,7 @@ Activations. What the train step's forward pass saves for its backward pass (the
 
 with c the compute dtype's bytes, S = T the context. `full` keeps each block's input (D*c per
 token), `every_k` every k-th, `selective` the eight named matmul outputs (2D + 2F + 2N*H + 2K*H,
-times c; MLA's attention carries no names, so only its MLP outputs and the block input). With
+times c; MLA keeps its query (and bottleneck), latent, K and V up-projections and output). With
 bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final norm, the f32
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
@@ -306,7 +306,11 @@ def activation_bytes(
       kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)
       kept += 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
     else:
-      kept = D + 2 * _split(cfg.ffn_dim, tp)
+      m, N = cfg.mla, _split(cfg.n_heads, tp)
+      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
+      # q, the latent and rope key, K's and V's up-projections, the attention output
+      kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
+      kept += N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
     saved = L * kept * c * M
     recompute = max(per_layer - kept * c * M, 0.0)
   return ActivationBytes(
