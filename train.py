@@ -33,6 +33,7 @@ from atlas_jax.training.metrics import (
   peak_memory_bytes,
 )
 from atlas_jax.training.step import make_eval_step, make_train_step, make_trainer
+from atlas_jax.training.xla_flags import apply as apply_xla_flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,6 +87,8 @@ RESUME_MAY_CHANGE = {
   "sharding",
   "peak_tflops",
   "on_corrupt_checkpoint",
+  "loss_chunk",
+  "xla_flags",
 }
 
 
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = load_config(args.config, args.set)
+    # Before anything starts a jax backend: XLA reads its flags once, at start-up.
+    added_flags = apply_xla_flags(cfg.train.xla_flags)
     run_dir = Path(cfg.train.checkpoint_dir)
     cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
     check_resumable(run_dir, cfg)
@@ -138,6 +143,8 @@ def main(argv=None) -> int:
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
   )
+  if added_flags:
+    say(f"XLA flags added for {jax.default_backend()}: {added_flags}")
 
   t0 = time.time()
   try:
@@ -250,8 +257,11 @@ def main(argv=None) -> int:
         "grad_norm": metrics["grad_norm"],
         "learning_rate": metrics["learning_rate"],
         "tokens_per_s": tps,
-        "mfu": mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops),
       }
+      # Only where the device's peak is known or given (train.peak_tflops): not on a CPU.
+      util = mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops)
+      if util is not None:
+        record["mfu"] = util
       record.update({k: v for k, v in metrics.items() if k.startswith("loss_mtp")})
       if "loss_scale" in metrics:
         record["loss_scale"] = metrics["loss_scale"]

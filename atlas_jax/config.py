@@ -279,6 +279,9 @@ class TrainConfig:
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
   z_loss: float = 0.0
+  # Sequence positions per chunk of the chunked cross-entropy (LM head fused in, [B, T, V] float32
+  # logits never held); 0: the plain loss over the whole [B, T, V] logits.
+  loss_chunk: int = 0
   precision: Literal["fp32", "bf16", "fp16"] = "fp32"
   remat: Literal["none", "full", "every_k", "selective"] = "none"
   remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
@@ -288,7 +291,12 @@ class TrainConfig:
   # or stop with the error.
   on_corrupt_checkpoint: Literal["fallback", "stop"] = "fallback"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
-  peak_tflops: float | None = None  # per device; default from the device table
+  # Per device, for MFU; default from the device table (`atlas_jax.analysis.devices`). On a
+  # device the table does not know (every CPU), MFU is not reported unless this is given.
+  peak_tflops: float | None = None
+  # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults
+  # (`atlas_jax.training.xla_flags`), "": none of them.
+  xla_flags: str | None = None
 
   def __post_init__(self):
     _positive(
@@ -313,6 +321,18 @@ class TrainConfig:
       _fail("train.remat_every", self.remat_every, "must be a positive int or null")
     if self.z_loss < 0:
       _fail("train.z_loss", self.z_loss, "must be >= 0")
+    if self.loss_chunk < 0:
+      _fail(
+        "train.loss_chunk",
+        self.loss_chunk,
+        "must be >= 0: 0 for the plain loss, or sequence positions per chunk of the chunked "
+        "cross-entropy",
+      )
+    for flag in (self.xla_flags or "").split():
+      if not flag.startswith("--xla_"):
+        _fail("train.xla_flags", self.xla_flags, f"{flag!r}: every flag must start with --xla_")
+    if self.peak_tflops is not None and self.peak_tflops <= 0:
+      _fail("train.peak_tflops", self.peak_tflops, "must be > 0 (TFLOP/s per device) or null")
     for name in (
       "warmup_steps",
       "weight_decay",

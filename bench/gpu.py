@@ -7,8 +7,11 @@ rest, and prints markdown tables with the peer beside ours and the ratio:
   batch 8, 32 and 64; batch-1 decode ms/step against the bound of reading the weights once per
   step at the card's measured copy bandwidth; transformers `generate` on CUDA in bf16 with its
   static cache, eager and under `torch.compile`, on the same weights.
+* training: tokens/s, MFU and peak memory of the train step on the `small` and `llama3-1b`
+  presets, beside a PyTorch peer of the same architecture and batch (bf16 autocast, SDPA flash
+  attention, fused AdamW, `torch.compile`), each in its own process (`bench/gpu_training.py`).
 
-    python bench/gpu.py              # on the GPU machine: every section, about 5 minutes
+    python bench/gpu.py              # on the GPU machine: every section, about 12 minutes
     python bench/gpu.py --smoke      # the same code paths on CPU at toy sizes, under a minute
     python bench/gpu.py --only serving
 """
@@ -27,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 # name -> (seconds allowed on the GPU, seconds allowed under --smoke)
-SECTIONS = {"serving": (240, 120)}
+SECTIONS = {"serving": (240, 120), "training": (600, 200)}
 
 
 # -- serving -------------------------------------------------------------------------------------
@@ -116,6 +119,16 @@ def transformers_tok_s(folder, prompts, new_tokens: int, *, compiled: bool, smok
   t0 = time.perf_counter()
   run()
   return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def training(smoke: bool) -> None:
+  """Train-step tokens/s, MFU and peak memory against a PyTorch peer (`gpu_training.py`)."""
+  import gpu_training
+
+  gpu_training.training(smoke)
 
 
 # -- driver --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The one-shot GPU benchmark's smoke run: every section's code path on CPU, at toy sizes."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,16 @@ def test_gpu_benchmark_smoke_runs_every_section():
     capture_output=True,
     text=True,
     timeout=600,
+    # The sections run with -P: the checkout's own package must come first on the path.
+    env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
   )
   out = result.stdout + result.stderr
   assert result.returncode == 0, out[-4000:]
-  for table in ("## engine vs generate", "## batch-1 decode", "## transformers generate"):
+  tables = ("## engine vs generate", "## batch-1 decode", "## transformers generate")
+  for table in (*tables, "## training: atlas_jax vs PyTorch"):
     assert table in out, out[-4000:]
   assert "FAILED" not in out and "failed:" not in out
+  # Both presets, both stacks, a ratio on every row; no MFU on a CPU (its peak is unknown).
+  rows = [r for r in out.splitlines() if r.startswith(("| small |", "| llama3-1b |"))]
+  assert len(rows) == 4, out[-4000:]
+  assert all(r.split("|")[5].strip() == "-" and r.split("|")[7].strip() != "-" for r in rows)

@@ -84,6 +84,7 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "strategy": strategy,
     "tensor": tensor,
     "grad_accum": t.grad_accum,
+    "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
   }
 
@@ -107,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--device", default="H100", help=f"one of: {', '.join(DEVICES)}")
   p.add_argument("--attention", choices=memory.ATTENTION_IMPLS, help="attention implementation")
   p.add_argument("--grad-accum", type=int, help="micro-batches per step")
+  p.add_argument(
+    "--loss-chunk", type=int, help="positions per chunk of the chunked cross-entropy (0: plain)"
+  )
   p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
   p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
   p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
@@ -123,7 +127,7 @@ def build_plan(args: argparse.Namespace) -> dict:
   for name in ("seq_len", "batch", "strategy", "tensor", "remat", "remat_every", "precision"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
-  for name in ("attention", "grad_accum"):
+  for name in ("attention", "grad_accum", "loss_chunk"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
   if args.tokens is not None:

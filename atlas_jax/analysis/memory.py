@@ -28,11 +28,12 @@ Activations. What the train step's forward pass saves for its backward pass (the
 
 with c the compute dtype's bytes, S = T the context. `full` keeps each block's input (D*c per
 token), `every_k` every k-th, `selective` the eight named matmul outputs (2D + 2F + 2N*H + 2K*H,
-times c; MLA's attention carries no names, so only its MLP outputs and the block input). With
+times c; MLA keeps its query (and bottleneck), latent, K and V up-projections and output). With
 bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final norm, the f32
-logits and the loss add a fixed amount per token. Multi-token-prediction heads run outside the
-remat policy and always keep their residuals. `tests/analysis` checks these against the real
-train step's residuals.
+logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
+12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
+the head. Multi-token-prediction heads run outside the remat policy and always keep their
+residuals. `tests/analysis` checks these against the real train step's residuals.
 """
 
 from __future__ import annotations
@@ -204,10 +205,18 @@ def _rope_dim(cfg: ModelConfig) -> int:
   return cfg.head_dim if cfg.mla is None else cfg.mla.qk_rope_head_dim
 
 
-def _global_tokens(cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int) -> float:
+def _loss_tokens(V: float, chunked: bool) -> float:
+  """Per-token bytes one cross-entropy keeps: the float32 logits and the loss's scalars, or,
+  chunked, the target, the mask and log Z (`atlas_jax.training.loss.chunked_cross_entropy`)."""
+  return 12 if chunked else 4 * V + 17
+
+
+def _global_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int, chunked: bool = False
+) -> float:
   """Per-token bytes outside the blocks: embedding indices, final norm, logits, loss."""
   D, V = cfg.d_model, _split(cfg.vocab_size, tp)
-  out = 4 + (8 * D + 2 * D * c + 8) + (4 * V + 17)
+  out = 4 + (8 * D + 2 * D * c + 8) + _loss_tokens(V, chunked)
   if policy != "none":
     return out + 4  # the positions, from which the recomputed blocks rebuild RoPE and masks
   out += 2 * _rope_dim(cfg) * c  # cos and sin for q and k
@@ -215,13 +224,15 @@ def _global_tokens(cfg: ModelConfig, c: int, S: int, attention: str, policy: str
   return out + (5 * N * S + 4 if attention == "xla" else 8)  # xla: the causal mask and scores
 
 
-def _mtp_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: int) -> float:
+def _mtp_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, chunked: bool = False
+) -> float:
   """Per-token bytes the MTP heads keep (they run outside the remat policy)."""
   if cfg.mtp is None:
     return 0.0
   D, V, R = cfg.d_model, _split(cfg.vocab_size, tp), _rope_dim(cfg)
   # Its block (whose input is a new array here), logits and loss.
-  head = _layer_tokens(cfg, c, S, attention, tp) + D * c + 4 * V + 17
+  head = _layer_tokens(cfg, c, S, attention, tp) + D * c + _loss_tokens(V, chunked)
   if cfg.mtp.kind == "sequential":
     # enorm, hnorm and the output norm; the [2D] concatenation; RoPE at positions t + j; the
     # shifted tokens' embedding indices.
@@ -245,6 +256,7 @@ def activation_bytes(
   remat_every: int | None = None,
   tensor: int = 1,
   master_bytes: int = 4,
+  loss_chunk: int = 0,
 ) -> ActivationBytes:
   """Activation bytes of a `batch` x `seq_len` micro-batch on one device.
 
@@ -255,6 +267,8 @@ def activation_bytes(
       which saves the [N, T, S] probabilities).
     remat_every: k for every_k (must divide n_layers); default the divisor nearest sqrt(L).
     tensor: tensor-parallel ways (head, FFN and vocab sized tensors split; estimate only).
+    loss_chunk: train.loss_chunk; > 0, the chunked cross-entropy keeps no logits and no
+      compute-dtype copy of the head (it casts the head inside, once per pass).
   """
   if policy not in REMAT_POLICIES:
     raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
@@ -268,14 +282,15 @@ def activation_bytes(
   per_layer = _layer_tokens(cfg, c, S, attention, tp) * M
   per_layer += _layer_fixed(layer_specs, c, master_bytes, tp)
   fixed = D * c  # the final norm's scale, broadcast
-  if c != master_bytes or cfg.tie_embeddings:  # the head's compute-dtype copy, or the transpose
-    fixed += c * D * _split(cfg.vocab_size, tp)
-  glob = _global_tokens(cfg, c, S, attention, policy, tp) * M + fixed
+  chunked = loss_chunk > 0
+  if not chunked and (c != master_bytes or cfg.tie_embeddings):
+    fixed += c * D * _split(cfg.vocab_size, tp)  # the head's compute-dtype copy, or transpose
+  glob = _global_tokens(cfg, c, S, attention, policy, tp, chunked) * M + fixed
   if cfg.mtp is not None:
     head_specs = mtp_head(cfg)
-    glob += _mtp_tokens(cfg, c, S, attention, tp) * M
+    glob += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
     glob += cfg.mtp.n_predict * _layer_fixed(head_specs, c, master_bytes, tp)
-    if c != master_bytes:
+    if c != master_bytes and not chunked:
       glob += c * D * _split(cfg.vocab_size, tp)  # the head is cast again for the MTP logits
   if policy == "none":
     saved, recompute = L * per_layer, 0.0
@@ -291,7 +306,11 @@ def activation_bytes(
       kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)
       kept += 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
     else:
-      kept = D + 2 * _split(cfg.ffn_dim, tp)
+      m, N = cfg.mla, _split(cfg.n_heads, tp)
+      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
+      # q, the latent and rope key, K's and V's up-projections, the attention output
+      kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
+      kept += N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
     saved = L * kept * c * M
     recompute = max(per_layer - kept * c * M, 0.0)
   return ActivationBytes(

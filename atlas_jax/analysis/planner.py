@@ -38,6 +38,7 @@ class PlanInputs:
   device: str = "H100"
   attention: str = "flash"  # "flash" (GPU/TPU default) or "xla" (materialises probabilities)
   grad_accum: int = 1
+  loss_chunk: int = 0  # > 0: the chunked cross-entropy (no [B, T, V] float32 logits kept)
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
@@ -64,6 +65,12 @@ class PlanInputs:
         f"--attention={self.attention!r} is not allowed; allowed: "
         f"{', '.join(memory.ATTENTION_IMPLS)}"
       )
+    if (
+      not isinstance(self.loss_chunk, int)
+      or isinstance(self.loss_chunk, bool)
+      or (self.loss_chunk < 0)
+    ):
+      raise ValueError(f"--loss-chunk={self.loss_chunk!r} must be an integer >= 0")
     get_device(self.device)  # raises naming the known devices
     if not 0 < self.mfu <= 1:
       raise ValueError(f"--mfu={self.mfu!r} must be in (0, 1]")
@@ -201,6 +208,7 @@ def make_plan(
       compute_bytes=c,
       attention=inputs.attention,
       remat_every=inputs.remat_every,
+      loss_chunk=inputs.loss_chunk,
       tensor=st.mesh["tensor"],
     )
     total = st.total + act.peak
@@ -230,6 +238,7 @@ def make_plan(
       compute_bytes=c,
       attention=inputs.attention,
       remat_every=inputs.remat_every,
+      loss_chunk=inputs.loss_chunk,
       tensor=selected["mesh"]["tensor"],
     )
     activations.append(

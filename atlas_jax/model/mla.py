@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax import kernels
 from atlas_jax.cache.contiguous import LatentCache
@@ -128,14 +129,20 @@ class MLA(nnx.Module):
     """
     C, R, Hn, _ = self.dims
     dtype = x_BTD.dtype
+    # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
       q_BTNK = jnp.einsum("BTD,DNK->BTNK", x_BTD, self.wq[...].astype(dtype))
     else:
-      cq_BTQ = self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, self.wq_a[...].astype(dtype)))
-      q_BTNK = jnp.einsum("BTQ,QNK->BTNK", cq_BTQ, self.wq_b[...].astype(dtype))
+      cq_BTQ = checkpoint_name(
+        jnp.einsum("BTD,DQ->BTQ", x_BTD, self.wq_a[...].astype(dtype)), "q_lora_proj"
+      )
+      q_BTNK = jnp.einsum("BTQ,QNK->BTNK", self.q_norm(cq_BTQ), self.wq_b[...].astype(dtype))
+    q_BTNK = checkpoint_name(q_BTNK, "q_proj")
     q_nope_BTNh, q_rope_BTNR = q_BTNK[..., :Hn], q_BTNK[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTE = jnp.einsum("BTD,DE->BTE", x_BTD, self.wkv_a[...].astype(dtype))
+    kv_BTE = checkpoint_name(
+      jnp.einsum("BTD,DE->BTE", x_BTD, self.wkv_a[...].astype(dtype)), "kv_lora_proj"
+    )
     c_BTC = rms_norm(kv_BTE[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
     k_rope_BTR = self._rope(kv_BTE[:, :, None, C:], positions_BT)[:, :, 0]
     return q_nope_BTNh, q_rope_BTNR, jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
@@ -149,8 +156,12 @@ class MLA(nnx.Module):
     dtype = q_nope_BTNh.dtype
     N = q_nope_BTNh.shape[2]
     c_BSC, k_rope_BSR = latent_BSE[..., :C], latent_BSE[..., C:]
-    k_nope_BSNh = jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype))
-    v_BSNv = jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype))
+    k_nope_BSNh = checkpoint_name(
+      jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype)), "k_proj"
+    )
+    v_BSNv = checkpoint_name(
+      jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype)), "v_proj"
+    )
     k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
     q_BTNK = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
     k_BSNK = jnp.concatenate([k_nope_BSNh, k_rope_BSNR], axis=-1)
@@ -225,5 +236,8 @@ class MLA(nnx.Module):
           q_positions=jnp.maximum(positions_BT, 0),  # padding (-1) is clamped, then discarded
           kv_lengths=cache.kv_lengths,
         )
-    out_BTD = jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype))
+    out_BTNv = checkpoint_name(out_BTNv, "attn_out")
+    out_BTD = checkpoint_name(
+      jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype)), "o_proj"
+    )
     return out_BTD, cache

@@ -90,22 +90,25 @@ class MTPHeads(nnx.Module):
     positions_BT: Array,
     segment_ids_BT: Array | None,
     embed_VD: Array,
-    head_DV: Array,
+    head_DV: Array | None,
   ) -> Array:
-    """Logits f32[J, B, T, V] of the extra heads.
+    """Logits f32[J, B, T, V] of the extra heads (head_DV None: their normalised hidden states
+    [J, B, T, D] in the compute dtype, for a loss that applies the head itself).
 
     Args:
       tokens_BT: i32[B, T] the model's input tokens.
       trunk_BTD: [B, T, D] input to the model's last block (parallel heads read it).
       final_BTD: [B, T, D] the model's final normalised hidden state (h^0 of sequential heads).
       positions_BT, segment_ids_BT: as given to the model.
-      embed_VD: [V, D] the shared embedding; head_DV: [D, V] the shared output head.
+      embed_VD: [V, D] the shared embedding; head_DV: [D, V] the shared output head or None.
     """
     graphdef, state = nnx.split(self.heads)
     dtype = final_BTD.dtype
-    head_DV = head_DV.astype(dtype)
+    head_DV = None if head_DV is None else head_DV.astype(dtype)
 
     def logits(x_BTD):
+      if head_DV is None:
+        return x_BTD
       return jnp.einsum("BTD,DV->BTV", x_BTD, head_DV, preferred_element_type=jnp.float32)
 
     if self.kind == "parallel":

@@ -21,8 +21,11 @@ import jax
 from flax import nnx
 
 POLICIES = ("none", "full", "every_k", "selective")
-# Names tagged in atlas_jax/model/attention.py and layers.py.
+# Names tagged in atlas_jax/model/attention.py, mla.py and layers.py: every matmul output and
+# the attention output (whose recomputation would rerun the attention kernel).
 MATMUL_NAMES = (
+  "q_lora_proj",  # MLA: the query bottleneck
+  "kv_lora_proj",  # MLA: the latent and rope key, before the latent norm
   "q_proj",
   "k_proj",
   "v_proj",
@@ -38,6 +41,17 @@ def default_every(n_layers: int) -> int:
   """The divisor of n_layers closest to sqrt(n_layers)."""
   divisors = [k for k in range(1, n_layers + 1) if n_layers % k == 0]
   return min(divisors, key=lambda k: (abs(k - math.sqrt(n_layers)), k))
+
+
+def remat(step: Callable, policy: str) -> Callable:
+  """`step` under one block's remat policy: "full" keeps only its inputs, "selective" also the
+  named matmul and attention outputs; "none" (and "every_k", which groups blocks in
+  `scan_layers`) returns it unchanged."""
+  if policy == "full":
+    return jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+  if policy == "selective":
+    return jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*MATMUL_NAMES))
+  return step
 
 
 def scan_layers(
@@ -65,12 +79,8 @@ def scan_layers(
   """
   if policy not in POLICIES:
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
-  if policy == "full":
-    step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
-  elif policy == "selective":
-    step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*MATMUL_NAMES))
   if policy != "every_k":
-    return jax.lax.scan(step, carry, xs, unroll=unroll)
+    return jax.lax.scan(remat(step, policy), carry, xs, unroll=unroll)
   n_layers = jax.tree.leaves(xs)[0].shape[0]
   k = default_every(n_layers) if every is None else every
   if n_layers % k:

@@ -143,6 +143,26 @@ class Transformer(nnx.Module):
   def _head_DV(self) -> Array:
     return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
+  def output_head(self) -> dict[str, Array]:
+    """The output head as stored, for losses that apply it themselves
+    (`atlas_jax.training.loss.chunked_cross_entropy`): {"head_DV": [D, V]}, or with tied
+    embeddings {"embed_VD": [V, D]}, so no transpose of the table is ever made."""
+    if self.lm_head is None:
+      return {"embed_VD": self.embed[...]}
+    return {"head_DV": self.lm_head[...]}
+
+  def hidden_states(
+    self,
+    tokens_BT: Array,
+    *,
+    positions_BT: Array | None = None,
+    segment_ids_BT: Array | None = None,
+  ) -> Array:
+    """The final normalised hidden state [B, T, D] (compute dtype): the logits before the head."""
+    if positions_BT is None:
+      positions_BT = default_positions(tokens_BT, None)
+    return self._trunk(tokens_BT, positions_BT, segment_ids_BT, None)[1]
+
   def _logits(self, h_BTD: Array) -> Array:
     head_DV = self._head_DV().astype(h_BTD.dtype)
     return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
@@ -240,10 +260,13 @@ class Transformer(nnx.Module):
     *,
     positions_BT: Array | None = None,
     segment_ids_BT: Array | None = None,
+    hidden: bool = False,
   ) -> tuple[Array, Array]:
     """(next-token logits f32[B, T, V], MTP logits f32[J, B, T, V]) for training.
 
-    MTP head j (1-based) at position t predicts token t + 1 + j.
+    MTP head j (1-based) at position t predicts token t + 1 + j. With `hidden`, the normalised
+    hidden states before the shared head instead: ([B, T, D], [J, B, T, D]), for a loss that
+    applies the head itself (`output_head`).
     """
     if self.mtp is None:
       raise ValueError("forward_mtp: the model has no MTP heads (model.mtp is null)")
@@ -261,9 +284,9 @@ class Transformer(nnx.Module):
       positions_BT=positions_BT,
       segment_ids_BT=segment_ids_BT,
       embed_VD=self.embed[...],
-      head_DV=self._head_DV(),
+      head_DV=None if hidden else self._head_DV(),
     )
-    return self._logits(h_BTD), mtp_JBTV
+    return (h_BTD, mtp_JBTV) if hidden else (self._logits(h_BTD), mtp_JBTV)
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, **kwargs) -> Transformer:

@@ -20,7 +20,6 @@ from atlas_jax.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s per device, from the planner's device table (sources there).
 PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
-CPU_PEAK_TFLOPS = 0.1  # a nominal figure: CPU MFU is only indicative
 
 
 def matmul_params(params) -> int:
@@ -39,20 +38,26 @@ def flops_per_token(
   return train_flops_per_token(cfg, seq_len, causal=causal, n_matmul_params=n_matmul_params)
 
 
-def peak_flops_per_device(override_tflops: float | None = None) -> float:
+def peak_flops_per_device(override_tflops: float | None = None) -> float | None:
+  """Peak FLOP/s of one device: `override_tflops` (train.peak_tflops) when given, else the device
+  table's figure for this device kind, else None (every CPU: no MFU rather than a made-up one)."""
   if override_tflops is not None:
     return override_tflops * 1e12
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return CPU_PEAK_TFLOPS * 1e12
+    return None
   known = match_device_kind(device.device_kind)
-  return CPU_PEAK_TFLOPS * 1e12 if known is None else known.peak_bf16_flops
+  return None if known is None else known.peak_bf16_flops
 
 
 def mfu(
   tokens_per_s: float, flops_per_tok: float, *, n_devices: int, peak_tflops: float | None = None
-) -> float:
-  return tokens_per_s * flops_per_tok / (n_devices * peak_flops_per_device(peak_tflops))
+) -> float | None:
+  """Model FLOPs utilisation, or None when the device's peak is neither known nor given."""
+  peak = peak_flops_per_device(peak_tflops)
+  if peak is None:
+    return None
+  return tokens_per_s * flops_per_tok / (n_devices * peak)
 
 
 def peak_memory_bytes() -> int | None:

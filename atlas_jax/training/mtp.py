@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from atlas_jax.training.loss import cross_entropy
+from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 
 Array = jax.Array
 
@@ -33,23 +33,38 @@ def shifted_targets(
   return tgt_BT, valid_BT.astype(jnp.float32)
 
 
-def loss_fn(graphdef: nnx.GraphDef, params, batch: dict[str, Array]) -> tuple[Array, dict]:
-  """MTP loss on batch["tokens"] i32[B, T + 1]; aux has loss_main and loss_mtp_{j} per head."""
+def loss_fn(
+  graphdef: nnx.GraphDef, params, batch: dict[str, Array], *, loss_chunk: int = 0
+) -> tuple[Array, dict]:
+  """MTP loss on batch["tokens"] i32[B, T + 1]; aux has loss_main and loss_mtp_{j} per head.
+
+  `loss_chunk` > 0: every head's cross-entropy is the chunked one (no [B, T, V] logits).
+  """
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
   segment_ids_BT = batch.get("segment_ids")
   mask_BT = batch.get("loss_mask")
   mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
   model = nnx.merge(graphdef, params)
-  logits_BTV, mtp_JBTV = model.forward_mtp(
-    inputs_BT, positions_BT=batch.get("positions"), segment_ids_BT=segment_ids_BT
+  out_BTX, mtp_JBTX = model.forward_mtp(
+    inputs_BT,
+    positions_BT=batch.get("positions"),
+    segment_ids_BT=segment_ids_BT,
+    hidden=bool(loss_chunk),
   )
-  main, aux = cross_entropy(logits_BTV, targets_BT, mask_BT)
+  if loss_chunk:
+    head = model.output_head()
+    ce = lambda h_BTD, t_BT, m_BT: chunked_cross_entropy(
+      h_BTD, t_BT, m_BT, chunk=loss_chunk, **head
+    )
+  else:
+    ce = cross_entropy  # out_BTX and mtp_JBTX are logits [.., V]
+  main, aux = ce(out_BTX, targets_BT, mask_BT)
   aux = {**aux, "loss_main": main}
   head_losses = []
-  for j in range(1, mtp_JBTV.shape[0] + 1):
+  for j in range(1, mtp_JBTX.shape[0] + 1):
     tgt_BT, m_BT = shifted_targets(targets_BT, mask_BT, segment_ids_BT, j)
-    loss_j, _ = cross_entropy(mtp_JBTV[j - 1], tgt_BT, m_BT)
+    loss_j, _ = ce(mtp_JBTX[j - 1], tgt_BT, m_BT)
     aux[f"loss_mtp_{j}"] = loss_j
     head_losses.append(loss_j)
   weight = model.cfg.mtp.loss_weight

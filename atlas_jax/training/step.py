@@ -9,6 +9,7 @@ in/out shardings plus a constraint on the gradients).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from jax.sharding import Mesh
 from atlas_jax.config import Config
 from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.loss import cross_entropy
+from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from atlas_jax.training.precision import LossScale, all_finite, training_model_config
 
@@ -100,29 +101,42 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
 
 
 def loss_fn(
-  graphdef: nnx.GraphDef, params, batch: dict[str, Array], *, z_loss: float = 0.0
+  graphdef: nnx.GraphDef,
+  params,
+  batch: dict[str, Array],
+  *,
+  z_loss: float = 0.0,
+  loss_chunk: int = 0,
 ) -> tuple[Array, dict]:
   """Cross-entropy of the model on batch["tokens"] i32[B, T + 1] (inputs and shifted targets).
 
   Optional batch entries, all [B, T] for the inputs: "positions", "segment_ids", "loss_mask".
+  `loss_chunk` > 0: the chunked cross-entropy over that many positions at a time (the LM head
+  applied inside it; the same loss and gradients without the [B, T, V] float32 logits).
   """
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
   model = nnx.merge(graphdef, params)
-  logits_BTV = model(
-    inputs_BT, positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids")
-  )
-  return cross_entropy(logits_BTV, targets_BT, batch.get("loss_mask"), z_loss=z_loss)
+  kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
+  mask_BT = batch.get("loss_mask")
+  if loss_chunk:
+    h_BTD = model.hidden_states(inputs_BT, **kwargs)
+    return chunked_cross_entropy(
+      h_BTD, targets_BT, mask_BT, chunk=loss_chunk, z_loss=z_loss, **model.output_head()
+    )
+  logits_BTV = model(inputs_BT, **kwargs)
+  return cross_entropy(logits_BTV, targets_BT, mask_BT, z_loss=z_loss)
 
 
 def objective(cfg: Config) -> Callable:
   """(graphdef, params, batch) -> (loss, aux): next-token cross-entropy, plus the multi-token
   prediction heads' losses when the model has them."""
+  chunk = cfg.train.loss_chunk
   if cfg.model.mtp is not None:
     from atlas_jax.training import mtp
 
-    return mtp.loss_fn
-  return lambda graphdef, params, batch: loss_fn(graphdef, params, batch, z_loss=cfg.train.z_loss)
+    return functools.partial(mtp.loss_fn, loss_chunk=chunk)
+  return functools.partial(loss_fn, z_loss=cfg.train.z_loss, loss_chunk=chunk)
 
 
 def _accumulated_grads(trainer: Trainer, params, batch, scale):

@@ -215,13 +215,14 @@ ACTIVATION_CASES = [
 
 @pytest.mark.parametrize("policy", memory.REMAT_POLICIES)
 @pytest.mark.parametrize("name,precision,impl", ACTIVATION_CASES)
-def test_activation_bytes_match_the_saved_residuals(name, precision, impl, policy):
+def test_activation_bytes_match_the_saved_residuals(name, precision, impl, policy, loss_chunk=0):
   cfg = config(
     name,
     "train.seq_len=24",
     f"train.precision={precision}",
     f"attention.implementation={impl}",
     f"train.remat={policy}",
+    f"train.loss_chunk={loss_chunk}",
   )
   real = measure.saved_activation_bytes(cfg, batch=3)
   planned = memory.activation_bytes(
@@ -231,9 +232,22 @@ def test_activation_bytes_match_the_saved_residuals(name, precision, impl, polic
     seq_len=24,
     compute_bytes=memory.PRECISIONS[precision],
     attention="xla" if impl == "xla" else "flash",
+    loss_chunk=loss_chunk,
   )
   # Exact up to a few scalars and constants (under 100 bytes).
   assert abs(planned.saved - real) <= max(100, 1e-3 * real), (planned.saved, real)
+
+
+@pytest.mark.parametrize(
+  "name,precision,policy",
+  [
+    ("odd-tied-bias", "fp32", "full"),  # tied: the chunked loss reads the table untransposed
+    ("odd-qk-norm-mqa", "bf16", "selective"),  # bf16: no compute-dtype copy of the head kept
+    ("deepseek-tiny", "bf16", "full"),  # the MTP head's loss is chunked too
+  ],
+)
+def test_chunked_loss_activation_bytes_match_the_saved_residuals(name, precision, policy):
+  test_activation_bytes_match_the_saved_residuals(name, precision, "xla", policy, loss_chunk=5)
 
 
 def test_remat_orders_memory_and_every_k_grows_like_sqrt_layers():

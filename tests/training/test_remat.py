@@ -66,3 +66,39 @@ def test_every_k_memory_grows_like_sqrt_layers():
 
 def test_default_every_is_a_divisor_near_sqrt():
   assert [default_every(n) for n in (1, 4, 12, 16, 32, 80)] == [1, 2, 3, 4, 4, 8]
+
+
+def test_mla_policies_give_the_same_gradients_and_selective_keeps_its_projections():
+  """MLA names its matmul and attention outputs, so selective keeps them (and recomputes norms,
+  RoPE and SwiGLU): between full and none in bytes, with the gradients of none."""
+  from atlas_jax.config import MLAConfig, ModelConfig
+
+  cfg = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=4,
+    ffn_dim=48,
+    mla=MLAConfig(
+      kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=12
+    ),
+  )
+  batch = {"tokens": jax.random.randint(jax.random.key(1), (2, 13), 0, 64, dtype=jnp.int32)}
+  grads, saved = {}, {}
+  for policy in POLICIES:
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), remat=policy))
+    f = lambda p, g=graphdef: loss_fn(g, p, batch)[0]
+    residuals = jax.eval_shape(lambda p, f=f: jax.tree.leaves(jax.vjp(f, p)[1]), params)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    saved[policy] = sum(x.size * x.dtype.itemsize for x in residuals) - param_bytes
+    grads[policy] = jax.jit(jax.grad(f))(params)
+  for policy in POLICIES[1:]:
+    chex.assert_trees_all_close(grads[policy], grads["none"], atol=1e-6, rtol=1e-5)
+  assert saved["full"] < saved["selective"] < saved["none"]
+  # The named outputs per token and layer: q (N x 12), q bottleneck 12, latent + rope key 20,
+  # K and V up-projections (N x 8 each), attention output (N x 8), o_proj and the MLP's
+  # gate, up and down (2D + 2F), all float32, at B x T = 24 tokens over 2 layers; full keeps
+  # only each block's input (D).
+  named = 4 * 12 + 12 + 20 + 4 * 8 * 3 + 2 * 32 + 2 * 48
+  assert saved["selective"] - saved["full"] >= 24 * 2 * 4 * (named - 32)
