@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -16,6 +18,30 @@ def test_gpu_benchmark_smoke_runs_every_section():
   )
   out = result.stdout + result.stderr
   assert result.returncode == 0, out[-4000:]
-  for table in ("## engine vs generate", "## batch-1 decode", "## transformers generate"):
+  tables = (
+    "## correctness: kernels against their pure-jnp references",
+    "## decode: cache bytes held / step time",
+    "## attention: TFLOP/s",
+    "## engine vs generate",
+    "## batch-1 decode",
+    "## transformers generate",
+  )
+  for table in tables:
     assert table in out, out[-4000:]
-  assert "FAILED" not in out and "failed:" not in out
+  assert "FAILED" not in out and "failed:" not in out and "MISMATCH" not in out
+  # Every kernel's correctness row ran against its reference.
+  for kernel in ("flash_attention fwd", "flash_attention bwd", "paged_attention", "mla_decode"):
+    assert f"| {kernel} |" in out, out[-4000:]
+
+
+def test_correctness_section_fails_on_a_mismatch(monkeypatch):
+  """A kernel off its reference (here: FlashAttention returning zeros) fails the section."""
+  import jax.numpy as jnp
+
+  sys.path.insert(0, str(ROOT / "bench"))
+  import gpu_kernels
+
+  monkeypatch.setattr(gpu_kernels, "flash_attention", lambda q, k, v, **kw: jnp.zeros_like(q))
+  with pytest.raises(SystemExit) as info:
+    gpu_kernels.correctness(smoke=True)
+  assert info.value.code == 1
