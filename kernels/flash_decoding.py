@@ -43,6 +43,16 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
+def compiler_params(interpret: bool, *, num_warps: int):
+  """Triton lowering, named explicitly: jax's default Pallas GPU backend may be Mosaic GPU,
+  which would stage the whole pool block into shared memory."""
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltriton
+
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
 def check_positive_or_none(fn: str, name: str, value) -> None:
   """Static kernel options: a positive int, or None for the heuristic."""
   if value is None:

@@ -262,6 +262,8 @@ def mla_decode_pallas(
       jax.ShapeDtypeStruct((B, X, n_row_blocks * Q, C), jnp.float32),
       jax.ShapeDtypeStruct((B, X, n_row_blocks * Q, 1), jnp.float32),
     ],
+    # A [Q, C] float32 accumulator (64 x 512 for DeepSeek-V3): eight warps hold it in registers.
+    compiler_params=fd.compiler_params(interpret, num_warps=8),
     interpret=interpret,
     name="mla_decode",
   )(

@@ -205,6 +205,7 @@ def paged_attention_pallas(
       jax.ShapeDtypeStruct((B, K, X, Q, H), jnp.float32),
       jax.ShapeDtypeStruct((B, K, X, Q, 1), jnp.float32),
     ],
+    compiler_params=fd.compiler_params(interpret, num_warps=4),
     interpret=interpret,
     name="paged_attention",
   )(

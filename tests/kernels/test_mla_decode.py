@@ -184,3 +184,21 @@ def test_bad_split_options_raise():
     mla_decode(q_nope, q_rope, cache, jnp.array([1, 2]), num_splits=0, **kw)
   with pytest.raises(ValueError, match="mla_decode: block_q must be a positive int or None"):
     mla_decode(q_nope, q_rope, cache, jnp.array([1, 2]), block_q=-4, **kw)
+
+
+def test_lowers_to_triton_for_cuda_on_a_cpu():
+  """DeepSeek-V3's shape lowers for CUDA here: a Triton call, grid (B, X, row blocks)."""
+  qn = jax.ShapeDtypeStruct((4, 128, 512), jnp.bfloat16)
+  qr = jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 64, 576), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+  layer = jax.ShapeDtypeStruct((), jnp.int32)
+  fn = jax.jit(
+    lambda qn, qr, c, n, t, l: mla_decode_pallas(
+      qn, qr, c, n, block_table=t, layer=l, scale=0.1, num_splits=2
+    )
+  )
+  text = fn.trace(qn, qr, pool, lengths, table, layer).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
+  assert "grid_x = 4 : i32, grid_y = 2 : i32, grid_z = 2 : i32" in text

@@ -252,3 +252,20 @@ def test_splits_with_speculative_tokens():
 def test_bad_split_options_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     paged_attention(*_inputs(), implementation="pallas", interpret=True, **kwargs)
+
+
+def test_lowers_to_triton_for_cuda_on_a_cpu():
+  """The compiled kernel (not interpret mode) lowers for CUDA here: Triton, grid (B, K, X)."""
+  q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 16, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+  layer = jax.ShapeDtypeStruct((), jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, n, l: paged_attention_pallas(q, k, v, t, n, layer=l, num_splits=4)
+  )
+  text = (
+    fn.trace(q, pool, pool, table, lengths, layer).lower(lowering_platforms=("cuda",)).as_text()
+  )
+  assert "xla.gpu.triton" in text
+  assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in text
