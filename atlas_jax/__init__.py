@@ -9,6 +9,7 @@ Axis glossary, used in every shape suffix (`q_BTNH`) and shape comment in the pr
   Z block size       C latent dim          R rope dim (MLA)
   E MLA cache entry, C + R                 J MTP heads
   M block-table columns (max blocks per sequence)
+  Q query rows of a kernel tile           X KV splits (flash decoding)
 """
 
 from atlas_jax import hf, kernels

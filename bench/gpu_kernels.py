@@ -4,8 +4,11 @@
   dispatcher, paged GQA decode, MLA decode contiguous and paged, at several KV split counts)
   against its pure-jnp reference; prints the max error per case and exits nonzero on a mismatch.
 * attention: the FlashAttention-3 paper's sweep (16k tokens per batch, hidden 2048, head dim
-  128, bf16) in TFLOP/s for ours (Pallas), cuDNN and XLA, with the implementation
-  `attention(..., implementation=None)` picks for the call.
+  128, bf16) in TFLOP/s for ours (Pallas, Triton lowering), cuDNN and XLA, with the
+  implementation `attention(..., implementation=None)` picks for the call.
+* mgpu: the experimental Hopper forward in Mosaic GPU (`kernels.flash_mgpu`), in a section of
+  its own so that a failure or hang there costs nothing else: its error against the reference
+  and its TFLOP/s against cuDNN on sm_90; elsewhere it is only lowered for CUDA.
 * decode: both decode kernels' achieved bandwidth (cache bytes held / step time) against the
   XLA reference and against the card's measured device-to-device copy bandwidth.
 
@@ -30,6 +33,7 @@ from atlas_jax.kernels.attention import (
   device_compute_capability,
   select_implementation,
 )
+from atlas_jax.kernels.flash_mgpu import flash_attention_mgpu
 from atlas_jax.kernels.mla_decode import mla_decode
 from atlas_jax.kernels.paged_attention import paged_attention
 
@@ -338,3 +342,44 @@ def decode(smoke: bool) -> None:
       shape = f"{name} B={B} S={length} N={N} C={C} R={R} Z={Z}"
       args = (qn, qr, cache, lengths, tbl)
       rows("mla_decode", shape, nbytes, ours, xla, args)
+
+
+# -- the Mosaic GPU forward (experimental) --------------------------------------------------------
+
+
+def mgpu(smoke: bool) -> None:
+  import attention as sweep
+
+  B, T, N, K, H = 2, 1024, 16, 4, 128
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+  print("\n## mgpu: the Mosaic GPU FlashAttention forward (experimental), bf16, GQA 16 / 4")
+  if not sweep.hopper():
+    for causal in (False, True):
+      q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+      k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+      fn = jax.jit(functools.partial(flash_attention_mgpu, causal=causal))
+      fn.trace(q, k, k).lower(lowering_platforms=("cuda",))
+    print("not run: needs sm_90; lowered for CUDA (causal and not) without error")
+    return
+  rng = np.random.default_rng(0)
+  print("| causal | max error vs reference | |")
+  print("|---|---|---|")
+  bad = False
+  for causal in (False, True):
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.bfloat16) for n in (N, K, K))
+    want = jax.jit(functools.partial(attention_reference, causal=causal))(q, k, v)
+    got = jax.jit(functools.partial(flash_attention_mgpu, causal=causal))(q, k, v)
+    err = max_error(got, want)
+    bad |= not err <= TOLERANCE["bfloat16"]
+    print(f"| {causal} | {err:.2e} | {'ok' if err <= TOLERANCE['bfloat16'] else 'MISMATCH'} |")
+  print("\n| mode | causal | seq | Mosaic GPU TFLOP/s | cuDNN TFLOP/s | Mosaic GPU / cuDNN |")
+  print("|---|---|---|---|---|---|")
+  for causal, seq in ((True, 4096), (True, 16384), (False, 4096)):
+    kw = dict(tokens=16 * 1024, seq=seq, hidden=2048, head_dim=128, causal=causal)
+    kw.update(dtype=jnp.bfloat16, iters=10, interpret=False)
+    ours, theirs = (sweep.bench_one(impl, "fwd", **kw) for impl in ("mgpu", "cudnn"))
+    ratio = "-" if ours is None or theirs is None else f"{ours / theirs:.2f}"
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+    print(f"| fwd | {causal} | {seq} | {fmt(ours)} | {fmt(theirs)} | {ratio} |", flush=True)
+  if bad:
+    sys.exit(1)
