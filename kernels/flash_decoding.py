@@ -31,7 +31,8 @@ from jax import lax
 
 Array = jax.Array
 
-# About one program per SM of an H100/H200 (132 SMs); more programs only add partials to combine.
+# About one program per SM (132 on an H100/H200; the device's own count is used where known);
+# more programs only add partials to combine.
 TARGET_PROGRAMS = 132
 # A split reads at least this many tokens of capacity, so its partial output is small beside them.
 MIN_SPLIT_TOKENS = 512
@@ -61,18 +62,28 @@ def check_positive_or_none(fn: str, name: str, value) -> None:
     raise ValueError(f"{fn}: {name} must be a positive int or None, got {value!r}")
 
 
-def choose_num_splits(programs: int, capacity_tokens: int) -> int:
+def device_programs() -> int:
+  """The default device's SM count on a GPU, else TARGET_PROGRAMS."""
+  device = jax.devices()[0]
+  count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+  return int(count) if count else TARGET_PROGRAMS
+
+
+def choose_num_splits(
+  programs: int, capacity_tokens: int, *, target_programs: int = TARGET_PROGRAMS
+) -> int:
   """KV splits per sequence for `programs` programs per split and caches of this capacity.
 
   Args:
     programs: programs the grid has without splitting (sequences x kv heads x row blocks).
     capacity_tokens: the most tokens a sequence can hold (block-table width x page size).
+    target_programs: programs that fill the device (its SM count).
 
   Returns:
-    ceil(TARGET_PROGRAMS / programs), at most capacity / MIN_SPLIT_TOKENS and MAX_SPLITS, at
+    ceil(target_programs / programs), at most capacity / MIN_SPLIT_TOKENS and MAX_SPLITS, at
     least 1. E.g. 32 MLA sequences of 4k: 5 splits; 64 sequences x 8 kv heads: 1 split.
   """
-  by_occupancy = -(-TARGET_PROGRAMS // max(programs, 1))
+  by_occupancy = -(-target_programs // max(programs, 1))
   by_length = max(1, capacity_tokens // MIN_SPLIT_TOKENS)
   return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -96,7 +107,9 @@ def plan_splits(
   if pages_per_step is None:
     pages_per_step = max(1, min(STEP_TOKENS // page_size, max_blocks))
   if num_splits is None:
-    num_splits = choose_num_splits(programs, max_blocks * page_size)
+    num_splits = choose_num_splits(
+      programs, max_blocks * page_size, target_programs=device_programs()
+    )
   num_splits = min(num_splits, max_blocks)  # every split holds at least one page
   per_split = -(-max_blocks // num_splits)
   per_split = -(-per_split // pages_per_step) * pages_per_step

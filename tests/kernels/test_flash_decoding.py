@@ -22,6 +22,12 @@ def test_choose_num_splits(programs, capacity, want):
   assert fd.choose_num_splits(programs, capacity) == want
 
 
+def test_choose_num_splits_follows_the_device_size():
+  assert fd.choose_num_splits(32, 4096, target_programs=264) == 8  # capped by 4096 / 512
+  assert fd.choose_num_splits(16, 1 << 16, target_programs=78) == 5
+  assert fd.device_programs() == fd.TARGET_PROGRAMS  # a CPU: the default
+
+
 def test_plan_splits_covers_every_page_once():
   for max_blocks in (1, 5, 10, 33):
     for splits in (1, 2, 3, 7, 50):
