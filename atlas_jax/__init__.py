@@ -10,6 +10,7 @@ Axis glossary, used in every shape suffix (`q_BTNH`) and shape comment in the pr
   E MLA cache entry, C + R                 J MTP heads
   M block-table columns (max blocks per sequence)
   W words of a packed vocabulary bitmask (V / 32, rounded up)
+  Q query rows of a kernel tile           X KV splits (flash decoding)
 """
 
 from atlas_jax import hf, kernels

@@ -22,13 +22,22 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.kernels import flash_attention
+from atlas_jax.kernels.flash_mgpu import flash_attention_mgpu
 
-IMPLS = ("pallas", "xla", "cudnn")
+# "mgpu": the Hopper forward in Mosaic GPU (`kernels.flash_mgpu`; forward only, sm_90 and on).
+IMPLS = ("pallas", "xla", "cudnn", "mgpu")
+
+
+def hopper() -> bool:
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return jax.default_backend() == "gpu" and bool(capability) and float(capability) >= 9.0
 
 
 def attention_fn(impl: str, *, causal: bool, interpret: bool):
   if impl == "pallas":
     return lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=interpret)
+  if impl == "mgpu":
+    return lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal)
   return lambda q, k, v: jax.nn.dot_product_attention(
     q, k, v, is_causal=causal, implementation=impl
   )
@@ -48,6 +57,8 @@ def timed(fn, *args, iters: int) -> float:
 def bench_one(impl, mode, *, tokens, seq, hidden, head_dim, causal, dtype, iters, interpret):
   """TFLOP/s of one configuration, or None when the implementation cannot run it here."""
   if impl == "cudnn" and jax.default_backend() != "gpu":
+    return None
+  if impl == "mgpu" and (mode != "fwd" or not hopper()):
     return None
   B, N = tokens // seq, hidden // head_dim
   keys = jax.random.split(jax.random.key(0), 4)

@@ -41,6 +41,7 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--block-q", type=int, default=64)
   parser.add_argument("--block-k", type=int, default=64)
+  parser.add_argument("--splits", type=int, default=None, help="KV splits (default: heuristic)")
   args = parser.parse_args()
   B, S, N = args.batch, args.seq, args.heads
   dtype = jnp.bfloat16
@@ -68,6 +69,7 @@ def main() -> None:
         interpret=interpret,
         block_q=args.block_q,
         block_k=args.block_k,
+        num_splits=args.splits,
       )
     )
     seconds = time_step(fn, (q_nope, q_rope, cache, lengths), args.iters)

@@ -1,7 +1,9 @@
 """Kernels: arrays in, arrays out, each beside a pure-jnp reference of the same signature.
 
 Installed as `atlas_jax.kernels`. Models call `attention`, which dispatches to "xla" (the
-reference), "pallas" (FlashAttention) or "cudnn".
+reference), "pallas" (FlashAttention) or "cudnn" (`attention.select_implementation` picks one
+per call when none is named); caches call the decode kernels `paged_attention` and
+`kernels.mla_decode.mla_decode`.
 """
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation

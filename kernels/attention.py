@@ -1,16 +1,32 @@
-"""`attention`: the one entry point the models call; it picks an implementation per backend.
+"""`attention`: the one entry point the models call; it picks an implementation per call.
 
 Implementations (all share the masking semantics documented in `kernels.reference`):
 
 * "xla": the pure-jnp reference (`attention_reference`), which XLA fuses; runs everywhere.
-* "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory.
-* "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only.
-* None: the best available for the default backend, falling back to "xla" when the chosen
-  implementation cannot express the requested masking.
+* "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory, every mask.
+* "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only, a subset of
+  the masks (`cudnn_unsupported`).
+* None: `select_implementation`, a pure function of the call and the platform:
+
+  - CPU (or any other platform): "xla". Interpreting a Pallas kernel is slower than XLA there.
+  - TPU: "pallas" for float32 / bfloat16 / float16, else "xla".
+  - GPU: "cudnn" where its masking covers the call, since it was the fastest path measured on
+    an H200 at every length (BENCHMARKS.md); otherwise "pallas", which takes every mask, so
+    packed training batches (segment ids) run FlashAttention, never the O(T * S) reference;
+    "xla" only for what neither takes (other dtypes, head dims past 256).
+
+cuDNN's cover through jax's public API: bfloat16 or float16; head dim a multiple of 8, at most
+128 (256 from Hopper, compute capability 9.0, on); no segment ids (jax's public function does not
+expose cuDNN's packed layout); no explicit query positions; a causal mask only when T == S and
+every key is valid, since cuDNN aligns the causal diagonal top-left and ours is bottom-right
+relative to the valid keys; a sliding window only with the causal mask (cuDNN's window has no
+right side, ours does without `causal`); no kv lengths (with the causal mask cuDNN's diagonal
+ignores them; without it, rows of length zero, which must give zeros, are unchecked there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -22,14 +38,117 @@ from .reference import attention_reference, check_attention_inputs
 Array = jax.Array
 Implementation = Literal["xla", "pallas", "cudnn"]
 IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def default_implementation(q: Array, **masking) -> Implementation:
-  """The implementation `attention(..., implementation=None)` picks for these inputs."""
-  platform = jax.default_backend()
-  if platform in ("gpu", "tpu") and flash.supports(q, **masking):
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """What the choice of implementation depends on: shapes, dtype and which masks are given."""
+
+  dtype: jnp.dtype
+  q_len: int  # T
+  kv_len: int  # S
+  head_dim: int  # H
+  causal: bool = False
+  segments: bool = False  # q_segment_ids / kv_segment_ids given (packed sequences)
+  q_positions: bool = False
+  kv_lengths: bool = False
+  sliding_window: int | None = None
+
+  @classmethod
+  def of(cls, q: Array, k: Array, **masking) -> AttentionCall:
+    """The call `attention(q, k, v, **masking)` makes."""
+    return cls(
+      dtype=jnp.dtype(q.dtype),
+      q_len=q.shape[1],
+      kv_len=k.shape[1],
+      head_dim=q.shape[-1],
+      causal=bool(masking.get("causal", False)),
+      segments=masking.get("q_segment_ids") is not None,
+      q_positions=masking.get("q_positions") is not None,
+      kv_lengths=masking.get("kv_lengths") is not None,
+      sliding_window=masking.get("sliding_window"),
+    )
+
+
+def cudnn_unsupported(
+  call: AttentionCall, compute_capability: tuple[int, int] | None
+) -> str | None:
+  """Why cuDNN (through jax.nn.dot_product_attention) cannot run this call, or None if it can.
+
+  Args:
+    call: the call.
+    compute_capability: the NVIDIA GPU's (major, minor), or None where there is no cuDNN.
+  """
+  if compute_capability is None:
+    return "no NVIDIA GPU (cuDNN) on this platform"
+  if call.dtype not in CUDNN_DTYPES:
+    return f"cuDNN needs bfloat16 or float16, got {call.dtype}"
+  max_head_dim = 256 if tuple(compute_capability) >= (9, 0) else 128
+  if call.head_dim % 8 or call.head_dim > max_head_dim:
+    return (
+      f"cuDNN needs a head dim that is a multiple of 8 and at most {max_head_dim} on compute "
+      f"capability {compute_capability}, got {call.head_dim}"
+    )
+  if call.segments:
+    return "cuDNN's packed layout is not exposed by jax.nn.dot_product_attention (segment ids)"
+  if call.q_positions:
+    return "cuDNN takes no explicit q_positions"
+  if call.causal and call.q_len != call.kv_len:
+    # jax.nn.dot_product_attention aligns causal masks top-left; ours are bottom-right.
+    return f"cuDNN needs T == S when causal, got T={call.q_len} S={call.kv_len}"
+  if call.kv_lengths:
+    # Causal: cuDNN's diagonal ignores the lengths (ours ends at each row's last valid key).
+    # Not causal: a zero length must give zeros, which cuDNN's padding mask is not checked for.
+    return "kv_lengths are not given to cuDNN (causal alignment, zero-length rows)"
+  if call.sliding_window is not None and not call.causal:
+    return "cuDNN's sliding window is causal; ours without causal=True also sees later keys"
+  return None
+
+
+def pallas_supports(call: AttentionCall, platform: str) -> bool:
+  """Whether `flash_attention` compiles this call on `platform` (every mask is handled)."""
+  if call.dtype not in flash.SUPPORTED_DTYPES:
+    return False
+  return not (platform == "gpu" and call.head_dim > flash.MAX_GPU_HEAD_DIM)
+
+
+def select_implementation(
+  call: AttentionCall, *, platform: str, compute_capability: tuple[int, int] | None = None
+) -> Implementation:
+  """The implementation `attention(..., implementation=None)` runs (see the module docstring).
+
+  Args:
+    call: the call (`AttentionCall.of(q, k, **masking)`).
+    platform: "cpu", "gpu" or "tpu" ("cuda" and "rocm" count as "gpu").
+    compute_capability: the NVIDIA GPU's (major, minor); None where there is no cuDNN.
+  """
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  if platform == "gpu":
+    if cudnn_unsupported(call, compute_capability) is None:
+      return "cudnn"
+    return "pallas" if pallas_supports(call, platform) else "xla"
+  if platform == "tpu" and pallas_supports(call, platform):
     return "pallas"
   return "xla"
+
+
+def device_compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the default device when it is an NVIDIA GPU, else None."""
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not capability:
+    return None
+  major, minor = str(capability).split(".")[:2]
+  return int(major), int(minor)
+
+
+def default_implementation(q: Array, k: Array | None = None, **masking) -> Implementation:
+  """The implementation `attention(q, k, v, **masking)` picks on the default backend."""
+  call = AttentionCall.of(q, q if k is None else k, **masking)
+  return select_implementation(
+    call, platform=jax.default_backend(), compute_capability=device_compute_capability()
+  )
 
 
 def attention(
@@ -59,7 +178,7 @@ def attention(
     sliding_window: attend only to the last `sliding_window` positions (inclusive of the query).
     q_positions: i32[B, T] absolute query positions (default: the last T valid keys).
     kv_lengths: i32[B] number of valid keys per sequence (default: all S).
-    implementation: "xla", "pallas", "cudnn" or None (best available).
+    implementation: "xla", "pallas", "cudnn" or None (`select_implementation`).
     interpret: run a Pallas kernel in interpret mode (default: on CPU).
 
   Returns:
@@ -87,14 +206,17 @@ def attention(
     kv_lengths=kv_lengths,
     sliding_window=sliding_window,
   )
+  call = AttentionCall.of(q, k, **masking)
   if implementation is None:
-    implementation = default_implementation(q, **masking)
+    implementation = select_implementation(
+      call, platform=jax.default_backend(), compute_capability=device_compute_capability()
+    )
 
   if implementation == "xla":
     return attention_reference(q, k, v, scale=scale, **masking)
 
   if implementation == "pallas":
-    if not flash.supports(q, **masking):
+    if not pallas_supports(call, jax.default_backend()):
       raise ValueError(
         "attention: implementation='pallas' does not support these inputs "
         f"(q.shape={tuple(q.shape)}, dtype={q.dtype}); use implementation='xla' or None"
@@ -103,20 +225,12 @@ def attention(
       interpret = jax.default_backend() == "cpu"
     return flash.flash_attention(q, k, v, scale=scale, interpret=interpret, **masking)
 
-  # cuDNN through jax.nn.dot_product_attention: it takes GQA natively, but only a subset of masks.
-  if q_positions is not None or q_segment_ids is not None:
+  reason = cudnn_unsupported(call, device_compute_capability())
+  if reason is not None:
     raise ValueError(
-      "attention: implementation='cudnn' does not take q_positions or segment ids; "
-      "use implementation='xla' or 'pallas'"
+      f"attention: implementation='cudnn' cannot run this call (q.shape={tuple(q.shape)}, "
+      f"k.shape={tuple(k.shape)}): {reason}; use implementation='pallas', 'xla' or None"
     )
-  if causal and q.shape[1] != k.shape[1]:
-    # jax.nn.dot_product_attention aligns causal masks top-left; ours are bottom-right.
-    raise ValueError(
-      f"attention: implementation='cudnn' needs T == S when causal, got T={q.shape[1]} "
-      f"S={k.shape[1]}; use implementation='xla' or 'pallas'"
-    )
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"attention: implementation='cudnn' needs bfloat16 or float16, got {q.dtype}")
   local_window = None if sliding_window is None else (sliding_window - 1, 0)
   return jax.nn.dot_product_attention(
     q,
@@ -125,6 +239,5 @@ def attention(
     scale=scale,
     is_causal=causal,
     local_window_size=local_window,
-    key_value_seq_lengths=kv_lengths,
     implementation="cudnn",
   )

@@ -127,14 +127,6 @@ def _block_sizes(
   return tuple(sized)
 
 
-def supports(q: Array, **masking) -> bool:
-  """Whether `flash_attention` takes these inputs on the default backend (all masks are)."""
-  del masking  # every masking option is handled in-kernel
-  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    return False
-  return not (jax.default_backend() == "gpu" and q.shape[-1] > MAX_GPU_HEAD_DIM)
-
-
 def _key_bounds(
   B: int,
   T: int,

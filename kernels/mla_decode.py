@@ -24,11 +24,18 @@ Semantics (shared with `mla_decode_reference`, and with `kernels.paged_attention
 * slots at or past `lengths[b]` (and pages past them) are never used, so they may hold anything;
 * a query with no visible key (length 0) returns zeros.
 
-Grid: (sequence, block of query rows). A program holds `block_q` rows of the (token, head) pairs
-of one sequence and walks its pages once with an online softmax. The latent and rope parts are
-loaded as separate [Z, C] and [Z, R] tiles so that on GPUs every tile is a power of two (C=512,
-R=64 for DeepSeek-V3; C + R = 576 is not). The contiguous cache is viewed as pages of one
-sequence each (a free reshape), so one kernel serves both layouts.
+Grid: (sequence, KV split, block of query rows), flash decoding (`kernels.flash_decoding`), in
+FlashMLA's layout: a program holds `block_q` rows of the (token, head) pairs of one sequence (all
+of them when T * N <= block_q, so every head shares one read of the latent) and walks its split
+of the sequence's pages, several per iteration, with an online softmax; a second pass merges the
+splits by their log-sum-exp. Splitting the length is what fills the GPU: one program per
+sequence gave 32 programs for 32 sequences. With more rows than `block_q` (DeepSeek-V3's 128
+heads at the default 64), the row blocks of a split are neighbouring programs that read the same
+pages, so the second read is meant to come from L2; `block_q=128` makes it one read at the cost
+of a [128, C] float32 accumulator per program. The latent and rope parts are loaded as separate
+[Z, C] and [Z, R] tiles so that on GPUs every tile is a power of two (C=512, R=64 for
+DeepSeek-V3; C + R = 576 is not). The contiguous cache is viewed as pages of one sequence each
+(a free reshape), so one kernel serves both layouts.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import flash_decoding as fd
+
 Array = jax.Array
 Implementation = Literal["pallas", "xla"]
 
@@ -47,66 +56,59 @@ Implementation = Literal["pallas", "xla"]
 def _mla_decode_kernel(
   lengths_ref,  # i32[B]
   layer_ref,  # i32[1]: which layer of the stacked pool to read
-  table_ref,  # i32[max_blocks]: this sequence's row of the block table
-  qn_ref,  # [Rb, C]: rows (t, n) of this block, latent part of the absorbed query
-  qr_ref,  # [Rb, R]: rope part
+  table_ref,  # i32[M]: this sequence's row of the block table
+  qn_ref,  # [Q, C]: rows (t, n) of this block, latent part of the absorbed query
+  qr_ref,  # [Q, R]: rope part
   pool_ref,  # [L, P, Z, C + R]: the whole latent pool (stays in HBM on GPUs; pages are loaded)
-  o_ref,  # [Rb, C]
+  o_ref,  # f32[Q, C]: this split's output, normalised by its own softmax sum
+  lse_ref,  # f32[Q, 1]: this split's log-sum-exp, -inf for rows that saw no key
   *,
   scale: float,
   n_heads: int,
   n_queries: int,
   latent_dim: int,
+  pages_per_split: int,
+  pages_per_step: int,
 ):
   length = lengths_ref[pl.program_id(0)]
   layer = layer_ref[0]
   C = latent_dim
-  Rb = qn_ref.shape[0]
+  Q = qn_ref.shape[0]
   Z = pool_ref.shape[2]
   R = qr_ref.shape[1]
-  qn_RC = qn_ref[...]
-  qr_RR = qr_ref[...]
+  qn_QC = qn_ref[...]
+  qr_QR = qr_ref[...]
   # Rows are (token t, head n) pairs; all heads of a token share its position.
-  row_R1 = pl.program_id(1) * Rb + jax.lax.broadcasted_iota(jnp.int32, (Rb, 1), 0)
-  qpos_R1 = length - n_queries + row_R1 // n_heads
+  row_Q1 = pl.program_id(2) * Q + jax.lax.broadcasted_iota(jnp.int32, (Q, 1), 0)
+  qpos_Q1 = length - n_queries + row_Q1 // n_heads
   offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
   offsets_Z1 = jax.lax.broadcasted_iota(jnp.int32, (Z, 1), 0)
-  dims = (((1,), (1,)), ((), ()))
+  first, n_steps, held = fd.split_steps(
+    length,
+    pl.program_id(1),
+    page_size=Z,
+    pages_per_split=pages_per_split,
+    pages_per_step=pages_per_step,
+  )
 
-  def body(i, carry):
-    m_R1, l_R1, acc_RC = carry
-    page = table_ref[i]
-    c_ZC = pool_ref[layer, page, :, pl.ds(0, C)]
-    kr_ZR = pool_ref[layer, page, :, pl.ds(C, R)]
-    s_RZ = jax.lax.dot_general(qn_RC, c_ZC, dims, preferred_element_type=jnp.float32)
-    s_RZ += jax.lax.dot_general(qr_RR, kr_ZR, dims, preferred_element_type=jnp.float32)
-    s_RZ *= jnp.float32(scale)
-    kpos_1Z = i * Z + offsets_1Z
-    # Causal visibility; qpos < length, so it also hides the page's unused tail.
-    s_RZ = jnp.where(kpos_1Z <= qpos_R1, s_RZ, -jnp.inf)
-    m_new_R1 = jnp.maximum(m_R1, jnp.max(s_RZ, axis=1, keepdims=True))
-    # Rows that have seen no visible key keep m = -inf; shift by 0 there so exp gives 0, not NaN.
-    shift_R1 = jnp.where(m_new_R1 == -jnp.inf, 0.0, m_new_R1)
-    alpha_R1 = jnp.exp(m_R1 - shift_R1)
-    p_RZ = jnp.exp(s_RZ - shift_R1)
-    # Stale slots past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
-    c_ZC = jnp.where(i * Z + offsets_Z1 < length, c_ZC, jnp.zeros((), c_ZC.dtype))
-    pv_RC = jax.lax.dot_general(
-      p_RZ.astype(c_ZC.dtype), c_ZC, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    return (
-      m_new_R1,
-      alpha_R1 * l_R1 + jnp.sum(p_RZ, axis=1, keepdims=True),
-      alpha_R1 * acc_RC + pv_RC,
-    )
+  def body(step, state):
+    scores, values = [], []
+    for j in range(pages_per_step):
+      i = first + step * pages_per_step + j
+      # Past the pages held (the last iteration of a split): read a held page, mask all of it.
+      page = table_ref[jnp.minimum(i, held - 1)]
+      c_ZC = pool_ref[layer, page, :, pl.ds(0, C)]
+      kr_ZR = pool_ref[layer, page, :, pl.ds(C, R)]
+      s_QZ = fd.scores(qn_QC, c_ZC) + fd.scores(qr_QR, kr_ZR)
+      s_QZ *= jnp.float32(scale)
+      # Causal visibility; qpos < length, so it also hides the page's unused tail.
+      scores.append(jnp.where(i * Z + offsets_1Z <= qpos_Q1, s_QZ, -jnp.inf))
+      # Stale slots past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
+      values.append(jnp.where(i * Z + offsets_Z1 < length, c_ZC, jnp.zeros((), c_ZC.dtype)))
+    return fd.fold_pages(state, scores, values)
 
-  m_R1 = jnp.full((Rb, 1), -jnp.inf, jnp.float32)
-  l_R1 = jnp.zeros((Rb, 1), jnp.float32)
-  acc_RC = jnp.zeros((Rb, C), jnp.float32)
-  n_pages = (length + Z - 1) // Z
-  m_R1, l_R1, acc_RC = jax.lax.fori_loop(0, n_pages, body, (m_R1, l_R1, acc_RC))
-  out_RC = jnp.where(l_R1 > 0.0, acc_RC / jnp.where(l_R1 > 0.0, l_R1, 1.0), 0.0)
-  o_ref[...] = out_RC.astype(o_ref.dtype)
+  state = jax.lax.fori_loop(0, n_steps, body, fd.init_state(Q, C))
+  o_ref[...], lse_ref[...] = fd.finish(state)
 
 
 def check_mla_decode_inputs(
@@ -181,7 +183,10 @@ def _as_pages(cache_LBSE: Array, block_k: int | None) -> tuple[Array, Array]:
   return cache_LBSE.reshape(L, B * n, block_k, E), table_BM
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
+@functools.partial(
+  jax.jit,
+  static_argnames=("scale", "block_q", "block_k", "num_splits", "pages_per_step", "interpret"),
+)
 def mla_decode_pallas(
   q_nope: Array,
   q_rope: Array,
@@ -193,10 +198,14 @@ def mla_decode_pallas(
   scale: float,
   block_q: int = 64,
   block_k: int | None = None,
+  num_splits: int | None = None,
+  pages_per_step: int | None = None,
   interpret: bool = False,
 ) -> Array:
   """The Pallas kernel; see `mla_decode` for arguments."""
   check_mla_decode_inputs(q_nope, q_rope, cache, lengths, block_table, layer)
+  fd.check_positive_or_none("mla_decode", "block_q", block_q)
+  fd.check_positive_or_none("mla_decode", "block_k", block_k)
   if layer is None:  # one layer: a stack of one (a free reshape)
     cache, layer = cache[None], 0
   decode = q_nope.ndim == 3
@@ -209,38 +218,64 @@ def mla_decode_pallas(
   else:
     pool_LPZE, table_BM = cache, block_table.astype(jnp.int32)
   L, P, Z, E = pool_LPZE.shape
-  max_blocks = table_BM.shape[1]
+  M = table_BM.shape[1]
   rows = T * N
-  Rb = min(block_q, _pow2_at_least(rows))
-  n_row_blocks = pl.cdiv(rows, Rb)
-  pad = n_row_blocks * Rb - rows
-  qn_BRC = jnp.pad(q_nope.reshape(B, rows, C), ((0, 0), (0, pad), (0, 0)))
-  qr_BRR = jnp.pad(q_rope.reshape(B, rows, R), ((0, 0), (0, pad), (0, 0)))
-  kernel = functools.partial(_mla_decode_kernel, scale=scale, n_heads=N, n_queries=T, latent_dim=C)
-  out_BRC = pl.pallas_call(
+  Q = min(block_q, _pow2_at_least(rows))
+  n_row_blocks = pl.cdiv(rows, Q)
+  X, per_split, per_step = fd.plan_splits(
+    "mla_decode",
+    programs=B * n_row_blocks,
+    max_blocks=M,
+    page_size=Z,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
+  )
+  pad = n_row_blocks * Q - rows
+  qn_BQC = jnp.pad(q_nope.reshape(B, rows, C), ((0, 0), (0, pad), (0, 0)))
+  qr_BQR = jnp.pad(q_rope.reshape(B, rows, R), ((0, 0), (0, pad), (0, 0)))
+  kernel = functools.partial(
+    _mla_decode_kernel,
+    scale=scale,
+    n_heads=N,
+    n_queries=T,
+    latent_dim=C,
+    pages_per_split=per_split,
+    pages_per_step=per_step,
+  )
+  # Row blocks are the last grid axis: the programs that read the same pages are neighbours.
+  out_BXQC, lse_BXQ1 = pl.pallas_call(
     kernel,
-    grid=(B, n_row_blocks),
+    grid=(B, X, n_row_blocks),
     in_specs=[
-      pl.BlockSpec((B,), lambda b, r: (0,)),
-      pl.BlockSpec((1,), lambda b, r: (0,)),
-      pl.BlockSpec((None, max_blocks), lambda b, r: (b, 0)),
-      pl.BlockSpec((None, Rb, C), lambda b, r: (b, r, 0)),
-      pl.BlockSpec((None, Rb, R), lambda b, r: (b, r, 0)),
-      pl.BlockSpec((L, P, Z, E), lambda b, r: (0, 0, 0, 0)),
+      pl.BlockSpec((B,), lambda b, x, r: (0,)),
+      pl.BlockSpec((1,), lambda b, x, r: (0,)),
+      pl.BlockSpec((None, M), lambda b, x, r: (b, 0)),
+      pl.BlockSpec((None, Q, C), lambda b, x, r: (b, r, 0)),
+      pl.BlockSpec((None, Q, R), lambda b, x, r: (b, r, 0)),
+      pl.BlockSpec((L, P, Z, E), lambda b, x, r: (0, 0, 0, 0)),
     ],
-    out_specs=pl.BlockSpec((None, Rb, C), lambda b, r: (b, r, 0)),
-    out_shape=jax.ShapeDtypeStruct((B, n_row_blocks * Rb, C), q_nope.dtype),
+    out_specs=[
+      pl.BlockSpec((None, None, Q, C), lambda b, x, r: (b, x, r, 0)),
+      pl.BlockSpec((None, None, Q, 1), lambda b, x, r: (b, x, r, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, X, n_row_blocks * Q, C), jnp.float32),
+      jax.ShapeDtypeStruct((B, X, n_row_blocks * Q, 1), jnp.float32),
+    ],
+    # A [Q, C] float32 accumulator (64 x 512 for DeepSeek-V3): eight warps hold it in registers.
+    compiler_params=fd.compiler_params(interpret, num_warps=8),
     interpret=interpret,
     name="mla_decode",
   )(
     lengths.astype(jnp.int32),
     jnp.reshape(layer, (1,)).astype(jnp.int32),
     table_BM,
-    qn_BRC,
-    qr_BRR,
+    qn_BQC,
+    qr_BQR,
     pool_LPZE,
   )
-  out_BTNC = out_BRC[:, :rows].reshape(B, T, N, C)
+  out_BQC = fd.combine_splits(out_BXQC, lse_BXQ1, axis=1, dtype=q_nope.dtype)
+  out_BTNC = out_BQC[:, :rows].reshape(B, T, N, C)
   return out_BTNC[:, 0] if decode else out_BTNC
 
 
@@ -302,6 +337,8 @@ def mla_decode(
   interpret: bool | None = None,
   block_q: int = 64,
   block_k: int | None = None,
+  num_splits: int | None = None,
+  pages_per_step: int | None = None,
 ) -> Array:
   """Absorbed-weight MLA attention of the newest T tokens over the latent cache.
 
@@ -318,6 +355,9 @@ def mla_decode(
     implementation: "pallas", "xla" (the reference) or None (Pallas on GPU, else XLA).
     interpret: run the Pallas kernel in interpret mode (default: on CPU).
     block_q: (token, head) rows per program. block_k: page size for the contiguous layout.
+    num_splits: KV splits per sequence (flash decoding); None picks them from the grid size and
+      the cache's capacity (`kernels.flash_decoding.choose_num_splits`).
+    pages_per_step: pages the kernel scores per iteration; None: 64 tokens' worth.
 
   Returns:
     [B, T, N, C] (or [B, N, C]) attention-weighted latents in q_nope.dtype.
@@ -344,5 +384,7 @@ def mla_decode(
     scale=scale,
     block_q=block_q,
     block_k=block_k,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
     interpret=interpret,
   )

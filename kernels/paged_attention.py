@@ -15,13 +15,15 @@ Semantics (shared with `paged_attention_reference`):
   tokens, NaN);
 * a query with no visible key (length 0, or a position before the start) returns zeros.
 
-Grid: one program per (sequence, kv head). It holds the queries of that kv head's whole group
-(T * G rows) and walks the sequence's pages once with an online softmax, so GQA reads each kv
-head's pages once, not G times. The block table is an ordinary input indexed inside the kernel
-(no TPU-only scalar prefetch). Pools may be given stacked over layers with a layer index, which
-the kernel reads in place. The kernel targets GPUs: a kv head's pool slice stays in HBM and
-only the pages walked are loaded. Compiled there (not in interpret mode), Z and H should be powers
-of two >= 16 to fit Triton's tiles; the query rows are padded to such a size here.
+Grid: (sequence, kv head, KV split), flash decoding (`kernels.flash_decoding`). A program holds
+the queries of its kv head's whole group (T * G rows) and walks its split's pages several at a
+time with an online softmax, so GQA reads each kv head's pages once, not G times; a second pass
+merges the splits' partial outputs by their log-sum-exp. Splits keep the GPU busy when batch x
+kv heads is small next to the SM count. The block table is an ordinary input indexed inside
+the kernel (no TPU-only scalar prefetch). Pools may be given stacked over layers with a layer
+index, which the kernel reads in place. The kernel targets GPUs: a kv head's pool slice stays in
+HBM and only the pages walked are loaded. Compiled there (not in interpret mode), Z and H should
+be powers of two >= 16 to fit Triton's tiles; the query rows are padded to such a size here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import flash_decoding as fd
 from .reference import attention_reference
 
 Array = jax.Array
@@ -42,61 +45,52 @@ Implementation = Literal["pallas", "xla"]
 def _paged_attention_kernel(
   lengths_ref,  # i32[B]
   layer_ref,  # i32[1]: which layer of the stacked pool to read
-  table_ref,  # i32[max_blocks]: this sequence's row of the block table
-  q_ref,  # [R, H]: rows t * G + g of this kv head's group (R >= T * G, padded)
+  table_ref,  # i32[M]: this sequence's row of the block table
+  q_ref,  # [Q, H]: rows t * G + g of this kv head's group (Q >= T * G, padded)
   k_ref,  # [L, P, Z, H]: this kv head's slice of the key pool, every layer
   v_ref,  # [L, P, Z, H]
-  o_ref,  # [R, H]
+  o_ref,  # f32[Q, H]: this split's output, normalised by its own softmax sum
+  lse_ref,  # f32[Q, 1]: this split's log-sum-exp, -inf for rows that saw no key
   *,
   scale: float,
   group: int,
   n_queries: int,
+  pages_per_split: int,
+  pages_per_step: int,
 ):
   length = lengths_ref[pl.program_id(0)]
   layer = layer_ref[0]
   Z = k_ref.shape[2]
-  R = q_ref.shape[0]
-  q_RH = q_ref[...]
+  Q = q_ref.shape[0]
+  q_QH = q_ref[...]
   # Absolute position of each query row; padding rows (t >= T) are computed and discarded.
-  row_t_R = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0) // group
-  qpos_R1 = length - n_queries + row_t_R
+  qpos_Q1 = length - n_queries + jax.lax.broadcasted_iota(jnp.int32, (Q, 1), 0) // group
   offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
   offsets_Z1 = jax.lax.broadcasted_iota(jnp.int32, (Z, 1), 0)
+  first, n_steps, held = fd.split_steps(
+    length,
+    pl.program_id(2),
+    page_size=Z,
+    pages_per_split=pages_per_split,
+    pages_per_step=pages_per_step,
+  )
 
-  def body(i, carry):
-    m_R1, l_R1, acc_RH = carry
-    page = table_ref[i]
-    k_ZH = k_ref[layer, page]
-    v_ZH = v_ref[layer, page]
-    kpos_1Z = i * Z + offsets_1Z
-    s_RZ = jax.lax.dot_general(
-      q_RH, k_ZH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
-    # Causal visibility; qpos < length, so it also hides the page's unused tail.
-    s_RZ = jnp.where(kpos_1Z <= qpos_R1, s_RZ, -jnp.inf)
-    m_new_R1 = jnp.maximum(m_R1, jnp.max(s_RZ, axis=1, keepdims=True))
-    # Rows that have seen no visible key keep m = -inf; shift by 0 there so exp gives 0, not NaN.
-    shift_R1 = jnp.where(m_new_R1 == -jnp.inf, 0.0, m_new_R1)
-    alpha_R1 = jnp.exp(m_R1 - shift_R1)
-    p_RZ = jnp.exp(s_RZ - shift_R1)
-    # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
-    v_ZH = jnp.where(i * Z + offsets_Z1 < length, v_ZH, jnp.zeros((), v_ZH.dtype))
-    pv_RH = jax.lax.dot_general(
-      p_RZ.astype(v_ZH.dtype), v_ZH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    return (
-      m_new_R1,
-      alpha_R1 * l_R1 + jnp.sum(p_RZ, axis=1, keepdims=True),
-      alpha_R1 * acc_RH + pv_RH,
-    )
+  def body(step, state):
+    scores, values = [], []
+    for j in range(pages_per_step):
+      i = first + step * pages_per_step + j
+      # Past the pages held (the last iteration of a split): read a held page, mask all of it.
+      page = table_ref[jnp.minimum(i, held - 1)]
+      s_QZ = fd.scores(q_QH, k_ref[layer, page]) * jnp.float32(scale)
+      # Causal visibility; qpos < length, so it also hides the page's unused tail.
+      scores.append(jnp.where(i * Z + offsets_1Z <= qpos_Q1, s_QZ, -jnp.inf))
+      # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
+      v_ZH = v_ref[layer, page]
+      values.append(jnp.where(i * Z + offsets_Z1 < length, v_ZH, jnp.zeros((), v_ZH.dtype)))
+    return fd.fold_pages(state, scores, values)
 
-  m_R1 = jnp.full((R, 1), -jnp.inf, jnp.float32)
-  l_R1 = jnp.zeros((R, 1), jnp.float32)
-  acc_RH = jnp.zeros(q_RH.shape, jnp.float32)
-  n_pages = (length + Z - 1) // Z
-  m_R1, l_R1, acc_RH = jax.lax.fori_loop(0, n_pages, body, (m_R1, l_R1, acc_RH))
-  out_RH = jnp.where(l_R1 > 0.0, acc_RH / jnp.where(l_R1 > 0.0, l_R1, 1.0), 0.0)
-  o_ref[...] = out_RH.astype(o_ref.dtype)
+  state = jax.lax.fori_loop(0, n_steps, body, fd.init_state(Q, q_QH.shape[1]))
+  o_ref[...], lse_ref[...] = fd.finish(state)
 
 
 def check_paged_attention_inputs(
@@ -147,7 +141,7 @@ def _query_rows(n: int) -> int:
   return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "pages_per_step", "interpret"))
 def paged_attention_pallas(
   q: Array,
   pool_k: Array,
@@ -157,6 +151,8 @@ def paged_attention_pallas(
   *,
   layer: Array | None = None,
   scale: float | None = None,
+  num_splits: int | None = None,
+  pages_per_step: int | None = None,
   interpret: bool = False,
 ) -> Array:
   """The Pallas kernel; see `paged_attention` for arguments."""
@@ -168,39 +164,61 @@ def paged_attention_pallas(
   B, T, N, H = q_BTNH.shape
   L, P, Z, K, _ = pool_k.shape
   G = N // K
-  max_blocks = block_table.shape[1]
+  M = block_table.shape[1]
   scale = H**-0.5 if scale is None else scale
-  # One row per (query token, head of the group), so each program does [R, H] x [H, Z] matmuls.
-  q_BKRH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-  R = _query_rows(T * G)
-  if R != T * G:
-    q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, R - T * G), (0, 0)))
-  kernel = functools.partial(_paged_attention_kernel, scale=scale, group=G, n_queries=T)
-  out_BKRH = pl.pallas_call(
+  X, per_split, per_step = fd.plan_splits(
+    "paged_attention",
+    programs=B * K,
+    max_blocks=M,
+    page_size=Z,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
+  )
+  # One row per (query token, head of the group), so each program does [Q, H] x [H, Z] matmuls.
+  q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+  Q = _query_rows(T * G)
+  if Q != T * G:
+    q_BKQH = jnp.pad(q_BKQH, ((0, 0), (0, 0), (0, Q - T * G), (0, 0)))
+  kernel = functools.partial(
+    _paged_attention_kernel,
+    scale=scale,
+    group=G,
+    n_queries=T,
+    pages_per_split=per_split,
+    pages_per_step=per_step,
+  )
+  part_spec = pl.BlockSpec((None, None, None, Q, H), lambda b, h, x: (b, h, x, 0, 0))
+  lse_spec = pl.BlockSpec((None, None, None, Q, 1), lambda b, h, x: (b, h, x, 0, 0))
+  out_BKXQH, lse_BKXQ1 = pl.pallas_call(
     kernel,
-    grid=(B, K),
+    grid=(B, K, X),
     in_specs=[
-      pl.BlockSpec((B,), lambda b, h: (0,)),
-      pl.BlockSpec((1,), lambda b, h: (0,)),
-      pl.BlockSpec((None, max_blocks), lambda b, h: (b, 0)),
-      pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
-      pl.BlockSpec((L, P, Z, None, H), lambda b, h: (0, 0, 0, h, 0)),
-      pl.BlockSpec((L, P, Z, None, H), lambda b, h: (0, 0, 0, h, 0)),
+      pl.BlockSpec((B,), lambda b, h, x: (0,)),
+      pl.BlockSpec((1,), lambda b, h, x: (0,)),
+      pl.BlockSpec((None, M), lambda b, h, x: (b, 0)),
+      pl.BlockSpec((None, None, Q, H), lambda b, h, x: (b, h, 0, 0)),
+      pl.BlockSpec((L, P, Z, None, H), lambda b, h, x: (0, 0, 0, h, 0)),
+      pl.BlockSpec((L, P, Z, None, H), lambda b, h, x: (0, 0, 0, h, 0)),
     ],
-    out_specs=pl.BlockSpec((None, None, R, H), lambda b, h: (b, h, 0, 0)),
-    out_shape=jax.ShapeDtypeStruct((B, K, R, H), q.dtype),
+    out_specs=[part_spec, lse_spec],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, K, X, Q, H), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, X, Q, 1), jnp.float32),
+    ],
+    compiler_params=fd.compiler_params(interpret, num_warps=4),
     interpret=interpret,
     name="paged_attention",
   )(
     lengths.astype(jnp.int32),
     jnp.reshape(layer, (1,)).astype(jnp.int32),
     block_table.astype(jnp.int32),
-    q_BKRH,
+    q_BKQH,
     pool_k,
     pool_v,
   )
+  out_BKQH = fd.combine_splits(out_BKXQH, lse_BKXQ1, axis=2, dtype=q.dtype)
   out_BTNH = (
-    out_BKRH[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+    out_BKQH[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
   )
   return out_BTNH[:, 0] if decode else out_BTNH
 
@@ -248,6 +266,8 @@ def paged_attention(
   scale: float | None = None,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
+  num_splits: int | None = None,
+  pages_per_step: int | None = None,
 ) -> Array:
   """Attention of a few new queries per sequence over its pages of a paged KV pool.
 
@@ -266,6 +286,9 @@ def paged_attention(
       reference elsewhere (the kernel keeps a kv head's whole pool slice addressable, which suits
       GPU memory, not TPU VMEM).
     interpret: run the kernel in interpret mode (default: on CPU).
+    num_splits: KV splits per sequence (flash decoding); None picks them from the grid size and
+      the table's capacity (`kernels.flash_decoding.choose_num_splits`).
+    pages_per_step: pages the kernel scores per iteration; None: 64 tokens' worth.
 
   Returns:
     [B, N, H] or [B, T, N, H], like q.
@@ -283,5 +306,14 @@ def paged_attention(
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return paged_attention_pallas(
-    q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale, interpret=interpret
+    q,
+    pool_k,
+    pool_v,
+    block_table,
+    lengths,
+    layer=layer,
+    scale=scale,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
+    interpret=interpret,
   )

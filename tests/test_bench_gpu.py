@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -19,11 +21,36 @@ def test_gpu_benchmark_smoke_runs_every_section():
   )
   out = result.stdout + result.stderr
   assert result.returncode == 0, out[-4000:]
-  tables = ("## engine vs generate", "## batch-1 decode", "## transformers generate")
-  for table in (*tables, "## training: atlas_jax vs PyTorch"):
+  tables = (
+    "## correctness: kernels against their pure-jnp references",
+    "## decode: cache bytes held / step time",
+    "## attention: TFLOP/s",
+    "## mgpu: the Mosaic GPU FlashAttention forward",
+    "## engine vs generate",
+    "## batch-1 decode",
+    "## transformers generate",
+    "## training: atlas_jax vs PyTorch",
+  )
+  for table in tables:
     assert table in out, out[-4000:]
-  assert "FAILED" not in out and "failed:" not in out
+  assert "FAILED" not in out and "failed:" not in out and "MISMATCH" not in out
+  # Every kernel's correctness row ran against its reference.
+  for kernel in ("flash_attention fwd", "flash_attention bwd", "paged_attention", "mla_decode"):
+    assert f"| {kernel} |" in out, out[-4000:]
   # Both presets, both stacks, a ratio on every row; no MFU on a CPU (its peak is unknown).
   rows = [r for r in out.splitlines() if r.startswith(("| small |", "| llama3-1b |"))]
   assert len(rows) == 4, out[-4000:]
   assert all(r.split("|")[5].strip() == "-" and r.split("|")[7].strip() != "-" for r in rows)
+
+
+def test_correctness_section_fails_on_a_mismatch(monkeypatch):
+  """A kernel off its reference (here: FlashAttention returning zeros) fails the section."""
+  import jax.numpy as jnp
+
+  sys.path.insert(0, str(ROOT / "bench"))
+  import gpu_kernels
+
+  monkeypatch.setattr(gpu_kernels, "flash_attention", lambda q, k, v, **kw: jnp.zeros_like(q))
+  with pytest.raises(SystemExit) as info:
+    gpu_kernels.correctness(smoke=True)
+  assert info.value.code == 1

@@ -122,3 +122,83 @@ def test_stacked_cache_reads_the_given_layer_in_place(implementation, paged):
   want = mla_decode(q_nope, q_rope, cache, lengths, **kw)
   got = mla_decode(q_nope, q_rope, stack, lengths, layer=jnp.int32(1), **kw)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def paged_pool(dense, lengths, Z, seed=0):
+  """The contiguous cache [B, S, E] as shuffled pages, NaN in every slot past a length."""
+  B, S, E = dense.shape
+  M = S // Z
+  n_pages = B * M + 2
+  perm = np.random.RandomState(seed).permutation(n_pages)[: B * M].reshape(B, M)
+  pool = np.full((n_pages, Z, E), np.nan, np.float32)
+  for b in range(B):
+    for i in range(-(-int(lengths[b]) // Z)):
+      rows = np.asarray(dense[b, i * Z : (i + 1) * Z], np.float32)
+      pool[perm[b, i]] = np.where(np.arange(Z)[:, None] + i * Z < lengths[b], rows, np.nan)
+  return jnp.asarray(pool, dense.dtype), jnp.asarray(perm, jnp.int32)
+
+
+@pytest.mark.parametrize(
+  "paged,num_splits,pages_per_step,T,N,block_q,dtype",
+  [
+    (False, 1, 2, 1, 4, 64, jnp.float32),
+    (False, 3, 1, 1, 16, 64, jnp.bfloat16),
+    (False, 5, 2, 2, 4, 4, jnp.float32),  # two row blocks per split, speculative rows
+    (True, 2, 3, 1, 8, 64, jnp.float32),
+    (True, 4, 1, 1, 4, 64, jnp.bfloat16),
+    (True, 9, 1, 3, 2, 64, jnp.float32),  # more splits than most sequences have pages
+  ],
+)
+def test_splits_match_reference(paged, num_splits, pages_per_step, T, N, block_q, dtype):
+  B, S, Z = 4, 48, 4
+  lengths = jnp.array([0, 1, 19, 46], jnp.int32)  # empty, one token, off page and split bounds
+  q_nope, q_rope, dense = inputs(B, T, N, S, dtype, seed=num_splits)
+  cache, table = paged_pool(dense, lengths, Z) if paged else (dense, None)
+  kw = dict(block_table=table, scale=0.25)
+  got = mla_decode_pallas(
+    q_nope,
+    q_rope,
+    cache,
+    lengths,
+    block_k=Z,
+    block_q=block_q,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
+    interpret=True,
+    **kw,
+  )
+  want = mla_decode_reference(q_nope, q_rope, cache, lengths, **kw)
+  assert got.shape == (B, T, N, C) and got.dtype == dtype
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  tol = TOL[dtype]
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+  )
+  assert not np.asarray(got[0], np.float32).any()
+
+
+def test_bad_split_options_raise():
+  q_nope, q_rope, cache = inputs(2, 1, 4, 16, jnp.float32)
+  kw = dict(scale=1.0, implementation="pallas", interpret=True)
+  with pytest.raises(ValueError, match="mla_decode: num_splits must be a positive int or None"):
+    mla_decode(q_nope, q_rope, cache, jnp.array([1, 2]), num_splits=0, **kw)
+  with pytest.raises(ValueError, match="mla_decode: block_q must be a positive int or None"):
+    mla_decode(q_nope, q_rope, cache, jnp.array([1, 2]), block_q=-4, **kw)
+
+
+def test_lowers_to_triton_for_cuda_on_a_cpu():
+  """DeepSeek-V3's shape lowers for CUDA here: a Triton call, grid (B, X, row blocks)."""
+  qn = jax.ShapeDtypeStruct((4, 128, 512), jnp.bfloat16)
+  qr = jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 64, 576), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+  layer = jax.ShapeDtypeStruct((), jnp.int32)
+  fn = jax.jit(
+    lambda qn, qr, c, n, t, l: mla_decode_pallas(
+      qn, qr, c, n, block_table=t, layer=l, scale=0.1, num_splits=2
+    )
+  )
+  text = fn.trace(qn, qr, pool, lengths, table, layer).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
+  assert "grid_x = 4 : i32, grid_y = 2 : i32, grid_z = 2 : i32" in text

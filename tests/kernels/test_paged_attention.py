@@ -193,3 +193,79 @@ def test_stacked_pool_reads_the_given_layer_in_place(implementation):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match=r"\[L, P, Z, K, H\]"):
     paged_attention(q[:, 0], pool_k, pool_v, table, lengths, layer=jnp.int32(0), **kw)
+
+
+# -- flash decoding: KV splits and several pages per iteration ------------------------------------
+
+
+@pytest.mark.parametrize(
+  "num_splits,pages_per_step,N,K,dtype",
+  [
+    (1, 3, 4, 4, jnp.float32),  # MHA, one split, 3 pages per step
+    (2, 1, 8, 2, jnp.bfloat16),  # G = 4
+    (3, 2, 8, 1, jnp.float32),  # MQA, G = 8
+    (7, 1, 8, 2, jnp.float32),  # more splits than some sequences have pages
+    (4, 2, 4, 1, jnp.bfloat16),
+  ],
+)
+def test_splits_match_reference(num_splits, pages_per_step, N, K, dtype):
+  # Z = 4 and 10 pages: lengths off every page and split boundary, one token, and an empty row.
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(0, 1, 13, 37, 40), T=1, N=N, K=K, H=16, Z=4, dtype=dtype, seed=num_splits
+  )
+  out_BNH = paged_attention_pallas(
+    q_BTNH[:, 0],
+    pool_k,
+    pool_v,
+    table,
+    lengths,
+    num_splits=num_splits,
+    pages_per_step=pages_per_step,
+    interpret=True,
+  )
+  chex.assert_type(out_BNH, dtype)
+  chex.assert_tree_all_finite(out_BNH)
+  want_BNH = paged_attention_reference(q_BTNH[:, 0], pool_k, pool_v, table, lengths)
+  tol = TOLERANCE[dtype]
+  chex.assert_trees_all_close(out_BNH, want_BNH, atol=tol, rtol=tol)
+  np.testing.assert_array_equal(np.asarray(out_BNH[0], np.float32), 0.0)
+
+
+def test_splits_with_speculative_tokens():
+  # T = 3 over 4 splits: the causal rows of a sequence end in different splits.
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(2, 9, 30), T=3, N=4, K=2, H=16, Z=4, dtype=jnp.float32
+  )
+  out = paged_attention_pallas(
+    q_BTNH, pool_k, pool_v, table, lengths, num_splits=4, pages_per_step=2, interpret=True
+  )
+  chex.assert_trees_all_close(out, dense_expected(q_BTNH, dense, lengths), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    (dict(num_splits=0), "num_splits must be a positive int or None, got 0"),
+    (dict(pages_per_step=2.0), "pages_per_step must be a positive int or None, got 2.0"),
+  ],
+)
+def test_bad_split_options_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    paged_attention(*_inputs(), implementation="pallas", interpret=True, **kwargs)
+
+
+def test_lowers_to_triton_for_cuda_on_a_cpu():
+  """The compiled kernel (not interpret mode) lowers for CUDA here: Triton, grid (B, K, X)."""
+  q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 16, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+  layer = jax.ShapeDtypeStruct((), jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, n, l: paged_attention_pallas(q, k, v, t, n, layer=l, num_splits=4)
+  )
+  text = (
+    fn.trace(q, pool, pool, table, lengths, layer).lower(lowering_platforms=("cuda",)).as_text()
+  )
+  assert "xla.gpu.triton" in text
+  assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in text

@@ -95,7 +95,7 @@ def test_dispatcher_rejects_bad_arguments():
     attention(q, k, v, implementation="fast")
   with pytest.raises(ValueError, match="share a dtype"):
     attention(q, k.astype(jnp.bfloat16), v)
-  with pytest.raises(ValueError, match="cudnn.*bfloat16"):
+  with pytest.raises(ValueError, match="implementation='cudnn' cannot run this call.*no NVIDIA"):
     attention(q, k, v, implementation="cudnn")
   chex.assert_trees_all_close(
     attention(q, k, v, implementation="xla"), attention_reference(q, k, v)
