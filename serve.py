@@ -59,6 +59,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--prefill-chunk", type=int, default=256, help="prompt tokens per request per step"
   )
   p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+  p.add_argument(
+    "--draft",
+    help="speculative decoding: a smaller model with the same tokenizer (a train.py run directory "
+    "or a Hugging Face folder) proposes tokens that the model checks in one pass",
+  )
+  p.add_argument(
+    "--num-speculative-tokens", type=int, default=4, help="tokens the draft proposes per round"
+  )
+  p.add_argument(
+    "--speculative-max-batch",
+    type=int,
+    default=4,
+    help="the largest batch that speculates (larger ones decode plainly)",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")
   p.add_argument("--port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
   p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -135,6 +149,8 @@ POSITIVE_FLAGS = (
   "max_num_batched_tokens",
   "prefill_chunk",
   "max_model_len",
+  "num_speculative_tokens",
+  "speculative_max_batch",
   "max_prompt_tokens",
   "max_tokens_limit",
   "max_n",
@@ -234,8 +250,21 @@ def make_engine(args, model, tokenizer) -> Engine:
     max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_batch),
     prefill_chunk=args.prefill_chunk,
     max_model_len=max_len,
+    num_speculative_tokens=args.num_speculative_tokens,
+    speculative_max_batch=args.speculative_max_batch,
   )
-  return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode)
+  draft = None if args.draft is None else load_draft(args.draft, args.dtype, tokenizer)
+  return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode, draft=draft)
+
+
+def load_draft(path: str, dtype: str, tokenizer):
+  """The --draft model; its tokenizer must be the model's (one vocabulary, the same ids)."""
+  draft, draft_tokenizer = load_any(path, dtype)
+  if draft_tokenizer.fingerprint() != tokenizer.fingerprint():
+    raise ValueError(
+      f"--draft={path}: its tokenizer differs from the model's (speculation needs the same ids)"
+    )
+  return draft
 
 
 def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: SamplingParams) -> int:

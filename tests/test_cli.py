@@ -266,3 +266,25 @@ def test_serve_samples_as_the_run_says_unless_told(run_dir):
   args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x", "--temperature", "0"])
   serve.fill_defaults(args)
   assert (args.temperature, args.top_k) == (0.0, run.top_k)
+
+
+def test_serve_with_a_draft_model(run_dir, tmp_path, capsys):
+  """--draft: greedy completions are the plain ones (the run drafting for itself accepts all);
+  a draft with another tokenizer is refused by name."""
+  from flax import nnx
+
+  from atlas_jax import hf
+  from atlas_jax.config import ModelConfig
+  from atlas_jax.model.transformer import Transformer
+
+  argv = ["--checkpoint", str(run_dir), "--prompt", "def f1", "--max-new-tokens", "9"]
+  assert serve.main(argv) == 0
+  plain = json.loads(capsys.readouterr().out)["completion"]
+  assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "3"]) == 0
+  assert json.loads(capsys.readouterr().out)["completion"] == plain
+  cfg = ModelConfig(vocab_size=259, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+  hf.save(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path)  # a byte-level model
+  assert serve.main([*argv, "--draft", str(tmp_path)]) == 2
+  assert "its tokenizer differs from the model's" in capsys.readouterr().err
+  assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "0"]) == 2
+  assert "--num-speculative-tokens=0 is not allowed" in capsys.readouterr().err

@@ -61,6 +61,9 @@ class ServingMetrics:
     preemptions: int,
     prefix_queries: int,
     prefix_hits: int,
+    drafted: int = 0,
+    accepted: int = 0,
+    acceptance_length: float = 0.0,
   ) -> str:
     def metric(name, kind, help_text, value):
       return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
@@ -83,6 +86,24 @@ class ServingMetrics:
         "counter",
         "Prompt tokens served from the prefix cache.",
         prefix_hits,
+      )
+      lines += metric(
+        "atlas_spec_decode_num_draft_tokens_total",
+        "counter",
+        "Draft tokens proposed to the model (speculative decoding).",
+        drafted,
+      )
+      lines += metric(
+        "atlas_spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens the model accepted.",
+        accepted,
+      )
+      lines += metric(
+        "atlas_spec_decode_mean_acceptance_length",
+        "gauge",
+        "Tokens emitted per speculative round of a request (accepted drafts + 1).",
+        f"{acceptance_length:.6f}",
       )
       lines += metric(
         "atlas_prompt_tokens_total",

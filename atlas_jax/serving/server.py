@@ -202,6 +202,9 @@ class EngineRunner:
         preemptions=self.engine.n_preemptions,
         prefix_queries=s.prefix_query_tokens,
         prefix_hits=s.prefix_hit_tokens,
+        drafted=self.engine.n_drafted,
+        accepted=self.engine.n_accepted,
+        acceptance_length=self.engine.mean_acceptance_length,
       )
 
   def _loop(self) -> None:

@@ -127,12 +127,13 @@ def test_kv_bytes_match_the_allocated_caches(name, dtype, dtype_bytes):
 
 
 def test_kv_alternatives_are_the_caches_those_attentions_allocate():
-  cfg = config("tiny").model  # N=8, K=4, H=32
+  cfg = config("tiny").model
+  assert 1 < cfg.n_kv_heads < cfg.n_heads  # GQA: all three alternatives differ
   rows = {
     r["kind"]: r
     for r in make_plan(cfg, PlanInputs(seq_len=64, batch=1, devices=1))["kv_cache"]["alternatives"]
   }
-  for kind, kv_heads in (("MHA", 8), ("GQA", 4), ("MQA", 1)):
+  for kind, kv_heads in (("MHA", cfg.n_heads), ("GQA", cfg.n_kv_heads), ("MQA", 1)):
     other = dataclasses.replace(cfg, n_kv_heads=kv_heads)
     assert rows[kind]["kv_heads"] == kv_heads
     assert rows[kind]["bytes_per_sequence"] == measure.cache_bytes(

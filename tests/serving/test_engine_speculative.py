@@ -112,3 +112,20 @@ def test_bad_drafts_are_named(tiny_model, draft):
     Engine(tiny_model, dataclasses.replace(ROOMY, max_model_len=256), draft=draft)
   with pytest.raises(ValueError, match="num_speculative_tokens=0"):
     dataclasses.replace(ROOMY, num_speculative_tokens=0)
+
+
+def test_metrics_report_drafted_and_accepted_tokens(tiny_model, draft):
+  from atlas_jax.serving.metrics import ServingMetrics
+  from atlas_jax.serving.server import EngineRunner
+
+  prompts, params = greedy_workload(5)
+  _, engine = run(tiny_model, draft, ROOMY, prompts[:3], params[:3])
+  runner = EngineRunner(engine)
+  try:
+    text = ServingMetrics().render(**runner.gauges())
+  finally:
+    runner.shutdown()
+  assert f"atlas_spec_decode_num_draft_tokens_total {engine.n_drafted}" in text
+  assert f"atlas_spec_decode_num_accepted_tokens_total {engine.n_accepted}" in text
+  length = engine.n_spec_emitted / engine.n_spec_row_rounds
+  assert f"atlas_spec_decode_mean_acceptance_length {length:.6f}" in text
