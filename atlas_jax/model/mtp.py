@@ -151,6 +151,19 @@ class MTPHeads(nnx.Module):
       n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
     )
 
+  def init_pool(self, cfg: ModelConfig, n_blocks: int, block_size: int, dtype):
+    """A paged pool for the drafting heads' blocks: one "layer" per head."""
+    from atlas_jax.model.transformer import attention_class
+
+    attn = attention_class(cfg)
+    return attn.pool_type.init(
+      n_layers=self.n_draft_heads,
+      n_blocks=n_blocks,
+      block_size=block_size,
+      dtype=dtype,
+      **attn.cache_dims(cfg),
+    )
+
   def draft(
     self,
     cache,

@@ -46,7 +46,9 @@ target scores them in one pass, and each row keeps its accepted drafts and the t
 blocks are reserved for all k + 1 positions and those past the kept tokens are given back
 (`BlockAllocator.truncate`). The draft has its own pool with the target's block tables and runs
 over every token the target computes (prefill chunks and bursts too), so it never needs to catch
-up. Outputs follow the target's law exactly; greedy outputs equal plain greedy decoding. Rows
+up. With `draft="mtp"` the model's own multi-token-prediction heads draft instead, from the
+trunk's hidden states at the last computed position (kept per slot beside the heads' own pool).
+Outputs follow the target's law exactly; greedy outputs equal plain greedy decoding. Rows
 with penalties or a grammar do not speculate (the batch takes plain steps while one runs).
 Larger batches burst instead: there the target's pass is no longer bound by reading its
 weights, and speculation's extra draft and rejected-token work stops paying.
@@ -196,6 +198,16 @@ def _pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def _check_mtp(model: Transformer, k: int) -> None:
+  if model.mtp is None:
+    raise ValueError("draft='mtp': the model has no MTP heads (model.mtp is null)")
+  if k > model.mtp.n_draft_heads:
+    raise ValueError(
+      f"num_speculative_tokens={k} with draft='mtp' must be <= {model.mtp.n_draft_heads}: each "
+      f"{model.mtp.kind} MTP head drafts one token"
+    )
+
+
 def _check_draft(draft, cfg, max_model_len: int) -> None:
   """ValueError naming the field when `draft` cannot draft for a model of config `cfg`."""
   if not isinstance(draft, Transformer):
@@ -223,7 +235,8 @@ class Engine:
     config: pool and scheduling limits.
     eos_id: the model's end-of-sequence token (a stop token unless a request sets ignore_eos).
     detokenize: token ids -> text; enables stop strings and the `text` of outputs.
-    draft: a smaller model with the same vocabulary, for speculative decoding.
+    draft: a smaller model with the same vocabulary, for speculative decoding; or "mtp", the
+      model's own multi-token-prediction heads.
   """
 
   def __init__(
@@ -233,7 +246,7 @@ class Engine:
     *,
     eos_id: int | None = None,
     detokenize: Callable[[Sequence[int]], str] | None = None,
-    draft: Transformer | None = None,
+    draft: Transformer | str | None = None,
   ):
     cfg = model.cfg
     self.config = config
@@ -244,7 +257,14 @@ class Engine:
     self.graphdef, state = nnx.split(model)
     self.draft = draft
     d_graphdef, d_state, d_pool = None, None, None
-    if draft is not None:
+    if draft == "mtp":
+      _check_mtp(model, config.num_speculative_tokens)
+      d_graphdef = steps.MTP
+      P, Z, dtype = config.n_blocks, config.block_size, jnp.dtype(cfg.dtype)
+      hidden_PZD = lambda: jnp.zeros((P, Z, cfg.d_model), dtype)
+      # The heads' pool, and the trunk's hidden states (final, last-block input) per slot.
+      d_pool = (model.mtp.init_pool(cfg, P, Z, dtype), hidden_PZD(), hidden_PZD())
+    elif draft is not None:
       _check_draft(draft, cfg, self.max_model_len)
       d_graphdef, d_state = nnx.split(draft)
       d_pool = draft.init_pool(config.n_blocks, config.block_size)

@@ -18,6 +18,13 @@ runs over the same new tokens as the target into its own pool, indexed by the sa
 so it always holds K/V for every token the target does and a speculative round needs no
 catch-up. Without one the draft halves are None.
 
+MTP self-speculation (`draft_graphdef == MTP`): the draft half of the pools is the model's MTP
+heads' own pool plus the trunk's hidden states per slot (final and last-block input, [P, Z, D]
+each). Every program runs the heads over the window the target just computed (each position
+with the token after it), so their pool keeps up; a round first re-runs them at the last
+computed position (an idempotent rewrite) from the stored hidden states to draft, verifies, then
+runs them over the round's window.
+
 `programs(graphdef, draft_graphdef)` returns the jitted programs with the graphs bound in, made
 once per pair: a step then hashes no graph, only its arrays' shapes.
 """
@@ -43,11 +50,53 @@ from atlas_jax.decoding.sampling import (
 from atlas_jax.decoding.speculative import draw, probabilities_per_position, round_keys, verify
 
 Array = jax.Array
+MTP = "mtp"  # `draft_graphdef` for self-speculation with the model's own MTP heads
+
+
+def _slots(block_table_BM, positions_BT, block_size: int):
+  """i32[B, T] each position's slot in a [P * Z] flattening of the pool; -1 where padding."""
+  at_BT = jnp.maximum(positions_BT, 0)
+  block_BT = jnp.take_along_axis(block_table_BM, at_BT // block_size, axis=1)
+  return jnp.where(positions_BT >= 0, block_BT * block_size + at_BT % block_size, -1)
+
+
+def _mtp_window(model, side, block_table_BM, lengths_B, positions_BT, next_BT, hidden, at_B):
+  """The MTP heads over a window the target computed: its hidden states stored per slot, the
+  heads' pool written, and their logits at window index `at_B`: (side, f32[J, B, V])."""
+  m_pool, final_PZD, trunk_PZD = side
+  P, Z, D = final_PZD.shape
+  final_BTD, trunk_BTD = hidden
+  slots_BT = _slots(block_table_BM, positions_BT, Z)
+  slots_BT = jnp.where(slots_BT >= 0, slots_BT, P * Z)  # out of range: dropped
+
+  def store(a_PZD, x_BTD):
+    flat = a_PZD.reshape(P * Z, D).at[slots_BT].set(x_BTD.astype(a_PZD.dtype), mode="drop")
+    return flat.reshape(P, Z, D)
+
+  cache = PagedCache(pool=m_pool, block_table=block_table_BM, lengths=lengths_B)
+  logits_JBV, cache = model.mtp.draft(
+    cache,
+    next_tokens_BT=next_BT,
+    trunk_BTD=trunk_BTD,
+    final_BTD=final_BTD,
+    positions_BT=positions_BT,
+    at_B=at_B,
+    embed_VD=model.embed[...],
+    head_DV=model._head_DV(),
+  )
+  return (cache.pool, store(final_PZD, final_BTD), store(trunk_PZD, trunk_BTD)), logits_JBV
+
+
+def _next_tokens(tokens_BT, last_B, token_B):
+  """i32[B, T] the token after each position: the row shifted left, then the drawn token."""
+  t_1T = jnp.arange(tokens_BT.shape[1])[None, :]
+  shifted_BT = jnp.roll(tokens_BT, -1, axis=1)
+  return jnp.where(t_1T == last_B[:, None], token_B[:, None], shifted_BT)
 
 
 def _draft_forward(d_graphdef, d_state, d_pool, tokens_BT, positions_BT, block_table_BM, lengths_B):
   """The draft over the target's new tokens, into its own pool; its logits are not needed."""
-  if d_graphdef is None:
+  if d_graphdef is None or d_graphdef == MTP:
     return d_pool
   draft = nnx.merge(d_graphdef, d_state)
   cache = PagedCache(pool=d_pool, block_table=block_table_BM, lengths=lengths_B)
@@ -87,7 +136,10 @@ def forward_sample(
   (state, d_state), (pool, d_pool) = states, pools
   model = nnx.merge(graphdef, state)
   cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=lengths_B)
-  logits_B1V, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B)
+  mtp = d_graphdef == MTP
+  logits_B1V, cache, *hidden = model(
+    tokens_BT, positions_BT=positions_BT, cache=cache, logits_at_B=last_B, return_hidden=mtp
+  )
   d_pool = _draft_forward(
     d_graphdef, d_state, d_pool, tokens_BT, positions_BT, block_table_BM, lengths_B
   )
@@ -98,6 +150,11 @@ def forward_sample(
     counts_BV=counts_BV if penalties else None,
     prompt_mask_BV=prompt_mask_BV if penalties else None,
   )
+  if mtp:
+    next_BT = _next_tokens(tokens_BT, last_B, out[0])
+    d_pool, _ = _mtp_window(
+      model, d_pool, block_table_BM, lengths_B, positions_BT, next_BT, hidden[0], last_B
+    )
   return ((cache.pool, d_pool), *out)
 
 
@@ -143,7 +200,10 @@ def decode_burst(
     positions_B1 = jnp.where(valid_B, lengths_B + k, -1)[:, None]
     at_B = positions_B1[:, 0] + ~valid_B  # padding rows: 0
     cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=at_B)
-    logits_B1V, cache = model(token_B[:, None], positions_BT=positions_B1, cache=cache)
+    mtp = d_graphdef == MTP
+    logits_B1V, cache, *hidden = model(
+      token_B[:, None], positions_BT=positions_B1, cache=cache, return_hidden=mtp
+    )
     d_pool = _draft_forward(
       d_graphdef, d_state, d_pool, token_B[:, None], positions_B1, block_table_BM, at_B
     )
@@ -154,6 +214,11 @@ def decode_burst(
       counts_BV=counts_BV if penalties else None,
       prompt_mask_BV=prompt_mask_BV if penalties else None,
     )
+    if mtp:
+      zero_B = jnp.zeros_like(at_B)
+      d_pool, _ = _mtp_window(
+        model, d_pool, block_table_BM, at_B, positions_B1, out[0][:, None], hidden[0], zero_B
+      )
     if penalties:
       counts_BV = counts_BV.at[jnp.arange(B), out[0]].add(1)
     return ((cache.pool, d_pool), out[0], counts_BV), out
@@ -196,10 +261,65 @@ def speculative_round(
     logprobs, i32[k+1, B, 5] top ids, f32[k+1, B, 5] top logprobs, i32[B] accepted drafts a_b).
   """
   (state, d_state), (pool, d_pool) = states, pools
-  model, draft = nnx.merge(graphdef, state), nnx.merge(d_graphdef, d_state)
+  model = nnx.merge(graphdef, state)
   valid_B = lengths_B >= 0
   start_B = jnp.where(valid_B, lengths_B, 0)
   keys_BK = round_keys(seed_B, step_B, k + 1)
+  offsets_1T = jnp.arange(k + 1)[None, :]
+  positions_BT = jnp.where(valid_B[:, None], lengths_B[:, None] + offsets_1T, -1)
+  if d_graphdef == MTP:
+    d_pool, draft_BJ, q_BJV = _mtp_drafts(
+      model,
+      d_pool,
+      tokens_BT=tokens_B,
+      lengths_B=lengths_B,
+      block_table_BM=block_table_BM,
+      keys_BK=keys_BK,
+      arrays=arrays,
+      k=k,
+    )
+  else:
+    d_pool, draft_BJ, q_BJV = _model_drafts(
+      nnx.merge(d_graphdef, d_state),
+      d_pool,
+      tokens_B,
+      lengths_B,
+      block_table_BM,
+      keys_BK,
+      arrays,
+      k,
+    )
+  tokens_BT = jnp.concatenate([tokens_B[:, None], draft_BJ], axis=1)
+  cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=start_B)
+  logits_BTV, cache, *hidden = model(
+    tokens_BT, positions_BT=positions_BT, cache=cache, return_hidden=d_graphdef == MTP
+  )
+  a_B, next_B = verify(
+    probabilities_per_position(logits_BTV, arrays), q_BJV, draft_BJ, keys_BK[:, k]
+  )
+  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
+  new_BT = jnp.where(offsets_1T < a_B[:, None], drafts_BT, next_B[:, None])
+  if d_graphdef == MTP:  # the heads over the round's window, each position with its next token
+    d_pool, _ = _mtp_window(
+      model, d_pool, block_table_BM, start_B, positions_BT, new_BT, hidden[0], a_B
+    )
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  lp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
+  top_lp_BTK, top_ids_BTK = jax.lax.top_k(logp_BTV, min(MAX_LOGPROBS, logp_BTV.shape[-1]))
+  return (
+    (cache.pool, d_pool),
+    new_BT.T,
+    lp_BT.T,
+    top_ids_BTK.astype(jnp.int32).transpose(1, 0, 2),
+    top_lp_BTK.transpose(1, 0, 2),
+    a_B,
+  )
+
+
+def _model_drafts(draft, d_pool, tokens_B, lengths_B, block_table_BM, keys_BK, arrays, k):
+  """A draft model's k tokens per row and the distributions they were drawn from: (d_pool,
+  i32[B, k], f32[B, k, V])."""
+  valid_B = lengths_B >= 0
 
   def draft_step(carry, j):
     d_pool, x_B = carry
@@ -212,28 +332,27 @@ def speculative_round(
     return (cache.pool, d_B), (d_B, q_BV)
 
   (d_pool, _), (d_JB, q_JBV) = jax.lax.scan(draft_step, (d_pool, tokens_B), jnp.arange(k + 1))
-  draft_BJ, q_BJV = d_JB[:k].T, q_JBV[:k].transpose(1, 0, 2)
-  tokens_BT = jnp.concatenate([tokens_B[:, None], draft_BJ], axis=1)
-  offsets_1T = jnp.arange(k + 1)[None, :]
-  positions_BT = jnp.where(valid_B[:, None], lengths_B[:, None] + offsets_1T, -1)
-  cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=start_B)
-  logits_BTV, cache = model(tokens_BT, positions_BT=positions_BT, cache=cache)
-  a_B, next_B = verify(
-    probabilities_per_position(logits_BTV, arrays), q_BJV, draft_BJ, keys_BK[:, k]
+  return d_pool, d_JB[:k].T, q_JBV[:k].transpose(1, 0, 2)
+
+
+def _mtp_drafts(model, side, *, tokens_BT, lengths_B, block_table_BM, keys_BK, arrays, k):
+  """The MTP heads' k tokens per row, drafted at the last computed position (its hidden states
+  read back from their slots, the pending token as its next): (side, i32[B, k], f32[B, k, V])."""
+  _, final_PZD, trunk_PZD = side
+  P, Z, D = final_PZD.shape
+  last_B1 = jnp.where(lengths_B >= 1, lengths_B - 1, -1)[:, None]
+  slots_B1 = _slots(block_table_BM, last_B1, Z)
+  read = lambda a_PZD: a_PZD.reshape(P * Z, D)[jnp.maximum(slots_B1, 0)]
+  hidden = (read(final_PZD), read(trunk_PZD))
+  at_B = jnp.zeros(lengths_B.shape, jnp.int32)
+  start_B = jnp.maximum(last_B1[:, 0], 0)
+  side, logits_JBV = _mtp_window(
+    model, side, block_table_BM, start_B, last_B1, tokens_BT[:, None], hidden, at_B
   )
-  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
-  new_BT = jnp.where(offsets_1T < a_B[:, None], drafts_BT, next_B[:, None])
-  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-  lp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
-  top_lp_BTK, top_ids_BTK = jax.lax.top_k(logp_BTV, min(MAX_LOGPROBS, logp_BTV.shape[-1]))
-  return (
-    (cache.pool, d_pool),
-    new_BT.T,
-    lp_BT.T,
-    top_ids_BTK.astype(jnp.int32).transpose(1, 0, 2),
-    top_lp_BTK.transpose(1, 0, 2),
-    a_B,
-  )
+  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV[:k])
+  q_BJV = q_BJV.transpose(1, 0, 2)
+  draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
+  return side, draft_BJ, q_BJV
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -253,7 +372,8 @@ class Programs:
 
 @functools.cache
 def programs(graphdef, draft_graphdef=None) -> Programs:
-  """The step programs with the graphs bound, compiled lazily per shape; one set per pair."""
+  """The step programs with the graphs bound, compiled lazily per shape; one set per pair.
+  `draft_graphdef`: a draft model's graph, `MTP` for the model's own heads, or None."""
   bind = lambda f: functools.partial(f, graphdef, draft_graphdef)
   return Programs(
     forward_sample=jax.jit(bind(forward_sample), static_argnums=(10,), donate_argnums=(1,)),
