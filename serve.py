@@ -65,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     "or a Hugging Face folder) proposes tokens that the model checks in one pass",
   )
   p.add_argument(
+    "--speculative",
+    choices=["mtp"],
+    help="mtp: self-speculation, the model's own multi-token-prediction heads draft",
+  )
+  p.add_argument(
     "--num-speculative-tokens", type=int, default=4, help="tokens the draft proposes per round"
   )
   p.add_argument(
@@ -253,7 +258,11 @@ def make_engine(args, model, tokenizer) -> Engine:
     num_speculative_tokens=args.num_speculative_tokens,
     speculative_max_batch=args.speculative_max_batch,
   )
-  draft = None if args.draft is None else load_draft(args.draft, args.dtype, tokenizer)
+  if args.draft is not None and args.speculative is not None:
+    raise ValueError("--draft and --speculative mtp are two drafts: give one")
+  draft = args.speculative
+  if args.draft is not None:
+    draft = load_draft(args.draft, args.dtype, tokenizer)
   return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode, draft=draft)
 
 

@@ -70,6 +70,13 @@ def test_trained_deepseek_run_serves_what_generate_gives(deepseek_run, tmp_path)
   )
   assert [r["completion"] for r in rows] == [tok.decode(i) for i in ids]
   assert [r["completion_tokens"] for r in rows] == [len(i) for i in ids]
+  # Self-speculation with the run's MTP head: the same greedy completions.
+  spec = tmp_path / "spec.jsonl"
+  argv = [*argv[:-1], str(spec), "--speculative", "mtp", "--num-speculative-tokens", "1"]
+  assert serve.main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
+  assert [json.loads(line)["completion"] for line in spec.read_text().splitlines()] == [
+    r["completion"] for r in rows
+  ]
 
 
 def word_tokenizer(vocab_size: int):
