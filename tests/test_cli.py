@@ -278,6 +278,7 @@ def test_serve_with_a_draft_model(run_dir, tmp_path, capsys):
   from atlas_jax.model.transformer import Transformer
 
   argv = ["--checkpoint", str(run_dir), "--prompt", "def f1", "--max-new-tokens", "9"]
+  argv += ["--temperature", "0"]  # greedy (the run samples by default)
   assert serve.main(argv) == 0
   plain = json.loads(capsys.readouterr().out)["completion"]
   assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "3"]) == 0
