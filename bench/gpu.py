@@ -17,6 +17,9 @@ the peer beside ours and the ratio:
 * training: tokens/s, MFU and peak memory of the train step on the `small` and `llama3-1b`
   presets, beside a PyTorch peer of the same architecture and batch (bf16 autocast, SDPA flash
   attention, fused AdamW, `torch.compile`), each in its own process (`bench/gpu_training.py`).
+* profile: where one `llama3-1b` train step goes per op class (matmuls, attention, elementwise,
+  reductions, loss, optimizer, collectives): FLOPs and bytes from the compiled HLO, device time
+  from a profiler trace of 3 steps (`bench/gpu_training.py --profile`).
 
     python bench/gpu.py              # on the GPU machine: every section, at most 9 minutes
     python bench/gpu.py --smoke      # the same code paths on CPU at toy sizes
@@ -45,6 +48,7 @@ SECTIONS = {
   "mgpu": (45, 30),
   "serving": (150, 120),
   "training": (240, 200),
+  "profile": (90, 90),
 }
 BUDGET = 540
 
@@ -147,6 +151,13 @@ def training(smoke: bool) -> None:
   gpu_training.training(smoke)
 
 
+def profile(smoke: bool) -> None:
+  """One llama3-1b train step per op class (`gpu_training.py --profile`)."""
+  import gpu_training
+
+  gpu_training.profile("llama3-1b", smoke)
+
+
 # -- driver --------------------------------------------------------------------------------------
 
 
@@ -160,7 +171,9 @@ def main(argv=None) -> int:
   if args.section:
     import gpu_kernels
 
-    run = {"serving": serving}.get(args.section) or getattr(gpu_kernels, args.section)
+    run = {"serving": serving, "training": training, "profile": profile}.get(
+      args.section
+    ) or getattr(gpu_kernels, args.section)
     run(args.smoke)
     return 0
   failed = []

@@ -11,6 +11,12 @@ holds the other's memory and each reports its own peak); the ratio is ours / the
     python bench/gpu.py --only training          # on the GPU machine
     python bench/gpu.py --only training --smoke  # CPU, toy sizes, the same code paths
     python bench/gpu_training.py --side jax --preset llama3-1b   # one side alone, JSON line out
+    python bench/gpu_training.py --profile --preset llama3-1b [--trace-dir DIR]
+
+`--profile` (also `bench/gpu.py --only profile`) accounts for one train step per op class:
+FLOPs and bytes from the compiled step's HLO (`atlas_jax.analysis.step_profile`, which adds up to
+XLA's own cost analysis), and on an accelerator the device time per class from a
+`jax.profiler` trace of a few steps (kept in DIR when given).
 
 Under --smoke the presets shrink to a toy shape and `torch.compile` uses its eager backend
 (tracing, no code generation), so the run takes seconds; its numbers mean nothing.
@@ -99,6 +105,68 @@ def run_jax(preset: str, smoke: bool, warmup: int, steps: int) -> dict:
     "settings": f"{cfg.train.precision}, remat {cfg.train.remat}, loss_chunk "
     f"{cfg.train.loss_chunk}, attention {cfg.attention.implementation or 'default'}",
   }
+
+
+def profile(preset: str, smoke: bool, steps: int = 3, trace_dir: str | None = None) -> None:
+  """Prints where one train step's FLOPs, bytes and (on an accelerator) device time go."""
+  from atlas_jax.training.xla_flags import apply
+
+  apply(preset_config(preset, smoke).train.xla_flags)  # before jax starts its backend
+  import glob
+  import tempfile
+
+  import jax
+
+  from atlas_jax.analysis import step_profile
+  from atlas_jax.training.checkpoint import single_device_mesh
+  from atlas_jax.training.step import make_train_step, make_trainer
+
+  cfg = preset_config(preset, smoke)
+  trainer = make_trainer(cfg, mesh=single_device_mesh())
+  step = make_train_step(trainer)
+  state = trainer.init(jax.random.key(0))
+  batches = [{"tokens": b} for b in random_batches(cfg, steps + 1)]
+  compiled = step.lower(state, batches[0]).compile()
+  account = step_profile.hlo_account(compiled.as_text())
+  xla = compiled.cost_analysis()
+  xla = xla[0] if isinstance(xla, list) else xla  # older jax: one dict per device
+  device = jax.devices()[0]
+  measured, unmatched, top, step_s = None, 0.0, [], None
+  if device.platform != "cpu":
+    state, metrics = compiled(state, batches[0])  # warm-up
+    jax.block_until_ready(metrics)
+    with tempfile.TemporaryDirectory() as scratch:
+      folder = trace_dir or scratch
+      t0 = time.perf_counter()
+      with jax.profiler.trace(folder):
+        for b in batches[1:]:
+          state, metrics = compiled(state, b)
+        jax.block_until_ready(metrics)
+      step_s = (time.perf_counter() - t0) / steps
+      found = sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True))
+      measured, unmatched, top = step_profile.device_times(found[-1], account, steps=steps)
+  B, T = cfg.train.batch_size, cfg.train.seq_len
+  print(
+    f"\n## profile: one train step of {preset} ({B} x {T}; {cfg.train.precision}, remat "
+    f"{cfg.train.remat}, loss_chunk {cfg.train.loss_chunk}) on {device.device_kind}"
+  )
+  print(
+    step_profile.markdown_table(account, measured=measured, unmatched_s=unmatched, step_s=step_s)
+  )
+  at_xla = account.total(per_step=False)
+  print(
+    f"- XLA's cost analysis: {xla.get('flops', 0):.6g} FLOPs, {xla.get('bytes accessed', 0):.6g} "
+    f"bytes; this walk at XLA's count (loop bodies once): {at_xla.flops:.6g} FLOPs, "
+    f"{at_xla.bytes:.6g} bytes. The table runs loop bodies their trip counts."
+  )
+  if measured is None:
+    print("- measured time: skipped on a CPU (no device trace; CPU timings mean nothing here)")
+  else:
+    print(f"- wall time per step under the profiler: {step_s * 1e3:.1f} ms over {steps} steps")
+    for name, seconds in top:
+      print(f"- unattributed: {name} {seconds * 1e3:.2f} ms per step")
+  if account.unpriced:
+    print(f"- opcodes this walk prices at 0 FLOPs: {', '.join(sorted(account.unpriced))}")
 
 
 # -- the PyTorch peer ----------------------------------------------------------------------------
@@ -306,7 +374,13 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--profile", action="store_true", help="op-class account of one step")
+  p.add_argument("--trace-dir", help="with --profile: keep the profiler trace here")
   args = p.parse_args(argv)
+  if args.profile:
+    for preset in args.preset:
+      profile(preset, args.smoke, steps=min(args.steps, 3), trace_dir=args.trace_dir)
+    return 0
   if args.side is None:
     training(args.smoke, presets=args.preset, steps=args.steps)
     return 0

@@ -30,6 +30,7 @@ def test_gpu_benchmark_smoke_runs_every_section():
     "## batch-1 decode",
     "## transformers generate",
     "## training: atlas_jax vs PyTorch",
+    "## profile: one train step of llama3-1b",
   )
   for table in tables:
     assert table in out, out[-4000:]

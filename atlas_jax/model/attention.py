@@ -109,16 +109,19 @@ class Attention(nnx.Module):
     if cache is None:
       # The causal mask follows the index in the row; packed documents restart their RoPE
       # positions, and the segment ids keep them apart.
-      out_BTNH = kernels.attention(
-        q_BTNH,
-        k_BTKH,
-        v_BTKH,
-        causal=True,
-        q_segment_ids=segment_ids_BT,
-        kv_segment_ids=segment_ids_BT,
-        sliding_window=self.sliding_window,
-        implementation=self.implementation,
-      )
+      # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can tell attention's own
+      # work (scores, softmax, weighted sum) from the projections around it.
+      with jax.named_scope("attention_core"):
+        out_BTNH = kernels.attention(
+          q_BTNH,
+          k_BTKH,
+          v_BTKH,
+          causal=True,
+          q_segment_ids=segment_ids_BT,
+          kv_segment_ids=segment_ids_BT,
+          sliding_window=self.sliding_window,
+          implementation=self.implementation,
+        )
     else:
       cache = cache.write(positions_BT, k_BTKH, v_BTKH)
       out_BTNH = cache.attend(

@@ -169,14 +169,15 @@ class MLA(nnx.Module):
     # dims add nothing to a score and zero value dims are sliced off the output.
     H = max(Hn + R, Hv)
     pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, H - x.shape[-1]),))
-    out_BTNH = kernels.attention(
-      pad(q_BTNK),
-      pad(k_BSNK),
-      pad(v_BSNv),
-      scale=scale,
-      implementation=self.implementation,
-      **masking,
-    )
+    with jax.named_scope("attention_core"):  # as in `Attention`: named for step profiles
+      out_BTNH = kernels.attention(
+        pad(q_BTNK),
+        pad(k_BSNK),
+        pad(v_BSNv),
+        scale=scale,
+        implementation=self.implementation,
+        **masking,
+      )
     return out_BTNH[..., :Hv]
 
   def attend_absorbed(

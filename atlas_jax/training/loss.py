@@ -33,11 +33,13 @@ def cross_entropy(
   Returns:
     (loss, {"ce": ..., "z_loss": ..., "tokens": ...}).
   """
-  logits_BTV = logits_BTV.astype(jnp.float32)
-  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-  nll_BT = log_z_BT - target_logit_BT
-  return _reduce(nll_BT, log_z_BT, mask_BT, z_loss)
+  # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can tell the loss's work apart.
+  with jax.named_scope("loss"):
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    nll_BT = log_z_BT - target_logit_BT
+    return _reduce(nll_BT, log_z_BT, mask_BT, z_loss)
 
 
 def _reduce(nll_BT, log_z_BT, mask_BT, z_loss):
@@ -78,13 +80,14 @@ def chunked_cross_entropy(
     raise ValueError(f"chunked_cross_entropy: chunk={chunk!r} must be a positive int")
   tied = head_DV is None
   head = embed_VD if tied else head_DV
-  mask_BT = (
-    jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
-  )
-  nll_sum, zl_sum = _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied)
-  tokens = jnp.maximum(mask_BT.sum(), 1.0)
-  ce, zl = nll_sum / tokens, zl_sum / tokens
-  return ce + z_loss * zl, {"ce": ce, "z_loss": zl, "tokens": mask_BT.sum()}
+  with jax.named_scope("loss"):  # as in `cross_entropy`
+    mask_BT = (
+      jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
+    )
+    nll_sum, zl_sum = _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied)
+    tokens = jnp.maximum(mask_BT.sum(), 1.0)
+    ce, zl = nll_sum / tokens, zl_sum / tokens
+    return ce + z_loss * zl, {"ce": ce, "z_loss": zl, "tokens": mask_BT.sum()}
 
 
 def _to_chunks(x_BT, n: int, C: int) -> Array:

@@ -180,14 +180,16 @@ def make_train_step(trainer: Trainer) -> Callable:
       grads = state.loss_scale.unscale(grads)
     # ZeRO-2/3: gradients live sharded, so the all-reduce becomes a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, trainer.grad_shardings)
-    finite = all_finite(grads) & jnp.isfinite(loss)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # A non-finite step never touches parameters or optimizer state: fp16 overflow and
-    # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
-    skip = ~finite
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can price the update.
+    with jax.named_scope("optimizer"):
+      finite = all_finite(grads) & jnp.isfinite(loss)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      # A non-finite step never touches parameters or optimizer state: fp16 overflow and
+      # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
+      skip = ~finite
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
       "loss": loss,
