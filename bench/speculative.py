@@ -204,6 +204,7 @@ def main(argv=None) -> None:
       print(
         f"# {name}: {n_params(models[name]):,} parameters (d={c.d_model} L={c.n_layers} "
         f"F={c.ffn_dim}), eval loss {last_eval_loss(d):.3f} nats/byte"
+        + (" (main + MTP heads' weighted loss)" if c.mtp is not None else "")
       )
     ks = [int(k) for k in args.ks.split(",")]
     heads = mtp.mtp.n_draft_heads
