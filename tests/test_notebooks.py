@@ -19,6 +19,7 @@ EXPECTED = [
   "02_flash_attention",
   "03_paged_kv_cache",
   "04_mla",
+  "05_speculative_decoding",
   "06_training_memory",
 ]
 

@@ -259,8 +259,9 @@ def _mtp_draft(model, m_cache, new_BT, hidden, positions_BT, a_B, keys_BK, array
     at_B=a_B,
     embed_VD=model.embed[...],
     head_DV=model._head_DV(),
+    n_heads=k,  # heads past the k-th would draft tokens nobody verifies
   )
-  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV[:k])
+  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
   q_BJV = q_BJV.transpose(1, 0, 2)
   draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
   return draft_BJ, q_BJV, m_cache

@@ -175,6 +175,7 @@ class MTPHeads(nnx.Module):
     at_B: Array,
     embed_VD: Array,
     head_DV: Array,
+    n_heads: int | None = None,
   ):
     """Runs the drafting heads over a window of verified positions, extending their cache, and
     returns each head's next-token logits at window index `at_B`.
@@ -185,6 +186,8 @@ class MTPHeads(nnx.Module):
       trunk_BTD, final_BTD: the model's last-block input and final hidden state at the window.
       positions_BT: i32[B, T] the window's positions.
       at_B: i32[B] the window index of each row's last verified position.
+      n_heads: run only the first n_heads (static; default every drafting head): a round that
+        drafts k < J tokens need not pay for the other heads' blocks.
 
     Returns:
       (f32[J, B, V] logits: head j's prediction of the token j + 1 past the one after `at_B`,
@@ -193,7 +196,9 @@ class MTPHeads(nnx.Module):
     graphdef, state = nnx.split(self.heads)
     dtype = final_BTD.dtype
     head_DV = head_DV.astype(dtype)
-    J = self.n_draft_heads
+    J = self.n_draft_heads if n_heads is None else n_heads
+    if not 1 <= J <= self.n_draft_heads:
+      raise ValueError(f"n_heads={n_heads} must be in [1, {self.n_draft_heads}]")
     state = jax.tree.map(lambda a: a[:J], state)
     take = lambda x_BTD: jnp.take_along_axis(x_BTD, at_B[:, None, None], axis=1)[:, 0]
 
