@@ -175,6 +175,58 @@ def print_table(rows: list[dict], baselines: dict[int, dict]) -> None:
     )
 
 
+def engine_table(target, drafts: dict, prompts, args) -> None:
+  """The serving engine with and without speculation, same requests, interleaved: where the
+  batch stops paying for speculation (`EngineConfig.speculative_max_batch`)."""
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  k = args.engine_k
+  print(
+    f"\n## engine: speculation against plain decode bursts (k={k}, greedy, prompt "
+    f"{args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeat}; load average "
+    f"{os.getloadavg()[0]:.2f} before)"
+  )
+  print("| batch | draft | mean acceptance length | tok/s | plain tok/s | speedup |")
+  print("|---|---|---|---|---|---|")
+  for B in [int(b) for b in args.engine_batches.split(",")]:
+    rows = (prompts * B)[:B]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    Z = 16
+    config = EngineConfig(
+      n_blocks=B * -(-(args.prompt_len + args.new_tokens + 16) // Z) + 8,
+      block_size=Z,
+      max_num_seqs=B,
+      max_num_batched_tokens=max(B * args.prompt_len, 64),
+      prefill_chunk=64,
+      num_speculative_tokens=k,
+      speculative_max_batch=B,
+    )
+
+    def run(draft, config=config, rows=rows, params=params):
+      engine = Engine(target, config, draft=draft)
+      t0 = time.perf_counter()
+      engine.generate(rows, params)
+      return len(rows) * params.max_new_tokens / (time.perf_counter() - t0), engine
+
+    for draft in (None, *drafts.values()):
+      run(draft)  # compile
+    times = {name: [] for name in (None, *drafts)}
+    length = {}
+    for _ in range(args.repeat):
+      for name in times:
+        tok_s, engine = run(None if name is None else drafts[name])
+        times[name].append(tok_s)
+        length[name] = engine.mean_acceptance_length
+    plain = times[None]
+    for name in drafts:
+      speedup = statistics.median(t / b for t, b in zip(times[name], plain))
+      print(
+        f"| {B} | {name} | {length[name]:.2f} | {statistics.median(times[name]):.0f} | "
+        f"{statistics.median(plain):.0f} | {speedup:.2f} |"
+      )
+  print(f"(load average {os.getloadavg()[0]:.2f} after)")
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--runs", help="run directories (default: checkpoints/speculative)")
@@ -185,6 +237,11 @@ def main(argv=None) -> None:
   p.add_argument("--repeat", type=int, default=3)
   p.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled (temperature 1)")
   p.add_argument("--smoke", action="store_true", help="toy models trained for two steps")
+  p.add_argument(
+    "--engine", action="store_true", help="only the engine table (speculation vs bursts by batch)"
+  )
+  p.add_argument("--engine-batches", default="1,2,4,8")
+  p.add_argument("--engine-k", type=int, default=4)
   args = p.parse_args(argv)
   if args.smoke:
     args.ks, args.batches, args.prompt_len, args.new_tokens, args.repeat = "1,2", "2", 8, 8, 1
@@ -206,6 +263,10 @@ def main(argv=None) -> None:
         f"F={c.ffn_dim}), eval loss {last_eval_loss(d):.3f} nats/byte"
         + (" (main + MTP heads' weighted loss)" if c.mtp is not None else "")
       )
+    if args.engine:
+      prompts = eval_prompts(dirs["target"], runs, 8, args.prompt_len)
+      engine_table(target, {"draft model": draft}, prompts, args)
+      return
     ks = [int(k) for k in args.ks.split(",")]
     heads = mtp.mtp.n_draft_heads
     cases = [Case("target", target), Case("mtp model", mtp)]

@@ -137,13 +137,12 @@ def exact_joint(model, prompt, params, n):
   """The target's exact law of its next n tokens under `params` (plain decoding), by enumeration."""
   V = model.cfg.vocab_size
   arrays = SamplingArrays.from_params([params])
-  forward = jax.jit(lambda t: model(t)[:, -1])
+  next_law = jax.jit(lambda t: probabilities(model(t)[:, -1], arrays)[0])
   law = {}
   for seq in itertools.product(range(V), repeat=n):
     prob = 1.0
     for i in range(n):
-      logits = forward(jnp.asarray([prompt + list(seq[:i])], jnp.int32))
-      prob *= float(probabilities(logits, arrays)[0, seq[i]])
+      prob *= float(next_law(jnp.asarray([prompt + list(seq[:i])], jnp.int32))[seq[i]])
     law[seq] = prob
   return law
 

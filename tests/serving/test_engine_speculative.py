@@ -59,6 +59,8 @@ def greedy_workload(seed):
 
 @pytest.mark.parametrize("config", [ROOMY, TIGHT], ids=["roomy", "tight"])
 def test_greedy_speculation_in_the_engine_equals_plain_greedy(any_model, draft, config):
+  if config is TIGHT and any_model.cfg.mla is not None:
+    pytest.skip("preemption under speculation is covered by the GQA model and by MTP on MLA")
   prompts, params = greedy_workload(1)
   want = generate(any_model, prompts, params, eos_id=3)
   got, engine = run(any_model, draft, config, prompts, params)
