@@ -283,9 +283,12 @@ def test_serve_with_a_draft_model(run_dir, tmp_path, capsys):
   plain = json.loads(capsys.readouterr().out)["completion"]
   assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "3"]) == 0
   assert json.loads(capsys.readouterr().out)["completion"] == plain
-  cfg = ModelConfig(vocab_size=259, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
-  hf.save(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path)  # a byte-level model
-  assert serve.main([*argv, "--draft", str(tmp_path)]) == 2
+  from atlas_jax.data.tokenizer import train_bpe
+
+  cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+  hf.save(Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path)
+  train_bpe(["def f(x):\n    return x\n"] * 20, vocab_size=300).save(tmp_path / "tokenizer.json")
+  assert serve.main([*argv, "--draft", str(tmp_path)]) == 2  # another tokenizer
   assert "its tokenizer differs from the model's" in capsys.readouterr().err
   assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "0"]) == 2
   assert "--num-speculative-tokens=0 is not allowed" in capsys.readouterr().err
