@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--speculative-max-batch",
     type=int,
-    default=4,
+    default=8,
     help="the largest batch that speculates (larger ones decode plainly)",
   )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")

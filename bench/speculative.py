@@ -182,7 +182,8 @@ def engine_table(target, drafts: dict, prompts, args) -> None:
 
   k = args.engine_k
   print(
-    f"\n## engine: speculation against plain decode bursts (k={k}, greedy, prompt "
+    f"\n## engine: speculation against plain decode bursts (k={k}, temperature "
+    f"{args.engine_temperature}, prompt "
     f"{args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeat}; load average "
     f"{os.getloadavg()[0]:.2f} before)"
   )
@@ -190,7 +191,9 @@ def engine_table(target, drafts: dict, prompts, args) -> None:
   print("|---|---|---|---|---|---|")
   for B in [int(b) for b in args.engine_batches.split(",")]:
     rows = (prompts * B)[:B]
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+      max_new_tokens=args.new_tokens, temperature=args.engine_temperature, ignore_eos=True
+    )
     Z = 16
     config = EngineConfig(
       n_blocks=B * -(-(args.prompt_len + args.new_tokens + 16) // Z) + 8,
@@ -242,6 +245,7 @@ def main(argv=None) -> None:
   )
   p.add_argument("--engine-batches", default="1,2,4,8")
   p.add_argument("--engine-k", type=int, default=4)
+  p.add_argument("--engine-temperature", type=float, default=0.0)
   args = p.parse_args(argv)
   if args.smoke:
     args.ks, args.batches, args.prompt_len, args.new_tokens, args.repeat = "1,2", "2", 8, 8, 1
