@@ -11,3 +11,14 @@ import jax  # noqa: E402
 
 # Tests compare against float32 references; keep matmuls at full float32 precision.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops every compiled program after each module. A worker that runs hundreds of modules
+  otherwise keeps thousands of executables mapped, and XLA's CPU compiler has crashed when a
+  process neared the kernel's limit on memory mappings."""
+  yield
+  jax.clear_caches()
