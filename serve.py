@@ -19,6 +19,7 @@ from pathlib import Path
 
 from atlas_jax import hf
 from atlas_jax.config import ServeConfig, load_config
+from atlas_jax.data.corpus import iter_jsonl
 from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
@@ -112,22 +113,7 @@ def load_any(path: str, dtype: str):
 def read_prompts(args) -> list[str]:
   prompts = [(f"--prompt {i + 1}", p) for i, p in enumerate(args.prompt)]
   if args.prompts:
-    with open(args.prompts, "rb") as f:
-      for i, raw in enumerate(f, 1):
-        where = f"{args.prompts}:{i}"
-        try:
-          line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-          raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-          raise ValueError(f"{where}: expected an object with a string 'prompt' field")
-        prompts.append((where, record["prompt"]))
+    prompts += iter_jsonl(Path(args.prompts), field="prompt")
   if not prompts:
     raise ValueError("no prompts: pass --prompt TEXT or --prompts FILE.jsonl")
   for where, prompt in prompts:

@@ -56,13 +56,14 @@ def source_files(source: str = "stdlib") -> list[Path]:
   )
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[str, str]]:
-  """(name, text) per non-blank line of a JSONL file whose objects carry a string "text".
+def iter_jsonl(path: Path, field: str = "text") -> Iterator[tuple[str, str]]:
+  """(name "file:line", value) per non-blank line of a JSONL file whose objects carry a string
+  `field`.
 
   Raises:
     ValueError naming the file, the line and what is wrong with it.
   """
-  with path.open("rb") as f:
+  with Path(path).open("rb") as f:
     for i, raw in enumerate(f, 1):
       where = f"{path}:{i}"
       try:
@@ -77,14 +78,14 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, str]]:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-      if "text" not in record:
-        raise ValueError(f"{where}: the object has no 'text' field (fields: {sorted(record)})")
-      text = record["text"]
-      if not isinstance(text, str):
+      if field not in record:
+        raise ValueError(f"{where}: the object has no {field!r} field (fields: {sorted(record)})")
+      value = record[field]
+      if not isinstance(value, str):
         raise ValueError(
-          f"{where}: field 'text' must be a string, got {type(text).__name__} {text!r:.40}"
+          f"{where}: field {field!r} must be a string, got {type(value).__name__} {value!r:.40}"
         )
-      yield f"{path.name}:{i}", text
+      yield f"{Path(path).name}:{i}", value
 
 
 def iter_documents(source: str = "stdlib") -> Iterator[tuple[str, str]]:

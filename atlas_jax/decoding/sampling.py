@@ -173,6 +173,11 @@ def unpack_allowed(bits_BW: Array, vocab_size: int) -> Array:
   return ((words_BV >> (v_V & 31)) & 1).astype(bool)
 
 
+def mask_logits(logits_BV: Array, bits_BW: Array) -> Array:
+  """The logits with every token the packed mask i32[B, W] leaves out at -inf."""
+  return jnp.where(unpack_allowed(bits_BW, logits_BV.shape[-1]), logits_BV, -jnp.inf)
+
+
 def apply_penalties(
   logits_BV: Array,
   counts_BV: Array,
@@ -300,8 +305,7 @@ def sample_rows(
   logits_BV = logits_BV.astype(jnp.float32)
   logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
   if arrays.allowed_bits is not None:
-    allowed_BV = unpack_allowed(arrays.allowed_bits, logits_BV.shape[-1])
-    logits_BV = jnp.where(allowed_BV, logits_BV, -jnp.inf)
+    logits_BV = mask_logits(logits_BV, arrays.allowed_bits)
   if counts_BV is not None:
     logits_BV = apply_penalties(
       logits_BV,

@@ -32,6 +32,7 @@ from flax import nnx
 from atlas_jax.decoding.sampling import (
   SamplingArrays,
   SamplingParams,
+  mask_logits,
   probabilities,
   sample_rows,
   step_keys,
@@ -107,6 +108,45 @@ def probabilities_per_position(logits_BJV: Array, arrays: SamplingArrays) -> Arr
   return probabilities(logits_BJV.reshape(B * J, V), rep).reshape(B, J, V)
 
 
+def heads_drafts(logits_JBV: Array, keys_BK: Array, arrays: SamplingArrays):
+  """Drafts from J heads' next-token logits at once (MTP heads do not read each other's draws):
+  (i32[B, J] one draw from each head's distribution, with the round's keys; f32[B, J, V] those
+  distributions)."""
+  J = logits_JBV.shape[0]
+  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
+  q_BJV = q_BJV.transpose(1, 0, 2)
+  draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(J)], axis=1)
+  return draft_BJ, q_BJV
+
+
+def round_tokens(
+  logits_BTV: Array,
+  q_BJV: Array,
+  draft_BJ: Array,
+  key_B: Array,
+  arrays: SamplingArrays,
+  allowed_BTW: Array | None = None,
+):
+  """The target's side of a round: its distributions at the k + 1 positions (masked by
+  `allowed_BTW`, i32[B, k+1, W] packed allowed tokens, when given), the rejection sampler, the
+  emitted tokens.
+
+  Returns:
+    (i32[B] accepted drafts a; i32[B] the token after them; i32[B, k+1] the accepted drafts, then
+    that token, then filler; f32[B, k+1, V] the target's log-probabilities, unmasked, as logprobs
+    are reported).
+  """
+  B, T, V = logits_BTV.shape
+  p_logits_BTV = logits_BTV
+  if allowed_BTW is not None:
+    p_logits_BTV = mask_logits(logits_BTV.reshape(B * T, V), allowed_BTW.reshape(B * T, -1))
+    p_logits_BTV = p_logits_BTV.reshape(B, T, V)
+  a_B, next_B = verify(probabilities_per_position(p_logits_BTV, arrays), q_BJV, draft_BJ, key_B)
+  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
+  new_BT = jnp.where(jnp.arange(T)[None, :] < a_B[:, None], drafts_BT, next_B[:, None])
+  return a_B, next_B, new_BT, jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+
+
 # -- the round -----------------------------------------------------------------------------------
 
 
@@ -154,18 +194,13 @@ def _cut(new_BJ, n_B, i_B, limits_B, stop_BS, done_B):
   return n_B, done_B
 
 
-def _settle(draft_BJ, a_B, next_B, logits_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN):
-  """A round's emitted tokens (the accepted drafts, then the residual or bonus token), cut at
-  stops and limits and written out: (new_BT, n_B, out_BN, logp_BN, done_B)."""
-  k = draft_BJ.shape[1]
-  j_1T = jnp.arange(k + 1)[None, :]
-  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
-  new_BT = jnp.where(j_1T < a_B[:, None], drafts_BT, next_B[:, None])
-  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+def _settle(new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN):
+  """A round's emitted tokens (`round_tokens`), cut at stops and limits and written out:
+  (n_B, out_BN, logp_BN, done_B)."""
   newlp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
   n_B, done_B = _cut(new_BT, a_B + 1, i_B, limits_B, stop_BS, done_B)
   out_BN, logp_BN = _emit(out_BN, logp_BN, i_B, new_BT, newlp_BT, n_B)
-  return new_BT, n_B, out_BN, logp_BN, done_B
+  return n_B, out_BN, logp_BN, done_B
 
 
 def _round_stats(done_B, a_B, n_B, k):
@@ -228,10 +263,9 @@ def _draft_model_loop(
     target = nnx.merge(t_graphdef, t_state)
     tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
     logits_BTV, t_cache = target(tokens_BT, cache=t_cache)
-    p_BTV = probabilities_per_position(logits_BTV, arrays)
-    a_B, next_B = verify(p_BTV, q_BJV, draft_BJ, keys_BK[:, k])
-    new_BT, n_B, out_BN, logp_BN, done2_B = _settle(
-      draft_BJ, a_B, next_B, logits_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
+    a_B, next_B, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, keys_BK[:, k], arrays)
+    n_B, out_BN, logp_BN, done2_B = _settle(
+      new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
     )
     # Roll back both caches to the pending token and the accepted drafts; a finished row stays
     # where it was (its later rounds are discarded), so no cache ever runs past its capacity.
@@ -261,10 +295,7 @@ def _mtp_draft(model, m_cache, new_BT, hidden, positions_BT, a_B, keys_BK, array
     head_DV=model._head_DV(),
     n_heads=k,  # heads past the k-th would draft tokens nobody verifies
   )
-  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
-  q_BJV = q_BJV.transpose(1, 0, 2)
-  draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
-  return draft_BJ, q_BJV, m_cache
+  return *heads_drafts(logits_JBV, keys_BK, arrays), m_cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8))
@@ -327,10 +358,9 @@ def _mtp_loop(
     base_B = t_cache.lengths
     tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
     logits_BTV, t_cache, hidden = model(tokens_BT, cache=t_cache, return_hidden=True)
-    p_BTV = probabilities_per_position(logits_BTV, arrays)
-    a_B, next_B = verify(p_BTV, q_BJV, draft_BJ, keys_BK[:, k])
-    new_BT, n_B, out_BN, logp_BN, done2_B = _settle(
-      draft_BJ, a_B, next_B, logits_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
+    a_B, next_B, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, keys_BK[:, k], arrays)
+    n_B, out_BN, logp_BN, done2_B = _settle(
+      new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
     )
     positions_BT = base_B[:, None] + jnp.arange(k + 1)[None, :]
     next_keys_BK = round_keys(seed_B, i_B + n_B, k + 1)

@@ -37,7 +37,8 @@ A guided request (`SamplingParams.guided`, a compiled grammar) holds a matcher: 
 samples for it passes its allowed tokens (packed bits i32[W], from the matcher's state) into the
 jitted step, which masks the logits; the drawn token advances the matcher, and the request stops
 ("stop") once only eos could follow. No burst runs while a guided request is running, since its
-mask depends on each drawn token. Preemption keeps the output tokens, so the matcher stays valid.
+mask depends on each drawn token (speculative rounds do: see below). Preemption keeps the output
+tokens, so the matcher stays valid.
 
 With a draft model (`Engine(..., draft=...)`), a step in which every running request decodes
 and the batch is at most `speculative_max_batch` is a speculative round instead
@@ -49,7 +50,15 @@ over every token the target computes (prefill chunks and bursts too), so it neve
 up. With `draft="mtp"` the model's own multi-token-prediction heads draft instead, from the
 trunk's hidden states at the last computed position (kept per slot beside the heads' own pool).
 Outputs follow the target's law exactly; greedy outputs equal plain greedy decoding. Rows
-with penalties or a grammar do not speculate (the batch takes plain steps while one runs).
+with penalties do not speculate (the batch takes plain steps while one runs). A batch with
+guided rows runs the round as two programs (`steps.speculative_draft`, then
+`steps.speculative_verify`): between them the host advances each guided row's matcher along its
+drafts, collecting the mask at every position, and rolls it back; the target's distributions are
+masked there, so a draft the grammar refuses is rejected and the token drawn in its place is
+allowed. The first draft of a guided row is drawn under its current mask; later ones are not
+(their masks depend on the drafts before them), so a guided row accepts fewer drafts where the
+grammar departs from what the draft would write. The matcher then advances by the emitted tokens
+only.
 Larger batches burst instead: there the target's pass is no longer bound by reading its
 weights, and speculation's extra draft and rejected-token work stops paying.
 
@@ -509,11 +518,16 @@ class Engine:
 
   def _should_burst(self) -> bool:
     """Whether no running request needs the host for `decode_burst` steps."""
-    return self.config.decode_burst >= 2 and self._decode_only()
+    return (
+      self.config.decode_burst >= 2
+      and self._decode_only()
+      and all(r.matcher is None for r in self.running)  # a guided row's mask follows each draw
+    )
 
   def _should_speculate(self) -> bool:
     """Whether this step is a speculative round: a draft, a small enough batch, no row with
-    penalties (their counts would follow each draft), and no request that needs the host."""
+    penalties (their counts would follow each draft), and no request that needs a mixed step.
+    Guided rows speculate: the host walks their drafts through the grammar mid-round."""
     return self._speculates(self.running) and self._decode_only()
 
   def _speculates(self, rows: list[_Request]) -> bool:
@@ -524,14 +538,14 @@ class Engine:
     )
 
   def _decode_only(self) -> bool:
-    """Whether every running request is decoding with nothing that needs the host per token,
-    and nothing waits that could be admitted now."""
+    """Whether every running request is decoding one pending token, and nothing waits that
+    could be admitted now."""
     if not self.running:
       return False
     if any(r.suspect for r in self.running):
       return False  # suspects run alone, in mixed steps
-    if any(r.n_pending != 1 or r.matcher is not None for r in self.running):
-      return False  # a guided row's mask follows each token it draws
+    if any(r.n_pending != 1 for r in self.running):
+      return False
     if self.waiting and len(self.running) < self.config.max_num_seqs:
       head = self.waiting[0]
       hit = self.allocator.cached_prefix_length(head.tokens)
@@ -666,18 +680,24 @@ class Engine:
     start = [r.n_computed for r in rows]
     self.n_steps += 1
     self.n_computed_tokens += (k + 1) * len(rows)
+    allowed = self._allowed_bits([(r, 1) for r in rows], B)
+    arrays = SamplingArrays.from_params([r.params for r in rows], pad_to=B, allowed_bits=allowed)
+    table = self._block_table([r.id for r in rows], B)
+    round_rows = steps.RoundRows(tokens, lengths, table, seeds, first_step, arrays)
+    progs = self.programs
     try:
-      self.pools, *outs, accepted_B = self.programs.speculative_round(
-        self.states,
-        self.pools,
-        tokens,
-        lengths,
-        self._block_table([r.id for r in rows], B),
-        seeds,
-        first_step,
-        SamplingArrays.from_params([r.params for r in rows], pad_to=B),
-        k,
-      )
+      if allowed is None:
+        self.pools, *outs, accepted_B = progs.speculative_round(
+          self.states, self.pools, round_rows, k
+        )
+      else:  # guided rows: the target's masks at each draft follow the drafts before it
+        self.pools, draft_BJ, q_BJV = progs.speculative_draft(
+          self.states, self.pools, round_rows, k
+        )
+        masks = self._draft_masks(rows, np.asarray(draft_BJ), B)
+        self.pools, *outs, accepted_B = progs.speculative_verify(
+          self.states, self.pools, round_rows, draft_BJ, q_BJV, masks
+        )
       accepted_B = np.asarray(accepted_B)[: len(rows)]
     except Exception as e:
       if _pool_lost(self.pools):
@@ -870,6 +890,26 @@ class Engine:
       if req.matcher is not None:
         bits[b] = req.matcher.allowed_bits()
     return bits
+
+  def _draft_masks(self, rows: list[_Request], drafts_BJ: np.ndarray, B: int) -> np.ndarray:
+    """i32[B, k+1, W]: a guided row's allowed tokens at its pending token and after each of its
+    drafts, from its matcher advanced along the drafts and rolled back; all set for the other
+    rows, and past a draft the grammar refuses (the target rejects it there, so the positions
+    after it are never read)."""
+    k = drafts_BJ.shape[1]
+    masks = np.full((B, k + 1, -(-self.model_config.vocab_size // 32)), -1, np.int32)
+    for b, req in enumerate(rows):
+      m = req.matcher
+      if m is None:
+        continue
+      masks[b, 0] = m.allowed_bits()
+      n = 0
+      while n < k and m.accepts(drafts_BJ[b, n]):
+        m.advance(drafts_BJ[b, n])
+        n += 1
+        masks[b, n] = m.allowed_bits()
+      m.rollback(n)
+    return masks
 
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""

@@ -10,7 +10,9 @@ host-side scheduler (`atlas_jax.serving.engine`) decides what runs; these only c
   not stop inside the burst: tokens past a stop are cut by the host, whose block reservation
   covered them.
 * `speculative_round`: the draft model proposes k tokens per row, the target scores all of
-  them in one pass, the rejection sampler keeps a prefix and draws the token after it.
+  them in one pass, the rejection sampler keeps a prefix and draws the token after it. Split in
+  `speculative_draft` and `speculative_verify` for guided rows, whose masks at each draft position
+  the host computes from the drafts.
 * `copy_blocks`: copy-on-write of pool blocks.
 
 With a draft model, every program takes `states` and `pools` as (target, draft) pairs: the draft
@@ -43,11 +45,12 @@ from atlas_jax.cache.paged import PagedCache
 from atlas_jax.decoding.sampling import (
   MAX_LOGPROBS,
   SamplingArrays,
+  mask_logits,
   probabilities,
   sample_rows,
   step_keys,
 )
-from atlas_jax.decoding.speculative import draw, probabilities_per_position, round_keys, verify
+from atlas_jax.decoding.speculative import draw, heads_drafts, round_keys, round_tokens
 
 Array = jax.Array
 MTP = "mtp"  # `draft_graphdef` for self-speculation with the model's own MTP heads
@@ -229,20 +232,23 @@ def decode_burst(
   return (pools, *outs, counts_BV)
 
 
-def speculative_round(
-  graphdef,
-  d_graphdef,
-  states,
-  pools,
-  tokens_B,
-  lengths_B,
-  block_table_BM,
-  seed_B,
-  step_B,
-  arrays: SamplingArrays,
-  k: int,
-):
-  """One round of speculation for every row (`atlas_jax.decoding.speculative`).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundRows:
+  """What a speculative round takes per row (B rows, padded to a power of two)."""
+
+  tokens_B: Array  # i32[B] each row's pending token, at position lengths_B
+  lengths_B: Array  # i32[B] tokens in the pool; -1: a padding row
+  block_table_BM: Array  # i32[B, M] covering positions up to lengths + k
+  seed_B: Array  # i32[B]
+  step_B: Array  # i32[B] the index of the round's first emitted token: its keys are
+  # `round_keys(seed, step)`, as in `generate`'s speculative loop
+  arrays: SamplingArrays
+
+
+def speculative_round(graphdef, d_graphdef, states, pools, rows: RoundRows, k: int):
+  """One round of speculation for every row (`atlas_jax.decoding.speculative`): the draft half
+  and the verify half in one program.
 
   The draft runs k + 1 single-token steps from each row's pending token (the last only writes
   d_k's K/V, so the draft pool keeps up with the target's); the target runs once over
@@ -250,60 +256,68 @@ def speculative_round(
   pools then hold K/V for positions up to lengths + k; the host keeps lengths + 1 + a_b of them
   (cut at stops), and the next round overwrites the rest.
 
-  Args:
-    tokens_B: i32[B] each row's pending token, at position lengths_B (-1: a padding row).
-    block_table_BM: i32[B, M] covering positions up to lengths + k.
-    seed_B, step_B: i32[B] seeds, and the index of the round's first emitted token (its keys
-      are `round_keys(seed, step)`, as in `generate`'s speculative loop).
-
   Returns:
     (pools, i32[k+1, B] emitted tokens (row b's first a_b + 1 are real), f32[k+1, B] their target
     logprobs, i32[k+1, B, 5] top ids, f32[k+1, B, 5] top logprobs, i32[B] accepted drafts a_b).
   """
+  pools, draft_BJ, q_BJV = speculative_draft(graphdef, d_graphdef, states, pools, rows, k)
+  return speculative_verify(graphdef, d_graphdef, states, pools, rows, draft_BJ, q_BJV, None)
+
+
+def speculative_draft(graphdef, d_graphdef, states, pools, rows: RoundRows, k: int):
+  """The draft half of a round.
+
+  With `rows.arrays.allowed_bits` (guided rows), each row's first draft is drawn under its
+  current mask; later drafts are not masked, since their masks depend on the drafts before them:
+  the host walks them through the grammar and `speculative_verify` masks the target there.
+
+  Returns:
+    (pools, i32[B, k] draft tokens, f32[B, k, V] the distributions they were drawn from).
+  """
   (state, d_state), (pool, d_pool) = states, pools
+  keys_BK = round_keys(rows.seed_B, rows.step_B, k + 1)
+  if d_graphdef == MTP:
+    drafts = _mtp_drafts(nnx.merge(graphdef, state), d_pool, rows, keys_BK, k)
+  else:
+    drafts = _model_drafts(nnx.merge(d_graphdef, d_state), d_pool, rows, keys_BK, k)
+  d_pool, draft_BJ, q_BJV = drafts
+  return (pool, d_pool), draft_BJ, q_BJV
+
+
+def speculative_verify(
+  graphdef, d_graphdef, states, pools, rows: RoundRows, draft_BJ, q_BJV, allowed_BTW
+):
+  """The verify half of a round: the target over [pending, d_1..d_k], the rejection sampler,
+  and (MTP) the heads over the round's window. Returns what `speculative_round` returns.
+
+  Args:
+    draft_BJ, q_BJV: `speculative_draft`'s drafts and their distributions.
+    allowed_BTW: i32[B, k+1, W] the allowed tokens at each of the k + 1 positions (guided rows'
+      from their grammar after the drafts before it, all set for the others), or None. A draft
+      the mask refuses has target probability 0, so it is rejected there: the law of every
+      emitted token is the target's masked one, whatever the drafts were.
+  """
+  (state, _), (pool, d_pool) = states, pools
   model = nnx.merge(graphdef, state)
+  k = draft_BJ.shape[1]
+  tokens_B, lengths_B, block_table_BM = rows.tokens_B, rows.lengths_B, rows.block_table_BM
   valid_B = lengths_B >= 0
   start_B = jnp.where(valid_B, lengths_B, 0)
-  keys_BK = round_keys(seed_B, step_B, k + 1)
+  keys_BK = round_keys(rows.seed_B, rows.step_B, k + 1)
   offsets_1T = jnp.arange(k + 1)[None, :]
   positions_BT = jnp.where(valid_B[:, None], lengths_B[:, None] + offsets_1T, -1)
-  if d_graphdef == MTP:
-    d_pool, draft_BJ, q_BJV = _mtp_drafts(
-      model,
-      d_pool,
-      tokens_BT=tokens_B,
-      lengths_B=lengths_B,
-      block_table_BM=block_table_BM,
-      keys_BK=keys_BK,
-      arrays=arrays,
-      k=k,
-    )
-  else:
-    d_pool, draft_BJ, q_BJV = _model_drafts(
-      nnx.merge(d_graphdef, d_state),
-      d_pool,
-      tokens_B,
-      lengths_B,
-      block_table_BM,
-      keys_BK,
-      arrays,
-      k,
-    )
   tokens_BT = jnp.concatenate([tokens_B[:, None], draft_BJ], axis=1)
   cache = PagedCache(pool=pool, block_table=block_table_BM, lengths=start_B)
   logits_BTV, cache, *hidden = model(
     tokens_BT, positions_BT=positions_BT, cache=cache, return_hidden=d_graphdef == MTP
   )
-  a_B, next_B = verify(
-    probabilities_per_position(logits_BTV, arrays), q_BJV, draft_BJ, keys_BK[:, k]
+  a_B, _, new_BT, logp_BTV = round_tokens(
+    logits_BTV, q_BJV, draft_BJ, keys_BK[:, k], rows.arrays, allowed_BTW
   )
-  drafts_BT = jnp.concatenate([draft_BJ, jnp.zeros_like(draft_BJ[:, :1])], axis=1)
-  new_BT = jnp.where(offsets_1T < a_B[:, None], drafts_BT, next_B[:, None])
   if d_graphdef == MTP:  # the heads over the round's window, each position with its next token
     d_pool, _ = _mtp_window(
       model, d_pool, block_table_BM, start_B, positions_BT, new_BT, hidden[0], a_B
     )
-  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
   lp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
   top_lp_BTK, top_ids_BTK = jax.lax.top_k(logp_BTV, min(MAX_LOGPROBS, logp_BTV.shape[-1]))
   return (
@@ -316,9 +330,17 @@ def speculative_round(
   )
 
 
-def _model_drafts(draft, d_pool, tokens_B, lengths_B, block_table_BM, keys_BK, arrays, k):
+def _first_masked(logits_BV, arrays: SamplingArrays, j):
+  """A guided row's first draft is drawn under its mask (`speculative_draft`)."""
+  if arrays.allowed_bits is None:
+    return logits_BV
+  return jnp.where(j == 0, mask_logits(logits_BV, arrays.allowed_bits), logits_BV)
+
+
+def _model_drafts(draft, d_pool, rows: RoundRows, keys_BK, k):
   """A draft model's k tokens per row and the distributions they were drawn from: (d_pool,
   i32[B, k], f32[B, k, V])."""
+  lengths_B, block_table_BM, arrays = rows.lengths_B, rows.block_table_BM, rows.arrays
   valid_B = lengths_B >= 0
 
   def draft_step(carry, j):
@@ -327,17 +349,18 @@ def _model_drafts(draft, d_pool, tokens_B, lengths_B, block_table_BM, keys_BK, a
     at_B = jnp.where(valid_B, lengths_B + j, 0)
     cache = PagedCache(pool=d_pool, block_table=block_table_BM, lengths=at_B)
     logits_B1V, cache = draft(x_B[:, None], positions_BT=positions_B1, cache=cache)
-    q_BV = probabilities(logits_B1V[:, 0], arrays)
+    q_BV = probabilities(_first_masked(logits_B1V[:, 0], arrays, j), arrays)
     d_B = draw(keys_BK[:, j], q_BV)  # the last step's draw is not used
     return (cache.pool, d_B), (d_B, q_BV)
 
-  (d_pool, _), (d_JB, q_JBV) = jax.lax.scan(draft_step, (d_pool, tokens_B), jnp.arange(k + 1))
+  (d_pool, _), (d_JB, q_JBV) = jax.lax.scan(draft_step, (d_pool, rows.tokens_B), jnp.arange(k + 1))
   return d_pool, d_JB[:k].T, q_JBV[:k].transpose(1, 0, 2)
 
 
-def _mtp_drafts(model, side, *, tokens_BT, lengths_B, block_table_BM, keys_BK, arrays, k):
+def _mtp_drafts(model, side, rows: RoundRows, keys_BK, k):
   """The MTP heads' k tokens per row, drafted at the last computed position (its hidden states
   read back from their slots, the pending token as its next): (side, i32[B, k], f32[B, k, V])."""
+  lengths_B, block_table_BM, arrays = rows.lengths_B, rows.block_table_BM, rows.arrays
   _, final_PZD, trunk_PZD = side
   P, Z, D = final_PZD.shape
   last_B1 = jnp.where(lengths_B >= 1, lengths_B - 1, -1)[:, None]
@@ -347,12 +370,10 @@ def _mtp_drafts(model, side, *, tokens_BT, lengths_B, block_table_BM, keys_BK, a
   at_B = jnp.zeros(lengths_B.shape, jnp.int32)
   start_B = jnp.maximum(last_B1[:, 0], 0)
   side, logits_JBV = _mtp_window(
-    model, side, block_table_BM, start_B, last_B1, tokens_BT[:, None], hidden, at_B
+    model, side, block_table_BM, start_B, last_B1, rows.tokens_B[:, None], hidden, at_B
   )
-  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV[:k])
-  q_BJV = q_BJV.transpose(1, 0, 2)
-  draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
-  return side, draft_BJ, q_BJV
+  logits_JBV = logits_JBV[:k].at[0].set(_first_masked(logits_JBV[0], arrays, 0))
+  return side, *heads_drafts(logits_JBV, keys_BK, arrays)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -368,6 +389,8 @@ class Programs:
   forward_sample: Callable
   decode_burst: Callable
   speculative_round: Callable | None  # with a draft model only
+  speculative_draft: Callable | None  # the round in two halves, for guided rows: the host
+  speculative_verify: Callable | None  # walks the drafts through each grammar in between
 
 
 @functools.cache
@@ -375,10 +398,17 @@ def programs(graphdef, draft_graphdef=None) -> Programs:
   """The step programs with the graphs bound, compiled lazily per shape; one set per pair.
   `draft_graphdef`: a draft model's graph, `MTP` for the model's own heads, or None."""
   bind = lambda f: functools.partial(f, graphdef, draft_graphdef)
+  speculate = draft_graphdef is not None
   return Programs(
     forward_sample=jax.jit(bind(forward_sample), static_argnums=(10,), donate_argnums=(1,)),
     decode_burst=jax.jit(bind(decode_burst), static_argnums=(9, 10), donate_argnums=(1,)),
-    speculative_round=None
-    if draft_graphdef is None
-    else jax.jit(bind(speculative_round), static_argnums=(8,), donate_argnums=(1,)),
+    speculative_round=jax.jit(bind(speculative_round), static_argnums=(3,), donate_argnums=(1,))
+    if speculate
+    else None,
+    speculative_draft=jax.jit(bind(speculative_draft), static_argnums=(3,), donate_argnums=(1,))
+    if speculate
+    else None,
+    speculative_verify=jax.jit(bind(speculative_verify), donate_argnums=(1,))
+    if speculate
+    else None,
   )

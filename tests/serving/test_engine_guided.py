@@ -1,7 +1,9 @@
 """Guided requests in the engine: outputs parse and validate across seeds on a model over a real
 (byte-level BPE) vocabulary, no bursts while one runs, preemption changes nothing, neighbours'
-outputs are unchanged."""
+outputs are unchanged; under speculation (a draft model, the target itself, MTP heads) greedy
+outputs equal plain guided greedy outputs and sampled ones still validate."""
 
+import dataclasses
 import json
 import re
 
@@ -9,12 +11,14 @@ import jsonschema
 import pytest
 from flax import nnx
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import ModelConfig, MTPConfig
 from atlas_jax.data.tokenizer import train_bpe
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
 from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
+
+from .conftest import TINY
 
 SCHEMA = {
   "type": "object",
@@ -34,16 +38,8 @@ REGEX = r"[a-c]{1,3}-[0-9]{1,4}"
 def setup():
   corpus = ['{"name": "ab", "age": 7, "ok": true, "pets": ["cat"]}\n' * 20, "yes no nope" * 20]
   tok = train_bpe(corpus + ["def f(x):\n  return x\n" * 20], 300)
-  cfg = ModelConfig(
-    vocab_size=tok.vocab_size,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    max_seq_len=256,
-    init_std=0.3,
-  )
+  shape = {**TINY, "vocab_size": tok.vocab_size, "max_seq_len": 256}
+  cfg = ModelConfig(**shape, n_kv_heads=2, init_std=0.3)
   model = build(cfg, rngs=nnx.Rngs(0))
   compiler = GrammarCompiler(tok, vocab_size=cfg.vocab_size)
   grammars = {
@@ -54,9 +50,10 @@ def setup():
   return tok, model, grammars
 
 
-def _engine(model, tok, **kw):
+def _engine(model, tok, draft=None, **kw):
   cfg = dict(n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
-  return Engine(model, EngineConfig(**(cfg | kw)), eos_id=tok.eos_id, detokenize=tok.decode)
+  config = EngineConfig(**(cfg | kw))
+  return Engine(model, config, draft=draft, eos_id=tok.eos_id, detokenize=tok.decode)
 
 
 def _run(engine, requests):
@@ -144,3 +141,43 @@ def test_guided_params_need_the_models_vocabulary_and_the_engine(setup):
     _engine(model, tok).add_request("r", [1, 2], params)
   with pytest.raises(ValueError, match="served by the Engine"):
     generate(model, [[1, 2]], SamplingParams(guided=grammars["choice"]))
+
+
+def _greedy(reqs):
+  return [(rid, p, dataclasses.replace(sp, temperature=0.0)) for rid, p, sp in reqs]
+
+
+def test_guided_rows_speculate_and_keep_their_greedy_tokens(setup):
+  """A draft model whose drafts the grammar often refuses, and the target as its own draft,
+  whose first draft per round is drawn under the same mask as the target's token, so it is
+  always accepted: both emit exactly the plain guided greedy tokens."""
+  tok, model, grammars = setup
+  small = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
+  draft = build(dataclasses.replace(model.cfg, **small), rngs=nnx.Rngs(5))
+  reqs = _greedy(_requests(tok, grammars, range(2), max_new_tokens=48))
+  want = _run(_engine(model, tok), reqs)
+  for d in (draft, model):
+    engine = _engine(model, tok, draft=d, num_speculative_tokens=3)
+    assert _run(engine, reqs) == want
+    assert engine.n_spec_rounds > 0 and engine.n_bursts == 0
+    assert 0 < engine.n_accepted < engine.n_drafted
+    if d is model:
+      assert engine.n_accepted >= engine.n_spec_row_rounds  # every first draft
+    for rid, _, _ in reqs:
+      _check(tok, rid[0], *want[rid])
+
+
+def test_sampled_guided_speculation_validates_across_seeds(setup):
+  """MTP self-speculation on the same vocabulary: every sampled output parses and validates, and
+  an unguided neighbour in the same rounds is unaffected by its neighbours' grammars."""
+  tok, model, grammars = setup
+  cfg = dataclasses.replace(model.cfg, mtp=MTPConfig("parallel", 2))
+  mtp = build(cfg, rngs=nnx.Rngs(1))
+  plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
+  engine = _engine(mtp, tok, draft="mtp", num_speculative_tokens=2)
+  got = _run(engine, _requests(tok, grammars, range(3), max_new_tokens=64) + [plain])
+  for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
+    _check(tok, kind, tokens, reason)
+  assert engine.n_spec_rounds > 0 and engine.n_accepted > 0
+  alone = _engine(mtp, tok, draft="mtp", num_speculative_tokens=2)
+  assert _run(alone, [plain])["plain"] == got["plain"]

@@ -3,64 +3,31 @@ neighbour. Property-based (hypothesis), bounded in example count, derandomised f
 
 import json
 import math
-import socket
 import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
-from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atlas_jax.config import ModelConfig
-from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.model.transformer import Transformer
-from atlas_jax.serving.engine import Engine, EngineConfig
-from atlas_jax.serving.server import EngineRunner, ServerLimits, build_app
+from atlas_jax.serving.engine import EngineConfig
+from atlas_jax.serving.server import ServerLimits
+
+from .conftest import byte_model, serving
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @pytest.fixture(scope="module")
 def server():
-  tok = ByteTokenizer()
-  cfg = ModelConfig(
-    vocab_size=tok.vocab_size,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    max_seq_len=128,
-    init_std=0.3,
+  model, tok = byte_model(2)
+  config = EngineConfig(
+    n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk=32
   )
-  model = Transformer(cfg, rngs=nnx.Rngs(2))
-  engine = Engine(
-    model,
-    EngineConfig(
-      n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk=32
-    ),
-    eos_id=tok.eos_id,
-    detokenize=tok.decode,
-  )
-  runner = EngineRunner(engine)
   limits = ServerLimits(max_prompt_tokens=96, max_tokens=16, max_n=2, max_body_bytes=2048)
-  app = build_app(runner, encode=tok.encode, decode=tok.decode, model_name="m", limits=limits)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
-  while not srv.started:
-    time.sleep(0.05)
-  yield f"http://127.0.0.1:{port}", model, tok, runner
-  srv.should_exit = True
-  thread.join(timeout=10)
-  runner.shutdown()
+  with serving(model, tok, config, "critical", model_name="m", limits=limits) as (url, _, runner):
+    yield url, model, tok, runner
 
 
 # -- strategies ------------------------------------------------------------------------------

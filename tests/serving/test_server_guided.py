@@ -3,23 +3,17 @@ openai client and raw bodies; every bad constraint is a 400 naming its field, ne
 
 import json
 import re
-import socket
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
-from flax import nnx
 
-from atlas_jax.config import ModelConfig
-from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.decoding.guided import GrammarCompiler
-from atlas_jax.model.transformer import Transformer
-from atlas_jax.serving.engine import Engine, EngineConfig
-from atlas_jax.serving.server import EngineRunner, ServerLimits, build_app
+from atlas_jax.serving.engine import EngineConfig
+from atlas_jax.serving.server import ServerLimits
+
+from .conftest import byte_model, serving
 
 SCHEMA = {
   "type": "object",
@@ -34,45 +28,17 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def url():
-  tok = ByteTokenizer()
-  cfg = ModelConfig(
-    vocab_size=tok.vocab_size,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    max_seq_len=128,
-    init_std=0.3,
-  )
-  model = Transformer(cfg, rngs=nnx.Rngs(1))
-  engine = Engine(
+  model, tok = byte_model(1)
+  config = EngineConfig(n_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+  with serving(
     model,
-    EngineConfig(n_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64),
-    eos_id=tok.eos_id,
-    detokenize=tok.decode,
-  )
-  runner = EngineRunner(engine)
-  app = build_app(
-    runner,
-    encode=tok.encode,
-    decode=tok.decode,
+    tok,
+    config,
     model_name="tiny",
     limits=ServerLimits(max_prompt_tokens=64, max_tokens=64, max_n=2),
-    guided=GrammarCompiler(tok, vocab_size=cfg.vocab_size, timeout_s=3.0),
-  )
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
-  while not srv.started:
-    time.sleep(0.05)
-  yield f"http://127.0.0.1:{port}"
-  srv.should_exit = True
-  thread.join(timeout=10)
-  runner.shutdown()
+    guided=GrammarCompiler(tok, vocab_size=model.cfg.vocab_size, timeout_s=3.0),
+  ) as (url, _, _):
+    yield url
 
 
 def test_openai_client_guided_requests(url):
