@@ -79,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=8,
     help="the largest batch that speculates (larger ones decode plainly)",
   )
+  p.add_argument(
+    "--guided-speculative-max-batch",
+    type=int,
+    default=4,
+    help="the same for a batch with a guided request",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")
   p.add_argument("--port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
   p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -142,6 +148,7 @@ POSITIVE_FLAGS = (
   "max_model_len",
   "num_speculative_tokens",
   "speculative_max_batch",
+  "guided_speculative_max_batch",
   "max_prompt_tokens",
   "max_tokens_limit",
   "max_n",
@@ -243,6 +250,7 @@ def make_engine(args, model, tokenizer) -> Engine:
     max_model_len=max_len,
     num_speculative_tokens=args.num_speculative_tokens,
     speculative_max_batch=args.speculative_max_batch,
+    guided_speculative_max_batch=args.guided_speculative_max_batch,
   )
   if args.draft is not None and args.speculative is not None:
     raise ValueError("--draft and --speculative mtp are two drafts: give one")

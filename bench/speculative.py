@@ -18,6 +18,7 @@ compile, then all cases run interleaved `--repeat` times; tables give the median
 
     python bench/speculative.py [--runs checkpoints/speculative] [--ks 1,2,4,8] [--batches 1,8]
     python bench/speculative.py --smoke      # toy models trained for two steps: the code paths
+    python bench/speculative.py --engine [--engine-guided]   # only the engine table
 
 On a shared machine CPU timings swing with load: compare only runs printed with a low load average.
 """
@@ -175,14 +176,17 @@ def print_table(rows: list[dict], baselines: dict[int, dict]) -> None:
     )
 
 
-def engine_table(target, drafts: dict, prompts, args) -> None:
+def engine_table(target, drafts: dict, prompts, args, grammar=None) -> None:
   """The serving engine with and without speculation, same requests, interleaved: where the
-  batch stops paying for speculation (`EngineConfig.speculative_max_batch`)."""
+  batch stops paying for speculation (`EngineConfig.speculative_max_batch`). With `grammar`,
+  every request is guided by it (plain: one masked step per token; speculation: the grammar
+  walked along each round's drafts)."""
   from atlas_jax.serving.engine import Engine, EngineConfig
 
   k = args.engine_k
+  against = "plain guided steps" if grammar is not None else "plain decode bursts"
   print(
-    f"\n## engine: speculation against plain decode bursts (k={k}, temperature "
+    f"\n## engine: speculation against {against} (k={k}, temperature "
     f"{args.engine_temperature}, prompt "
     f"{args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeat}; load average "
     f"{os.getloadavg()[0]:.2f} before)"
@@ -192,7 +196,10 @@ def engine_table(target, drafts: dict, prompts, args) -> None:
   for B in [int(b) for b in args.engine_batches.split(",")]:
     rows = (prompts * B)[:B]
     params = SamplingParams(
-      max_new_tokens=args.new_tokens, temperature=args.engine_temperature, ignore_eos=True
+      max_new_tokens=args.new_tokens,
+      temperature=args.engine_temperature,
+      ignore_eos=grammar is None,  # a grammar ends the output itself (the schema outlasts it)
+      guided=grammar,
     )
     Z = 16
     config = EngineConfig(
@@ -203,12 +210,15 @@ def engine_table(target, drafts: dict, prompts, args) -> None:
       prefill_chunk=64,
       num_speculative_tokens=k,
       speculative_max_batch=B,
+      guided_speculative_max_batch=B,
     )
 
     def run(draft, config=config, rows=rows, params=params):
-      engine = Engine(target, config, draft=draft)
+      eos_id = None if grammar is None else grammar.eos_id
+      engine = Engine(target, config, draft=draft, eos_id=eos_id)
       t0 = time.perf_counter()
-      engine.generate(rows, params)
+      outs = engine.generate(rows, params)
+      assert all(len(o) == params.max_new_tokens for o in outs)  # the same work in every arm
       return len(rows) * params.max_new_tokens / (time.perf_counter() - t0), engine
 
     for draft in (None, *drafts.values()):
@@ -246,6 +256,11 @@ def main(argv=None) -> None:
   p.add_argument("--engine-batches", default="1,2,4,8")
   p.add_argument("--engine-k", type=int, default=4)
   p.add_argument("--engine-temperature", type=float, default=0.0)
+  p.add_argument(
+    "--engine-guided",
+    action="store_true",
+    help="the engine table with every request guided by a JSON schema (bench/guided.py's)",
+  )
   args = p.parse_args(argv)
   if args.smoke:
     args.ks, args.batches, args.prompt_len, args.new_tokens, args.repeat = "1,2", "2", 8, 8, 1
@@ -267,9 +282,18 @@ def main(argv=None) -> None:
         f"F={c.ffn_dim}), eval loss {last_eval_loss(d):.3f} nats/byte"
         + (" (main + MTP heads' weighted loss)" if c.mtp is not None else "")
       )
-    if args.engine:
+    if args.engine or args.engine_guided:
       prompts = eval_prompts(dirs["target"], runs, 8, args.prompt_len)
-      engine_table(target, {"draft model": draft}, prompts, args)
+      grammar = None
+      if args.engine_guided:
+        from guided import SCHEMA  # bench/guided.py: outputs longer than --new-tokens
+
+        from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
+
+        tok = checkpoint.load_model(dirs["target"])[2]
+        compiler = GrammarCompiler(tok, vocab_size=target.cfg.vocab_size)
+        grammar = compiler.compile(spec_from_request(guided_json=SCHEMA))
+      engine_table(target, {"draft model": draft}, prompts, args, grammar)
       return
     ks = [int(k) for k in args.ks.split(",")]
     heads = mtp.mtp.n_draft_heads

@@ -41,7 +41,8 @@ mask depends on each drawn token (speculative rounds do: see below). Preemption 
 tokens, so the matcher stays valid.
 
 With a draft model (`Engine(..., draft=...)`), a step in which every running request decodes
-and the batch is at most `speculative_max_batch` is a speculative round instead
+and the batch is at most `speculative_max_batch` (`guided_speculative_max_batch` with a guided
+row) is a speculative round instead
 (`steps.speculative_round`): the draft proposes `num_speculative_tokens` tokens per row, the
 target scores them in one pass, and each row keeps its accepted drafts and the token after them;
 blocks are reserved for all k + 1 positions and those past the kept tokens are given back
@@ -117,6 +118,9 @@ class EngineConfig:
   # With a draft model: tokens it proposes per round, and the largest batch that speculates.
   num_speculative_tokens: int = 4
   speculative_max_batch: int = 8  # measured: bench/speculative.py --engine
+  # The same for a batch with a guided row, whose rounds pay a host walk of the drafts and
+  # accept fewer of them; measured: bench/speculative.py --engine-guided.
+  guided_speculative_max_batch: int = 4
 
   def __post_init__(self):
     for name in (
@@ -127,6 +131,7 @@ class EngineConfig:
       "decode_burst",
       "num_speculative_tokens",
       "speculative_max_batch",
+      "guided_speculative_max_batch",
     ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be a positive int")
@@ -531,9 +536,11 @@ class Engine:
     return self._speculates(self.running) and self._decode_only()
 
   def _speculates(self, rows: list[_Request]) -> bool:
+    guided = any(r.matcher is not None for r in rows)
+    c = self.config
     return (
       self.draft is not None
-      and len(rows) <= self.config.speculative_max_batch
+      and len(rows) <= (c.guided_speculative_max_batch if guided else c.speculative_max_batch)
       and not any(r.params.uses_penalties for r in rows)
     )
 

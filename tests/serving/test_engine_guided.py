@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -150,21 +151,33 @@ def _greedy(reqs):
 def test_guided_rows_speculate_and_keep_their_greedy_tokens(setup):
   """A draft model whose drafts the grammar often refuses, and the target as its own draft,
   whose first draft per round is drawn under the same mask as the target's token, so it is
-  always accepted: both emit exactly the plain guided greedy tokens."""
+  always accepted: both emit exactly the plain guided greedy tokens. The second runs with
+  guided_speculative_max_batch=2: no round has more rows."""
   tok, model, grammars = setup
   small = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
   draft = build(dataclasses.replace(model.cfg, **small), rngs=nnx.Rngs(5))
-  reqs = _greedy(_requests(tok, grammars, range(2), max_new_tokens=48))
+  reqs = _greedy(_requests(tok, grammars, range(1), max_new_tokens=48))
   want = _run(_engine(model, tok), reqs)
-  for d in (draft, model):
-    engine = _engine(model, tok, draft=d, num_speculative_tokens=3)
+  for d, limit in ((draft, 4), (model, 2)):
+    engine = _engine(
+      model, tok, draft=d, num_speculative_tokens=3, guided_speculative_max_batch=limit
+    )
+    batches = []
+    draft_half = engine.programs.speculative_draft
+
+    def spy(states, pools, rows, k, draft_half=draft_half, batches=batches):
+      batches.append(int((np.asarray(rows.lengths_B) >= 0).sum()))
+      return draft_half(states, pools, rows, k)
+
+    engine.programs = dataclasses.replace(engine.programs, speculative_draft=spy)
     assert _run(engine, reqs) == want
-    assert engine.n_spec_rounds > 0 and engine.n_bursts == 0
+    assert engine.n_spec_rounds == len(batches) > 0 and engine.n_bursts == 0
+    assert max(batches) == min(limit, len(reqs))
     assert 0 < engine.n_accepted < engine.n_drafted
     if d is model:
       assert engine.n_accepted >= engine.n_spec_row_rounds  # every first draft
-    for rid, _, _ in reqs:
-      _check(tok, rid[0], *want[rid])
+  for rid, _, _ in reqs:
+    _check(tok, rid[0], *want[rid])
 
 
 def test_sampled_guided_speculation_validates_across_seeds(setup):
@@ -175,7 +188,7 @@ def test_sampled_guided_speculation_validates_across_seeds(setup):
   mtp = build(cfg, rngs=nnx.Rngs(1))
   plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
   engine = _engine(mtp, tok, draft="mtp", num_speculative_tokens=2)
-  got = _run(engine, _requests(tok, grammars, range(3), max_new_tokens=64) + [plain])
+  got = _run(engine, _requests(tok, grammars, range(2), max_new_tokens=48) + [plain])
   for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
     _check(tok, kind, tokens, reason)
   assert engine.n_spec_rounds > 0 and engine.n_accepted > 0

@@ -62,7 +62,10 @@ def train_cmd(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
 
 def env(devices: int) -> dict[str, str]:
   e = dict(os.environ)
-  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  # LLVM's optimisation off, as for the suite's own process (tests/conftest.py): compiles faster.
+  e["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+  )
   e["JAX_PLATFORMS"] = "cpu"
   return e
 
