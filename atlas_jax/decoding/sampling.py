@@ -230,30 +230,41 @@ def sample(
   """
   logits_BV = logits_BV.astype(jnp.float32)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  order_BV, sorted_BV = _filtered_sorted(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B)
-  choice_B = jax.vmap(jax.random.categorical)(key_B, sorted_BV)
-  sampled_B = jnp.take_along_axis(order_BV, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  kept_BV = _filtered(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B)
+  sampled_B = jax.vmap(jax.random.categorical)(key_B, kept_BV).astype(jnp.int32)
   return jnp.where(temperature_B > 0, sampled_B, greedy_B)
 
 
-def _filtered_sorted(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
-  """(i32[B, V] tokens by decreasing logit, f32[B, V] their scaled logits, -inf where filtered).
+def _filtered(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
+  """f32[B, V]: the logits over the temperature, -inf for tokens the filters drop, in vocabulary
+  order (so a row's draw does not depend on whether a neighbour's filters made the batch sort).
 
-  Filter in sorted order: rank < k for top-k, and exclusive cumulative probability < p for top-p
-  (the most likely token always survives), then min-p against the most likely token.
+  The filters work in sorted order: rank < k for top-k, and exclusive cumulative probability < p
+  for top-p (the most likely token always survives), then min-p against the most likely token.
+  Sorting the vocabulary costs far more than the softmax on a CPU (tens of microseconds a row), so
+  a batch with no top-k, top-p or min-p row skips it.
   """
-  V = logits_BV.shape[-1]
+  B, V = logits_BV.shape
   scaled_BV = logits_BV / jnp.maximum(temperature_B, 1e-6)[:, None]
-  order_BV = jnp.argsort(-scaled_BV, axis=-1)
-  sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
-  rank_1V = jnp.arange(V)[None, :]
-  k_B1 = jnp.where(top_k_B > 0, top_k_B, V)[:, None]
-  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-  cum_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-  keep_BV = (rank_1V < k_B1) & (cum_before_BV < top_p_B[:, None])
+
+  def filtered(scaled_BV):
+    order_BV = jnp.argsort(-scaled_BV, axis=-1)
+    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+    rank_1V = jnp.arange(V)[None, :]
+    k_B1 = jnp.where(top_k_B > 0, top_k_B, V)[:, None]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    cum_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_BV = (rank_1V < k_B1) & (cum_before_BV < top_p_B[:, None])
+    if min_p_B is not None:
+      keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
+    rows_B1 = jnp.arange(B)[:, None]
+    keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BV].set(keep_BV)
+    return jnp.where(keep_BV, scaled_BV, -jnp.inf)
+
+  any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))
   if min_p_B is not None:
-    keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
-  return order_BV, jnp.where(keep_BV, sorted_BV, -jnp.inf)
+    any_filter |= jnp.any(min_p_B > 0)
+  return jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BV)
 
 
 def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:
@@ -264,22 +275,9 @@ def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:
   same controls. (Penalties are not included.)
   """
   logits_BV = logits_BV.astype(jnp.float32)
-  B, V = logits_BV.shape
-
-  def filtered(logits_BV):
-    order_BV, sorted_BV = _filtered_sorted(
-      logits_BV, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p
-    )
-    rows_B1 = jnp.arange(B)[:, None]
-    return jnp.zeros((B, V), jnp.float32).at[rows_B1, order_BV].set(jax.nn.softmax(sorted_BV))
-
-  def unfiltered(logits_BV):
-    return jax.nn.softmax(logits_BV / jnp.maximum(arrays.temperature, 1e-6)[:, None], axis=-1)
-
-  # The filters need the logits sorted, which costs far more than the softmax on a CPU (tens of
-  # microseconds a row); a batch with no top-k, top-p or min-p row skips the sort.
-  any_filter = jnp.any((arrays.top_k > 0) | (arrays.top_p < 1) | (arrays.min_p > 0))
-  probs_BV = jax.lax.cond(any_filter, filtered, unfiltered, logits_BV)
+  V = logits_BV.shape[-1]
+  kept_BV = _filtered(logits_BV, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p)
+  probs_BV = jax.nn.softmax(kept_BV, axis=-1)
   greedy_BV = jax.nn.one_hot(jnp.argmax(logits_BV, axis=-1), V, dtype=jnp.float32)
   return jnp.where(arrays.temperature[:, None] > 0, probs_BV, greedy_BV)
 

@@ -93,11 +93,19 @@ def _check(tok, kind, tokens, reason):
 def test_guided_outputs_parse_and_validate_across_seeds(setup):
   tok, model, grammars = setup
   engine = _engine(model, tok)
+  burst = engine.programs.decode_burst
+  guided_in_bursts = []
+
+  def spy(*args):
+    guided_in_bursts.extend(r.id for r in engine.running if r.matcher is not None)
+    return burst(*args)
+
+  engine.programs = dataclasses.replace(engine.programs, decode_burst=spy)
   plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
   got = _run(engine, _requests(tok, grammars, range(5)) + [plain])
   for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
     _check(tok, kind, tokens, reason)
-  assert engine.n_bursts == 0  # a guided request was running throughout
+  assert guided_in_bursts == []  # no burst while a guided request runs
   # The unguided neighbour draws exactly what it draws alone (with bursts).
   alone = _engine(model, tok)
   assert _run(alone, [plain])["plain"] == got["plain"]
@@ -182,15 +190,18 @@ def test_guided_rows_speculate_and_keep_their_greedy_tokens(setup):
 
 def test_sampled_guided_speculation_validates_across_seeds(setup):
   """MTP self-speculation on the same vocabulary: every sampled output parses and validates, and
-  an unguided neighbour in the same rounds is unaffected by its neighbours' grammars."""
+  an unguided neighbour in the same rounds draws what it draws alone (every decode step is a
+  round in both runs, so it uses the same keys): its neighbours' masks do not reach it."""
   tok, model, grammars = setup
   cfg = dataclasses.replace(model.cfg, mtp=MTPConfig("parallel", 2))
   mtp = build(cfg, rngs=nnx.Rngs(1))
   plain = ("plain", tok.encode("x = "), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3))
-  engine = _engine(mtp, tok, draft="mtp", num_speculative_tokens=2)
+  kw = dict(draft="mtp", num_speculative_tokens=2, guided_speculative_max_batch=8)
+  engine = _engine(mtp, tok, **kw)
   got = _run(engine, _requests(tok, grammars, range(2), max_new_tokens=48) + [plain])
   for (kind, _), (tokens, reason) in ((k, v) for k, v in got.items() if k != "plain"):
     _check(tok, kind, tokens, reason)
   assert engine.n_spec_rounds > 0 and engine.n_accepted > 0
-  alone = _engine(mtp, tok, draft="mtp", num_speculative_tokens=2)
+  assert engine.n_steps == engine.n_spec_rounds + 1  # one prefill step, then rounds only
+  alone = _engine(mtp, tok, **kw)
   assert _run(alone, [plain])["plain"] == got["plain"]
