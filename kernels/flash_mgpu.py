@@ -20,10 +20,10 @@ The backward (`jax.custom_vjp`; the forward saves the log-sum-exp) is FlashAtten
 two more kernels of the same shape, after delta = rowsum(dO * O) in jnp (`backward_delta`; a
 cotangent on the returned log-sum-exp is folded into delta):
 
-* dQ: a program per 2 * block_q query rows of one head, the producer streaming K and V blocks;
+* dQ: a program per 2 x 64 query rows of one head, the producer streaming K and V blocks;
   each consumer recomputes P = exp2(S - lse) from the saved log-sum-exp, dP = dO V^T,
   dS = P (dP - delta), dQ += dS K.
-* dK, dV: a program per 2 * block_kv keys of one kv head (block_kv per consumer, K and V held in
+* dK, dV: a program per 2 x 64 keys of one kv head (64 per consumer, K and V held in
   shared memory), the producer streaming Q, dO, lse and delta blocks; computed transposed so the
   keys are the wgmma rows: dV += P^T dO, dK += dS^T Q. The G query heads of a kv head are
   looped over inside the program and summed in the f32 accumulators, so dK and dV are written
@@ -31,9 +31,10 @@ cotangent on the returned log-sum-exp is folded into delta):
   before the sum.
 
 Causal backward blocks follow the forward: query/key block pairs with nothing visible are never
-computed, and only the diagonal-straddling ones are masked. The backward needs H <= 128 (the dK/dV
-consumers hold two f32 [block_kv, H] accumulators in registers) and S a multiple of
-2 * block_kv; it reuses the forward's block_q, block_kv and stages.
+computed, and only the diagonal-straddling ones are masked. The backward uses its own 64-row tiles
+(whatever the forward's block_q and block_kv; it shares `stages`), sized to the registers: a
+dK/dV consumer holds two f32 [64, H] accumulators, so it needs H <= 128, and S a multiple of
+128.
 
 What it is not, yet: no segment ids, kv lengths or sliding windows, and no ping-pong scheduling
 between the two consumers (FlashAttention-3 staggers their softmax against the other's
@@ -58,6 +59,10 @@ Array = jax.Array
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LOG2E = math.log2(math.e)
 _CONSUMERS = 2
+# The backward's tiles, fixed whatever the forward's: a dK/dV consumer holds dK and dV
+# (2 * 64 * H f32) and three [64, 64] f32 score-shaped tiles in registers, about 224 per thread
+# at H = 128 against the 232 it is given; larger tiles or head dims would spill.
+_BWD_BLOCK = 64
 _MAX_BWD_HEAD_DIM = 128
 
 
@@ -300,19 +305,18 @@ def _forward(q: Array, k: Array, v: Array, cfg: _Config) -> tuple[Array, Array]:
 # -- backward -------------------------------------------------------------------------------------
 
 
-def _check_backward(q: Array, k: Array, cfg: _Config) -> None:
+def _check_backward(q: Array, k: Array) -> None:
   """What the backward needs beyond the forward's checks (raised when the gradient is traced)."""
   H, S = q.shape[3], k.shape[1]
   if H > _MAX_BWD_HEAD_DIM:
     raise ValueError(
       f"flash_attention_mgpu backward: head dim H={H} must be <= {_MAX_BWD_HEAD_DIM} (each "
-      f"consumer holds two f32 [block_kv, H] accumulators, dK and dV, in registers)"
+      f"dK/dV consumer holds two f32 [{_BWD_BLOCK}, H] accumulators in registers)"
     )
-  if S % (_CONSUMERS * cfg.block_kv):
+  if S % (_CONSUMERS * _BWD_BLOCK):
     raise ValueError(
-      f"flash_attention_mgpu backward: S={S} must be a multiple of 2 * block_kv="
-      f"{_CONSUMERS * cfg.block_kv} (each dK/dV program holds two key blocks); "
-      f"k.shape={tuple(k.shape)}"
+      f"flash_attention_mgpu backward: S={S} must be a multiple of {_CONSUMERS * _BWD_BLOCK} "
+      f"(each dK/dV program holds 2 x {_BWD_BLOCK} keys); k.shape={tuple(k.shape)}"
     )
 
 
@@ -607,10 +611,12 @@ def _backward(q, k, v, out, lse_BNT, do, dlse_BNT, cfg: _Config):
   """dq, dk, dv: delta in jnp, then the dQ kernel and the dK/dV kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  _check_backward(q, k, cfg)
+  _check_backward(q, k)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  # T is a multiple of 2 * block_q, so of 2 * _BWD_BLOCK; S is checked above.
+  block_q = block_kv = _BWD_BLOCK
+  stages = cfg.stages
   delta_BNT = backward_delta(out, do, dlse_BNT)
   lse2_BNT = lse_BNT * jnp.float32(_LOG2E)  # the kernels work in base 2
   static = dict(
@@ -729,14 +735,14 @@ def flash_attention_mgpu(
   Args:
     q: [B, T, N, H] bfloat16 or float16; T a multiple of 2 * block_q; H a multiple of 64
       (<= 256; <= 128 for the gradient).
-    k: [B, S, K, H], N a multiple of K; S a multiple of block_kv (of 2 * block_kv for the
-      gradient; and >= T when causal).
+    k: [B, S, K, H], N a multiple of K; S a multiple of block_kv (of 128 for the gradient; and
+      >= T when causal).
     v: [B, S, K, H].
     causal: bottom-right aligned causal mask.
     scale: softmax scale, default H ** -0.5.
-    block_q: query rows per consumer warpgroup (a multiple of 64), forward and backward.
-    block_kv: keys per pipeline stage, and per dK/dV consumer (a multiple of 64).
-    stages: blocks in flight (shared-memory ring slots), at least 2.
+    block_q: forward query rows per consumer warpgroup (a multiple of 64).
+    block_kv: forward keys per pipeline stage (a multiple of 64). The backward's tiles are 64.
+    stages: blocks in flight (shared-memory ring slots), at least 2, forward and backward.
     return_lse: also return the log-sum-exp f32[B, T, N] (differentiable too).
 
   Returns:
