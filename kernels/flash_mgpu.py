@@ -407,9 +407,9 @@ def _dq_kernel(
       s_QZ = s_QZ * jnp.float32(scale * _LOG2E)
       if masked:
         shape = (block_q, block_kv)
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        s_QZ = jnp.where(j * block_kv + cols <= offset + row0 + rows, s_QZ, -jnp.inf)
+        row_ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        key_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        s_QZ = jnp.where(j * block_kv + key_ids <= offset + row0 + row_ids, s_QZ, -jnp.inf)
       # The saved lse (in base 2 here) normalises directly: P = exp2(s - lse2), 0 where masked.
       p_QZ = jnp.exp2(s_QZ - lax.broadcast_in_dim(lse2_Q, s_QZ.shape, [0]))
       plgpu.barrier_wait(v_ready.at[slot])
