@@ -25,7 +25,7 @@ def test_gpu_benchmark_smoke_runs_every_section():
     "## correctness: kernels against their pure-jnp references",
     "## decode: cache bytes held / step time",
     "## attention: TFLOP/s",
-    "## mgpu: the Mosaic GPU FlashAttention forward",
+    "## mgpu: the Mosaic GPU FlashAttention (experimental)",
     "## engine vs generate",
     "## batch-1 decode",
     "## transformers generate",
