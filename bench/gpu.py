@@ -9,7 +9,8 @@ the peer beside ours and the ratio:
 * attention: FlashAttention (ours) against cuDNN and XLA in TFLOP/s, the FlashAttention-3
   paper's sweep at head dim 128, with the implementation `attention(implementation=None)` picks.
 * decode: paged GQA and MLA decode bandwidth against XLA and the measured copy bandwidth.
-* mgpu: the experimental Mosaic GPU FlashAttention forward (sm_90): error and TFLOP/s vs cuDNN.
+* mgpu: the experimental Mosaic GPU FlashAttention (sm_90): output and gradient error, forward
+  and forward + backward TFLOP/s vs cuDNN.
 * serving: the engine against the model's own jitted `generate` (same prompts and lengths) at
   batch 8, 32 and 64; batch-1 decode ms/step against the bound of reading the weights once per
   step at the card's measured copy bandwidth; transformers `generate` on CUDA in bf16 with its
@@ -45,7 +46,7 @@ SECTIONS = {
   "correctness": (60, 60),
   "decode": (60, 60),
   "attention": (120, 60),
-  "mgpu": (45, 30),
+  "mgpu": (75, 30),
   "serving": (150, 120),
   "training": (240, 200),
   "profile": (90, 90),

@@ -6,9 +6,11 @@
 * attention: the FlashAttention-3 paper's sweep (16k tokens per batch, hidden 2048, head dim
   128, bf16) in TFLOP/s for ours (Pallas, Triton lowering), cuDNN and XLA, with the
   implementation `attention(..., implementation=None)` picks for the call.
-* mgpu: the experimental Hopper forward in Mosaic GPU (`kernels.flash_mgpu`), in a section of
-  its own so that a failure or hang there costs nothing else: its error against the reference
-  and its TFLOP/s against cuDNN on sm_90; elsewhere it is only lowered for CUDA.
+* mgpu: the experimental Hopper FlashAttention in Mosaic GPU (`kernels.flash_mgpu`), in a
+  section of its own so that a failure or hang there costs nothing else: the error of its output
+  and of its gradients (dq, dk, dv) against the reference, and its TFLOP/s forward and
+  forward + backward against cuDNN on sm_90; elsewhere forward and gradient are only lowered
+  for CUDA.
 * decode: both decode kernels' achieved bandwidth (cache bytes held / step time) against the
   XLA reference and against the card's measured device-to-device copy bandwidth.
 
@@ -344,42 +346,58 @@ def decode(smoke: bool) -> None:
       rows("mla_decode", shape, nbytes, ours, xla, args)
 
 
-# -- the Mosaic GPU forward (experimental) --------------------------------------------------------
+# -- the Mosaic GPU FlashAttention (experimental) -------------------------------------------------
 
 
 def mgpu(smoke: bool) -> None:
   import attention as sweep
 
   B, T, N, K, H = 2, 1024, 16, 4, 128
+  tol = TOLERANCE["bfloat16"]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
-  print("\n## mgpu: the Mosaic GPU FlashAttention forward (experimental), bf16, GQA 16 / 4")
+  print("\n## mgpu: the Mosaic GPU FlashAttention (experimental), bf16, GQA 16 / 4")
   if not sweep.hopper():
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    do = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     for causal in (False, True):
-      q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
-      k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
-      fn = jax.jit(functools.partial(flash_attention_mgpu, causal=causal))
-      fn.trace(q, k, k).lower(lowering_platforms=("cuda",))
-    print("not run: needs sm_90; lowered for CUDA (causal and not) without error")
+      attend = functools.partial(flash_attention_mgpu, causal=causal)
+      jax.jit(attend).trace(q, k, k).lower(lowering_platforms=("cuda",))
+      grads = jax.jit(functools.partial(_grads, attend))
+      grads.trace(q, k, k, do).lower(lowering_platforms=("cuda",))
+    print(
+      "not run: needs sm_90; forward and gradient lowered for CUDA (causal and not) without error"
+    )
     return
   rng = np.random.default_rng(0)
-  print("| causal | max error vs reference | |")
-  print("|---|---|---|")
+  print("| causal | out | dq | dk | dv | |")
+  print("|---|---|---|---|---|---|")
   bad = False
   for causal in (False, True):
-    q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.bfloat16) for n in (N, K, K))
-    want = jax.jit(functools.partial(attention_reference, causal=causal))(q, k, v)
-    got = jax.jit(functools.partial(flash_attention_mgpu, causal=causal))(q, k, v)
-    err = max_error(got, want)
-    bad |= not err <= TOLERANCE["bfloat16"]
-    print(f"| {causal} | {err:.2e} | {'ok' if err <= TOLERANCE['bfloat16'] else 'MISMATCH'} |")
+    q, k, v, do = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.bfloat16) for n in (N, K, K, N))
+    ours = functools.partial(flash_attention_mgpu, causal=causal)
+    ref = functools.partial(attention_reference, causal=causal)
+    errors = [max_error(jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v))]
+    try:  # the backward kernels fail on their own line, after the forward's error
+      ours_grads = jax.jit(functools.partial(_grads, ours))(q, k, v, do)
+      ref_grads = jax.jit(functools.partial(_grads, ref))(q, k, v, do)
+      errors += [max_error(g, w) for g, w in zip(ours_grads, ref_grads)]
+      status = "ok" if all(e <= tol for e in errors) else "MISMATCH"
+    except Exception as err:  # reported as this row's failure
+      status = f"FAILED: backward {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    bad |= status != "ok"
+    cells = [f"{e:.2e}" for e in errors] + ["-"] * (4 - len(errors))
+    print(f"| {causal} | {' | '.join(cells)} | {status} |", flush=True)
   print("\n| mode | causal | seq | Mosaic GPU TFLOP/s | cuDNN TFLOP/s | Mosaic GPU / cuDNN |")
   print("|---|---|---|---|---|---|")
-  for causal, seq in ((True, 4096), (True, 16384), (False, 4096)):
+  rows = [("fwd", True, 4096), ("fwd", True, 16384), ("fwd", False, 4096)]
+  rows += [("fwd_bwd", True, 4096), ("fwd_bwd", False, 4096)]
+  for mode, causal, seq in rows:
     kw = dict(tokens=16 * 1024, seq=seq, hidden=2048, head_dim=128, causal=causal)
     kw.update(dtype=jnp.bfloat16, iters=10, interpret=False)
-    ours, theirs = (sweep.bench_one(impl, "fwd", **kw) for impl in ("mgpu", "cudnn"))
+    ours, theirs = (sweep.bench_one(impl, mode, **kw) for impl in ("mgpu", "cudnn"))
     ratio = "-" if ours is None or theirs is None else f"{ours / theirs:.2f}"
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-    print(f"| fwd | {causal} | {seq} | {fmt(ours)} | {fmt(theirs)} | {ratio} |", flush=True)
+    print(f"| {mode} | {causal} | {seq} | {fmt(ours)} | {fmt(theirs)} | {ratio} |", flush=True)
   if bad:
     sys.exit(1)

@@ -31,7 +31,7 @@ KERNEL_TABLES = (
   "## correctness: kernels against their pure-jnp references",
   "## decode: cache bytes held / step time",
   "## attention: TFLOP/s",
-  "## mgpu: the Mosaic GPU FlashAttention forward",
+  "## mgpu: the Mosaic GPU FlashAttention (experimental)",
   "## profile: one train step of llama3-1b",
 )
 
