@@ -121,6 +121,9 @@ class EngineConfig:
   # The same for a batch with a guided row, whose rounds pay a host walk of the drafts and
   # accept fewer of them; measured: bench/speculative.py --engine-guided.
   guided_speculative_max_batch: int = 4
+  # Rows of a step are padded to a power of two, at least this many: each bucket is one more
+  # compiled shape of every program (warm-up time), each padded row wasted work.
+  min_batch_bucket: int = 1
 
   def __post_init__(self):
     for name in (
@@ -135,9 +138,10 @@ class EngineConfig:
     ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be a positive int")
-    c = self.prefill_chunk
-    if not isinstance(c, int) or c < 1 or c & (c - 1):
-      raise ValueError(f"EngineConfig.prefill_chunk={c!r} must be a power of two")
+    for name in ("prefill_chunk", "min_batch_bucket"):
+      c = getattr(self, name)
+      if not isinstance(c, int) or c < 1 or c & (c - 1):
+        raise ValueError(f"EngineConfig.{name}={c!r} must be a power of two")
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise ValueError(
         f"EngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -578,7 +582,7 @@ class Engine:
     if copies is None:
       return None
     self._copy(copies)
-    B = _pow2(len(rows))
+    B = self._bucket(len(rows))
     tokens = np.zeros((B,), np.int32)
     first_step = np.zeros((B,), np.int32)
     for b, req in enumerate(rows):
@@ -598,7 +602,7 @@ class Engine:
 
   def _dispatch(self, rows, start, tokens_B, first_step_B, counts_BV, prompt_mask_BV) -> _Burst:
     K = self.config.decode_burst
-    B = _pow2(len(rows))
+    B = self._bucket(len(rows))
     lengths = np.full((B,), -1, np.int32)
     lengths[: len(rows)] = start
     seeds = np.zeros((B,), np.int32)
@@ -645,7 +649,7 @@ class Engine:
     if copies is None:
       return None
     self._copy(copies)
-    B = _pow2(len(rows))
+    B = self._bucket(len(rows))
     index = np.zeros((B,), np.int32)
     index[: len(keep)] = keep
     tokens_B = prev.tok[K - 1][index]  # on the device: the host has not seen these yet
@@ -674,7 +678,7 @@ class Engine:
     if copies is None:
       return None
     self._copy(copies)
-    B = _pow2(len(rows))
+    B = self._bucket(len(rows))
     tokens = np.zeros((B,), np.int32)
     lengths = np.full((B,), -1, np.int32)
     seeds = np.zeros((B,), np.int32)
@@ -867,6 +871,10 @@ class Engine:
     self.running.sort(key=lambda r: r.arrival)
     return scheduled, copies
 
+  def _bucket(self, n_rows: int) -> int:
+    """The padded row count of a step of `n_rows` rows."""
+    return _pow2(n_rows, self.config.min_batch_bucket)
+
   def _block_table(self, ids: list[RequestId], B: int) -> np.ndarray:
     """i32[B, M]: the rows' blocks (reserved ones included), M the longest row's block count
     rounded up to a power of two, so attention work follows the real lengths."""
@@ -920,7 +928,7 @@ class Engine:
 
   def _run(self, rows: list[tuple[_Request, int]], T: int | None) -> dict:
     """One jitted call over `rows`; returns {id: (token, logprob, top ids, top logprobs)}."""
-    B = _pow2(len(rows))
+    B = self._bucket(len(rows))
     if T is None:
       T = min(_pow2(max(n for _, n in rows), 16), self.config.prefill_chunk)
     tokens = np.zeros((B, T), np.int32)

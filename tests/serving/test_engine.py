@@ -317,3 +317,22 @@ def test_chained_bursts_and_an_abort_in_flight(tiny_model):
   assert reasons[2] == "abort" and got[2] == want[2][: len(got[2])]
   s = engine.allocator.stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
+  prompts, params = workload(9, n=3)
+  want = generate(tiny_model, prompts, params)
+  engine = Engine(tiny_model, dataclasses.replace(CONFIGS["roomy"], min_batch_bucket=8))
+  rows = []
+  for name in ("forward_sample", "decode_burst"):
+    program = getattr(engine.programs, name)
+
+    def spy(states, pools, tokens, *args, program=program):
+      rows.append(tokens.shape[0])
+      return program(states, pools, tokens, *args)
+
+    engine.programs = dataclasses.replace(engine.programs, **{name: spy})
+  assert engine.generate(prompts, params) == want
+  assert rows and set(rows) == {8}  # 3 requests, then fewer: always 8 rows
+  with pytest.raises(ValueError, match="min_batch_bucket=3 must be a power of two"):
+    dataclasses.replace(CONFIGS["roomy"], min_batch_bucket=3)
