@@ -123,19 +123,19 @@ def _skip_slot(ready, free, slot) -> None:
     plgpu.barrier_arrive(barrier.at[slot])
 
 
-def _kernel(
-  q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, causal, scale, groups, block_q, block_kv, stages
-):
-  """One program: 2 * block_q query rows of head `heads`; warpgroups 0, 1 consume, 2 loads."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+def _query_schedule(q_ref, k_ref, *, causal: bool, block_q: int, block_kv: int):
+  """Where a query-tile program (the forward, dQ) is and which key blocks it walks.
 
-  (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free) = scratch
-  # q_smem2 [2, Q, H] (reused for the output), k_smem / v_smem [stages, Z, H], lse_smem2 [2, Q]
+  Returns (b, n, wg, offset, total_steps, row0, steps, unmasked): batch, head and warpgroup; the
+  causal offset (query t sits at position offset + t: bottom-right alignment); the key blocks the
+  producer loads, what the later consumer needs (the earlier one skips the tail); and for a
+  consumer warpgroup its first query row, the key blocks its rows see, and how many of those
+  every row sees entirely (keys <= offset + row0), which need no mask.
+  """
   b, n = lax.axis_index("batch"), lax.axis_index("heads")
   tile, wg = lax.axis_index("q_tiles"), lax.axis_index("wg")
-  T, S, H = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
-  dtype = q_ref.dtype
-  offset = S - T  # query t sits at position offset + t (bottom-right alignment)
+  T, S = q_ref.shape[1], k_ref.shape[1]
+  offset = S - T
   all_steps = S // block_kv
 
   def visible_steps(row_end):
@@ -144,20 +144,33 @@ def _kernel(
       return jnp.int32(all_steps)
     return jnp.minimum(pl.cdiv(row_end + offset, jnp.int32(block_kv)), all_steps)
 
-  # The producer loads what the later consumer needs; the earlier one skips the tail.
   tile_row0 = tile * (_CONSUMERS * block_q)
   total_steps = visible_steps(tile_row0 + _CONSUMERS * block_q)
+  row0 = tile_row0 + wg * block_q
+  steps = visible_steps(row0 + block_q)
+  unmasked = steps
+  if causal:
+    unmasked = jnp.minimum(lax.div(row0 + offset + 1, jnp.int32(block_kv)), steps)
+  return b, n, wg, offset, total_steps, row0, steps, unmasked
+
+
+def _kernel(
+  q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, causal, scale, groups, block_q, block_kv, stages
+):
+  """One program: 2 * block_q query rows of head `heads`; warpgroups 0, 1 consume, 2 loads."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free) = scratch
+  # q_smem2 [2, Q, H] (reused for the output), k_smem / v_smem [stages, Z, H], lse_smem2 [2, Q]
+  H, dtype = q_ref.shape[3], q_ref.dtype
+  b, n, wg, offset, total_steps, row0, steps, unmasked = _query_schedule(
+    q_ref, k_ref, causal=causal, block_q=block_q, block_kv=block_kv
+  )
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     q_smem = q_smem2.at[wg]
-    row0 = tile_row0 + wg * block_q
-    steps = visible_steps(row0 + block_q)
-    # Blocks every row sees entirely need no mask: keys <= offset + row0.
-    unmasked = steps
-    if causal:
-      unmasked = jnp.minimum(lax.div(row0 + offset + 1, jnp.int32(block_kv)), steps)
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, block_q), n], q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
@@ -357,30 +370,15 @@ def _dq_kernel(
   (q_smem2, do_smem2, k_smem, v_smem, lse_smem2, delta_smem2), rows_ready, kv_ready, free = scratch
   k_ready, v_ready = kv_ready
   k_free, v_free = free
-  b, n = lax.axis_index("batch"), lax.axis_index("heads")
-  tile, wg = lax.axis_index("q_tiles"), lax.axis_index("wg")
-  T, S, H = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
-  dtype = q_ref.dtype
-  offset = S - T
-  all_steps = S // block_kv
-
-  def visible_steps(row_end):
-    if not causal:
-      return jnp.int32(all_steps)
-    return jnp.minimum(pl.cdiv(row_end + offset, jnp.int32(block_kv)), all_steps)
-
-  tile_row0 = tile * (_CONSUMERS * block_q)
-  total_steps = visible_steps(tile_row0 + _CONSUMERS * block_q)
+  H, dtype = q_ref.shape[3], q_ref.dtype
+  b, n, wg, offset, total_steps, row0, steps, unmasked = _query_schedule(
+    q_ref, k_ref, causal=causal, block_q=block_q, block_kv=block_kv
+  )
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-    row0 = tile_row0 + wg * block_q
-    steps = visible_steps(row0 + block_q)
-    unmasked = steps
-    if causal:
-      unmasked = jnp.minimum(lax.div(row0 + offset + 1, jnp.int32(block_kv)), steps)
     rows = (b, pl.ds(row0, block_q), n)
     row_stats = (b, n, pl.ds(row0, block_q))
     q_ready, do_ready, lse_ready, delta_ready = (r.at[wg] for r in rows_ready)
