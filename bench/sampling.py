@@ -1,6 +1,7 @@
-"""The cost of one draw per row: `sampling.sample` without a filtering row against the same call
-with one row using top-p (which makes the batch sort its vocabulary, as every draw did before the
-sort was skipped). Interleaved, median over repeats; prints the load average.
+"""The cost of one draw per row: `sampling.sample` without a filtering row, with top-k 40 on every
+row (the k-th logit from `lax.top_k`), and with one row using top-p (which makes the batch sort
+its vocabulary, as every draw did before). Interleaved, median over repeats; prints the load
+average.
 
     python bench/sampling.py [--batch 8] [--vocab 32000] [--repeats 5] [--calls 50]
 """
@@ -31,27 +32,25 @@ def main() -> None:
   logits_BV = jax.random.normal(jax.random.key(0), (B, V))
   keys_B = jax.random.split(jax.random.key(1), B)
   draw = jax.jit(
-    lambda logits_BV, keys_B, top_p_B: sample(
-      logits_BV,
-      keys_B,
-      temperature_B=jnp.ones(B),
-      top_k_B=jnp.zeros(B, jnp.int32),
-      top_p_B=top_p_B,
+    lambda logits_BV, keys_B, top_k_B, top_p_B: sample(
+      logits_BV, keys_B, temperature_B=jnp.ones(B), top_k_B=top_k_B, top_p_B=top_p_B
     )
   )
+  no_k = jnp.zeros(B, jnp.int32)
   arms = {
-    "no filtering row": jnp.ones(B),
-    "one row with top-p 0.9 (the batch sorts)": jnp.ones(B).at[0].set(0.9),
+    "no filtering row": (no_k, jnp.ones(B)),
+    "top-k 40 on every row": (jnp.full(B, 40, jnp.int32), jnp.ones(B)),
+    "one row with top-p 0.9 (the batch sorts)": (no_k, jnp.ones(B).at[0].set(0.9)),
   }
-  for top_p_B in arms.values():
-    draw(logits_BV, keys_B, top_p_B).block_until_ready()
+  for filters in arms.values():
+    draw(logits_BV, keys_B, *filters).block_until_ready()
   times = {name: [] for name in arms}
   load0 = os.getloadavg()[0]
   for _ in range(args.repeats):
-    for name, top_p_B in arms.items():
+    for name, filters in arms.items():
       t0 = time.perf_counter()
       for _ in range(args.calls):
-        draw(logits_BV, keys_B, top_p_B).block_until_ready()
+        draw(logits_BV, keys_B, *filters).block_until_ready()
       times[name].append((time.perf_counter() - t0) / args.calls)
   print(
     f"jax {jax.__version__} ({jax.default_backend()}), atlas_jax {atlas_jax.__version__}, "

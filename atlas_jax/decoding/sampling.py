@@ -235,36 +235,51 @@ def sample(
   return jnp.where(temperature_B > 0, sampled_B, greedy_B)
 
 
+# Top-k alone, with every k at most this, finds the k-th logit with `lax.top_k` instead of a sort.
+TOP_K_WITHOUT_SORT = 256
+
+
 def _filtered(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B):
   """f32[B, V]: the logits over the temperature, -inf for tokens the filters drop, in vocabulary
-  order (so a row's draw does not depend on whether a neighbour's filters made the batch sort).
+  order (so a row's draw does not depend on how its neighbours' filters made the batch filter).
 
-  The filters work in sorted order: rank < k for top-k, and exclusive cumulative probability < p
-  for top-p (the most likely token always survives), then min-p against the most likely token.
-  Sorting the vocabulary costs far more than the softmax on a CPU (tens of microseconds a row), so
-  a batch with no top-k, top-p or min-p row skips it.
+  top-k keeps every token at least as likely as the k-th (ties with it are kept, as in Hugging
+  Face's top-k); top-p keeps tokens, most likely first, while the probability before them is
+  below p (the most likely always survives); min-p keeps tokens at least min_p times as likely
+  as the most likely. Sorting the vocabulary costs far more than the softmax on a CPU (tens of
+  microseconds a row), so a batch with no filter skips it, and one with top-k alone (k <=
+  TOP_K_WITHOUT_SORT) takes the k-th logit from `lax.top_k`.
   """
   B, V = logits_BV.shape
   scaled_BV = logits_BV / jnp.maximum(temperature_B, 1e-6)[:, None]
 
-  def filtered(scaled_BV):
+  def kth(desc_BX):
+    """The k-th largest logit per row from its X largest in decreasing order (-inf: no top-k)."""
+    X = desc_BX.shape[1]
+    at_B1 = jnp.clip(top_k_B, 1, X)[:, None] - 1
+    return jnp.where(top_k_B > 0, jnp.take_along_axis(desc_BX, at_B1, axis=1)[:, 0], -jnp.inf)
+
+  def top_k_only(scaled_BV):
+    desc_BX, _ = jax.lax.top_k(scaled_BV, min(TOP_K_WITHOUT_SORT, V))
+    return jnp.where(scaled_BV >= kth(desc_BX)[:, None], scaled_BV, -jnp.inf)
+
+  def sorted_filters(scaled_BV):
     order_BV = jnp.argsort(-scaled_BV, axis=-1)
     sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
-    rank_1V = jnp.arange(V)[None, :]
-    k_B1 = jnp.where(top_k_B > 0, top_k_B, V)[:, None]
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     cum_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (rank_1V < k_B1) & (cum_before_BV < top_p_B[:, None])
+    keep_BV = (sorted_BV >= kth(sorted_BV)[:, None]) & (cum_before_BV < top_p_B[:, None])
     if min_p_B is not None:
       keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
     rows_B1 = jnp.arange(B)[:, None]
     keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BV].set(keep_BV)
     return jnp.where(keep_BV, scaled_BV, -jnp.inf)
 
-  any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))
+  needs_sort = jnp.any(top_p_B < 1) | jnp.any(top_k_B > TOP_K_WITHOUT_SORT)
   if min_p_B is not None:
-    any_filter |= jnp.any(min_p_B > 0)
-  return jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BV)
+    needs_sort |= jnp.any(min_p_B > 0)
+  mode = jnp.where(needs_sort, 2, jnp.where(jnp.any(top_k_B > 0), 1, 0))
+  return jax.lax.switch(mode, [lambda x: x, top_k_only, sorted_filters], scaled_BV)
 
 
 def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:

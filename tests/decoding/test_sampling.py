@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlas_jax.decoding.sampling import sample
+from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams, probabilities, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.07, 0.03]] * 1, jnp.float32))
 
@@ -58,3 +58,33 @@ def test_mixed_rows(B):
     top_p_B=jnp.full((B,), 0.9),
   )
   assert (np.asarray(out) == np.argmax(logits, -1)).all()
+
+
+def test_top_k_keeps_ties_with_the_kth():
+  logits = jnp.log(jnp.array([[0.4, 0.2, 0.2, 0.1, 0.1]], jnp.float32))
+  assert set(draw(logits, 400, top_k_B=2).ravel()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("top_k", [1, 7, 300])
+def test_a_rows_draw_does_not_depend_on_its_neighbours_filters(top_k):
+  """Row 0 (top-k alone) is filtered through lax.top_k when alone, and through the full sort when
+  a neighbour uses top-p; bf16-rounded logits make ties at the k-th value likely. The same law
+  and, with the same key, the same token either way."""
+  logits = jax.random.normal(jax.random.key(3), (2, 1000)).astype(jnp.bfloat16).astype(jnp.float32)
+  keys = jax.random.split(jax.random.key(4), 2)
+  alone = SamplingArrays.from_params([SamplingParams(temperature=0.8, top_k=top_k)] * 2)
+  mixed = SamplingArrays.from_params(
+    [SamplingParams(temperature=0.8, top_k=top_k), SamplingParams(temperature=1.0, top_p=0.5)]
+  )
+  np.testing.assert_array_equal(probabilities(logits, alone)[0], probabilities(logits, mixed)[0])
+  draws = lambda arrays: sample(
+    logits,
+    keys,
+    temperature_B=arrays.temperature,
+    top_k_B=arrays.top_k,
+    top_p_B=arrays.top_p,
+    min_p_B=arrays.min_p,
+  )
+  assert draws(alone)[0] == draws(mixed)[0]
+  kept = int((probabilities(logits, alone)[0] > 0).sum())
+  assert kept >= min(top_k, 1000)  # ties with the k-th are kept too
