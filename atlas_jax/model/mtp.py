@@ -151,13 +151,16 @@ class MTPHeads(nnx.Module):
       n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
     )
 
-  def init_pool(self, cfg: ModelConfig, n_blocks: int, block_size: int, dtype):
-    """A paged pool for the drafting heads' blocks: one "layer" per head."""
+  def init_pool(
+    self, cfg: ModelConfig, n_blocks: int, block_size: int, dtype, n_heads: int | None = None
+  ):
+    """A paged pool for the drafting heads' blocks: one "layer" per head, for the first `n_heads`
+    (default all: a server drafting k < J tokens needs only k)."""
     from atlas_jax.model.transformer import attention_class
 
     attn = attention_class(cfg)
     return attn.pool_type.init(
-      n_layers=self.n_draft_heads,
+      n_layers=self.n_draft_heads if n_heads is None else n_heads,
       n_blocks=n_blocks,
       block_size=block_size,
       dtype=dtype,

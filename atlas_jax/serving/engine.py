@@ -281,7 +281,9 @@ class Engine:
       P, Z, dtype = config.n_blocks, config.block_size, jnp.dtype(cfg.dtype)
       hidden_PZD = lambda: jnp.zeros((P, Z, cfg.d_model), dtype)
       # The heads' pool, and the trunk's hidden states (final, last-block input) per slot.
-      d_pool = (model.mtp.init_pool(cfg, P, Z, dtype), hidden_PZD(), hidden_PZD())
+      # The first k heads only: the others would draft tokens nobody verifies.
+      heads = model.mtp.init_pool(cfg, P, Z, dtype, n_heads=config.num_speculative_tokens)
+      d_pool = (heads, hidden_PZD(), hidden_PZD())
     elif draft is not None:
       _check_draft(draft, cfg, self.max_model_len)
       d_graphdef, d_state = nnx.split(draft)

@@ -21,11 +21,12 @@ so it always holds K/V for every token the target does and a speculative round n
 catch-up. Without one the draft halves are None.
 
 MTP self-speculation (`draft_graphdef == MTP`): the draft half of the pools is the model's MTP
-heads' own pool plus the trunk's hidden states per slot (final and last-block input, [P, Z, D]
-each). Every program runs the heads over the window the target just computed (each position
-with the token after it), so their pool keeps up; a round first re-runs them at the last
-computed position (an idempotent rewrite) from the stored hidden states to draft, verifies, then
-runs them over the round's window.
+heads' own pool (the first k heads only: the others would draft tokens nobody verifies) plus the
+trunk's hidden states per slot (final and last-block input, [P, Z, D] each). Every program runs
+the heads over the window the target just computed (each position with the token after it), so
+their pool keeps up; a round first re-runs them at the last computed position (an idempotent
+rewrite) from the stored hidden states to draft, verifies, then runs them over the round's
+window.
 
 `programs(graphdef, draft_graphdef)` returns the jitted programs with the graphs bound in, made
 once per pair: a step then hashes no graph, only its arrays' shapes.
@@ -77,6 +78,7 @@ def _mtp_window(model, side, block_table_BM, lengths_B, positions_BT, next_BT, h
     return flat.reshape(P, Z, D)
 
   cache = PagedCache(pool=m_pool, block_table=block_table_BM, lengths=lengths_B)
+  n_heads = jax.tree.leaves(m_pool)[0].shape[0]  # the engine pools the k heads it drafts with
   logits_JBV, cache = model.mtp.draft(
     cache,
     next_tokens_BT=next_BT,
@@ -86,6 +88,7 @@ def _mtp_window(model, side, block_table_BM, lengths_B, positions_BT, next_BT, h
     at_B=at_B,
     embed_VD=model.embed[...],
     head_DV=model._head_DV(),
+    n_heads=n_heads,
   )
   return (cache.pool, store(final_PZD, final_BTD), store(trunk_PZD, trunk_BTD)), logits_JBV
 

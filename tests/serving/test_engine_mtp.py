@@ -4,6 +4,7 @@ outputs equal plain greedy decoding (preemption included), sampled ones equal wh
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -36,6 +37,8 @@ def test_mtp_self_speculation_in_the_engine(kind, n_predict, k, mla):
   got, engine = run(model, "mtp", config, prompts, params)
   assert got == want
   assert engine.n_spec_rounds > 0
+  heads_pool = engine.pools[1][0]
+  assert all(a.shape[0] == k for a in jax.tree.leaves(heads_pool))  # k of n_predict heads
   rng = np.random.default_rng(7)
   prompts = [rng.integers(0, 40, int(n)).tolist() for n in (6, 11, 4)]
   params = [SamplingParams(max_new_tokens=18, temperature=1.0, seed=s) for s in (5, 6, 7)]
