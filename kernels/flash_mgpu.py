@@ -123,6 +123,22 @@ def _skip_slot(ready, free, slot) -> None:
     plgpu.barrier_arrive(barrier.at[slot])
 
 
+def _kv_producer(k_ref, v_ref, smem, ready, free, b, kv_head, *, block_kv, total_steps, stages):
+  """The producer warpgroup of a query-tile program (the forward, dQ): kv head `kv_head`'s K and V
+  blocks, one per step, into the ring (smem, ready and free are (K, V) pairs)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  plgpu.set_max_registers(40, action="decrease")
+  (k_smem, v_smem), (k_ready, v_ready) = smem, ready
+
+  def load(j, slot):
+    block = (b, pl.ds(j * block_kv, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[block], k_smem.at[slot], k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[block], v_smem.at[slot], v_ready.at[slot])
+
+  _produce(load, total_steps, stages, free)
+
+
 def _query_schedule(q_ref, k_ref, *, causal: bool, block_q: int, block_kv: int):
   """Where a query-tile program (the forward, dQ) is and which key blocks it walks.
 
@@ -234,15 +250,19 @@ def _kernel(
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(n, jnp.int32(groups))
-
-    def load(j, slot):
-      block = (b, pl.ds(j * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[block], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[block], v_smem.at[slot], v_ready.at[slot])
-
-    _produce(load, total_steps, stages, (k_free, v_free))
+    _kv_producer(
+      k_ref,
+      v_ref,
+      (k_smem, v_smem),
+      (k_ready, v_ready),
+      (k_free, v_free),
+      b,
+      kv_head,
+      block_kv=block_kv,
+      total_steps=total_steps,
+      stages=stages,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,15 +463,19 @@ def _dq_kernel(
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(n, jnp.int32(groups))
-
-    def load(j, slot):
-      block = (b, pl.ds(j * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[block], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[block], v_smem.at[slot], v_ready.at[slot])
-
-    _produce(load, total_steps, stages, (k_free, v_free))
+    _kv_producer(
+      k_ref,
+      v_ref,
+      (k_smem, v_smem),
+      (k_ready, v_ready),
+      (k_free, v_free),
+      b,
+      kv_head,
+      block_kv=block_kv,
+      total_steps=total_steps,
+      stages=stages,
+    )
 
 
 def _dkv_kernel(
