@@ -123,6 +123,26 @@ def _skip_slot(ready, free, slot) -> None:
     plgpu.barrier_arrive(barrier.at[slot])
 
 
+def _scores(lhs_smem, rhs_smem, shape):
+  """f32[shape] lhs @ rhs^T on the tensor cores (wgmma from shared memory into registers)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def matmul(acc_ref):
+    plgpu.wgmma(acc_ref, lhs_smem, plgpu.transpose_ref(rhs_smem, (1, 0)))
+    return acc_ref[...]
+
+  return pl.run_scoped(matmul, plgpu.ACC(shape, jnp.float32))
+
+
+def _masked(s_XY, visible):
+  """s_XY with -inf where visible(i, j) is False (i, j: the tile's row and column iotas)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  i = plgpu.broadcasted_iota(jnp.int32, s_XY.shape, 0, layout=plgpu.Layout.WGMMA)
+  j = plgpu.broadcasted_iota(jnp.int32, s_XY.shape, 1, layout=plgpu.Layout.WGMMA)
+  return jnp.where(visible(i, j), s_XY, -jnp.inf)
+
+
 def _kv_producer(k_ref, v_ref, smem, ready, free, b, kv_head, *, block_kv, total_steps, stages):
   """The producer warpgroup of a query-tile program (the forward, dQ): kv head `kv_head`'s K and V
   blocks, one per step, into the ring (smem, ready and free are (K, V) pairs)."""
@@ -200,19 +220,12 @@ def _kernel(
       slot = lax.rem(j, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
 
-      def qk(scores_ref):
-        plgpu.wgmma(scores_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        return scores_ref[...]
-
       # Scores in base 2: exp(x * scale) = exp2(x * scale * log2(e)).
-      s_QZ = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+      s_QZ = _scores(q_smem, k_smem.at[slot], (block_q, block_kv))
       plgpu.barrier_arrive(k_free.at[slot])
       s_QZ = s_QZ * jnp.float32(scale * _LOG2E)
       if masked:
-        shape = (block_q, block_kv)
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        s_QZ = jnp.where(j * block_kv + cols <= offset + row0 + rows, s_QZ, -jnp.inf)
+        s_QZ = _masked(s_QZ, lambda r, c: j * block_kv + c <= offset + row0 + r)
       m_new_Q = jnp.maximum(m_Q, s_QZ.max(axis=1))
       alpha_Q = jnp.exp2(m_Q - m_new_Q)
       p_QZ = jnp.exp2(s_QZ - lax.broadcast_in_dim(m_new_Q, s_QZ.shape, [0]))
@@ -417,17 +430,9 @@ def _dq_kernel(
       slot = lax.rem(j, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
 
-      def qk(scores_ref):
-        plgpu.wgmma(scores_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        return scores_ref[...]
-
-      s_QZ = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-      s_QZ = s_QZ * jnp.float32(scale * _LOG2E)
+      s_QZ = _scores(q_smem, k_smem.at[slot], (block_q, block_kv)) * jnp.float32(scale * _LOG2E)
       if masked:
-        shape = (block_q, block_kv)
-        row_ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        key_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        s_QZ = jnp.where(j * block_kv + key_ids <= offset + row0 + row_ids, s_QZ, -jnp.inf)
+        s_QZ = _masked(s_QZ, lambda r, c: j * block_kv + c <= offset + row0 + r)
       # The saved lse (in base 2 here) normalises directly: P = exp2(s - lse2), 0 where masked.
       p_QZ = jnp.exp2(s_QZ - lax.broadcast_in_dim(lse2_Q, s_QZ.shape, [0]))
       plgpu.barrier_wait(v_ready.at[slot])
@@ -554,17 +559,9 @@ def _dkv_kernel(
       slot = lax.rem(base + i - tile_first, jnp.int32(stages))
       plgpu.barrier_wait(q_ready.at[slot])
 
-      def kq(scores_ref):
-        plgpu.wgmma(scores_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-        return scores_ref[...]
-
-      s_ZQ = pl.run_scoped(kq, plgpu.ACC((block_kv, block_q), jnp.float32))
-      s_ZQ = s_ZQ * jnp.float32(scale * _LOG2E)
+      s_ZQ = _scores(k_smem, q_smem.at[slot], (block_kv, block_q)) * jnp.float32(scale * _LOG2E)
       if masked:
-        shape = (block_kv, block_q)
-        key_ids = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        row_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        s_ZQ = jnp.where(key0 + key_ids <= offset + i * block_q + row_ids, s_ZQ, -jnp.inf)
+        s_ZQ = _masked(s_ZQ, lambda key, r: key0 + key <= offset + i * block_q + r)
       plgpu.barrier_wait(lse_ready.at[slot])
       lse2_Q = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
       p_ZQ = jnp.exp2(s_ZQ - lax.broadcast_in_dim(lse2_Q, s_ZQ.shape, [1]))
