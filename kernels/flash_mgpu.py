@@ -143,13 +143,16 @@ def _masked(s_XY, visible):
   return jnp.where(visible(i, j), s_XY, -jnp.inf)
 
 
-def _kv_producer(k_ref, v_ref, smem, ready, free, b, kv_head, *, block_kv, total_steps, stages):
-  """The producer warpgroup of a query-tile program (the forward, dQ): kv head `kv_head`'s K and V
-  blocks, one per step, into the ring (smem, ready and free are (K, V) pairs)."""
+def _kv_producer(kv_refs, ring, at, total_steps, block_kv: int, stages: int):
+  """The producer warpgroup of a query-tile program (the forward, dQ): the K and V blocks of
+  (batch, kv head) `at`, one per step for `total_steps` steps, into the ring ((smem, ready,
+  free), each a (K, V) pair)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   plgpu.set_max_registers(40, action="decrease")
-  (k_smem, v_smem), (k_ready, v_ready) = smem, ready
+  k_ref, v_ref = kv_refs
+  (k_smem, v_smem), (k_ready, v_ready), free = ring
+  b, kv_head = at
 
   def load(j, slot):
     block = (b, pl.ds(j * block_kv, block_kv), kv_head)
@@ -263,19 +266,9 @@ def _kernel(
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    kv_head = lax.div(n, jnp.int32(groups))
-    _kv_producer(
-      k_ref,
-      v_ref,
-      (k_smem, v_smem),
-      (k_ready, v_ready),
-      (k_free, v_free),
-      b,
-      kv_head,
-      block_kv=block_kv,
-      total_steps=total_steps,
-      stages=stages,
-    )
+    ring = ((k_smem, v_smem), (k_ready, v_ready), (k_free, v_free))
+    at = (b, lax.div(n, jnp.int32(groups)))
+    _kv_producer((k_ref, v_ref), ring, at, total_steps, block_kv, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,19 +461,9 @@ def _dq_kernel(
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    kv_head = lax.div(n, jnp.int32(groups))
-    _kv_producer(
-      k_ref,
-      v_ref,
-      (k_smem, v_smem),
-      (k_ready, v_ready),
-      (k_free, v_free),
-      b,
-      kv_head,
-      block_kv=block_kv,
-      total_steps=total_steps,
-      stages=stages,
-    )
+    ring = ((k_smem, v_smem), (k_ready, v_ready), (k_free, v_free))
+    at = (b, lax.div(n, jnp.int32(groups)))
+    _kv_producer((k_ref, v_ref), ring, at, total_steps, block_kv, stages)
 
 
 def _dkv_kernel(
