@@ -3,25 +3,33 @@
     python train.py --config configs/tiny.yaml [--set train.steps=300 --set train.remat=full ...]
 
 Rerunning the same command resumes from the run directory's latest checkpoint (model, optimizer,
-step and data position), so an interrupted run continues exactly where it stopped. On several
-hosts, run the same command on each with mesh.coordinator_address / num_processes / process_id
-set (or the environment jax.distributed reads on TPU pods and SLURM).
+step and data position), so an interrupted run continues exactly where it stopped: Ctrl-C
+(SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint and exits. On several hosts,
+run the same command on each with mesh.coordinator_address / num_processes / process_id set (or
+the environment jax.distributed reads on TPU pods and SLURM).
+
+`main` reads as the run does: build, load_data, restore, train (which logs, evaluates and
+checkpoints), report, sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline
-from atlas_jax.data.tokenizer import load_tokenizer
+from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
@@ -32,7 +40,13 @@ from atlas_jax.training.metrics import (
   mfu,
   peak_memory_bytes,
 )
-from atlas_jax.training.step import make_eval_step, make_train_step, make_trainer
+from atlas_jax.training.step import (
+  Trainer,
+  TrainState,
+  make_eval_step,
+  make_train_step,
+  make_trainer,
+)
 from atlas_jax.training.xla_flags import apply as apply_xla_flags
 
 
@@ -92,10 +106,14 @@ RESUME_MAY_CHANGE = {
 }
 
 
+def has_checkpoints(run_dir: Path) -> bool:
+  return run_dir.is_dir() and any(p.name.isdigit() for p in run_dir.iterdir())
+
+
 def check_resumable(run_dir: Path, cfg: Config) -> None:
   """A run directory holding checkpoints resumes only with the same model, data and training."""
   old_path = run_dir / "config.yaml"
-  if not old_path.is_file() or not any(p.name.isdigit() for p in run_dir.iterdir()):
+  if not old_path.is_file() or not has_checkpoints(run_dir):
     return
   old = load_config(old_path)
   for section in ("model", "data", "train"):
@@ -108,202 +126,337 @@ def check_resumable(run_dir: Path, cfg: Config) -> None:
       )
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
-  try:
-    cfg = load_config(args.config, args.set)
-    # Before anything starts a jax backend: XLA reads its flags once, at start-up.
-    added_flags = apply_xla_flags(cfg.train.xla_flags)
-    run_dir = Path(cfg.train.checkpoint_dir)
-    cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
-    check_resumable(run_dir, cfg)
-    resuming = run_dir.is_dir() and any(p.name.isdigit() for p in run_dir.iterdir())
-    if resuming and cfg.data.tokenizer != "byte" and (run_dir / "tokenizer.json").is_file():
-      tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))  # the one the run began with
-    else:
-      t0 = time.time()
-      tokenizer = pipeline.tokenizer_for(cfg.data, cache_dir)
-      if time.time() - t0 > 1:
-        print(f"tokenizer: {cfg.data.tokenizer} trained in {time.time() - t0:.1f}s")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-      raise ConfigError(
-        f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-        f"vocabulary ({tokenizer.vocab_size})"
-      )
-    init_distributed(cfg)
-    trainer = make_trainer(cfg)
-  except (ConfigError, ValueError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  main_process = jax.process_index() == 0
-  say = print if main_process else (lambda *a, **k: None)
-  if main_process:
-    checkpoint.write_run_files(run_dir, cfg, tokenizer)
-  say(
-    f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
-    f"processes: {jax.process_count()}, mesh: {dict(trainer.mesh.shape)}"
-  )
-  if added_flags:
-    say(f"XLA flags added for {jax.default_backend()}: {added_flags}")
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What every later step needs: the config, where the run lives, its tokenizer and trainer."""
 
-  t0 = time.time()
-  try:
-    files = pipeline.token_files(cfg.data, tokenizer, cache_dir, log=say)
-    train_ds = pipeline.train_dataset(
-      *files["train"],
-      seq_len=cfg.train.seq_len,
-      batch_size=cfg.train.batch_size,
-      seed=cfg.train.seed,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
+  cfg: Config
+  run_dir: Path
+  cache_dir: Path
+  tokenizer: Tokenizer
+  trainer: Trainer
+  added_flags: str  # XLA flags set for this platform ("" if none)
+
+  @property
+  def main_process(self) -> bool:
+    return jax.process_index() == 0
+
+  def say(self, *args, **kwargs) -> None:
+    """print, on the first process only (every process runs the same loop)."""
+    if self.main_process:
+      print(*args, **kwargs)
+
+
+def build(args: argparse.Namespace) -> Run:
+  """Config, XLA flags, tokenizer, distributed start-up and the trainer; raises ConfigError,
+  ValueError or OSError on bad input, before any device work."""
+  cfg = load_config(args.config, args.set)
+  # Before anything starts a jax backend: XLA reads its flags once, at start-up.
+  added_flags = apply_xla_flags(cfg.train.xla_flags)
+  run_dir = Path(cfg.train.checkpoint_dir)
+  cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
+  check_resumable(run_dir, cfg)
+  if (
+    has_checkpoints(run_dir)
+    and cfg.data.tokenizer != "byte"
+    and (run_dir / "tokenizer.json").is_file()
+  ):
+    tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))  # the one the run began with
+  else:
+    t0 = time.time()
+    tokenizer = pipeline.tokenizer_for(cfg.data, cache_dir)
+    if time.time() - t0 > 1:
+      print(f"tokenizer: {cfg.data.tokenizer} trained in {time.time() - t0:.1f}s")
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(
+      f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+      f"vocabulary ({tokenizer.vocab_size})"
     )
-  except (ValueError, OSError) as e:
-    print(f"error: data.source={cfg.data.source!r}: {e}", file=sys.stderr)
-    return 2
+  init_distributed(cfg)
+  return Run(cfg, run_dir, cache_dir, tokenizer, make_trainer(cfg), added_flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  train: Any  # the grain dataset: train[i] is step i + 1's process-local batch
+  eval: list  # process-local eval batches
+  unigram: float  # nats/token of a model that ignores the context
+
+
+def load_data(run: Run) -> Data:
+  """Token files (tokenised once, cached), the packed train dataset and the eval batches."""
+  cfg, t0 = run.cfg, time.time()
+  files = pipeline.token_files(cfg.data, run.tokenizer, run.cache_dir, log=run.say)
+  shards = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  sizes = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size)
+  train_ds = pipeline.train_dataset(*files["train"], **sizes, seed=cfg.train.seed, **shards)
   eval_data = pipeline.eval_batches(
-    *files["eval"],
-    seq_len=cfg.train.seq_len,
-    batch_size=cfg.train.batch_size,
-    n_batches=cfg.train.eval_batches,
-    process_index=jax.process_index(),
-    process_count=jax.process_count(),
+    *files["eval"], **sizes, n_batches=cfg.train.eval_batches, **shards
   )
-  shortfall = pipeline.eval_shortfall(
-    *files["eval"],
-    seq_len=cfg.train.seq_len,
-    batch_size=cfg.train.batch_size,
-    eval_fraction=cfg.data.eval_fraction,
-  )
+  shortfall = pipeline.eval_shortfall(*files["eval"], **sizes, eval_fraction=cfg.data.eval_fraction)
   if shortfall and cfg.train.eval_every and cfg.train.eval_batches:
-    say(f"note: {shortfall}")
-  counts = np.bincount(np.asarray(files["train"][0]), minlength=tokenizer.vocab_size)
+    run.say(f"note: {shortfall}")
+  counts = np.bincount(np.asarray(files["train"][0]), minlength=run.tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
-  unigram = float(-(p * np.log(p)).sum())  # the loss of a model that ignores the context
-  say(
+  unigram = float(-(p * np.log(p)).sum())
+  run.say(
     f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
     f"({time.time() - t0:.1f}s); unigram baseline {unigram:.3f} nats/token"
   )
+  return Data(train_ds, eval_data, unigram)
 
-  mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
-  start = 0
-  if mngr.latest_step() is not None:
-    try:
-      step, (state, meta), damaged = checkpoint.newest_intact(
-        list(mngr.all_steps()),
-        lambda s: checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings, s),
-        fallback=cfg.train.on_corrupt_checkpoint == "fallback",
-        warn=lambda message: say(message, file=sys.stderr),
-        hint=" (train.on_corrupt_checkpoint=stop; 'fallback' resumes from the newest intact step)",
-      )
-    except checkpoint.CheckpointError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    if damaged:
-      # Out of orbax's sight, or the resumed run could not save those steps again.
-      if main_process:
-        moved = checkpoint.set_aside(run_dir, damaged)
-        say(f"set aside the damaged steps as {', '.join(p.name for p in moved)}")
-      if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("checkpoint.set_aside")
-      mngr = checkpoint.manager(run_dir, max_to_keep=cfg.train.keep_checkpoints)
-    start = int(meta["data_index"])
-    say(f"resumed from {run_dir} at step {start}")
-  else:
-    state = trainer.init(jax.random.key(cfg.train.seed))
+def restore(run: Run) -> tuple[Any, TrainState, int]:
+  """(checkpoint manager, state, steps done): the newest intact checkpoint, or a fresh init.
+
+  A damaged newest checkpoint is set aside and the next one tried (train.on_corrupt_checkpoint);
+  raises checkpoint.CheckpointError where none can be restored."""
+  cfg, trainer = run.cfg, run.trainer
+  mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
+  if mngr.latest_step() is None:
+    return mngr, trainer.init(jax.random.key(cfg.train.seed)), 0
+  step, (state, meta), damaged = checkpoint.newest_intact(
+    list(mngr.all_steps()),
+    lambda s: checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings, s),
+    fallback=cfg.train.on_corrupt_checkpoint == "fallback",
+    warn=lambda message: run.say(message, file=sys.stderr),
+    hint=" (train.on_corrupt_checkpoint=stop; 'fallback' resumes from the newest intact step)",
+  )
+  if damaged:
+    # Out of orbax's sight, or the resumed run could not save those steps again.
+    if run.main_process:
+      moved = checkpoint.set_aside(run.run_dir, damaged)
+      run.say(f"set aside the damaged steps as {', '.join(p.name for p in moved)}")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices("checkpoint.set_aside")
+    mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
+  start = int(meta["data_index"])
+  run.say(f"resumed from {run.run_dir} at step {start}")
+  return mngr, state, start
+
+
+class Interrupt:
+  """SIGINT and SIGTERM ask the loop to stop after the step in flight (and save it); a second
+  signal stops at once, as without this guard. Outside the main thread it installs nothing."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> Interrupt:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+  def _handle(self, signum, frame) -> None:
+    if self.signum is not None:  # the second one: give up on the save
+      self.__exit__()
+      signal.raise_signal(signum)
+      return
+    self.signum = signum
+    print(
+      f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+      "(again to stop at once, without it)",
+      file=sys.stderr,
+      flush=True,
+    )
+
+  def agreed(self, step: int, log_every: int) -> bool:
+    """Whether every process stops now. One process reads its own flag at every step; several
+    agree at logged steps, where the host waits for the device anyway."""
+    if jax.process_count() == 1:
+      return self.signum is not None
+    if step % log_every:
+      return False
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
+    if self.signum is None and flags.any():
+      self.signum = int(flags.max())
+    return bool(flags.any())
+
+
+def evaluate(eval_step: Callable, params, batches: list, to_global: Callable) -> float:
+  """Mean next-token loss over the eval batches (MTP heads and z-loss left out)."""
+  return float(np.mean([float(eval_step(params, to_global(b))) for b in batches]))
+
+
+@dataclasses.dataclass
+class Outcome:
+  record: dict  # the last metrics logged
+  exit_code: int = 0  # 0; 1 a non-finite step under on_nan=stop; 128 + signal when interrupted
+  step: int = 0  # steps done when the loop ended
+
+
+def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
+  """The loop: a jitted step per batch, metrics and eval every log_every / eval_every steps,
+  checkpoints every checkpoint_every steps, at the end and when interrupted."""
+  cfg, trainer = run.cfg, run.trainer
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
-  say(
+  run.say(
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"
   )
-
-  train_step = make_train_step(trainer)
-  eval_step = make_eval_step(trainer)
+  train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
     lambda x: jax.make_array_from_process_local_data(batch_sharding, x), local
   )
-  logger = Logger(run_dir, enabled=main_process)
+  logger = Logger(run.run_dir, enabled=run.main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-  progress = sys.stdout.isatty() and main_process
+  progress = sys.stdout.isatty() and run.main_process
+  save = lambda step: checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
 
+  out = Outcome({}, step=start)
   t_last, steps_since = time.time(), 0
-  record: dict = {}  # the last metrics logged
-  for step in range(start + 1, cfg.train.steps + 1):
-    state, metrics = train_step(state, to_global(train_ds[step - 1]))
-    steps_since += 1
-    last = step == cfg.train.steps
-    if progress:
-      done = int(30 * step / cfg.train.steps)
-      print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{cfg.train.steps}", end="", flush=True)
-    if step % cfg.train.log_every == 0 or last:
-      metrics = {k: float(v) for k, v in metrics.items()}
-      bad = int(state.first_nonfinite)
-      if bad and cfg.train.on_nan == "stop":
-        # That step skipped its update, so the state (and every checkpoint) is still clean.
-        print(
-          f"\nerror: the loss or gradients were not finite at step {bad}; stopping "
-          "(train.on_nan=stop; 'skip' skips such steps)",
+  with Interrupt() as interrupt:
+    for step in range(start + 1, cfg.train.steps + 1):
+      state, metrics = train_step(state, to_global(data.train[step - 1]))
+      out.step, steps_since = step, steps_since + 1
+      last = step == cfg.train.steps
+      if progress:
+        done = int(30 * step / cfg.train.steps)
+        print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{cfg.train.steps}", end="", flush=True)
+      if step % cfg.train.log_every == 0 or last:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        bad = int(state.first_nonfinite)
+        if bad and cfg.train.on_nan == "stop":
+          # That step skipped its update, so the state (and every checkpoint) is still clean.
+          print(
+            f"\nerror: the loss or gradients were not finite at step {bad}; stopping "
+            "(train.on_nan=stop; 'skip' skips such steps)",
+            file=sys.stderr,
+          )
+          out.exit_code = 1
+          break
+        tps = steps_since * tokens_per_step / (time.time() - t_last)
+        out.record = step_record(cfg, step, metrics, tps, flops_tok)
+        if data.eval and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+          out.record["eval_loss"] = evaluate(eval_step, state.params, data.eval, to_global)
+        if (peak := peak_memory_bytes()) is not None:
+          out.record["peak_memory_gb"] = peak / 2**30
+        line = "  ".join(
+          f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.record.items()
+        )
+        run.say(("\r" if progress else "") + line, flush=True)
+        logger.write(out.record)
+        t_last, steps_since = time.time(), 0
+      stop = interrupt.agreed(step, cfg.train.log_every)
+      if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last or stop:
+        save(step)
+      if stop and not last:
+        out.exit_code = 128 + interrupt.signum
+        run.say(
+          f"interrupted at step {step}: checkpoint saved in {run.run_dir}; rerun the same "
+          "command to resume",
           file=sys.stderr,
         )
-        return 1
-      elapsed = time.time() - t_last
-      tps = steps_since * tokens_per_step / elapsed
-      record = {
-        "step": step,
-        "loss": metrics["loss"],
-        "grad_norm": metrics["grad_norm"],
-        "learning_rate": metrics["learning_rate"],
-        "tokens_per_s": tps,
-      }
-      # Only where the device's peak is known or given (train.peak_tflops): not on a CPU.
-      util = mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops)
-      if util is not None:
-        record["mfu"] = util
-      record.update({k: v for k, v in metrics.items() if k.startswith("loss_mtp")})
-      if "loss_scale" in metrics:
-        record["loss_scale"] = metrics["loss_scale"]
-      if metrics.get("skipped"):
-        record["skipped"] = int(metrics["skipped"])
-      if eval_data and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-        record["eval_loss"] = float(
-          np.mean([float(eval_step(state.params, to_global(b))) for b in eval_data])
-        )
-      if (peak := peak_memory_bytes()) is not None:
-        record["peak_memory_gb"] = peak / 2**30
-      say(
-        ("\r" if progress else "")
-        + "  ".join(
-          f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-        ),
-        flush=True,
-      )
-      logger.write(record)
-      t_last, steps_since = time.time(), 0
-    if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
-      checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
-  mngr.wait_until_finished()
+        break
+    mngr.wait_until_finished()  # still guarded: a save is never cut off halfway
   logger.close()
-  say(f"checkpoint: {run_dir} (step {cfg.train.steps})")
-  if "eval_loss" in record:
-    say(
-      f"eval loss {record['eval_loss']:.3f} nats/token against the unigram baseline "
-      f"{unigram:.3f}: the context is worth {unigram - record['eval_loss']:.3f} nats/token"
+  return out
+
+
+def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: float) -> dict:
+  """One line of metrics.jsonl: the next-token loss, its MTP terms and what the step cost."""
+  record = {
+    "step": step,
+    "loss": metrics["loss"],
+    "grad_norm": metrics["grad_norm"],
+    "learning_rate": metrics["learning_rate"],
+    "tokens_per_s": tps,
+  }
+  # Only where the device's peak is known or given (train.peak_tflops): not on a CPU.
+  util = mfu(tps, flops_tok, n_devices=jax.device_count(), peak_tflops=cfg.train.peak_tflops)
+  if util is not None:
+    record["mfu"] = util
+  mtp = {k: v for k, v in metrics.items() if k.startswith("loss_mtp")}
+  if mtp or cfg.train.z_loss:
+    record["loss_total"] = metrics["loss_total"]  # the objective the gradients came from
+  record.update(mtp)
+  if "loss_scale" in metrics:
+    record["loss_scale"] = metrics["loss_scale"]
+  if metrics.get("skipped"):
+    record["skipped"] = int(metrics["skipped"])
+  return record
+
+
+def report(run: Run, data: Data, out: Outcome) -> None:
+  run.say(f"checkpoint: {run.run_dir} (step {out.step})")
+  if "eval_loss" in out.record:
+    eval_loss = out.record["eval_loss"]
+    run.say(
+      f"eval loss {eval_loss:.3f} nats/token against the unigram baseline "
+      f"{data.unigram:.3f}: the context is worth {data.unigram - eval_loss:.3f} nats/token"
     )
 
+
+def sample(run: Run, prompt_text: str, max_tokens: int) -> None:
+  """Completes `prompt_text` with the saved model, sampling as serve.py would from this run."""
+  cfg = run.cfg
+  model, _, _ = checkpoint.load_model(run.run_dir, implementation=cfg.attention.implementation)
+  prompt = run.tokenizer.encode(prompt_text)
+  s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
+  params = SamplingParams(
+    max_new_tokens=min(max_tokens, cfg.model.max_seq_len - len(prompt)),
+    temperature=s.temperature,
+    top_k=s.top_k,
+    top_p=s.top_p,
+    seed=s.seed,
+  )
+  out = generate(model, [prompt], params, eos_id=run.tokenizer.eos_id)[0]
+  how = "greedy" if s.temperature == 0 else f"temperature {s.temperature:g}, top-k {s.top_k}"
+  print(f"sample ({how}):\n{prompt_text + run.tokenizer.decode(out)}")
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:
+    return run_command(args)
+  except KeyboardInterrupt:  # outside the loop's guard: before the first step, or while sampling
+    print("\ninterrupted; the checkpoints saved so far are kept", file=sys.stderr)
+    return 128 + signal.SIGINT
+
+
+def run_command(args: argparse.Namespace) -> int:
+  try:
+    run = build(args)
+  except (ConfigError, ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if run.main_process:
+    checkpoint.write_run_files(run.run_dir, run.cfg, run.tokenizer)
+  run.say(
+    f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+    f"processes: {jax.process_count()}, mesh: {dict(run.trainer.mesh.shape)}"
+  )
+  if run.added_flags:
+    run.say(f"XLA flags added for {jax.default_backend()}: {run.added_flags}")
+  try:
+    data = load_data(run)
+  except (ValueError, OSError) as e:
+    print(f"error: data.source={run.cfg.data.source!r}: {e}", file=sys.stderr)
+    return 2
+  try:
+    mngr, state, start = restore(run)
+  except checkpoint.CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  out = train(run, data, mngr, state, start)
+  if out.exit_code:
+    return out.exit_code
+  report(run, data, out)
   if args.sample_prompt and jax.process_count() == 1:
-    model, _, _ = checkpoint.load_model(run_dir, implementation=cfg.attention.implementation)
-    prompt = tokenizer.encode(args.sample_prompt)
-    max_new = min(args.sample_tokens, cfg.model.max_seq_len - len(prompt))
-    s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
-    params = SamplingParams(
-      max_new_tokens=max_new, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
-    )
-    out = generate(model, [prompt], params, eos_id=tokenizer.eos_id)[0]
-    how = "greedy" if s.temperature == 0 else f"temperature {s.temperature:g}, top-k {s.top_k}"
-    print(f"sample ({how}):\n{args.sample_prompt + tokenizer.decode(out)}")
+    sample(run, args.sample_prompt, args.sample_tokens)
   return 0
 
 

@@ -275,7 +275,9 @@ class TrainConfig:
   eval_every: int = 100
   eval_batches: int = 4
   checkpoint_dir: str = "checkpoints/tiny"
-  checkpoint_every: int = 0  # 0: only at the end
+  # Steps between checkpoints (0: only at the end); an interrupted run (SIGINT, SIGTERM) also
+  # saves the step it stopped at.
+  checkpoint_every: int = 1000
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
   z_loss: float = 0.0

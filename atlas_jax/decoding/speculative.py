@@ -161,10 +161,6 @@ class SpeculativeStats:
   accepted: int  # of those, accepted
 
   @property
-  def acceptance_rate(self) -> float:
-    return self.accepted / max(self.drafted, 1)
-
-  @property
   def mean_acceptance_length(self) -> float:
     """Tokens emitted per target pass of a row: accepted drafts + 1 (cut at stops)."""
     return self.emitted / max(self.row_rounds, 1)

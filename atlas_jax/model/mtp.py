@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from atlas_jax.config import ModelConfig
+from atlas_jax.model.block import attention_class
 from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.scan import stacked
 
@@ -144,8 +145,6 @@ class MTPHeads(nnx.Module):
 
   def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype):
     """A contiguous cache for the drafting heads' blocks: one "layer" per head."""
-    from atlas_jax.model.transformer import attention_class
-
     attn = attention_class(cfg)
     return attn.cache_type.init(
       n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
@@ -156,8 +155,6 @@ class MTPHeads(nnx.Module):
   ):
     """A paged pool for the drafting heads' blocks: one "layer" per head, for the first `n_heads`
     (default all: a server drafting k < J tokens needs only k)."""
-    from atlas_jax.model.transformer import attention_class
-
     attn = attention_class(cfg)
     return attn.pool_type.init(
       n_layers=self.n_draft_heads if n_heads is None else n_heads,

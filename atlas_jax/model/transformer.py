@@ -14,8 +14,6 @@ first_k_dense_replace >= n_layers).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,44 +22,12 @@ from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.attention import Attention
-from atlas_jax.model.layers import MLP, RMSNorm, normal, param
-from atlas_jax.model.mla import MLA
+from atlas_jax.model.block import Block, attention_class
+from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.mtp import MTPHeads
 from atlas_jax.model.scan import scan_layers, stacked
 
 Array = jax.Array
-
-
-def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
-  """The attention module a config calls for: MLA when `cfg.mla` is set, else GQA."""
-  return Attention if cfg.mla is None else MLA
-
-
-class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
-    pdt = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.attn = attention_class(cfg)(cfg, rngs=rngs, implementation=implementation)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.mlp = MLP(
-      cfg.d_model,
-      cfg.ffn_dim,
-      init_std=cfg.init_std,
-      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
-      rngs=rngs,
-      param_dtype=pdt,
-    )
-
-  def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):
-    h_BTD, cache = self.attn(
-      self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
-    )
-    x_BTD = x_BTD + h_BTD
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return x_BTD, cache
 
 
 def default_positions(tokens_BT: Array, cache: Cache | None) -> Array:

@@ -1,7 +1,7 @@
 """The multi-token-prediction training loss: L = L_main + lambda * mean_j L_j.
 
-A drop-in for `atlas_jax.training.step.loss_fn` (same signature) for models with MTP heads
-(`atlas_jax.model.deepseek.DeepSeek` with `cfg.mtp` set). Head j (1-based) at input position t
+A drop-in for `atlas_jax.training.step.loss_fn` (same signature) for models with MTP heads (a
+`Transformer` whose config sets `mtp`). Head j (1-based) at input position t
 predicts token t + 1 + j; positions whose target lies past the window, in another packed
 document, or under a zero of the loss mask do not count.
 """

@@ -51,6 +51,14 @@ def build_model(cfg: Config, key: Array | None = None) -> Transformer:
   )
 
 
+def init_state(cfg: Config, optimizer: optax.GradientTransformation, key: Array) -> TrainState:
+  """A fresh training state: the model initialised from `key`, the optimizer's zero state."""
+  params = nnx.state(build_model(cfg, key))
+  scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
+  zero = jnp.zeros((), jnp.int32)
+  return TrainState(params, optimizer.init(params), zero, zero, scale)
+
+
 @dataclasses.dataclass(frozen=True)
 class Trainer:
   """Everything static about a run: the model graph, optimizer, mesh and shardings."""
@@ -64,26 +72,20 @@ class Trainer:
 
   def init(self, key: Array) -> TrainState:
     """Initialises model and optimizer under jit straight into their shardings."""
-    return jax.jit(self._init, out_shardings=self.state_shardings)(key)
-
-  def _init(self, key: Array) -> TrainState:
-    params = nnx.state(build_model(self.cfg, key))
-    scale = None
-    if self.cfg.train.precision == "fp16":
-      scale = LossScale.create(self.cfg.train.loss_scale)
-    zero = jnp.zeros((), jnp.int32)
-    return TrainState(params, self.optimizer.init(params), zero, zero, scale)
+    init = functools.partial(init_state, self.cfg, self.optimizer)
+    return jax.jit(init, out_shardings=self.state_shardings)(key)
 
   def abstract_state(self) -> TrainState:
-    return jax.eval_shape(self._init, jax.random.key(0))
+    return jax.eval_shape(
+      functools.partial(init_state, self.cfg, self.optimizer), jax.random.key(0)
+    )
 
 
 def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   mesh = shd.make_mesh(cfg.mesh) if mesh is None else mesh
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
   optimizer = make_optimizer(cfg.train)
-  partial = Trainer(cfg, graphdef, optimizer, mesh, None, None)
-  abstract = partial.abstract_state()
+  abstract = jax.eval_shape(functools.partial(init_state, cfg, optimizer), jax.random.key(0))
   shd.check_declared(abstract.params)
   rules = shd.strategy_rules(cfg.train.sharding)
   rep = shd.replicated(mesh)
@@ -192,11 +194,14 @@ def make_train_step(trainer: Trainer) -> Callable:
       params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
-      "loss": loss,
+      **aux,
+      # The next-token cross-entropy alone, comparable across runs with and without MTP heads or
+      # z-loss; the objective the gradients came from beside it.
+      "loss": aux["ce"],
+      "loss_total": loss,
       "grad_norm": optax.tree.norm(grads),
       "learning_rate": schedule(state.step),
       "skipped": skip.astype(jnp.int32),
-      **aux,
     }
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.scale
@@ -218,10 +223,11 @@ def make_train_step(trainer: Trainer) -> Callable:
 
 
 def make_eval_step(trainer: Trainer) -> Callable:
+  """(params, batch) -> f32[] the next-token cross-entropy (MTP heads and z-loss left out)."""
   compute_loss = objective(trainer.cfg)
 
   def eval_step(params, batch):
-    return compute_loss(trainer.graphdef, params, batch)[0]
+    return compute_loss(trainer.graphdef, params, batch)[1]["ce"]
 
   return jax.jit(
     eval_step, in_shardings=(trainer.state_shardings.params, shd.batch_sharding(trainer.mesh))

@@ -1,5 +1,5 @@
-"""Runs of train.py as separate processes: SIGKILL + restart resumes exactly; two hosts agree with
-one."""
+"""Runs of train.py as separate processes: SIGKILL + restart and SIGINT/SIGTERM + restart resume
+exactly; two hosts agree with one."""
 
 import json
 import os
@@ -98,6 +98,43 @@ def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
   want, got = losses(full), losses(killed)
   assert sorted(got) == list(range(1, 13))
   assert got == want  # bit for bit: same state, same batches, same program
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_saves_and_the_rerun_continues_exactly(tmp_path, corpus, signum):
+  """No periodic checkpoints: the one the rerun resumes from is the interrupted step's."""
+  # Long enough that the signal lands mid-run, with no periodic checkpoints.
+  no_periodic = ("train.steps=60", "train.checkpoint_every=0")
+  full = tmp_path / "full"
+  subprocess.run(train_cmd(full, corpus, *no_periodic), env=env(1), check=True, capture_output=True)
+
+  stopped = tmp_path / "stopped"
+  proc = subprocess.Popen(
+    train_cmd(stopped, corpus, *no_periodic),
+    env=env(1),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  metrics = stopped / "metrics.jsonl"
+  deadline = time.time() + 240
+  while proc.poll() is None and time.time() < deadline:
+    if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+      break
+    time.sleep(0.02)
+  assert proc.poll() is None, "the run finished before it could be interrupted"
+  proc.send_signal(signum)
+  err = proc.communicate(timeout=240)[1]
+  assert proc.returncode == 128 + signum, err
+  assert "Traceback" not in err and "rerun the same command to resume" in err
+  (saved,) = [int(p.name) for p in stopped.iterdir() if p.name.isdigit()]
+  assert 3 <= saved < 60 and f"interrupted at step {saved}" in err
+  subprocess.run(
+    train_cmd(stopped, corpus, *no_periodic), env=env(1), check=True, capture_output=True
+  )
+  want, got = losses(full), losses(stopped)
+  assert sorted(got) == list(range(1, 61))
+  assert got == want
 
 
 def free_port() -> int:

@@ -106,3 +106,25 @@ def test_nonfinite_step_is_recorded_and_leaves_the_state_clean():
   state, m = step(state, batches(2)[1])
   assert int(state.first_nonfinite) == 2 and int(m["skipped"]) == 1
   np.testing.assert_array_equal(state.params["embed"][...], before)
+
+
+def test_mtp_models_report_the_next_token_loss_alone():
+  """`loss` and the eval loss are the next-token cross-entropy of the main head, not the MTP
+  objective; the objective and each head's loss are reported beside it."""
+  from flax import nnx
+
+  from atlas_jax.training.loss import cross_entropy
+  from atlas_jax.training.step import make_eval_step
+
+  cfg = tiny_config("model.mtp.n_predict=2", "model.mtp.loss_weight=0.5", "train.z_loss=1e-3")
+  trainer = make_trainer(cfg, mesh=single_device_mesh())
+  state = trainer.init(jax.random.key(0))
+  (batch,) = batches(1)
+  model = nnx.merge(trainer.graphdef, state.params)
+  tokens = jnp.asarray(batch["tokens"])
+  want, _ = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+  np.testing.assert_allclose(make_eval_step(trainer)(state.params, batch), want, rtol=1e-5)
+  _, m = make_train_step(trainer)(state, batch)
+  np.testing.assert_allclose(m["loss"], want, rtol=1e-5)
+  objective = m["loss"] + 0.5 * (m["loss_mtp_1"] + m["loss_mtp_2"]) / 2
+  np.testing.assert_allclose(m["loss_total"], objective, rtol=1e-5)
