@@ -1,16 +1,30 @@
 """atlas_jax: the modern LLM efficiency stack in JAX, written to be read.
 
-Axis glossary, used in every shape suffix (`q_BTNH`) and shape comment in the project:
+Axis glossary: one letter, one meaning, in every shape suffix (`q_BTNH`), einsum string and
+shape comment in the project.
 
-  B batch            T query length        S key/value length
-  N query heads      K kv heads            G group size (N / K)
-  H head dim         D model dim           F ffn dim
-  V vocab            L layers              P pages (blocks)
-  Z block size       C latent dim          R rope dim (MLA)
-  E MLA cache entry, C + R                 J MTP heads
-  M block-table columns (max blocks per sequence)
+  B batch (rows)                        T query length (tokens per row in this call)
+  S key/value length                    N query heads
+  K kv heads                            G group size (N / K)
+  H head dim (MLA: query/key, h + R)    D model dim
+  F ffn dim (an expert's too)           V vocab
+  L layers                              P pages (blocks of a pool)
+  Z block size (a kernel's key tile)    Q query rows of a kernel tile
+  C MLA latent dim (kv_lora_rank)       R rope dim (MLA)
+  Y MLA cache entry, C + R              A low-rank dim (MLA's q_lora_rank, a LoRA rank)
+  E experts                             J drafted positions (MTP heads, draft tokens per round)
+  M block-table columns (blocks per sequence at most)
   W words of a packed vocabulary bitmask (V / 32, rounded up)
-  Q query rows of a kernel tile           X KV splits (flash decoding)
+  X KV splits (flash decoding)          I loop iterations (decode steps per burst, pipeline steps)
+  O output tokens per row (what a decode loop writes)
+  U micro-batches
+
+Lower case: an axis local to one mechanism.
+
+  h MLA no-rope head dim (Hn)           v MLA value head dim (Hv)
+  k top-k candidates (logprobs)         s stop ids per row
+  c block copies (copy-on-write)        e expert capacity (token slots per expert)
+  p pipeline stages                     r circular-pipeline repeats
 """
 
 from atlas_jax import hf, kernels
