@@ -79,7 +79,7 @@ class MLAConfig:
   qk_rope_head_dim: int = 16  # R: decoupled RoPE dims, one key shared by every head
   qk_nope_head_dim: int = 32  # Hn: per-head query/key dims without position
   v_head_dim: int = 32  # Hv
-  q_lora_rank: int | None = None  # Q: low-rank query compression (None: a full D -> N*H query)
+  q_lora_rank: int | None = None  # A: low-rank query compression (None: a full D -> N*H query)
 
   def __post_init__(self):
     _positive("model.mla", self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
