@@ -14,7 +14,7 @@ holds the other's memory and each reports its own peak); the ratio is ours / the
     python bench/gpu_training.py --profile --preset llama3-1b [--trace-dir DIR]
 
 `--profile` (also `bench/gpu.py --only profile`) accounts for one train step per op class:
-FLOPs and bytes from the compiled step's HLO (`atlas_jax.analysis.step_profile`, which adds up to
+FLOPs and bytes from the compiled step's HLO (`bench/step_profile.py`, which adds up to
 XLA's own cost analysis), and on an accelerator the device time per class from a
 `jax.profiler` trace of a few steps (kept in DIR when given).
 
@@ -32,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # the shared bench modules, also when run with -P
 PRESETS = ("small", "llama3-1b")
 SMOKE = [
   "model.vocab_size=512",
@@ -116,8 +118,8 @@ def profile(preset: str, smoke: bool, steps: int = 3, trace_dir: str | None = No
   import tempfile
 
   import jax
+  import step_profile
 
-  from atlas_jax.analysis import step_profile
   from atlas_jax.training.checkpoint import single_device_mesh
   from atlas_jax.training.step import make_train_step, make_trainer
 
@@ -344,7 +346,7 @@ def training(
 
 def _rows(preset: str, ours: dict, theirs: dict, smoke: bool) -> list[str]:
   """Prints the preset's two table rows; returns their notes."""
-  from atlas_jax.analysis.devices import match_device_kind
+  from atlas_jax.devices import match_device_kind
 
   cfg = preset_config(preset, smoke)
   shape = f"{cfg.train.batch_size} x {cfg.train.seq_len}"

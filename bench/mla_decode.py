@@ -4,7 +4,7 @@ One decode step of DeepSeek-V3-shaped MLA attention (N=128 heads, C=512, R=64, b
 latent cache of B sequences of S tokens. Decoding is memory bound: the step must read the cache,
 B * S * (C + R) * 2 bytes, once, so achieved bandwidth = those bytes / step time (the queries and
 outputs are < 1% of it). Prints both implementations side by side and their ratio, plus the KV
-bytes per token of MLA against MHA/GQA configs (`atlas_jax.analysis.kv.kv_report`).
+bytes per token of MLA against MHA/GQA configs (`atlas_jax.plan.kv.kv_report`).
 
     python bench/mla_decode.py [--batch 32] [--seq 4096] [--heads 128] [--iters 20]
 """
@@ -17,9 +17,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.analysis.kv import format_kv_report, kv_report
-from atlas_jax.analysis.models import REFERENCE_MODELS
 from atlas_jax.kernels.mla_decode import mla_decode
+from atlas_jax.plan.kv import format_kv_report, kv_report
+from atlas_jax.plan.models import REFERENCE_MODELS
 
 C, R = 512, 64
 

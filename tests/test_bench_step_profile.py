@@ -8,12 +8,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from atlas_jax.analysis import step_profile
 from atlas_jax.training.checkpoint import single_device_mesh
 from atlas_jax.training.step import make_train_step, make_trainer
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import gpu_training  # noqa: E402
+import step_profile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
