@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.kernels import flash_attention
-from atlas_jax.kernels.flash_mgpu import flash_attention_mgpu
+from atlas_jax.kernels.experimental.flash_mgpu import flash_attention_mgpu
 
-# "mgpu": the Hopper FlashAttention in Mosaic GPU (`kernels.flash_mgpu`; sm_90 and on).
+# "mgpu": the Hopper FlashAttention in Mosaic GPU (`kernels/experimental/flash_mgpu.py`; sm_90
+# and on).
 IMPLS = ("pallas", "xla", "cudnn", "mgpu")
 
 

@@ -6,11 +6,12 @@
 * attention: the FlashAttention-3 paper's sweep (16k tokens per batch, hidden 2048, head dim
   128, bf16) in TFLOP/s for ours (Pallas, Triton lowering), cuDNN and XLA, with the
   implementation `attention(..., implementation=None)` picks for the call.
-* mgpu: the experimental Hopper FlashAttention in Mosaic GPU (`kernels.flash_mgpu`), in a
-  section of its own so that a failure or hang there costs nothing else: the error of its output
-  and of its gradients (dq, dk, dv) against the reference, and its TFLOP/s forward and
-  forward + backward against cuDNN on sm_90; elsewhere forward and gradient are only lowered
-  for CUDA.
+* mgpu: the experimental Hopper FlashAttention in Mosaic GPU
+  (`kernels/experimental/flash_mgpu.py`), in a section of its own so that a failure or hang there
+  costs nothing else: the error of its output and of its gradients (dq, dk, dv) against the
+  reference, and its TFLOP/s forward and forward + backward against cuDNN on sm_90; elsewhere
+  forward and gradient are only lowered for CUDA. Once it passes on a Hopper GPU, the kernel can
+  leave `kernels/experimental/`.
 * decode: both decode kernels' achieved bandwidth (cache bytes held / step time) against the
   XLA reference and against the card's measured device-to-device copy bandwidth.
 
@@ -35,7 +36,7 @@ from atlas_jax.kernels.attention import (
   device_compute_capability,
   select_implementation,
 )
-from atlas_jax.kernels.flash_mgpu import flash_attention_mgpu
+from atlas_jax.kernels.experimental.flash_mgpu import flash_attention_mgpu
 from atlas_jax.kernels.mla_decode import mla_decode
 from atlas_jax.kernels.paged_attention import paged_attention
 
