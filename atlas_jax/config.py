@@ -293,7 +293,7 @@ class TrainConfig:
   # or stop with the error.
   on_corrupt_checkpoint: Literal["fallback", "stop"] = "fallback"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
-  # Per device, for MFU; default from the device table (`atlas_jax.analysis.devices`). On a
+  # Per device, for MFU; default from the device table (`atlas_jax.devices`). On a
   # device the table does not know (every CPU), MFU is not reported unless this is given.
   peak_tflops: float | None = None
   # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults
