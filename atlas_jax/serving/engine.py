@@ -424,20 +424,25 @@ class Engine:
           None,
         )
       elif kind == "burst":
-        self.pools, *outs = progs.decode_burst(
-          self.states,
-          self.pools,
-          zeros(B),
-          pad.astype(np.int32),
-          table,
-          zeros(B),
-          zeros(B),
-          arrays,
-          None,
-          T,
-          False,
-          None,
-        )
+        # Twice: fed from the host, then from the device (a chained burst's pending tokens are
+        # the last one's draws, which the program sees as placed on the device).
+        tokens = zeros(B)
+        for _ in range(2):
+          self.pools, *outs = progs.decode_burst(
+            self.states,
+            self.pools,
+            tokens,
+            pad.astype(np.int32),
+            table,
+            zeros(B),
+            zeros(B),
+            arrays,
+            None,
+            T,
+            False,
+            None,
+          )
+          tokens = outs[0][T - 1]
       else:
         rows = steps.RoundRows(zeros(B), pad.astype(np.int32), table, zeros(B), zeros(B), arrays)
         self.pools, *outs = progs.speculative_round(self.states, self.pools, rows, T - 1)
