@@ -170,12 +170,18 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(level: str) -> None:
-  logger = logging.getLogger("atlas_jax")
-  logger.setLevel(level.upper())
-  if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+  """`--log-level` for atlas_jax's loggers, one line per record on stderr. Other libraries log
+  at warning and above, through the same handler: it replaces the plain stderr handler some of
+  them install on import (orbax does), which would print each line twice."""
+  root = logging.getLogger()
+  if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+    for h in list(root.handlers):
+      if type(h) is logging.StreamHandler:
+        root.removeHandler(h)
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
+    root.addHandler(handler)
+  logging.getLogger("atlas_jax").setLevel(level.upper())
 
 
 def step_folder_error(path: Path) -> str | None:
@@ -313,11 +319,6 @@ def fill_defaults(args) -> None:
       args.sources[name] = flag
   if args.max_batch is None:
     args.max_batch = d.max_batch
-  taken = {n: getattr(args, n) for n, s in args.sources.items() if not s.startswith("--")}
-  if taken:
-    log.info(
-      "sampling defaults from %s: %s", where, ", ".join(f"{k}={v}" for k, v in taken.items())
-    )
 
 
 def check_args(args) -> None:
@@ -515,7 +516,15 @@ def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
   names = args.model_name or [Path(args.checkpoint).name]
   log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    # uvicorn's own lines through the same handler; its access log is the per-request line's
+    uvicorn.run(
+      app,
+      host=args.host,
+      port=args.port,
+      log_level=args.log_level,
+      access_log=False,
+      log_config=None,
+    )
   finally:
     runner.shutdown()
   return 0
@@ -533,11 +542,19 @@ def describe(args, model, tokenizer, engine: Engine) -> None:
     cfg.dtype,
     engine.max_model_len,
   )
-  eos = ", ".join(
-    f"{i} {tokenizer.decode([i], skip_special_tokens=False)!r}" for i in tokenizer.eos_ids
+  named = lambda ids: ", ".join(
+    f"{i} {tokenizer.decode([i], skip_special_tokens=False)!r}" for i in ids
   )
-  bos = tokenizer.encode("", add_special_tokens=True)
-  log.info("stops on eos %s; a prompt starts with %s", eos or "none", bos or "no BOS")
+  eos, bos = named(tokenizer.eos_ids), named(tokenizer.encode("", add_special_tokens=True))
+  log.info("stops on eos %s; prompts start with %s", eos or "none", bos or "no BOS")
+  given = lambda name: args.sources[name].startswith("--")  # a flag, or its default
+  log.info(
+    "sampling defaults: %s",
+    ", ".join(
+      f"{name}={getattr(args, name)}" + ("" if given(name) else f" ({args.sources[name]})")
+      for name in SAMPLING_FLAGS
+    ),
+  )
 
 
 def prepare(args):

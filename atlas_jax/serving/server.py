@@ -737,7 +737,7 @@ def build_app(
     grammar = await grammar_of(body)
     subs = submit(body, prompts, logprobs, prompt_logprobs, grammar, where)
     choices = [_Choice(ids, text) for ids, text in prompts for _ in range(body.n)]
-    rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0][:24]
+    rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0]  # the first choice's, as logged
     obj = "chat.completion" if chat else "text_completion"
     model = body.model or names[0]
     usage_on = bool(body.stream_options and body.stream_options.get("include_usage"))
