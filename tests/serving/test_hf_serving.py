@@ -132,7 +132,7 @@ def test_chats_encode_and_stop_as_transformers(folders, servers, kind):
 
 def test_a_template_error_is_the_requests_fault(servers):
   body = {"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2}
-  r = httpx.post(servers["mistral"] + "/v1/chat/completions", json=body, timeout=60)
+  r = httpx.post(servers["mistral"] + "/v1/chat/completions", json=body, timeout=120)
   assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
 
 

@@ -327,8 +327,11 @@ def test_64_concurrent_streams(server):
 # -- OpenAI / vLLM request compatibility ---------------------------------------------------------
 
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def call(server, body, path="/v1/completions"):
-  r = httpx.post(server[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+  r = httpx.post(server[0] + path, json=body, headers=AUTH, timeout=120)
   assert r.status_code == 200, r.text
   return r.json()
 
@@ -342,11 +345,10 @@ def test_unknown_fields_are_ignored_with_one_warning(server, caplog):
   lines = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
   assert lines == ["request fields ignored: metadata, parallel_tool_calls, service_tier, store"]
   # The fields it uses are still checked.
-  r = httpx.post(server[0] + "/v1/completions", json={**body, "min_tokens": "2"}, headers=AUTH)
+  r = httpx.post(
+    server[0] + "/v1/completions", json={**body, "min_tokens": "2"}, headers=AUTH, timeout=120
+  )
   assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
-
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_without_a_seed_each_request_draws_its_own(server):
@@ -369,7 +371,10 @@ def test_logit_bias_moves_the_argmax(server):
   r = call(server, {"prompt": "ab", "max_tokens": 4, "logit_bias": {str(first): -100}})
   assert r["choices"][0]["text"] == tok.decode(want)
   bad = httpx.post(
-    server[0] + "/v1/completions", json={"prompt": "ab", "logit_bias": {"300": 1}}, headers=AUTH
+    server[0] + "/v1/completions",
+    json={"prompt": "ab", "logit_bias": {"300": 1}},
+    headers=AUTH,
+    timeout=120,
   )
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
 
@@ -407,6 +412,7 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(server):
       server[0] + "/v1/completions",
       json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 2, "stream": True},
       headers=AUTH,
+      timeout=120,
     ) as s:
       for line in s.iter_lines():
         if line.startswith("data: {"):
@@ -415,7 +421,10 @@ def test_a_list_of_prompts_gets_n_choices_each_in_order(server):
     assert [streamed[i] for i in range(4)] == want
   # All or none: a bad second prompt queues nothing.
   bad = httpx.post(
-    server[0] + "/v1/completions", json={"prompt": [[97], [999]], "max_tokens": 2}, headers=AUTH
+    server[0] + "/v1/completions",
+    json={"prompt": [[97], [999]], "max_tokens": 2},
+    headers=AUTH,
+    timeout=120,
   )
   assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
   engine, deadline = server[3], time.time() + 5
@@ -454,7 +463,10 @@ def test_content_as_text_parts(server):
   assert got["choices"][0]["message"] == plain["choices"][0]["message"]
   image = [{"type": "image_url", "image_url": {"url": "x"}}]
   r = httpx.post(
-    server[0] + CHAT, json={**body, "messages": [{"role": "user", "content": image}]}, headers=AUTH
+    server[0] + CHAT,
+    json={**body, "messages": [{"role": "user", "content": image}]},
+    headers=AUTH,
+    timeout=120,
   )
   assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0"
 
@@ -469,12 +481,12 @@ def test_tokenize_and_detokenize_round_trip(server):
   assert call(server, {"tokens": r["tokens"]}, "/detokenize") == {"prompt": "héllo"}
   chat = call(server, {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize")
   assert chat["tokens"] == tok.encode("user: hi\nassistant:")
-  r = httpx.post(server[0] + "/detokenize", json={"tokens": [1, 259]})
+  r = httpx.post(server[0] + "/detokenize", json={"tokens": [1, 259]}, timeout=120)
   assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
 def test_the_model_is_found_by_its_id(server):
-  r = httpx.get(server[0] + "/v1/models/tiny", headers=AUTH)
+  r = httpx.get(server[0] + "/v1/models/tiny", headers=AUTH, timeout=120)
   assert r.json()["id"] == "tiny"
-  r = httpx.get(server[0] + "/v1/models/gpt-4", headers=AUTH)
+  r = httpx.get(server[0] + "/v1/models/gpt-4", headers=AUTH, timeout=120)
   assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
