@@ -254,8 +254,8 @@ def test_serve_prints_hf_load_errors_as_one_line(tmp_path, capsys, damage):
 def test_serve_samples_as_the_run_says_unless_told(run_dir):
   from atlas_jax.config import ServeConfig, load_config
 
-  run = load_config(run_dir / "config.yaml").serve
-  assert run.temperature != ServeConfig().temperature  # tiny.yaml samples; the default is greedy
+  run = load_config(run_dir / "config.yaml").serve.sampling
+  assert run.temperature != ServeConfig().sampling.temperature  # tiny.yaml samples; greedy default
   args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x"])
   serve.fill_defaults(args)
   assert (args.temperature, args.top_k, args.max_new_tokens) == (
