@@ -38,6 +38,7 @@ from atlas_jax.config import (
 )
 from atlas_jax.data.corpus import iter_json_objects
 from atlas_jax.decoding.sampling import SamplingParams
+from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import model_files
 from atlas_jax.serving.engine import Engine, RequestError
 from atlas_jax.serving.server import (
@@ -444,6 +445,7 @@ def check_args(args) -> ServeConfig:
     except ValueError as e:
       raise ValueError(f"{args.sources.get(name, flag)}={getattr(args, name)}: {e}") from None
   config = serve_config(args)
+  placement.check_devices(config.engine.data_parallel_size, config.engine.tensor_parallel_size)
   if args.port is not None and not 1 <= args.port <= 65535:
     raise ValueError(f"--port={args.port} is not allowed: must be in [1, 65535]")
   if args.output is not None:

@@ -334,10 +334,15 @@ def served_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
   return cfg
 
 
-def serving_weight_bytes(cfg: ModelConfig, *, tensor: int, dtype_bytes: int) -> int:
+def serving_weight_bytes(
+  cfg: ModelConfig, *, tensor: int, dtype_bytes: int, attention_only: bool = False
+) -> int:
   """Weight bytes each device holds when served over `tensor` devices (the serving rules split
-  heads, the FFN and the vocabulary as training's tensor rules do)."""
+  heads, the FFN and the vocabulary as training's tensor rules do); `attention_only`: the
+  attention layers' alone (the trunk's, MTP heads' excluded)."""
   specs = inventory(served_config(cfg, tensor))
+  if attention_only:
+    specs = [p for p in specs if p.path.startswith("blocks/attn/")]
   return dtype_bytes * sum(shard_elements(p, fsdp=1, tensor=tensor) for p in specs)
 
 

@@ -308,6 +308,9 @@ def make_plan(
     "data": dp,
     "kv_heads_served": None if cfg.mla is not None else memory.served_config(cfg, tp).n_kv_heads,
     "weight_bytes_per_device": weights_dev,
+    "attention_weight_bytes_per_device": memory.serving_weight_bytes(
+      cfg, tensor=tp, dtype_bytes=c, attention_only=True
+    ),
     "kv_bytes_per_token_per_device": kv_dev,
     "memory_utilization": SERVING_MEMORY_UTILIZATION,
     "pool_bytes_per_device": pool_dev,

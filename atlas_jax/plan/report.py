@@ -229,6 +229,7 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   heads = "" if sv["kv_heads_served"] is None else f", kv heads served {sv['kv_heads_served']}"
   rows = [
     ("weights per device", fmt_bytes(sv["weight_bytes_per_device"])),
+    ("of which attention", fmt_bytes(sv["attention_weight_bytes_per_device"])),
     ("cache per token per device", fmt_bytes(sv["kv_bytes_per_token_per_device"])),
     (
       f"pool per device ({sv['memory_utilization']:.0%} of {dev['name']} less weights)",

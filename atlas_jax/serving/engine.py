@@ -165,6 +165,13 @@ class Engine:
     config = EngineConfig() if config is None else config
     cfg = model.cfg
     max_model_len = config.max_model_len or cfg.max_seq_len
+    k = config.num_speculative_tokens
+    if k is None:
+      mtp = draft == "mtp" and model.mtp is not None
+      k = model.mtp.n_draft_heads if mtp else DEFAULT_SPECULATIVE_TOKENS
+      if mtp:
+        log.info("num_speculative_tokens %d: the model's MTP depth", k)
+    drafter = None if draft is None else make_drafter(model, draft, k, max_len=max_model_len)
     if max_model_len > cfg.max_seq_len:
       raise ConfigError(
         f"serve.engine.max_model_len={max_model_len} is not allowed: the model's context is "
@@ -173,13 +180,6 @@ class Engine:
     mesh = _mesh_for(config, mesh)
     dp, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
     placement.check_heads(cfg, tp)
-    k = config.num_speculative_tokens
-    if k is None:
-      mtp = draft == "mtp" and model.mtp is not None
-      k = model.mtp.n_draft_heads if mtp else DEFAULT_SPECULATIVE_TOKENS
-      if mtp:
-        log.info("num_speculative_tokens %d: the model's MTP depth", k)
-    drafter = None if draft is None else make_drafter(model, draft, k, max_len=max_model_len)
     model = placement.repeat_kv_heads(model, tp)
     served_draft = None
     if isinstance(draft, Transformer):

@@ -52,6 +52,16 @@ SERVING_RULES = {
 }
 
 
+def check_devices(data: int, tensor: int, n_devices: int | None = None) -> None:
+  """ConfigError naming serve.engine's fields when more devices are asked for than exist."""
+  n = len(jax.devices()) if n_devices is None else n_devices
+  if data * tensor > n:
+    raise ConfigError(
+      f"serve.engine.tensor_parallel_size={tensor} x serve.engine.data_parallel_size={data} "
+      f"needs {data * tensor} devices but {n} are available"
+    )
+
+
 def serving_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh:
   """The first data x tensor devices as a (data, fsdp=1, tensor) mesh.
 
@@ -59,11 +69,7 @@ def serving_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh:
     ConfigError naming serve.engine's fields when more devices are asked for than exist.
   """
   devices = list(jax.devices() if devices is None else devices)
-  if data * tensor > len(devices):
-    raise ConfigError(
-      f"serve.engine.tensor_parallel_size={tensor} x serve.engine.data_parallel_size={data} "
-      f"needs {data * tensor} devices but {len(devices)} are available"
-    )
+  check_devices(data, tensor, len(devices))
   return make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor), devices[: data * tensor])
 
 

@@ -17,7 +17,8 @@ over a block table as wide as the context.
 
 Where a device does not report its memory (a CPU), the pool holds `FULL_CONTEXTS_WITHOUT_MEMORY`
 full contexts unless bytes are given. `max_num_seqs` defaults to what the pool holds at a typical
-length (`TYPICAL_TOKENS`, or the context if shorter), at most `MAX_DEFAULT_SEQS`.
+length (`TYPICAL_TOKENS`, or the context if shorter), at most `MAX_DEFAULT_SEQS` (and at most
+`max_num_batched_tokens` where that is given: one decode token per running request).
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ def default_max_num_seqs(n_blocks: int, block_size: int, max_model_len: int) -> 
 
 def resolve(config: EngineConfig, n_blocks: int, max_model_len: int, k: int) -> EngineConfig:
   """`config` with every field the engine sizes filled in."""
-  seqs = config.max_num_seqs or default_max_num_seqs(n_blocks, config.block_size, max_model_len)
+  seqs = config.max_num_seqs
+  if seqs is None:  # what the pool holds, within a token budget that was given
+    seqs = default_max_num_seqs(n_blocks, config.block_size, max_model_len)
+    seqs = min(seqs, config.max_num_batched_tokens or seqs)
   budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, seqs)
   return dataclasses.replace(
     config,

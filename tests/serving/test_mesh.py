@@ -150,9 +150,9 @@ def test_the_decode_step_gathers_no_pool(kind):
   config = dataclasses.replace(CONFIG, n_blocks=128, tensor_parallel_size=tp)
   engine = Engine(model, config)
   runner = engine.runner
-  engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2))
-  req = engine.scheduler.waiting[0]
-  rows = [engine.scheduler.row(req, 1)]
+  engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
+  engine.step()  # the prompt: now the request decodes
+  rows = [engine.scheduler.row(engine.running[0], 1)]
   x, _ = runner.inputs(rows, 1, penalties=False)
   hlo = (
     runner.programs.forward_sample.lower(runner.states, runner.pools, runner._on_devices(x))

@@ -69,14 +69,16 @@ def test_a_fraction_of_device_memory(model, monkeypatch, field):
   # A larger step budget compiles a larger largest step: the activations are measured.
   bigger = Engine(model, dataclasses.replace(config, max_num_batched_tokens=128, prefill_chunk=64))
   assert bigger.pool_size.activations > engine.pool_size.activations
-  assert engine.config.max_num_seqs == engine.config.n_blocks * 4 // 128
+  assert engine.config.max_num_seqs == min(32, engine.config.n_blocks * 4 // 128)
+  assert Engine(model, dataclasses.replace(CONFIG, n_blocks=100)).config.max_num_seqs == 3
 
 
 def test_sizing_without_device_memory_and_its_errors(model, caplog):
   with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
     engine = Engine(model, CONFIG)  # CPU devices report no memory: 8 full contexts
   assert engine.config.n_blocks == sizing.FULL_CONTEXTS_WITHOUT_MEMORY * 128 // 4
-  assert engine.config.max_num_seqs == 8 and engine.config.max_num_batched_tokens == 512
+  assert engine.config.max_num_seqs == 8 and engine.config.max_num_batched_tokens == 32
+  assert Engine(model, EngineConfig(block_size=4)).config.max_num_batched_tokens == 512
   text = " ".join(r.getMessage() for r in caplog.records)
   assert "pool: 256 blocks of 4 tokens per replica (1024 tokens" in text
   assert "per device: weights" in text and "largest batch 8 sequences" in text
