@@ -6,7 +6,7 @@ through two calls, over a `DraftCache` that they roll back with the target's:
 * `follow(params, target, dcache, window, in_round=)`: the target has computed a `Window` of
   positions (a prompt, a prefill chunk, decode steps, a round's verification); the drafter
   catches up with it, so it never needs a catch-up pass of its own.
-* `propose(params, target, dcache, pending_B, lengths_B, keys_BJ, arrays, k)`: k draft tokens
+* `propose(params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k)`: k draft tokens
   per row from its pending token (drawn, not yet in any cache, at position `lengths_B`), and the
   distributions they were drawn from.
 
@@ -107,7 +107,7 @@ class DraftModel:
     )
     return dcache.replace(cache=cache)
 
-  def propose(self, params, target, dcache, pending_B, lengths_B, keys_BJ, arrays, k):
+  def propose(self, params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k):
     """(dcache, i32[B, k] drafts, f32[B, k, V] their distributions); padding rows (length -1)
     write nothing."""
     del target
@@ -120,7 +120,7 @@ class DraftModel:
       cache = cache.replace(lengths=jnp.where(valid_B, lengths_B + j, 0))
       logits_B1V, cache = draft(x_B[:, None], positions_BT=positions_B1, cache=cache)
       q_BV = probabilities(first_masked(logits_B1V[:, 0], arrays, j), arrays)
-      d_B = draw(keys_BJ[:, j], q_BV)  # the last step's draw is not used
+      d_B = draw(keys_BT[:, j], q_BV)  # the last step's draw is not used
       return (cache, d_B), (d_B, q_BV)
 
     (cache, _), (d_JB, q_JBV) = jax.lax.scan(step, (dcache.cache, pending_B), jnp.arange(k + 1))
@@ -164,7 +164,7 @@ class MTPDrafter:
     del params, in_round  # a round's window is new to the heads: they run over it
     return self._heads(target, dcache, window, store=True)[0]
 
-  def propose(self, params, target, dcache, pending_B, lengths_B, keys_BJ, arrays, k):
+  def propose(self, params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k):
     """(dcache, i32[B, k] drafts, f32[B, k, V] their distributions), from the heads at each
     row's last computed position (lengths - 1), its hidden states read back from their slot."""
     del params
@@ -185,7 +185,7 @@ class MTPDrafter:
     # The heads do not read each other's draws: every draft comes from one pass.
     q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
     q_BJV = q_BJV.transpose(1, 0, 2)
-    draft_BJ = jnp.stack([draw(keys_BJ[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
+    draft_BJ = jnp.stack([draw(keys_BT[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
     return dcache, draft_BJ, q_BJV
 
 

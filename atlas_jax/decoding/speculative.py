@@ -268,10 +268,10 @@ def _loop(
     return ~jnp.all(c.done_B) & (c.rounds < max_new)
 
   def body(c: RoundCarry):
-    keys_BJ = round_keys(seed_B, c.i_B, k + 1)
+    keys_BT = round_keys(seed_B, c.i_B, k + 1)
     base_B = c.t_cache.lengths
     dcache, draft_BJ, q_BJV = drafter.propose(
-      d_params, target, c.dcache, c.pending_B, base_B, keys_BJ, arrays, k
+      d_params, target, c.dcache, c.pending_B, base_B, keys_BT, arrays, k
     )
     v = verify_drafts(
       target,
@@ -280,7 +280,7 @@ def _loop(
       base_B,
       draft_BJ,
       q_BJV,
-      keys_BJ[:, k],
+      keys_BT[:, k],
       arrays,
       hidden=drafter.needs_hidden,
     )

@@ -228,7 +228,7 @@ def speculative_draft(b: _Bound, states, pools, x: StepInputs, k: int):
   """The draft half of a round: (pools, i32[B, k] draft tokens, f32[B, k, V] the distributions
   they were drawn from). A guided row's first draft is drawn under its current mask."""
   (state, d_params), (pool, d_pool) = states, pools
-  keys_BJ = round_keys(x.seed_B, x.step_B, k + 1)
+  keys_BT = round_keys(x.seed_B, x.step_B, k + 1)
   dcache = b.draft_cache(d_pool, x.block_table_BM)
   dcache, draft_BJ, q_BJV = b.drafter.propose(
     d_params,
@@ -236,7 +236,7 @@ def speculative_draft(b: _Bound, states, pools, x: StepInputs, k: int):
     dcache,
     x.tokens_BT[:, 0],
     x.lengths_B,
-    keys_BJ,
+    keys_BT,
     x.sampling,
     k,
   )
@@ -256,7 +256,7 @@ def speculative_verify(b: _Bound, states, pools, x: StepInputs, draft_BJ, q_BJV,
   (state, d_params), (pool, d_pool) = states, pools
   model = nnx.merge(b.graphdef, state)
   k = draft_BJ.shape[1]
-  keys_BJ = round_keys(x.seed_B, x.step_B, k + 1)
+  keys_BT = round_keys(x.seed_B, x.step_B, k + 1)
   cache = PagedCache(pool, x.block_table_BM, jnp.maximum(x.lengths_B, 0), b.layout)
   v = verify_drafts(
     model,
@@ -265,7 +265,7 @@ def speculative_verify(b: _Bound, states, pools, x: StepInputs, draft_BJ, q_BJV,
     x.lengths_B,
     draft_BJ,
     q_BJV,
-    keys_BJ[:, k],
+    keys_BT[:, k],
     x.sampling,
     hidden=b.hidden,
     allowed_BTW=allowed_BTW,
