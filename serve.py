@@ -3,6 +3,8 @@
     python serve.py --checkpoint checkpoints/tiny --prompt "def " --prompt "import "
     python serve.py --checkpoint path/to/hf_folder --prompts prompts.jsonl --output out.jsonl
     python serve.py --checkpoint path/to/hf_folder --port 8000 [--host 127.0.0.1] [--api-key KEY]
+    python serve.py --checkpoint path/to/hf_folder --port 8000 --tensor-parallel-size 4 \
+      --data-parallel-size 2 --set serve.engine.kv_cache_memory=0.8
 
 Batch mode reads prompts (repeated --prompt, or a JSONL file with a "prompt" field per line,
 and optionally the line's own max_tokens, temperature, top_p, top_k, stop, seed, ...) and writes
@@ -15,6 +17,13 @@ A Hugging Face folder is served as its files say: the eos ids of generation_conf
 config.json, else tokenizer_config.json), the BOS its tokenizer adds, its chat template, its
 dtype, and generation_config.json's sampling defaults (--generation-config vllm ignores them);
 the flags override each.
+
+Every serving setting is a field of `ServeConfig` (sections engine, limits, sampling), set with
+`--set serve.SECTION.FIELD=VALUE`; the engine and limit flags are aliases of fields, with vLLM's
+names where vLLM has one, checked by the same rules (an error names the flag as given). On
+several devices the model is split over `--tensor-parallel-size` devices per replica and
+`--data-parallel-size` replicas (`atlas_jax.serving.mesh`); the pool is sized from the devices'
+memory (`atlas_jax.serving.sizing`).
 """
 
 from __future__ import annotations

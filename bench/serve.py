@@ -314,6 +314,7 @@ def startup(cfg, n_requests: int = 6) -> None:
     t_next = timed(engine.generate, second, params)
     name = "compiled at start-up" if warm else "cold"
     print(f"| {name} | {warmup:.1f} | {t_first:.2f} | {t_next:.2f} |")
+    del engine  # its pool, sized from device memory, before the next one is sized
 
 
 def on_a_mesh(model: Transformer, tensor: int, data: int, *, batch: int, new_tokens: int) -> None:
@@ -346,6 +347,7 @@ def on_a_mesh(model: Transformer, tensor: int, data: int, *, batch: int, new_tok
       f"| {dp} x {tp} | {r.weight_bytes:,} | {weights:,} | {r.block_bytes():,} | {block:,} | "
       f"{r.pool_bytes:,} | {engine.config.n_blocks} | {tok_s:.0f} |"
     )
+    del engine, r  # its pool, sized from device memory, before the next one is sized
 
 
 def main(argv=None) -> None:

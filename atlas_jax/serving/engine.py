@@ -239,7 +239,7 @@ class Engine:
     self.n_drafted = 0  # draft tokens proposed to the target
     self.n_accepted = 0  # of those, accepted
     self.n_spec_emitted = 0  # tokens emitted by speculative rounds (accepted + one per row round)
-    self._log_start()
+    self._log_start(seqs_given=config.max_num_seqs is not None)
 
   # -- the parts, as callers and tests reach them ------------------------------------------------
 
@@ -310,7 +310,8 @@ class Engine:
     budget = config.max_num_batched_tokens or sizing.DEFAULT_BATCHED_TOKENS
     return self.runner.step_bytes(self.runner.bucket(-(-budget // T)), T)
 
-  def _log_start(self) -> None:
+  def _log_start(self, *, seqs_given: bool) -> None:
+    """The start-up lines: the mesh, weights and pool per device, the pool, the largest batch."""
     c, s, r = self.config, self.pool_size, self.runner
     tokens = c.n_blocks * c.block_size
     memory = ""
@@ -337,7 +338,7 @@ class Engine:
       s.block_bytes,
       s.how,
       c.max_num_seqs,
-      "" if s.how == "serve.engine.n_blocks" else " (what the pool holds at a typical length)",
+      "" if seqs_given else " (what the pool holds at a typical length)",
     )
 
   def warmup_shapes(self) -> tuple[list[tuple[str, int, int]], list[str]]:

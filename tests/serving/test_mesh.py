@@ -101,12 +101,13 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
   config = dataclasses.replace(CONFIG, data_parallel_size=dp, tensor_parallel_size=tp)
   got, engine = serve(model, config)
   assert got == want
-  assert engine.n_preemptions > 0
   s = engine.kv_stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == 16 * dp
-  assert s.prefix_hit_tokens > 0
-  if dp > 1:  # the requests were spread over the replicas
-    assert all(a.stats().prefix_query_tokens > 0 for a in engine.allocators)
+  if dp <= 2:  # 8 replicas hold the 6 requests without preempting or sharing a prefix
+    assert engine.n_preemptions > 0 and s.prefix_hit_tokens > 0
+  # The requests were spread over the replicas, each admitted on the least loaded.
+  used = [a.stats().prefix_query_tokens > 0 for a in engine.allocators]
+  assert sum(used) == min(dp, len(want))
 
 
 def pool_arrays(engine):
