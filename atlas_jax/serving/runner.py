@@ -40,6 +40,21 @@ def pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def padding_inputs(B: int, T: int, M: int) -> StepInputs:
+  """Inputs of B padding rows (length -1: nothing is written or read), T tokens, M columns."""
+  zeros = lambda *shape: np.zeros(shape, np.int32)
+  return StepInputs(
+    tokens_BT=zeros(B, T),
+    positions_BT=np.full((B, T), -1, np.int32),
+    block_table_BM=zeros(B, M),
+    lengths_B=np.full((B,), -1, np.int32),
+    last_B=zeros(B),
+    seed_B=zeros(B),
+    step_B=zeros(B),
+    sampling=SamplingArrays.from_params([], pad_to=B),
+  )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Row:
   """One request's part in a step."""
@@ -197,18 +212,7 @@ class ModelRunner:
     abstract = lambda shape, dtype, s=rows: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
     if shardings is not None:
       spec = jax.tree.map(lambda x, s: abstract(x.shape, x.dtype, s), spec, shardings)
-    x = StepInputs(
-      tokens_BT=abstract((B, T), jnp.int32),
-      positions_BT=abstract((B, T), jnp.int32),
-      block_table_BM=abstract((B, M), jnp.int32),
-      lengths_B=abstract((B,), jnp.int32),
-      last_B=abstract((B,), jnp.int32),
-      seed_B=abstract((B,), jnp.int32),
-      step_B=abstract((B,), jnp.int32),
-      sampling=jax.tree.map(
-        lambda a: abstract(a.shape, a.dtype), SamplingArrays.from_params([], pad_to=B)
-      ),
-    )
+    x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_inputs(B, T, M))
     progs = steps.programs(
       self.graphdef, self.drafter, self.layout, self.d_layout, steps.sharding_key(shardings)
     )
@@ -341,7 +345,7 @@ class ModelRunner:
       m.rollback(n)
     return masks
 
-  def _on_devices(self, x: StepInputs) -> StepInputs:
+  def on_devices(self, x: StepInputs) -> StepInputs:
     """The inputs with every row-leading array split over the data axis (on a mesh)."""
     if self.layout is None:
       return x
@@ -357,7 +361,7 @@ class ModelRunner:
       T = min(pow2(max(r.n for r in rows), 16), prefill_chunk)
     penalties = any(r.req.params.uses_penalties for r in rows)
     x, slot = self.inputs(rows, T, penalties=penalties)
-    self.pools, *outs = self.programs.forward_sample(self.states, self.pools, self._on_devices(x))
+    self.pools, *outs = self.programs.forward_sample(self.states, self.pools, self.on_devices(x))
     tok, lp, top_ids, top_lp = map(np.asarray, outs)
     return {
       row.req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b]) for row, b in zip(rows, slot)
@@ -381,7 +385,7 @@ class ModelRunner:
         counts, prompt_mask = chained.counts_BV[index], chained.prompt_mask_BV[index]
       x = dataclasses.replace(x, tokens_BT=tokens_BT, counts_BV=counts, prompt_mask_BV=prompt_mask)
     self.pools, *outs = self.programs.decode_burst(
-      self.states, self.pools, self._on_devices(x), n_steps
+      self.states, self.pools, self.on_devices(x), n_steps
     )
     return Drawn(list(rows), slot, prompt_mask, *outs)
 
@@ -389,7 +393,7 @@ class ModelRunner:
     """One speculative round over `rows`, settled at once (guided rows: drafted, masked on the
     host along their drafts, then verified)."""
     x, slot = self.inputs(rows, 1, penalties=False)
-    x_dev = self._on_devices(x)
+    x_dev = self.on_devices(x)
     progs = self.programs
     if x.sampling.allowed_bits is None:
       self.pools, *outs, accepted_B = progs.speculative_round(self.states, self.pools, x_dev, k)
@@ -429,18 +433,8 @@ class ModelRunner:
     for i, (kind, b, T) in enumerate(shapes):
       if progress is not None:
         progress(i + 1, len(shapes), f"{kind} B={b} T={T}")
-      B = b * self.n_replicas
-      x = StepInputs(
-        tokens_BT=np.zeros((B, T if kind == "prefill" else 1), np.int32),
-        positions_BT=np.full((B, T if kind == "prefill" else 1), -1, np.int32),
-        block_table_BM=np.zeros((B, M), np.int32),
-        lengths_B=np.full((B,), -1, np.int32),
-        last_B=np.zeros((B,), np.int32),
-        seed_B=np.zeros((B,), np.int32),
-        step_B=np.zeros((B,), np.int32),
-        sampling=SamplingArrays.from_params([], pad_to=B),
-      )
-      x = self._on_devices(x)
+      x = padding_inputs(b * self.n_replicas, T if kind == "prefill" else 1, M)
+      x = self.on_devices(x)
       progs = self.programs
       if kind in ("prefill", "decode"):
         self.pools, *outs = progs.forward_sample(self.states, self.pools, x)
