@@ -2,11 +2,14 @@
 pool bytes per device under tensor and data parallelism, kv heads repeated, MLA latents whole."""
 
 import dataclasses
+import re
 
+import numpy as np
 import pytest
 from flax import nnx
 
 from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
+from atlas_jax.decoding import SamplingParams
 from atlas_jax.model import build
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan.planner import PlanInputs, make_plan
@@ -58,3 +61,46 @@ def test_the_plan_has_a_serving_section():
   one = make_plan(cfg, dataclasses.replace(inputs, tensor=1))
   assert one["serving"]["weight_bytes_per_device"] > sv["weight_bytes_per_device"]
   assert [b["batch"] for b in sv["bounds"]] == [2, 8]
+
+
+def collectives(hlo: str, op: str) -> list[tuple[int, bool]]:
+  """(elements, inside a while loop) of each message of each `op` (a tuple result: one per
+  element) in a compiled module's text."""
+  out = []
+  for line in hlo.splitlines():
+    if re.search(rf" {op}(-start)?\(", line):
+      for dims in re.findall(r"\w+\[([\d,]*)\]", line.split(f" {op}")[0]):
+        size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        out.append((size, "/while/body/" in line))
+  return out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_the_all_reduce_volume_is_the_compiled_decode_steps(kind, mesh):
+  """The planner's all-reduce bytes per device are the compiled decode step's: two [B, D]
+  messages per layer (inside the layer scan) and one for the embedding, ring-reduced; the
+  sampler's other all-reduces carry a value per row."""
+  cfg = MODELS[kind]
+  dp, tp = mesh
+  config = EngineConfig(
+    n_blocks=16, block_size=4, data_parallel_size=dp, tensor_parallel_size=tp, min_batch_bucket=4
+  )
+  engine = Engine(build(cfg, rngs=nnx.Rngs(0)), config)
+  runner = engine.runner
+  engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
+  engine.step()  # the prompt: the request now decodes
+  x, _ = runner.inputs([engine.scheduler.row(engine.running[0], 1)], 1, penalties=False)
+  rows = x.tokens_BT.shape[0] // dp  # one replica's rows, as each device computes them
+  hlo = (
+    runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
+    .compile()
+    .as_text()
+  )
+  found = collectives(hlo, "all-reduce")
+  model = [(n, looped) for n, looped in found if n == rows * cfg.d_model]
+  assert sorted(looped for _, looped in model) == [False, True, True]  # embedding; 2 per layer
+  assert all(n <= rows for n, _ in found if n != rows * cfg.d_model)
+  sent = sum(n * 4 * (cfg.n_layers if looped else 1) for n, looped in model)
+  planned = compute.all_reduce_bytes(cfg, tensor=tp, rows=rows, dtype_bytes=4)
+  assert planned == sent * 2 * (tp - 1) // tp
