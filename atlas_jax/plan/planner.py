@@ -335,6 +335,7 @@ def make_plan(
         "batch": batch,
         "bytes_per_step_per_device": bound.bytes_per_step,
         "all_reduce_bytes_per_device": bound.all_reduce_bytes,
+        "all_gather_bytes_per_device": bound.all_gather_bytes,
         "seconds_per_step": batch / bound.tokens_per_s,
         "network_seconds": bound.network_seconds,
         "tokens_per_s": bound.tokens_per_s,

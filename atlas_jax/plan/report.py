@@ -244,9 +244,11 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     net = bnd["network_seconds"]
     rows.append(
       (
-        f"decode, batch {bnd['batch']}: bytes per device per step, all-reduce, tokens/s",
+        f"decode, batch {bnd['batch']}: bytes per device per step, all-reduce + logits' "
+        "all-gather, tokens/s",
         f"{fmt_bytes(bnd['bytes_per_step_per_device'])}, "
-        f"{fmt_bytes(bnd['all_reduce_bytes_per_device'])}"
+        f"{fmt_bytes(bnd['all_reduce_bytes_per_device'])} + "
+        f"{fmt_bytes(bnd['all_gather_bytes_per_device'])}"
         + ("" if net is None else f" ({fmt_seconds(net)})")
         + f", {bnd['tokens_per_s']:,.0f}",
       )

@@ -106,6 +106,15 @@ class _Bound:
     dcache = self.drafter.follow(d_params, target, dcache, window, in_round=in_round)
     return self.draft_pool(dcache)
 
+  def whole(self, logits_BV):
+    """The logits with every vocabulary column on each device of its replica (rows stay split
+    over the data axis): the vocabulary-parallel head's output all-gathered once, so that the
+    sampler's sorts, gathers and sums run locally rather than each gathering its own copy."""
+    if self.layout is None:
+      return logits_BV
+    spec = self.layout.spec("batch", *[None] * (logits_BV.ndim - 1))
+    return jax.lax.with_sharding_constraint(logits_BV, NamedSharding(self.layout.mesh, spec))
+
   @property
   def hidden(self) -> bool:
     return self.drafter is not None and self.drafter.needs_hidden
@@ -129,7 +138,7 @@ def forward_sample(b: _Bound, states, pools, x: StepInputs):
     return_hidden=b.hidden,
   )
   out = sample_rows(
-    logits_B1V[:, 0],
+    b.whole(logits_B1V[:, 0]),
     step_keys(x.seed_B, x.step_B),
     x.sampling,
     counts_BV=x.counts_BV,
@@ -185,7 +194,7 @@ def decode_burst(b: _Bound, states, pools, x: StepInputs, n_steps: int):
       c.token_B[:, None], positions_BT=positions_B1, cache=cache, return_hidden=b.hidden
     )
     out = sample_rows(
-      logits_B1V[:, 0],
+      b.whole(logits_B1V[:, 0]),
       step_keys(x.seed_B, x.step_B + i),
       x.sampling,
       counts_BV=c.counts_BV,

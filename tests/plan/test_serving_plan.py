@@ -48,7 +48,7 @@ def test_serving_bytes_per_device_are_the_engines(kind, mesh):
   )
   assert bound.weight_bytes == runner.weight_bytes
   assert bound.cache_bytes == 3 * 100 * per_token if dp == 2 else 6 * 100 * per_token
-  assert (bound.all_reduce_bytes == 0) == (tp == 1)
+  assert (bound.all_reduce_bytes == 0) == (bound.all_gather_bytes == 0) == (tp == 1)
 
 
 def test_the_plan_has_a_serving_section():
@@ -77,10 +77,12 @@ def collectives(hlo: str, op: str) -> list[tuple[int, bool]]:
 
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("mesh", [(1, 4), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
-def test_the_all_reduce_volume_is_the_compiled_decode_steps(kind, mesh):
-  """The planner's all-reduce bytes per device are the compiled decode step's: two [B, D]
-  messages per layer (inside the layer scan) and one for the embedding, ring-reduced; the
-  sampler's other all-reduces carry a value per row."""
+def test_the_collective_bytes_are_the_compiled_decode_steps(kind, mesh):
+  """The planner's collective bytes per device are the compiled decode step's: all-reduces of
+  two [B, D] messages per layer (inside the layer scan) and one for the embedding, ring-reduced,
+  and one all-gather of the [B, V] float32 logits over the tensor axis. Under tensor
+  parallelism alone nothing else crosses devices (over a data axis too, the sampler's batch-wide
+  choices and its top-k also meet the other replicas' rows: not counted by the planner)."""
   cfg = MODELS[kind]
   dp, tp = mesh
   config = EngineConfig(
@@ -97,10 +99,17 @@ def test_the_all_reduce_volume_is_the_compiled_decode_steps(kind, mesh):
     .compile()
     .as_text()
   )
-  found = collectives(hlo, "all-reduce")
-  model = [(n, looped) for n, looped in found if n == rows * cfg.d_model]
-  assert sorted(looped for _, looped in model) == [False, True, True]  # embedding; 2 per layer
-  assert all(n <= rows for n, _ in found if n != rows * cfg.d_model)
-  sent = sum(n * 4 * (cfg.n_layers if looped else 1) for n, looped in model)
+  reduced = [m for m in collectives(hlo, "all-reduce") if m[0] == rows * cfg.d_model]
+  assert sorted(reduced) == [(rows * cfg.d_model, False)] + 2 * [(rows * cfg.d_model, True)]
+  sent = sum(n * 4 * (cfg.n_layers if looped else 1) for n, looped in reduced)
   planned = compute.all_reduce_bytes(cfg, tensor=tp, rows=rows, dtype_bytes=4)
   assert planned == sent * 2 * (tp - 1) // tp
+  logits = (rows * cfg.vocab_size, False)
+  assert collectives(hlo, "all-gather").count(logits) == 1  # the float32 logits
+  gathered = rows * cfg.vocab_size * 4 * (tp - 1) // tp
+  assert compute.logits_gather_bytes(cfg, tensor=tp, rows=rows) == gathered
+  if dp == 1:
+    assert collectives(hlo, "all-reduce") == reduced
+    assert collectives(hlo, "all-gather") == [logits]
+    for op in ("all-to-all", "reduce-scatter", "collective-permute"):
+      assert collectives(hlo, op) == [], op
