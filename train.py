@@ -234,7 +234,7 @@ def restore(run: Run) -> tuple[Any, TrainState, int]:
     mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = int(meta["data_index"])
   run.say(f"resumed from {run.run_dir} at step {start}")
-  return mngr, state, start
+  return mngr, trainer.restored(state, meta), start
 
 
 class Interrupt:
@@ -314,7 +314,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   logger = Logger(run.run_dir, enabled=run.main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
   progress = sys.stdout.isatty() and run.main_process
-  save = lambda step: checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
+  save = lambda step: checkpoint.save(mngr, step, state, trainer.checkpoint_meta(step))
 
   out = Outcome({}, step=start)
   t_last, steps_since = time.time(), 0

@@ -1,0 +1,262 @@
+"""Pipeline parallelism: the layer stack split into stages over the `stage` mesh axis.
+
+One SPMD program under `jit`: the stages are a `shard_map` over `stage` (manual over that axis
+only, so `fsdp`, `tensor` and `data` shard each stage's work as they shard the unpipelined model),
+activations pass to the next stage with `ppermute`, and a `scan` runs the schedule's iterations.
+
+Schedules (p stages, U micro-batches, r repeats; `Schedule`):
+
+* GPipe (r = 1): stage s holds layers [s L/p, (s+1) L/p) and runs micro-batch i - s at iteration
+  i; U + p - 1 iterations, of which each stage idles p - 1: the bubble (p-1) / (U + p - 1).
+* Circular (r > 1): each stage holds r groups of L/(p r) layers, group g of stage s being layers
+  [(g p + s) L/(p r), ...); a micro-batch passes through the p stages r times (the last stage
+  hands it back to the first), and at step k = i - s stage s runs micro-batch k mod U of repeat
+  k div U: U r + p - 1 iterations and a bubble of (p-1) / (U r + p - 1). The first stage must be
+  done with a repeat's U micro-batches before the first comes back, so U >= p; for U > p it keeps
+  the returning micro-batches until their turn.
+
+Backward is the transpose of the same program (JAX differentiates the scan): the ppermutes run the
+other way and each stage's saved residuals are those of its own layers, under the model's remat
+policy. GPipe's memory cost: every micro-batch's stage inputs (and residuals) are kept until the
+backward pass, all U of them in flight.
+
+Around the pipelined trunk the embedding runs on every stage over its data shard's rows (the
+trainer gathers the token ids over `stage`: `gather_over_stages`), since the first stage needs
+them all; the last stage's outputs are scattered back over the stages (reduce-scatter), so the
+final norm, the head, the loss and the MTP heads split the batch over `stage` as well as
+(data, fsdp) and are not repeated on every stage.
+
+Circular stages own non-contiguous layers, so the trainer keeps the stacked layers in the run's
+order (`layer_order`: stage-major, each stage's rows one contiguous block, as the `layers` ->
+`stage` sharding rule splits them); checkpoints record the order they were saved in and
+`reorder_layers` converts, so any run resumes on any mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from atlas_jax.model.scan import scan_layers
+from atlas_jax.training.sharding import BATCH_AXES, data_parallel_size, logical_axes_of
+
+DATA_AXES = tuple(a for a in BATCH_AXES if a != "stage")  # what splits the rows inside a stage
+
+Array = jax.Array
+Layout = tuple[
+  int, int
+]  # (stages, repeats) the stacked layers are stored for; (1, 1): in depth order
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Which micro-batch each stage runs at each iteration (GPipe for repeats 1, else circular)."""
+
+  stages: int  # p
+  microbatches: int  # U
+  repeats: int = 1  # r
+
+  @property
+  def iterations(self) -> int:
+    """I = U r + p - 1."""
+    return self.microbatches * self.repeats + self.stages - 1
+
+  @property
+  def bubble(self) -> float:
+    """The share of a stage's iterations that do no work: (p-1) / (U r + p - 1)."""
+    return (self.stages - 1) / self.iterations
+
+  def work(self, i, s) -> tuple[Array, Array, Array]:
+    """(micro-batch, repeat, busy) of stage `s` at iteration `i` (ints or arrays, broadcast).
+
+    Stage s has taken k = i - s steps; outside 0 <= k < U r it idles (busy false; the micro-batch
+    and repeat are then clipped into range, so idle work reads real data and is discarded)."""
+    U = self.microbatches
+    k = jnp.asarray(i) - jnp.asarray(s)
+    busy = (k >= 0) & (k < U * self.repeats)
+    k = jnp.clip(k, 0, U * self.repeats - 1)
+    return k % U, k // U, busy
+
+  def table(self) -> np.ndarray:
+    """i32[I, p]: the micro-batch stage s runs at iteration i (repeat j adds j U), -1 idle."""
+    i_Ip, s_Ip = np.meshgrid(np.arange(self.iterations), np.arange(self.stages), indexing="ij")
+    u, rep, busy = (np.asarray(a) for a in self.work(i_Ip, s_Ip))
+    return np.where(busy, u + rep * self.microbatches, -1).astype(np.int32)
+
+
+def layer_order(n_layers: int, layout: Layout) -> np.ndarray:
+  """i32[L]: the layer (depth in the model) stored at each row of the stacked layers.
+
+  Row q = (s r + g) L/(p r) + j holds layer (g p + s) L/(p r) + j: stage s's r groups are
+  contiguous rows, so the block split of the `stage` sharding gives each stage its own layers.
+  With one repeat this is the identity (GPipe's stages are contiguous layers already)."""
+  stages, repeats = layout
+  per = n_layers // (stages * repeats)
+  return np.arange(n_layers).reshape(repeats, stages, per).transpose(1, 0, 2).reshape(-1)
+
+
+def _has_layer_axis(v) -> bool:
+  axes = logical_axes_of(v) if isinstance(v, nnx.Variable) else None
+  return bool(axes) and axes[0] == "layers"
+
+
+def reorder_layers(tree, src: Layout, dst: Layout):
+  """`tree` (parameters, or optimizer state built from them) with every stacked-layer array's
+  rows moved from layout `src` to layout `dst` (a reshape and a transpose each way, which XLA
+  lays out as one all-to-all over `stage`). Other leaves are returned as they are."""
+  if src[1] == dst[1] == 1 or src == dst:
+    return tree
+
+  def move(x):
+    L = x.shape[0]
+    if src[1] > 1:  # to depth order
+      (p, r), rest = src, x.shape[1:]
+      x = x.reshape(p, r, L // (p * r), *rest).swapaxes(0, 1).reshape(L, *rest)
+    if dst[1] > 1:
+      (p, r), rest = dst, x.shape[1:]
+      x = x.reshape(r, p, L // (p * r), *rest).swapaxes(0, 1).reshape(L, *rest)
+    return x
+
+  return jax.tree.map(
+    lambda v: jax.tree.map(move, v) if _has_layer_axis(v) else v,
+    tree,
+    is_leaf=lambda x: isinstance(x, nnx.Variable),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """Runs the block stack as a pipeline over `mesh`'s `stage` axis (the model's layer runner).
+
+  Static (hashable): a model holds it as it holds its remat policy."""
+
+  mesh: Mesh
+  schedule: Schedule
+
+  def __call__(self, step: Callable, carry, xs, rows, **kwargs):
+    return self.run(step, carry, xs, rows, **kwargs)[0]
+
+  def run(
+    self,
+    step: Callable,
+    carry,
+    xs,
+    rows,
+    *,
+    policy: str = "none",
+    every: int | None = None,
+    unroll: bool = False,
+  ) -> tuple[Any, Array]:
+    """All L layers over the batch, stage by stage.
+
+    Args:
+      step: (carry, one layer's slice of xs, rows) -> (carry, None): one block on some rows.
+      carry: what flows from layer to layer, a pytree of [B, T, D] arrays.
+      xs: the stacked block parameters, every leaf [L, ...], rows in `layer_order`.
+      rows: per-row inputs every block reads, a pytree of [B, ...] arrays (positions, segment
+        ids; None leaves allowed).
+      policy, every, unroll: the remat policy of each stage's layer scan (`scan_layers`).
+
+    Returns:
+      (carry after the L layers, split over BATCH_AXES; busy bool[p, I]: whether stage s did
+      real work at iteration i).
+    """
+    B = jax.tree.leaves(carry)[0].shape[0]
+    # In: each data shard's rows on every stage (the first stage needs them all; see
+    # `gather_over_stages`). Out: each stage its block of each data shard's rows, [n, p, b'].
+    on_stages = NamedSharding(self.mesh, P(DATA_AXES))
+    into = lambda x: jax.lax.with_sharding_constraint(x, on_stages)
+    stages = jax.shard_map(
+      functools.partial(self._stages, step, policy=policy, every=every, unroll=unroll),
+      mesh=self.mesh,
+      in_specs=(P(), P("stage"), P()),
+      out_specs=(P(None, "stage"), P("stage")),
+      axis_names={"stage"},
+    )
+    out, busy_pI = stages(jax.tree.map(into, carry), xs, jax.tree.map(into, rows))
+    batch = NamedSharding(self.mesh, P(BATCH_AXES))
+    out = jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x.reshape(B, *x.shape[3:]), batch), out
+    )
+    return out, busy_pI
+
+  def _stages(self, step, carry, xs, rows, *, policy, every, unroll):
+    """One stage's program (inside shard_map): carry and rows [B, ...], xs [L/p, ...]."""
+    sched = self.schedule
+    p, U, r = sched.stages, sched.microbatches, sched.repeats
+    n = data_parallel_size(self.mesh)
+    s = jax.lax.axis_index("stage")
+    first, last = s == 0, s == p - 1
+    # [B, ...] -> U micro-batches [U, B/U, ...]: micro-batch u takes rows u, u + U, ..., so each
+    # data shard's block of rows splits in place.
+    to_micro = lambda x: x.reshape(x.shape[0] // U, U, *x.shape[1:]).swapaxes(0, 1)
+    on_data = P(DATA_AXES)
+    micro = lambda a: jax.lax.with_sharding_constraint(a, on_data)
+
+    # io: the first stage's input micro-batches (and those coming back for their next repeat);
+    # the last stage writes its finished micro-batches into its own copy.
+    # Each stage's copy becomes its own (varying over `stage`); in the backward pass the copies'
+    # gradients are summed over the stages (only the first stage's is not zero).
+    vary = lambda x: jax.lax.pcast(to_micro(x), ("stage",), to="varying")
+    io = jax.tree.map(vary, carry)
+    rows = jax.tree.map(to_micro, rows)
+    xs = jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), xs)  # [r, L/(pr)]
+    put = lambda buf, u, x, keep: buf.at[u].set(jnp.where(keep, x, buf[u]))
+    # Circular: the last stage hands each micro-batch back to the first; GPipe: a chain.
+    ring = [(j, (j + 1) % p) for j in range(p if r > 1 else p - 1)]
+
+    def iteration(loop, i):
+      io, received = loop
+      # What the last stage finished at iteration i - 1, on its way to another repeat.
+      u_back, rep_back, busy_back = sched.work(i - 1, p - 1)
+      back = first & busy_back & (rep_back < r - 1)
+      io = jax.tree.map(lambda buf, x: put(buf, u_back, x, back), io, received)
+      u, rep, busy = sched.work(i, s)
+      x = jax.tree.map(lambda buf, x: micro(jnp.where(first, buf[u], x)), io, received)
+      layers = jax.tree.map(lambda a: a[rep], xs)
+      rows_u = jax.tree.map(lambda a: micro(a[u]), rows)
+      y, _ = scan_layers(
+        lambda c, layer: step(c, layer, rows_u),
+        x,
+        layers,
+        policy=policy,
+        every=every,
+        unroll=unroll,
+      )
+      done = last & busy & (rep == r - 1)
+      io = jax.tree.map(lambda buf, y: put(buf, u, y, done), io, y)
+      sent = jax.tree.map(lambda a: jax.lax.ppermute(a, "stage", ring), y)
+      return (io, sent), busy
+
+    received = jax.tree.map(lambda a: jnp.zeros_like(a[0]), io)
+    (io, _), busy_I = jax.lax.scan(iteration, (io, received), jnp.arange(sched.iterations))
+
+    # The last stage's outputs, back in row order and as [n, p, b'] blocks (BATCH_AXES's layout:
+    # stage last), zero on the other stages, so the reduce-scatter over `stage` hands each stage
+    # its block of each data shard.
+    def scatter(x_UB):
+      x = x_UB.swapaxes(0, 1).reshape(-1, *x_UB.shape[2:])
+      x = jnp.where(last, x, 0).reshape(n, p, -1, *x.shape[1:])
+      return jax.lax.psum_scatter(x, "stage", scatter_dimension=1, tiled=True)
+
+    return jax.tree.map(scatter, io), busy_I[None]
+
+
+def gather_over_stages(batch, mesh: Mesh):
+  """A pipelined model's row inputs (tokens, positions, ...: a few int arrays), gathered over
+  `stage` but split over the data axes: every stage then embeds its data shard's rows (the
+  first stage needs all of them; a gather is cheap next to moving the activations), and XLA
+  partitions the embedding lookup as it does without stages. The trunk's outputs come back
+  split over BATCH_AXES, so the head and the loss are not repeated on every stage."""
+  return jax.tree.map(
+    lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA_AXES))), batch
+  )
