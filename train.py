@@ -40,6 +40,7 @@ from atlas_jax.training.metrics import (
   mfu,
   peak_memory_bytes,
 )
+from atlas_jax.training.pipeline import Schedule
 from atlas_jax.training.step import (
   Trainer,
   TrainState,
@@ -306,6 +307,14 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"
   )
+  stages, repeats = trainer.layout
+  if stages > 1:
+    sched = Schedule(stages, cfg.train.pipeline_microbatches, repeats)
+    kind = f"circular, {repeats} repeats" if repeats > 1 else "GPipe"
+    run.say(
+      f"pipeline: {stages} stages x {sched.microbatches} micro-batches ({kind}): "
+      f"{sched.iterations} iterations per micro-batch step, bubble {sched.bubble:.1%}"
+    )
   train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
