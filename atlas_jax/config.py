@@ -80,7 +80,7 @@ class MLAConfig:
   qk_rope_head_dim: int = 16  # R: decoupled RoPE dims, one key shared by every head
   qk_nope_head_dim: int = 32  # Hn: per-head query/key dims without position
   v_head_dim: int = 32  # Hv
-  q_lora_rank: int | None = None  # Q: low-rank query compression (None: a full D -> N*H query)
+  q_lora_rank: int | None = None  # A: low-rank query compression (None: a full D -> N*H query)
 
   def __post_init__(self):
     _positive("model.mla", self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
@@ -301,7 +301,7 @@ class TrainConfig:
   # or stop with the error.
   on_corrupt_checkpoint: Literal["fallback", "stop"] = "fallback"
   loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
-  # Per device, for MFU; default from the device table (`atlas_jax.analysis.devices`). On a
+  # Per device, for MFU; default from the device table (`atlas_jax.devices`). On a
   # device the table does not know (every CPU), MFU is not reported unless this is given.
   peak_tflops: float | None = None
   # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults

@@ -154,7 +154,7 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
   m = cfg.mla
   D, N, F, V = cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.vocab_size
   C, R, Hn, Hv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
-  Q = m.q_lora_rank
+  A = m.q_lora_rank
   L, J = cfg.n_layers, 0 if cfg.mtp is None else cfg.mtp.n_predict
   d, f, nq = (
     "hidden_size",
@@ -175,12 +175,12 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     "mlp.up_proj.weight": ((F, D), f"{f}, {d}"),
     "mlp.down_proj.weight": ((D, F), f"{d}, {f}"),
   }
-  if Q is None:
+  if A is None:
     per_layer["self_attn.q_proj.weight"] = ((N * (Hn + R), D), f"{nq}, {d}")
   else:
-    per_layer["self_attn.q_a_proj.weight"] = ((Q, D), f"q_lora_rank, {d}")
-    per_layer["self_attn.q_a_layernorm.weight"] = ((Q,), "q_lora_rank")
-    per_layer["self_attn.q_b_proj.weight"] = ((N * (Hn + R), Q), f"{nq}, q_lora_rank")
+    per_layer["self_attn.q_a_proj.weight"] = ((A, D), f"q_lora_rank, {d}")
+    per_layer["self_attn.q_a_layernorm.weight"] = ((A,), "q_lora_rank")
+    per_layer["self_attn.q_b_proj.weight"] = ((N * (Hn + R), A), f"{nq}, q_lora_rank")
   mtp = {
     "enorm.weight": ((D,), d),
     "hnorm.weight": ((D,), d),

@@ -22,6 +22,11 @@ the peer beside ours and the ratio:
   reductions, loss, optimizer, collectives): FLOPs and bytes from the compiled HLO, device time
   from a profiler trace of 3 steps (`bench/gpu_training.py --profile`).
 
+The sections share the per-topic scripts' parts, each written once: `timing.py` (how a call or a
+loop of steps is timed), `attention_sweep.py` (one attention configuration's TFLOP/s, also behind
+`attention.py`), `train_step.py` and `torch_llama.py` (our train step and its PyTorch peer, also
+behind `train.py`), `step_profile.py` (the op-class account) and `serve.py`'s engine runs.
+
     python bench/gpu.py              # on the GPU machine: every section, at most 9 minutes
     python bench/gpu.py --smoke      # the same code paths on CPU at toy sizes
     python bench/gpu.py --only correctness --only decode
@@ -114,6 +119,7 @@ def serving(smoke: bool) -> None:
 def transformers_tok_s(folder, prompts, new_tokens: int, *, compiled: bool, smoke: bool) -> float:
   """Output tokens/s of transformers `generate`, greedy, every row to `new_tokens`."""
   import torch
+  from timing import seconds_per_call
   from transformers import AutoModelForCausalLM
 
   device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
@@ -136,10 +142,7 @@ def transformers_tok_s(folder, prompts, new_tokens: int, *, compiled: bool, smok
     if device == "cuda":
       torch.cuda.synchronize()
 
-  run()  # warm-up (and compilation)
-  t0 = time.perf_counter()
-  run()
-  return len(prompts) * new_tokens / (time.perf_counter() - t0)
+  return len(prompts) * new_tokens / seconds_per_call(run, iters=1)  # after a warm-up (compiling)
 
 
 # -- training ------------------------------------------------------------------------------------

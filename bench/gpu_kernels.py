@@ -5,12 +5,14 @@
   against its pure-jnp reference; prints the max error per case and exits nonzero on a mismatch.
 * attention: the FlashAttention-3 paper's sweep (16k tokens per batch, hidden 2048, head dim
   128, bf16) in TFLOP/s for ours (Pallas, Triton lowering), cuDNN and XLA, with the
-  implementation `attention(..., implementation=None)` picks for the call.
-* mgpu: the experimental Hopper FlashAttention in Mosaic GPU (`kernels.flash_mgpu`), in a
-  section of its own so that a failure or hang there costs nothing else: the error of its output
-  and of its gradients (dq, dk, dv) against the reference, and its TFLOP/s forward and
-  forward + backward against cuDNN on sm_90; elsewhere forward and gradient are only lowered
-  for CUDA.
+  implementation `attention(..., implementation=None)` picks for the call (the timing is
+  `bench/attention_sweep.py`, as for `bench/attention.py`).
+* mgpu: the experimental Hopper FlashAttention in Mosaic GPU
+  (`kernels/experimental/flash_mgpu.py`), in a section of its own so that a failure or hang there
+  costs nothing else: the error of its output and of its gradients (dq, dk, dv) against the
+  reference, and its TFLOP/s forward and forward + backward against cuDNN on sm_90; elsewhere
+  forward and gradient are only lowered for CUDA. Once it passes on a Hopper GPU, the kernel can
+  leave `kernels/experimental/`.
 * decode: both decode kernels' achieved bandwidth (cache bytes held / step time) against the
   XLA reference and against the card's measured device-to-device copy bandwidth.
 
@@ -20,13 +22,13 @@
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attention_sweep import FA3_HIDDEN, FA3_TOKENS, Case, cell, hopper, ratio, sweep
+from timing import seconds_per_call
 
 from atlas_jax.kernels import attention as attention_dispatch
 from atlas_jax.kernels import attention_reference, flash_attention
@@ -35,7 +37,7 @@ from atlas_jax.kernels.attention import (
   device_compute_capability,
   select_implementation,
 )
-from atlas_jax.kernels.flash_mgpu import flash_attention_mgpu
+from atlas_jax.kernels.experimental.flash_mgpu import flash_attention_mgpu
 from atlas_jax.kernels.mla_decode import mla_decode
 from atlas_jax.kernels.paged_attention import paged_attention
 
@@ -45,19 +47,6 @@ TOLERANCE = {"float32": 5e-3, "bfloat16": 4e-2, "float16": 1e-2}
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
-
-
-def seconds_per_call(fn, *args, iters: int, repeat: int = 3) -> float:
-  """Median over `repeat` of the mean time of `iters` back-to-back calls, after a warm-up."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeat):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
 
 
 def max_error(got, want) -> float:
@@ -222,13 +211,11 @@ def correctness(smoke: bool) -> None:
 
 
 def attention(smoke: bool) -> None:
-  import attention as sweep  # bench/attention.py: the timing and FLOP count of one configuration
-
   if smoke:
     tokens, hidden, H, dtype, iters = 256, 64, 32, jnp.float32, 1
     rows = [("fwd", False, 128), ("fwd_bwd", True, 64)]
   else:
-    tokens, hidden, H, dtype, iters = 16 * 1024, 2048, 128, jnp.bfloat16, 10
+    tokens, hidden, H, dtype, iters = FA3_TOKENS, FA3_HIDDEN, 128, jnp.bfloat16, 10
     rows = [("fwd", True, s) for s in (1024, 4096, 16384)]
     rows += [("fwd_bwd", True, s) for s in (1024, 4096, 16384)]
     rows += [("fwd", False, 4096)]
@@ -242,32 +229,19 @@ def attention(smoke: bool) -> None:
     "| mode | causal | seq | ours (Pallas) | cuDNN | XLA | ours / cuDNN | ours / XLA | None picks |"
   )
   print("|---|---|---|---|---|---|---|---|---|")
-  for mode, causal, seq in rows:
-    tflops = {
-      impl: sweep.bench_one(
-        impl,
-        mode,
-        tokens=tokens,
-        seq=seq,
-        hidden=hidden,
-        head_dim=H,
-        causal=causal,
-        dtype=dtype,
-        iters=iters,
-        interpret=not on_gpu(),
-      )
-      for impl in ("pallas", "cudnn", "xla")
-    }
+  cases = [Case(mode, causal, seq, H) for mode, causal, seq in rows]
+  kw = dict(tokens=tokens, hidden=hidden, dtype=dtype, iters=iters, interpret=not on_gpu())
+  for (mode, causal, seq, _), tflops in sweep(cases, ("pallas", "cudnn", "xla"), **kw):
     call = AttentionCall(dtype=jnp.dtype(dtype), q_len=seq, kv_len=seq, head_dim=H, causal=causal)
     picks = select_implementation(
       call, platform=jax.default_backend(), compute_capability=capability
     )
-    fmt = lambda x: "-" if x is None else f"{x:.{4 if smoke else 0}f}"  # noqa: E731
-    ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
-    ours = tflops["pallas"]
+    ours, cudnn, xla = tflops["pallas"], tflops["cudnn"], tflops["xla"]
+    digits = 4 if smoke else 0
     print(
-      f"| {mode} | {causal} | {seq} | {fmt(ours)} | {fmt(tflops['cudnn'])} | {fmt(tflops['xla'])} "
-      f"| {ratio(ours, tflops['cudnn'])} | {ratio(ours, tflops['xla'])} | {picks} |",
+      f"| {mode} | {causal} | {seq} | {cell(ours, digits)} | {cell(cudnn, digits)} "
+      f"| {cell(xla, digits)} | {cell(ratio(ours, cudnn))} "
+      f"| {cell(ratio(ours, xla))} | {picks} |",
       flush=True,
     )
 
@@ -294,10 +268,10 @@ def decode(smoke: bool) -> None:
 
   def rows(kernel, shape, cache_bytes, ours_fn, xla_fn, args):
     """One row per split count: ours_fn(..., num_splits=x) against xla_fn, timed once."""
-    xla = cache_bytes / seconds_per_call(jax.jit(xla_fn), *args, iters=iters) / 1e12
+    xla = cache_bytes / seconds_per_call(jax.jit(xla_fn), *args, iters=iters, repeat=3) / 1e12
     for x in splits:
       fn = jax.jit(functools.partial(ours_fn, num_splits=x))
-      ours = cache_bytes / seconds_per_call(fn, *args, iters=iters) / 1e12
+      ours = cache_bytes / seconds_per_call(fn, *args, iters=iters, repeat=3) / 1e12
       print(
         f"| {kernel} | {shape} | {x or 'auto'} | {ours:.3g} | {xla:.3g} | {ours / xla:.2f} | "
         f"{ours * 1e12 / copy:.2f} |",
@@ -350,13 +324,11 @@ def decode(smoke: bool) -> None:
 
 
 def mgpu(smoke: bool) -> None:
-  import attention as sweep
-
   B, T, N, K, H = 2, 1024, 16, 4, 128
   tol = TOLERANCE["bfloat16"]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
   print("\n## mgpu: the Mosaic GPU FlashAttention (experimental), bf16, GQA 16 / 4")
-  if not sweep.hopper():
+  if not hopper():
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
     do = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -392,12 +364,14 @@ def mgpu(smoke: bool) -> None:
   print("|---|---|---|---|---|---|")
   rows = [("fwd", True, 4096), ("fwd", True, 16384), ("fwd", False, 4096)]
   rows += [("fwd_bwd", True, 4096), ("fwd_bwd", False, 4096)]
-  for mode, causal, seq in rows:
-    kw = dict(tokens=16 * 1024, seq=seq, hidden=2048, head_dim=128, causal=causal)
-    kw.update(dtype=jnp.bfloat16, iters=10, interpret=False)
-    ours, theirs = (sweep.bench_one(impl, mode, **kw) for impl in ("mgpu", "cudnn"))
-    ratio = "-" if ours is None or theirs is None else f"{ours / theirs:.2f}"
-    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-    print(f"| {mode} | {causal} | {seq} | {fmt(ours)} | {fmt(theirs)} | {ratio} |", flush=True)
+  cases = [Case(mode, causal, seq, 128) for mode, causal, seq in rows]
+  kw = dict(tokens=FA3_TOKENS, hidden=FA3_HIDDEN, dtype=jnp.bfloat16, iters=10, interpret=False)
+  for (mode, causal, seq, _), tflops in sweep(cases, ("mgpu", "cudnn"), **kw):
+    ours, theirs = tflops["mgpu"], tflops["cudnn"]
+    print(
+      f"| {mode} | {causal} | {seq} | {cell(ours, 0)} | {cell(theirs, 0)} "
+      f"| {cell(ratio(ours, theirs))} |",
+      flush=True,
+    )
   if bad:
     sys.exit(1)

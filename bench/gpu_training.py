@@ -14,7 +14,7 @@ holds the other's memory and each reports its own peak); the ratio is ours / the
     python bench/gpu_training.py --profile --preset llama3-1b [--trace-dir DIR]
 
 `--profile` (also `bench/gpu.py --only profile`) accounts for one train step per op class:
-FLOPs and bytes from the compiled step's HLO (`atlas_jax.analysis.step_profile`, which adds up to
+FLOPs and bytes from the compiled step's HLO (`bench/step_profile.py`, which adds up to
 XLA's own cost analysis), and on an accelerator the device time per class from a
 `jax.profiler` trace of a few steps (kept in DIR when given).
 
@@ -32,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # the shared bench modules, also when run with -P
 PRESETS = ("small", "llama3-1b")
 SMOKE = [
   "model.vocab_size=512",
@@ -57,14 +59,6 @@ def preset_config(preset: str, smoke: bool):
   return cfg
 
 
-def random_batches(cfg, n: int):
-  import numpy as np
-
-  rng = np.random.default_rng(0)
-  B, T = cfg.train.batch_size, cfg.train.seq_len
-  return [rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32) for _ in range(n)]
-
-
 # -- our side ------------------------------------------------------------------------------------
 
 
@@ -73,27 +67,15 @@ def run_jax(preset: str, smoke: bool, warmup: int, steps: int) -> dict:
 
   added = apply(preset_config(preset, smoke).train.xla_flags)  # before jax starts its backend
   import jax
+  import train_step
 
-  from atlas_jax.training.checkpoint import single_device_mesh
   from atlas_jax.training.metrics import flops_per_token, matmul_params, peak_memory_bytes
-  from atlas_jax.training.step import make_train_step, make_trainer
 
   cfg = preset_config(preset, smoke)
-  trainer = make_trainer(cfg, mesh=single_device_mesh())
-  step = make_train_step(trainer)
-  state = trainer.init(jax.random.key(0))
+  step, state = train_step.build(cfg)
   flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
-  batches = [{"tokens": b} for b in random_batches(cfg, warmup + steps)]
-  t0 = time.perf_counter()
-  for b in batches[:warmup]:
-    state, metrics = step(state, b)
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  for b in batches[warmup:]:
-    state, metrics = step(state, b)
-  jax.block_until_ready(metrics)
-  seconds = time.perf_counter() - t0
+  batches = train_step.random_batches(cfg, warmup + steps)
+  compile_s, seconds, metrics = train_step.run(step, state, batches, warmup)
   return {
     "tokens_per_s": steps * cfg.train.batch_size * cfg.train.seq_len / seconds,
     "flops_per_token": flops_tok,
@@ -116,16 +98,12 @@ def profile(preset: str, smoke: bool, steps: int = 3, trace_dir: str | None = No
   import tempfile
 
   import jax
-
-  from atlas_jax.analysis import step_profile
-  from atlas_jax.training.checkpoint import single_device_mesh
-  from atlas_jax.training.step import make_train_step, make_trainer
+  import step_profile
+  import train_step
 
   cfg = preset_config(preset, smoke)
-  trainer = make_trainer(cfg, mesh=single_device_mesh())
-  step = make_train_step(trainer)
-  state = trainer.init(jax.random.key(0))
-  batches = [{"tokens": b} for b in random_batches(cfg, steps + 1)]
+  step, state = train_step.build(cfg)
+  batches = [{"tokens": b} for b in train_step.random_batches(cfg, steps + 1)]
   compiled = step.lower(state, batches[0]).compile()
   account = step_profile.hlo_account(compiled.as_text())
   xla = compiled.cost_analysis()
@@ -172,124 +150,25 @@ def profile(preset: str, smoke: bool, steps: int = 3, trace_dir: str | None = No
 # -- the PyTorch peer ----------------------------------------------------------------------------
 
 
-def torch_model(c, device):
-  """The same architecture in PyTorch: pre-norm blocks of GQA attention and a SwiGLU MLP."""
-  import torch
-  import torch.nn.functional as F
-  from torch import nn
-
-  class Block(nn.Module):
-    def __init__(self):
-      super().__init__()
-      D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-      self.N, self.K, self.H = N, K, H
-      self.attn_norm = nn.RMSNorm(D, eps=c.norm_eps)
-      self.mlp_norm = nn.RMSNorm(D, eps=c.norm_eps)
-      self.wqkv = nn.Linear(D, (N + 2 * K) * H, bias=False)  # one GEMM for q, k and v
-      self.wo = nn.Linear(N * H, D, bias=False)
-      self.w_gate_up = nn.Linear(D, 2 * c.ffn_dim, bias=False)
-      self.w_down = nn.Linear(c.ffn_dim, D, bias=False)
-
-    def forward(self, x, cos, sin):
-      B, T, _ = x.shape
-      N, K, H = self.N, self.K, self.H
-      q, k, v = self.wqkv(self.attn_norm(x)).split([N * H, K * H, K * H], dim=-1)
-      q = rope(q.view(B, T, N, H).transpose(1, 2), cos, sin)
-      k = rope(k.view(B, T, K, H).transpose(1, 2), cos, sin)
-      v = v.view(B, T, K, H).transpose(1, 2)
-      o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=K != N)
-      x = x + self.wo(o.transpose(1, 2).reshape(B, T, N * H))
-      gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-      return x + self.w_down(F.silu(gate) * up)
-
-  def rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-  class Model(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.embed = nn.Embedding(c.vocab_size, c.d_model)
-      self.blocks = nn.ModuleList([Block() for _ in range(c.n_layers)])
-      self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
-      self.head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
-      H = c.head_dim
-      # Plain RoPE frequencies: Llama-3 scaling changes the numbers, not the work.
-      inv = 1.0 / (c.rope_theta ** (torch.arange(0, H, 2, dtype=torch.float32) / H))
-      self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, tokens, targets):
-      T = tokens.shape[1]
-      ang = torch.arange(T, device=tokens.device, dtype=torch.float32)[:, None] * self.inv_freq
-      cos, sin = ang.cos(), ang.sin()
-      x = self.embed(tokens)
-      for block in self.blocks:
-        x = block(x, cos, sin)
-      x = self.norm(x)
-      logits = x @ self.embed.weight.T if self.head is None else self.head(x)
-      return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-  return Model().to(device)
-
-
 def run_torch(preset: str, smoke: bool, warmup: int, steps: int) -> dict:
   import torch
+  import torch_llama
+  import train_step
 
   cfg = preset_config(preset, smoke)
   cuda = torch.cuda.is_available() and not smoke
-  device = "cuda" if cuda else "cpu"
-  torch.manual_seed(0)
-  model = torch_model(cfg.model, device)
-  t = cfg.train
-  opt = torch.optim.AdamW(
-    model.parameters(),
-    lr=t.learning_rate,
-    betas=(t.b1, t.b2),
-    weight_decay=t.weight_decay,
-    fused=True,
+  backend = "eager" if smoke else "inductor"
+  batches = train_step.random_batches(cfg, warmup + steps)
+  result = torch_llama.run(
+    cfg, batches, warmup, device="cuda" if cuda else "cpu", bf16=True, compile_backend=backend
   )
-  compiled = torch.compile(model, backend="eager" if smoke else "inductor")
-  if cuda:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-  else:
-    import contextlib
-
-    attention = contextlib.nullcontext()
-
-  def step(batch):
-    tokens = torch.from_numpy(batch).to(device, non_blocking=True).long()
-    with attention, torch.autocast(device, dtype=torch.bfloat16):
-      loss = compiled(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-  sync = torch.cuda.synchronize if cuda else (lambda: None)
-  batches = random_batches(cfg, warmup + steps)
-  t0 = time.perf_counter()
-  for b in batches[:warmup]:
-    loss = step(b)
-  sync()
-  compile_s = time.perf_counter() - t0
-  if cuda:
-    torch.cuda.reset_peak_memory_stats()
-  t0 = time.perf_counter()
-  for b in batches[warmup:]:
-    loss = step(b)
-  sync()
-  seconds = time.perf_counter() - t0
   return {
-    "tokens_per_s": steps * t.batch_size * t.seq_len / seconds,
-    "peak_memory": torch.cuda.max_memory_allocated() if cuda else None,
-    "loss": float(loss),
-    "warmup_s": compile_s,
+    "tokens_per_s": steps * cfg.train.batch_size * cfg.train.seq_len / result["seconds"],
+    "peak_memory": result["peak_memory"],
+    "loss": result["loss"],
+    "warmup_s": result["warmup_s"],
     "settings": f"torch {torch.__version__}, bf16 autocast, SDPA flash, fused AdamW, "
-    f"torch.compile ({'eager' if smoke else 'inductor'})",
+    f"torch.compile ({backend})",
   }
 
 
@@ -344,7 +223,7 @@ def training(
 
 def _rows(preset: str, ours: dict, theirs: dict, smoke: bool) -> list[str]:
   """Prints the preset's two table rows; returns their notes."""
-  from atlas_jax.analysis.devices import match_device_kind
+  from atlas_jax.devices import match_device_kind
 
   cfg = preset_config(preset, smoke)
   shape = f"{cfg.train.batch_size} x {cfg.train.seq_len}"

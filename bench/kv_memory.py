@@ -2,7 +2,7 @@
 
 Replays a synthetic serving workload with ShareGPT-like lengths (log-normal prompts of mean ~160
 tokens, outputs of mean ~340, truncated to the model's context) through a continuous-batching
-loop, twice per workload:
+loop (`bench/kv_sim.py`), twice per workload:
 
 * prealloc: every running sequence reserves `max_len` slots up front, so the budget holds
   budget // max_len sequences whatever their real lengths;
@@ -32,9 +32,9 @@ import argparse
 import time
 
 import numpy as np
+from kv_sim import VOCAB, make_workload, run_paged, run_prealloc  # bench/kv_sim.py
 
-from atlas_jax.analysis.kv import kv_bytes_per_token
-from atlas_jax.analysis.kv_sim import VOCAB, make_workload, run_paged, run_prealloc
+from atlas_jax.plan.kv import kv_bytes_per_token
 
 
 def attention_kinds(args) -> None:

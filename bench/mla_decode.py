@@ -4,7 +4,7 @@ One decode step of DeepSeek-V3-shaped MLA attention (N=128 heads, C=512, R=64, b
 latent cache of B sequences of S tokens. Decoding is memory bound: the step must read the cache,
 B * S * (C + R) * 2 bytes, once, so achieved bandwidth = those bytes / step time (the queries and
 outputs are < 1% of it). Prints both implementations side by side and their ratio, plus the KV
-bytes per token of MLA against MHA/GQA configs (`atlas_jax.analysis.kv.kv_report`).
+bytes per token of MLA against MHA/GQA configs (`atlas_jax.plan.kv.kv_report`).
 
     python bench/mla_decode.py [--batch 32] [--seq 4096] [--heads 128] [--iters 20]
 """
@@ -12,25 +12,16 @@ bytes per token of MLA against MHA/GQA configs (`atlas_jax.analysis.kv.kv_report
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import seconds_per_call
 
-from atlas_jax.analysis.kv import format_kv_report, kv_report
-from atlas_jax.analysis.models import REFERENCE_MODELS
 from atlas_jax.kernels.mla_decode import mla_decode
+from atlas_jax.plan.kv import format_kv_report, kv_report
+from atlas_jax.plan.models import REFERENCE_MODELS
 
 C, R = 512, 64
-
-
-def time_step(fn, args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / iters
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
         num_splits=args.splits,
       )
     )
-    seconds = time_step(fn, (q_nope, q_rope, cache, lengths), args.iters)
+    seconds = seconds_per_call(fn, q_nope, q_rope, cache, lengths, iters=args.iters)
     results[impl] = seconds
     print(f"{impl:7s} {seconds * 1e6:10.1f} us/step  {cache_bytes / seconds / 1e9:8.1f} GB/s")
   print(f"pallas / xla speed: {results['xla'] / results['pallas']:.2f}x")

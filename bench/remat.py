@@ -3,8 +3,8 @@
     python bench/remat.py [--config configs/small.yaml] [--batch 1]
 
 Bytes are the residuals the forward pass saves for the backward pass (from `jax.vjp`, shapes only,
-minus the parameters themselves: `atlas_jax.analysis.measure.saved_activation_bytes`), printed
-beside the planner's figure for the same policy (`atlas_jax.analysis.memory.activation_bytes`).
+minus the parameters themselves: `atlas_jax.measure.saved_activation_bytes`), printed
+beside the planner's figure for the same policy (`atlas_jax.plan.memory.activation_bytes`).
 FLOPs come from XLA's cost analysis of the compiled gradient with the layer loop unrolled (XLA
 counts a loop body once). Both are reported relative to `none`.
 """
@@ -16,9 +16,10 @@ import time
 
 import jax
 
-from atlas_jax.analysis import measure, memory
+from atlas_jax import measure
 from atlas_jax.config import load_config
 from atlas_jax.model.scan import POLICIES, default_every
+from atlas_jax.plan import memory
 
 
 def planned(cfg, policy: str, batch: int) -> int:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import seconds_per_call
 
 import atlas_jax
 from atlas_jax import hf
@@ -189,12 +190,7 @@ def copy_bandwidth(n_bytes: int = 1 << 28) -> float:
   """Bytes/s of a device-to-device copy (read + write counted once each), the bandwidth bound."""
   x = jnp.ones((n_bytes // 4,), jnp.float32)
   copy = jax.jit(lambda a: a + 1.0)
-  copy(x).block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(10):
-    y = copy(x)
-  y.block_until_ready()
-  return 2 * n_bytes * 10 / (time.perf_counter() - t0)
+  return 2 * n_bytes / seconds_per_call(copy, x, iters=10)
 
 
 def batch1_decode(model: Transformer, *, prompt_len: int, new_tokens: int) -> dict:
@@ -262,13 +258,8 @@ def decode_cost_table(model: Transformer, ns) -> list[tuple[int, float, float]]:
       logits, cache = cached_step(state, cache, token)
     logits.block_until_ready()
     t_cached = (time.perf_counter() - t0) / 5
-    tokens = jnp.zeros((1, n), jnp.int32)
-    recompute(state, tokens).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(5):
-      out = recompute(state, tokens)
-    out.block_until_ready()
-    rows.append((n, t_cached * 1e3, (time.perf_counter() - t0) / 5 * 1e3))
+    t_full = seconds_per_call(recompute, state, jnp.zeros((1, n), jnp.int32), iters=5)
+    rows.append((n, t_cached * 1e3, t_full * 1e3))
   return rows
 
 

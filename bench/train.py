@@ -2,128 +2,31 @@
 
     python bench/train.py [--config configs/tiny.yaml] [--steps 20]
 
-Both sides train the same architecture (RMSNorm, RoPE, GQA attention, SwiGLU, untied head) with
-AdamW at the same batch and sequence length, in float32, on the same machine in the same run, on
-the same random token batches. Prints tokens/s for each and the ratio (ours / PyTorch).
+Both sides train the same architecture (RMSNorm, RoPE, GQA attention, SwiGLU, the config's head)
+with AdamW at the same batch and sequence length, in float32, on the same machine in the same run,
+on the same random token batches: ours as `bench/train_step.py` builds it, theirs
+`bench/torch_llama.py` in eager mode (the peer `bench/gpu_training.py` compiles on a GPU). Prints
+tokens/s for each and the ratio (ours / PyTorch).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
+import torch_llama
+import train_step
+from timing import seconds_per_call
 
 from atlas_jax.config import load_config
-from atlas_jax.training.checkpoint import single_device_mesh
-from atlas_jax.training.step import make_train_step, make_trainer
-
-
-class TorchBlock(nn.Module):
-  def __init__(self, c):
-    super().__init__()
-    D, N, K, H, Fd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
-    self.N, self.K, self.H = N, K, H
-    self.attn_norm, self.mlp_norm = nn.RMSNorm(D, eps=c.norm_eps), nn.RMSNorm(D, eps=c.norm_eps)
-    self.wq, self.wk = nn.Linear(D, N * H, bias=False), nn.Linear(D, K * H, bias=False)
-    self.wv, self.wo = nn.Linear(D, K * H, bias=False), nn.Linear(N * H, D, bias=False)
-    self.gate, self.up = nn.Linear(D, Fd, bias=False), nn.Linear(D, Fd, bias=False)
-    self.down = nn.Linear(Fd, D, bias=False)
-
-  def forward(self, x, cos, sin):
-    B, T, _ = x.shape
-    h = self.attn_norm(x)
-    q = self.wq(h).view(B, T, self.N, self.H).transpose(1, 2)
-    k = self.wk(h).view(B, T, self.K, self.H).transpose(1, 2)
-    v = self.wv(h).view(B, T, self.K, self.H).transpose(1, 2)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    x = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
-    h = self.mlp_norm(x)
-    return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-def rope(x, cos, sin):
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half], x[..., half:]
-  return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-class TorchModel(nn.Module):
-  def __init__(self, c):
-    super().__init__()
-    self.embed = nn.Embedding(c.vocab_size, c.d_model)
-    self.blocks = nn.ModuleList([TorchBlock(c) for _ in range(c.n_layers)])
-    self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
-    self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-    inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-    self.register_buffer("inv_freq", inv)
-
-  def forward(self, tokens):
-    T = tokens.shape[1]
-    ang = torch.arange(T).float()[:, None] * self.inv_freq[None]
-    cos, sin = ang.cos(), ang.sin()
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x, cos, sin)
-    return self.head(self.norm(x))
-
-
-def time_torch(cfg, batches, warmup: int) -> float:
-  torch.manual_seed(0)
-  model = TorchModel(cfg.model)
-  opt = torch.optim.AdamW(
-    model.parameters(),
-    lr=cfg.train.learning_rate,
-    betas=(0.9, 0.95),
-    weight_decay=cfg.train.weight_decay,
-  )
-
-  def step(b):
-    tokens = torch.from_numpy(b["tokens"]).long()
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    opt.step()
-    return loss.item()
-
-  for b in batches[:warmup]:
-    step(b)
-  t = time.perf_counter()
-  for b in batches[warmup:]:
-    step(b)
-  return time.perf_counter() - t
-
-
-def time_jax(cfg, batches, warmup: int) -> float:
-  trainer = make_trainer(cfg, mesh=single_device_mesh())
-  step = make_train_step(trainer)
-  state = trainer.init(jax.random.key(0))
-  for b in batches[:warmup]:
-    state, m = step(state, b)
-  jax.block_until_ready(m)
-  t = time.perf_counter()
-  for b in batches[warmup:]:
-    state, m = step(state, b)
-  jax.block_until_ready(m)
-  return time.perf_counter() - t
 
 
 def _ms(f, *args, n: int = 20) -> float:
-  jax.block_until_ready(f(*args))
-  t = time.perf_counter()
-  for _ in range(n):
-    out = f(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t) / n * 1e3
+  return seconds_per_call(f, *args, iters=n) * 1e3
 
 
 def breakdown(cfg) -> None:
@@ -141,11 +44,7 @@ def breakdown(cfg) -> None:
   w_DF = jax.random.normal(keys[1], (D, F))
   flops = 2 * B * T * D * F
   xla_mm = _ms(jax.jit(lambda a, b: a @ b), x_MD, w_DF)
-  ta, tb = torch.from_numpy(np.array(x_MD)), torch.from_numpy(np.array(w_DF))
-  t = time.perf_counter()
-  for _ in range(20):
-    ta @ tb
-  torch_mm = (time.perf_counter() - t) / 20 * 1e3
+  torch_mm = _ms(torch.matmul, torch.from_numpy(np.array(x_MD)), torch.from_numpy(np.array(w_DF)))
   print(
     f"matmul [{B * T}x{D}] x [{D}x{F}]: XLA {flops / xla_mm / 1e6:.0f} GFLOP/s, "
     f"PyTorch {flops / torch_mm / 1e6:.0f} GFLOP/s"
@@ -203,19 +102,17 @@ def main():
   args = p.parse_args()
   cfg = load_config(args.config, ["mesh.fsdp=1", *args.set])
   B, T = cfg.train.batch_size, cfg.train.seq_len
-  rng = np.random.default_rng(0)
-  batches = [
-    {"tokens": rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)}
-    for _ in range(args.warmup + args.steps)
-  ]
+  batches = train_step.random_batches(cfg, args.warmup + args.steps)
   tokens = args.steps * B * T
   print(
     f"config={args.config} B={B} T={T} D={cfg.model.d_model} L={cfg.model.n_layers} "
     f"steps={args.steps} jax={jax.__version__} torch={torch.__version__} "
     f"threads={torch.get_num_threads()} backend={jax.default_backend()}"
   )
-  ours = tokens / time_jax(cfg, batches, args.warmup)
-  theirs = tokens / time_torch(cfg, batches, args.warmup)
+  _, seconds, _ = train_step.run(*train_step.build(cfg), batches, args.warmup)
+  ours = tokens / seconds
+  peer = torch_llama.run(cfg, batches, args.warmup, device="cpu", bf16=False, compile_backend=None)
+  theirs = tokens / peer["seconds"]
   print("| implementation | tokens/s |")
   print("|---|---|")
   print(f"| atlas_jax (jit, donated state) | {ours:,.0f} |")

@@ -165,22 +165,22 @@ def _pow2_at_least(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def _as_pages(cache_LBSE: Array, block_k: int | None) -> tuple[Array, Array]:
-  """A contiguous cache viewed as a paged pool [L, B * S / Z, Z, E] and its table [B, S / Z].
+def _as_pages(cache_LBSY: Array, block_k: int | None) -> tuple[Array, Array]:
+  """A contiguous cache viewed as a paged pool [L, B * S / Z, Z, Y] and its table [B, S / Z].
 
   The view is a free reshape when S is a multiple of the page size Z; otherwise the cache is
   padded (a copy), so allocate capacities that are multiples of 16 or more.
   """
-  L, B, S, E = cache_LBSE.shape
+  L, B, S, Y = cache_LBSY.shape
   if block_k is None:
     block_k = next((z for z in (64, 32, 16, 8) if S % z == 0), 16)
   if S % block_k:
     pad = -S % block_k
-    cache_LBSE = jnp.pad(cache_LBSE, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    cache_LBSY = jnp.pad(cache_LBSY, ((0, 0), (0, 0), (0, pad), (0, 0)))
     S += pad
   n = S // block_k
   table_BM = jnp.arange(B, dtype=jnp.int32)[:, None] * n + jnp.arange(n, dtype=jnp.int32)[None]
-  return cache_LBSE.reshape(L, B * n, block_k, E), table_BM
+  return cache_LBSY.reshape(L, B * n, block_k, Y), table_BM
 
 
 @functools.partial(
@@ -214,10 +214,10 @@ def mla_decode_pallas(
   B, T, N, C = q_nope.shape
   R = q_rope.shape[-1]
   if block_table is None:
-    pool_LPZE, table_BM = _as_pages(cache, block_k)
+    pool_LPZY, table_BM = _as_pages(cache, block_k)
   else:
-    pool_LPZE, table_BM = cache, block_table.astype(jnp.int32)
-  L, P, Z, E = pool_LPZE.shape
+    pool_LPZY, table_BM = cache, block_table.astype(jnp.int32)
+  L, P, Z, Y = pool_LPZY.shape
   M = table_BM.shape[1]
   rows = T * N
   Q = min(block_q, _pow2_at_least(rows))
@@ -252,7 +252,7 @@ def mla_decode_pallas(
       pl.BlockSpec((None, M), lambda b, x, r: (b, 0)),
       pl.BlockSpec((None, Q, C), lambda b, x, r: (b, r, 0)),
       pl.BlockSpec((None, Q, R), lambda b, x, r: (b, r, 0)),
-      pl.BlockSpec((L, P, Z, E), lambda b, x, r: (0, 0, 0, 0)),
+      pl.BlockSpec((L, P, Z, Y), lambda b, x, r: (0, 0, 0, 0)),
     ],
     out_specs=[
       pl.BlockSpec((None, None, Q, C), lambda b, x, r: (b, x, r, 0)),
@@ -272,7 +272,7 @@ def mla_decode_pallas(
     table_BM,
     qn_BQC,
     qr_BQR,
-    pool_LPZE,
+    pool_LPZY,
   )
   out_BQC = fd.combine_splits(out_BXQC, lse_BXQ1, axis=1, dtype=q_nope.dtype)
   out_BTNC = out_BQC[:, :rows].reshape(B, T, N, C)
@@ -297,13 +297,13 @@ def mla_decode_reference(
     q_nope, q_rope = q_nope[:, None], q_rope[:, None]
   B, T, N, C = q_nope.shape
   if block_table is None:
-    cache_BSE = cache if layer is None else cache[layer]
+    cache_BSY = cache if layer is None else cache[layer]
   else:
-    Z, E = cache.shape[-2:]
+    Z, Y = cache.shape[-2:]
     pages = cache[block_table] if layer is None else cache[layer, block_table]
-    cache_BSE = pages.reshape(B, block_table.shape[1] * Z, E)
-  S = cache_BSE.shape[1]
-  c_BSC, kr_BSR = cache_BSE[..., :C], cache_BSE[..., C:]
+    cache_BSY = pages.reshape(B, block_table.shape[1] * Z, Y)
+  S = cache_BSY.shape[1]
+  c_BSC, kr_BSR = cache_BSY[..., :C], cache_BSY[..., C:]
   s_BTNS = jnp.einsum("BTNC,BSC->BTNS", q_nope, c_BSC, preferred_element_type=jnp.float32)
   s_BTNS += jnp.einsum("BTNR,BSR->BTNS", q_rope, kr_BSR, preferred_element_type=jnp.float32)
   s_BTNS *= jnp.float32(scale)

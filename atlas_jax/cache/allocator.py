@@ -63,7 +63,7 @@ def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorStats:
-  """A snapshot of the allocator's occupancy and counters (see `atlas_jax.analysis.kv`)."""
+  """A snapshot of the allocator's occupancy and counters (see `atlas_jax.plan.kv`)."""
 
   n_blocks: int
   block_size: int

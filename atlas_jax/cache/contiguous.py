@@ -117,18 +117,18 @@ class LatentLayer:
   def storage(self) -> tuple[Array]:
     return (self.c,)
 
-  def write(self, positions_BT: Array, latent_BTE: Array) -> LatentLayer:
+  def write(self, positions_BT: Array, latent_BTY: Array) -> LatentLayer:
     del positions_BT
-    return self.replace(c=write_rows(self.c, self.layer, latent_BTE, self.start))
+    return self.replace(c=write_rows(self.c, self.layer, latent_BTY, self.start))
 
-  def attend(self, q_BTNE, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
     del positions_BT  # the T queries are each row's last T tokens (mla_decode's contract)
     if sliding_window is not None:
       raise ValueError("LatentLayer.attend: MLA has no sliding window")
     C = self.c.shape[-1] - self.rope_dim
     impl = implementation if implementation in ("pallas", "xla") else None
-    q_BTNE_c = q_BTNE.astype(self.c.dtype)  # the query takes the cache's dtype, not vice versa
+    q_BTNE_c = q_BTNY.astype(self.c.dtype)  # the query takes the cache's dtype, not vice versa
     out_BTNC = mla_decode(
       q_BTNE_c[..., :C],
       q_BTNE_c[..., C:],
@@ -138,7 +138,7 @@ class LatentLayer:
       scale=scale,
       implementation=impl,
     )
-    return out_BTNC.astype(q_BTNE.dtype)
+    return out_BTNC.astype(q_BTNY.dtype)
 
   def read(self) -> tuple[Array]:
     return (self.c[self.layer],)

@@ -322,20 +322,20 @@ class PagedLatentLayer:
   def storage(self) -> tuple[Array]:
     return (self.c,)
 
-  def write(self, positions_BT: Array, latent_BTE: Array) -> PagedLatentLayer:
+  def write(self, positions_BT: Array, latent_BTY: Array) -> PagedLatentLayer:
     slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.c.shape[2])
-    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTE, layer=self.layer))
+    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTY, layer=self.layer))
 
-  def attend(self, q_BTNE, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
     if sliding_window is not None:
       raise ValueError("PagedLatentLayer.attend: MLA has no sliding window")
-    dtype = q_BTNE.dtype
+    dtype = q_BTNY.dtype
     C = self.c.shape[-1] - self.rope_dim
-    if q_BTNE.shape[1] == 1:
+    if q_BTNY.shape[1] == 1:
       # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a load.
       impl = implementation if implementation in ("pallas", "xla") else None
-      q_BTNE_c = q_BTNE.astype(self.c.dtype)
+      q_BTNE_c = q_BTNY.astype(self.c.dtype)
       out_BTNC = mla_decode(
         q_BTNE_c[..., :C],
         q_BTNE_c[..., C:],
@@ -350,19 +350,19 @@ class PagedLatentLayer:
     # Absorbed MLA is multi-query attention with the latent as both key and value (one kv head):
     # the first C dims of the output are the weighted latent sum. Padded rows need the
     # positions, so several tokens per row take the dense path.
-    (c_BSE,) = self.read()
-    c_BS1E = c_BSE[:, :, None, :].astype(dtype)
-    out_BTNE = kernels.attention(
-      q_BTNE,
-      c_BS1E,
-      c_BS1E,
+    (c_BSY,) = self.read()
+    c_BS1Y = c_BSY[:, :, None, :].astype(dtype)
+    out_BTNY = kernels.attention(
+      q_BTNY,
+      c_BS1Y,
+      c_BS1Y,
       causal=True,
       scale=scale,
       q_positions=jnp.maximum(positions_BT, 0),
       kv_lengths=self.kv_lengths,
       implementation=implementation,
     )
-    return out_BTNE[..., :C]
+    return out_BTNY[..., :C]
 
   def read(self) -> tuple[Array]:
     return (gather_pages(self.c, self.block_table, self.kv_lengths, layer=self.layer),)

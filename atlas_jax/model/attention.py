@@ -109,7 +109,7 @@ class Attention(nnx.Module):
     if cache is None:
       # The causal mask follows the index in the row; packed documents restart their RoPE
       # positions, and the segment ids keep them apart.
-      # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can tell attention's own
+      # Named, so a step's profile (`bench/step_profile.py`) can tell attention's own
       # work (scores, softmax, weighted sum) from the projections around it.
       with jax.named_scope("attention_core"):
         out_BTNH = kernels.attention(

@@ -90,12 +90,12 @@ class MLA(nnx.Module):
       self.wq = param(normal(rngs, (D, N, Hn + R), std, pdt), ("embed", "q_heads", "head_dim"))
       self.wq_a = self.q_norm = self.wq_b = None
     else:
-      Q = m.q_lora_rank
+      A = m.q_lora_rank
       self.wq = None
-      self.wq_a = param(normal(rngs, (D, Q), std, pdt), ("embed", "q_lora"))  # [D, Q]
-      self.q_norm = RMSNorm(Q, eps=LATENT_NORM_EPS, axis="q_lora", param_dtype=pdt)
-      # [Q, N, Hn + R]
-      self.wq_b = param(normal(rngs, (Q, N, Hn + R), std, pdt), ("q_lora", "q_heads", "head_dim"))
+      self.wq_a = param(normal(rngs, (D, A), std, pdt), ("embed", "q_lora"))  # [D, A]
+      self.q_norm = RMSNorm(A, eps=LATENT_NORM_EPS, axis="q_lora", param_dtype=pdt)
+      # [A, N, Hn + R]
+      self.wq_b = param(normal(rngs, (A, N, Hn + R), std, pdt), ("q_lora", "q_heads", "head_dim"))
     # [D, C + R]: latent, rope key
     self.wkv_a = param(normal(rngs, (D, C + R), std, pdt), ("embed", "kv_lora"))
     self.kv_norm = RMSNorm(C, eps=LATENT_NORM_EPS, axis="kv_lora", param_dtype=pdt)
@@ -131,31 +131,31 @@ class MLA(nnx.Module):
     dtype = x_BTD.dtype
     # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
-      q_BTNK = jnp.einsum("BTD,DNK->BTNK", x_BTD, self.wq[...].astype(dtype))
+      q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
     else:
-      cq_BTQ = checkpoint_name(
-        jnp.einsum("BTD,DQ->BTQ", x_BTD, self.wq_a[...].astype(dtype)), "q_lora_proj"
+      cq_BTA = checkpoint_name(
+        jnp.einsum("BTD,DA->BTA", x_BTD, self.wq_a[...].astype(dtype)), "q_lora_proj"
       )
-      q_BTNK = jnp.einsum("BTQ,QNK->BTNK", self.q_norm(cq_BTQ), self.wq_b[...].astype(dtype))
-    q_BTNK = checkpoint_name(q_BTNK, "q_proj")
-    q_nope_BTNh, q_rope_BTNR = q_BTNK[..., :Hn], q_BTNK[..., Hn:]
+      q_BTNH = jnp.einsum("BTA,ANH->BTNH", self.q_norm(cq_BTA), self.wq_b[...].astype(dtype))
+    q_BTNH = checkpoint_name(q_BTNH, "q_proj")
+    q_nope_BTNh, q_rope_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTE = checkpoint_name(
-      jnp.einsum("BTD,DE->BTE", x_BTD, self.wkv_a[...].astype(dtype)), "kv_lora_proj"
+    kv_BTY = checkpoint_name(
+      jnp.einsum("BTD,DY->BTY", x_BTD, self.wkv_a[...].astype(dtype)), "kv_lora_proj"
     )
-    c_BTC = rms_norm(kv_BTE[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
-    k_rope_BTR = self._rope(kv_BTE[:, :, None, C:], positions_BT)[:, :, 0]
+    c_BTC = rms_norm(kv_BTY[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
+    k_rope_BTR = self._rope(kv_BTY[:, :, None, C:], positions_BT)[:, :, 0]
     return q_nope_BTNh, q_rope_BTNR, jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
 
   def attend_expanded(
-    self, q_nope_BTNh: Array, q_rope_BTNR: Array, latent_BSE: Array, **masking
+    self, q_nope_BTNh: Array, q_rope_BTNR: Array, latent_BSY: Array, **masking
   ) -> Array:
     """Reconstructs K and V from the latents and runs the attention dispatcher: [B, T, N, Hv]."""
     C, R, Hn, Hv = self.dims
     _, _, scale = mla_rope(self.cfg)
     dtype = q_nope_BTNh.dtype
     N = q_nope_BTNh.shape[2]
-    c_BSC, k_rope_BSR = latent_BSE[..., :C], latent_BSE[..., C:]
+    c_BSC, k_rope_BSR = latent_BSY[..., :C], latent_BSY[..., C:]
     k_nope_BSNh = checkpoint_name(
       jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype)), "k_proj"
     )
@@ -163,16 +163,16 @@ class MLA(nnx.Module):
       jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype)), "v_proj"
     )
     k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
-    q_BTNK = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
-    k_BSNK = jnp.concatenate([k_nope_BSNh, k_rope_BSNR], axis=-1)
+    q_BTNH = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
+    k_BSNH = jnp.concatenate([k_nope_BSNh, k_rope_BSNR], axis=-1)
     # The dispatcher takes one head dim for q, k and v: zero-pad the narrower side. Zero query/key
     # dims add nothing to a score and zero value dims are sliced off the output.
     H = max(Hn + R, Hv)
     pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, H - x.shape[-1]),))
     with jax.named_scope("attention_core"):  # as in `Attention`: named for step profiles
       out_BTNH = kernels.attention(
-        pad(q_BTNK),
-        pad(k_BSNK),
+        pad(q_BTNH),
+        pad(k_BSNH),
         pad(v_BSNv),
         scale=scale,
         implementation=self.implementation,
@@ -187,8 +187,8 @@ class MLA(nnx.Module):
     _, _, scale = mla_rope(self.cfg)
     dtype = q_nope_BTNh.dtype
     q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, self.wk_b[...].astype(dtype))
-    q_BTNE = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
-    o_lat_BTNC = cache.attend(q_BTNE, positions_BT, scale=scale, implementation=self.implementation)
+    q_BTNY = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
+    o_lat_BTNC = cache.attend(q_BTNY, positions_BT, scale=scale, implementation=self.implementation)
     return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, self.wv_b[...].astype(dtype))
 
   def __call__(
@@ -212,27 +212,27 @@ class MLA(nnx.Module):
     Returns:
       [B, T, D] and the updated layer cache (None without).
     """
-    q_nope_BTNh, q_rope_BTNR, latent_BTE = self.project(x_BTD, positions_BT)
+    q_nope_BTNh, q_rope_BTNR, latent_BTY = self.project(x_BTD, positions_BT)
     T = x_BTD.shape[1]
     if cache is None:
       out_BTNv = self.attend_expanded(
         q_nope_BTNh,
         q_rope_BTNR,
-        latent_BTE,
+        latent_BTY,
         causal=True,
         q_segment_ids=segment_ids_BT,
         kv_segment_ids=segment_ids_BT,
       )
     else:
-      cache = cache.write(positions_BT, latent_BTE)
+      cache = cache.write(positions_BT, latent_BTY)
       if T <= self.absorb_max_tokens:
         out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, cache, positions_BT)
       else:
-        (latent_BSE,) = cache.read()
+        (latent_BSY,) = cache.read()
         out_BTNv = self.attend_expanded(
           q_nope_BTNh,
           q_rope_BTNR,
-          latent_BSE.astype(x_BTD.dtype),
+          latent_BSY.astype(x_BTD.dtype),
           causal=True,
           q_positions=jnp.maximum(positions_BT, 0),  # padding (-1) is clamped, then discarded
           kv_lengths=cache.kv_lengths,

@@ -52,8 +52,8 @@ class SequentialHead(nnx.Module):
   def __call__(self, emb_BTD, h_BTD, positions_BT, segment_ids_BT, cache=None):
     """(the module's hidden state [B, T, D] for the next depth, its normalised output, the
     updated layer cache or None)."""
-    x_BTD = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)
-    x_BTD = jnp.einsum("BTE,ED->BTD", x_BTD, self.eh_proj[...].astype(x_BTD.dtype))
+    both = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)  # [B, T, 2D]
+    x_BTD = both @ self.eh_proj[...].astype(both.dtype)
     x_BTD, cache = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
     out_BTD = self.norm(x_BTD)
     # Hugging Face's MtpModel chains the normalised output into the next depth.

@@ -33,7 +33,7 @@ def cross_entropy(
   Returns:
     (loss, {"ce": ..., "z_loss": ..., "tokens": ...}).
   """
-  # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can tell the loss's work apart.
+  # Named, so a step's profile (`bench/step_profile.py`) can tell the loss's work apart.
   with jax.named_scope("loss"):
     logits_BTV = logits_BTV.astype(jnp.float32)
     log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)

@@ -4,7 +4,7 @@ MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token follow the PaLM a
 the weight matmuls (forward 2N, backward 4N; N excludes the embedding lookup but includes the LM
 head) plus attention: 6 * 2 * L * T * N_heads * H for the QK^T and PV matmuls over a T-token
 context, halved when causal since half the score matrix is masked. The formula and the device
-table are the planner's (`atlas_jax.analysis.compute`, `atlas_jax.analysis.devices`).
+table are the planner's (`atlas_jax.plan.compute`, `atlas_jax.devices`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import jax
 
-from atlas_jax.analysis.compute import train_flops_per_token
-from atlas_jax.analysis.devices import DEVICES, match_device_kind
 from atlas_jax.config import ModelConfig
+from atlas_jax.devices import DEVICES, match_device_kind
+from atlas_jax.plan.compute import train_flops_per_token
 
 # Dense bf16 peak TFLOP/s per device, from the planner's device table (sources there).
 PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
@@ -34,7 +34,7 @@ def matmul_params(params) -> int:
 def flops_per_token(
   cfg: ModelConfig, n_matmul_params: int, seq_len: int, *, causal: bool = True
 ) -> float:
-  """Training FLOPs per token (`atlas_jax.analysis.compute.train_flops_per_token`)."""
+  """Training FLOPs per token (`atlas_jax.plan.compute.train_flops_per_token`)."""
   return train_flops_per_token(cfg, seq_len, causal=causal, n_matmul_params=n_matmul_params)
 
 

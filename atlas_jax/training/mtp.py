@@ -46,7 +46,9 @@ def loss_fn(
   mask_BT = batch.get("loss_mask")
   mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
   model = nnx.merge(graphdef, params)
-  out_BTX, mtp_JBTX = model.forward_mtp(
+  # Logits [B, T, V] and [J, B, T, V], or with `loss_chunk` the hidden states [.., D] that the
+  # chunked loss projects itself.
+  out, mtp_J = model.forward_mtp(
     inputs_BT,
     positions_BT=batch.get("positions"),
     segment_ids_BT=segment_ids_BT,
@@ -58,13 +60,13 @@ def loss_fn(
       h_BTD, t_BT, m_BT, chunk=loss_chunk, **head
     )
   else:
-    ce = cross_entropy  # out_BTX and mtp_JBTX are logits [.., V]
-  main, aux = ce(out_BTX, targets_BT, mask_BT)
+    ce = cross_entropy
+  main, aux = ce(out, targets_BT, mask_BT)
   aux = {**aux, "loss_main": main}
   head_losses = []
-  for j in range(1, mtp_JBTX.shape[0] + 1):
+  for j in range(1, mtp_J.shape[0] + 1):
     tgt_BT, m_BT = shifted_targets(targets_BT, mask_BT, segment_ids_BT, j)
-    loss_j, _ = ce(mtp_JBTX[j - 1], tgt_BT, m_BT)
+    loss_j, _ = ce(mtp_J[j - 1], tgt_BT, m_BT)
     aux[f"loss_mtp_{j}"] = loss_j
     head_losses.append(loss_j)
   weight = model.cfg.mtp.loss_weight

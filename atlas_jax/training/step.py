@@ -222,7 +222,7 @@ def make_train_step(trainer: Trainer) -> Callable:
       grads = state.loss_scale.unscale(grads)
     # ZeRO-2/3: gradients live sharded, so the all-reduce becomes a reduce-scatter.
     grads = jax.lax.with_sharding_constraint(grads, trainer.grad_shardings)
-    # Named, so a step's profile (`atlas_jax.analysis.step_profile`) can price the update.
+    # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

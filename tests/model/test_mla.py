@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.analysis.kv import config_kv_bytes_per_token, format_kv_report, kv_report
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, RopeScaling
 from atlas_jax.model import Transformer
+from atlas_jax.plan.kv import config_kv_bytes_per_token, format_kv_report, kv_report
 
 YARN = RopeScaling(
   type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.analysis import measure
+from atlas_jax import measure
 from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig
 from atlas_jax.training import mtp as mtp_loss
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy

@@ -3,11 +3,11 @@ H200 by the planner (shapes only, through jax.eval_shape; nothing is allocated).
 
 from pathlib import Path
 
-from atlas_jax.analysis import measure
-from atlas_jax.analysis.cli import build_plan, parser
-from atlas_jax.analysis.devices import get_device
+from atlas_jax import measure
 from atlas_jax.config import load_config
 from atlas_jax.data.tokenizer import bpe_size
+from atlas_jax.devices import get_device
+from atlas_jax.plan.cli import build_plan, parser
 
 PRESET = Path(__file__).parent.parent.parent / "configs" / "llama3-1b.yaml"
 

@@ -7,7 +7,7 @@ names that sharding rules map onto mesh axes. Counting, sharding and FLOP figure
 Logical axes are the ones the model declares on each parameter (`atlas_jax.model.layers.param`):
 vocab, embed (D), q_heads (N), kv_heads (K), head_dim, mlp (F), q_lora (Q), kv_lora (C; also the
 C + R latent projection's output), mtp_in (2D, the MTP projection's input), and the stacking
-axis layers (L, or J for the MTP heads). `tests/analysis` checks them against the real ones.
+axis layers (L, or J for the MTP heads). `tests/plan` checks them against the real ones.
 """
 
 from __future__ import annotations

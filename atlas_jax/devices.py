@@ -1,4 +1,7 @@
-"""Accelerators the planner sizes for: dense bf16 peak FLOP/s, HBM capacity and HBM bandwidth.
+"""Accelerators: dense bf16 peak FLOP/s, HBM capacity and HBM bandwidth per chip.
+
+The planner sizes for them and the trainer reports MFU against their peaks; nothing here imports
+the rest of the library.
 
 Figures are the vendors' per-chip specifications (dense, no structured sparsity). Sources:
 

@@ -39,9 +39,11 @@ dK/dV consumer holds two f32 [64, H] accumulators, so it needs H <= 128, and S a
 What it is not, yet: no segment ids, kv lengths or sliding windows, and no ping-pong scheduling
 between the two consumers (FlashAttention-3 staggers their softmax against the other's
 matmuls); `attention(implementation=None)` never picks it. It needs sm_90 to run; tests only
-lower it (forward and gradient) for CUDA on a CPU and check the backward's math in jnp, and
-`bench/gpu.py --only mgpu` checks its output and gradients against the reference and times it
-on a GPU. Nothing here has run on a GPU yet.
+lower it (forward and gradient) for CUDA on a CPU, check its argument checks and check
+`backward_delta` against jax.grad, and `bench/gpu.py --only mgpu` checks its output and
+gradients against the reference and times it on a GPU. Nothing here has run on a GPU yet, so it
+lives in `kernels/experimental/` (`atlas_jax.kernels.experimental.flash_mgpu`) until
+`python bench/gpu.py --only mgpu` passes once on a Hopper GPU.
 """
 
 from __future__ import annotations

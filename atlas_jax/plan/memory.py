@@ -33,7 +33,7 @@ bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
 the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. `tests/analysis` checks these against the real train step's residuals.
+residuals. `tests/plan` checks these against the real train step's residuals.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from atlas_jax.analysis.params import ParamSpec, block, inventory, mtp_head
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.scan import default_every
+from atlas_jax.plan.params import ParamSpec, block, inventory, mtp_head
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
 REMAT_POLICIES = ("none", "full", "every_k", "selective")

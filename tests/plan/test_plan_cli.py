@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from atlas_jax import hf
-from atlas_jax.analysis.cli import main
-from atlas_jax.analysis.models import REFERENCE_MODELS
+from atlas_jax.plan.cli import main
+from atlas_jax.plan.models import REFERENCE_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,12 +8,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from atlas_jax.analysis import step_profile
-from atlas_jax.training.checkpoint import single_device_mesh
-from atlas_jax.training.step import make_train_step, make_trainer
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import gpu_training  # noqa: E402
+import step_profile  # noqa: E402
+import train_step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +19,8 @@ def smoke_step():
   """The profile bench's --smoke step: llama3-1b's recipe (bf16, selective remat, chunked loss)
   at a toy shape, compiled."""
   cfg = gpu_training.preset_config("llama3-1b", smoke=True)
-  trainer = make_trainer(cfg, mesh=single_device_mesh())
-  step = make_train_step(trainer)
-  state = trainer.init(jax.random.key(0))
-  batches = [{"tokens": b} for b in gpu_training.random_batches(cfg, 3)]
+  step, state = train_step.build(cfg)
+  batches = [{"tokens": b} for b in train_step.random_batches(cfg, 3)]
   compiled = step.lower(state, batches[0]).compile()
   return cfg, compiled, state, batches
 

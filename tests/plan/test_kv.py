@@ -2,7 +2,9 @@
 
 import pytest
 
-from atlas_jax.analysis.kv import (
+from atlas_jax.cache.allocator import BlockAllocator
+from atlas_jax.config import ModelConfig
+from atlas_jax.plan.kv import (
   config_kv_bytes_per_token,
   kv_bytes,
   kv_bytes_per_token,
@@ -12,8 +14,6 @@ from atlas_jax.analysis.kv import (
   prefix_hit_rate,
   utilisation,
 )
-from atlas_jax.cache.allocator import BlockAllocator
-from atlas_jax.config import ModelConfig
 
 
 def test_bytes_per_token_for_known_shapes():

@@ -21,8 +21,8 @@ from collections import deque
 
 import numpy as np
 
-from atlas_jax.analysis.kv import prefix_hit_rate, utilisation
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
+from atlas_jax.plan.kv import prefix_hit_rate, utilisation
 
 VOCAB = 32000
 

@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from atlas_jax.analysis import measure, memory
-from atlas_jax.analysis.models import REFERENCE_MODELS
-from atlas_jax.analysis.planner import PlanInputs, make_plan
+from atlas_jax import measure
 from atlas_jax.config import Config, TrainConfig
+from atlas_jax.plan import memory
+from atlas_jax.plan.models import REFERENCE_MODELS
+from atlas_jax.plan.planner import PlanInputs, make_plan
 from atlas_jax.training.checkpoint import single_device_mesh
 
 

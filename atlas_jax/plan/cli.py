@@ -5,7 +5,7 @@
     atlas-plan --config llama-2-70b --devices 64 --strategy zero3 --plot charts/
 
 `--config` takes a YAML preset, a Hugging Face folder (its config.json alone is read), or a
-published model's name (see `atlas_jax.analysis.models`). A preset supplies the defaults for the
+published model's name (see `atlas_jax.plan.models`). A preset supplies the defaults for the
 sequence length, batch, precision, remat policy, sharding and tensor parallelism.
 """
 
@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-from atlas_jax.analysis import memory
-from atlas_jax.analysis.devices import DEVICES
-from atlas_jax.analysis.models import REFERENCE_MODELS, get_reference
-from atlas_jax.analysis.planner import PRECISIONS, PlanInputs, make_plan
-from atlas_jax.analysis.report import render
 from atlas_jax.config import Config, ConfigError, ModelConfig, load_config
+from atlas_jax.devices import DEVICES
+from atlas_jax.plan import memory
+from atlas_jax.plan.models import REFERENCE_MODELS, get_reference
+from atlas_jax.plan.planner import PRECISIONS, PlanInputs, make_plan
+from atlas_jax.plan.report import render
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
   else:
     print(render(plan, markdown=args.markdown))
   if args.plot:
-    from atlas_jax.analysis.charts import save_charts
+    from atlas_jax.plan.charts import save_charts
 
     for path in save_charts(plan, args.plot):
       print(f"wrote {path}", file=sys.stderr)

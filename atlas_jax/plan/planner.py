@@ -1,11 +1,11 @@
 """The planner: every memory and compute figure of a model config, as plain numbers.
 
-    from atlas_jax.analysis.planner import PlanInputs, make_plan
+    from atlas_jax.plan.planner import PlanInputs, make_plan
     plan = make_plan(model_cfg, PlanInputs(seq_len=4096, batch=8, devices=8, device="H100"))
     plan["kv_cache"]["bytes_per_sequence"]        # bytes; every figure is bytes, tokens or FLOPs
 
-Pure arithmetic on the config (`atlas_jax.analysis.params`, `memory`, `compute`, `kv`); nothing
-is built or allocated. `tests/analysis` checks each figure against the real modules.
+Pure arithmetic on the config (`atlas_jax.plan.params`, `memory`, `compute`, `kv`); nothing
+is built or allocated. `tests/plan` checks each figure against the real modules.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.analysis import compute, memory
-from atlas_jax.analysis.devices import get_device
-from atlas_jax.analysis.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
-from atlas_jax.analysis.params import counts
 from atlas_jax.config import ModelConfig
+from atlas_jax.devices import get_device
+from atlas_jax.plan import compute, memory
+from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
+from atlas_jax.plan.params import counts
 
 PRECISIONS = tuple(memory.PRECISIONS)
 

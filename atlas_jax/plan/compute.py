@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from atlas_jax.analysis.params import counts
 from atlas_jax.config import ModelConfig
+from atlas_jax.plan.params import counts
 
 # Hoffmann et al. 2022 ("Training Compute-Optimal Large Language Models"): about 20 training
 # tokens per parameter minimise loss for a given compute budget.

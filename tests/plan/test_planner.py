@@ -2,7 +2,7 @@
 KV bytes against the allocated cache arrays, per-device state against the trainer's shardings on
 8 fake CPU devices, activation bytes against the train step's saved residuals, FLOPs against XLA.
 
-All real-module figures come from `atlas_jax.analysis.measure` (shapes only, nothing allocated).
+All real-module figures come from `atlas_jax.measure` (shapes only, nothing allocated).
 """
 
 import dataclasses
@@ -11,9 +11,10 @@ import jax
 import pytest
 from flax import nnx
 
-from atlas_jax.analysis import compute, measure, memory, params
-from atlas_jax.analysis.planner import PlanInputs, make_plan, model_kv_bytes_per_token
+from atlas_jax import measure
 from atlas_jax.config import Config, load_config
+from atlas_jax.plan import compute, memory, params
+from atlas_jax.plan.planner import PlanInputs, make_plan, model_kv_bytes_per_token
 from atlas_jax.training import sharding as shd
 
 # A Llama-family shape whose dimensions are all different, so a swapped axis cannot pass.

@@ -1,6 +1,6 @@
 """Measured counterparts of the planner's figures, read off the real modules without allocating.
 
-The planner (`atlas_jax.analysis.planner`) is arithmetic on a config; this module builds the real
+The planner (`atlas_jax.plan.planner`) is arithmetic on a config; this module builds the real
 things abstractly (`jax.eval_shape`, `jax.make_jaxpr`) and counts their bytes, so tests, the
 notebooks and `bench/remat.py` can set the two side by side:
 
