@@ -44,12 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.model.scan import scan_layers
 from atlas_jax.training.sharding import BATCH_AXES, data_parallel_size, logical_axes_of
 
 DATA_AXES = tuple(a for a in BATCH_AXES if a != "stage")  # what splits the rows inside a stage
+WEIGHTS = "pipeline_stage_weights"  # the name of a stage's per-iteration slice of its weights
 
 Array = jax.Array
 Layout = tuple[
@@ -210,9 +212,37 @@ class Pipeline:
     io = jax.tree.map(vary, carry)
     rows = jax.tree.map(to_micro, rows)
     xs = jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), xs)  # [r, L/(pr)]
-    put = lambda buf, u, x, keep: buf.at[u].set(jnp.where(keep, x, buf[u]))
+    # Slices and updates of the buffers as dynamic_slice / dynamic_update_slice: linear, so the
+    # backward pass keeps only the index (a scatter's JVP would keep the whole buffer).
+    get = lambda buf, u: jax.lax.dynamic_index_in_dim(buf, u, keepdims=False)
+    put = lambda buf, u, x, keep: jax.lax.dynamic_update_index_in_dim(
+      buf, jnp.where(keep, x, get(buf, u)), u, 0
+    )
     # Circular: the last stage hands each micro-batch back to the first; GPipe: a chain.
     ring = [(j, (j + 1) % p) for j in range(p if r > 1 else p - 1)]
+
+    # The stage's layers of one repeat on one micro-batch. Each block takes its weights from the
+    # stage's whole stack by index, inside the block's remat region: the backward pass indexes
+    # them again (the stack is loop-invariant, kept once) rather than keeping a copy per
+    # iteration. Without a remat policy a region that keeps everything but those slices stands
+    # in, and the weights are cast to the compute dtype once, up front, so the per-use casts are
+    # not kept per iteration either (the blocks cast them to the same dtype: a no-op now).
+    if policy == "none":
+      compute = jax.tree.leaves(carry)[0].dtype
+      xs = jax.tree.map(lambda a: a.astype(compute), xs)
+
+    def block(c, j, rep, rows_u):
+      layer = jax.tree.map(lambda a: checkpoint_name(a[rep, j], WEIGHTS), xs)
+      return step(c, layer, rows_u)
+
+    if policy == "none":
+      keep = jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS)
+      block = jax.checkpoint(block, policy=keep)
+
+    def stage(x, rep, rows_u):
+      run = lambda c, j: block(c, j, rep, rows_u)
+      Lr = jax.tree.leaves(xs)[0].shape[1]
+      return scan_layers(run, x, jnp.arange(Lr), policy=policy, every=every, unroll=unroll)[0]
 
     def iteration(loop, i):
       io, received = loop
@@ -221,17 +251,8 @@ class Pipeline:
       back = first & busy_back & (rep_back < r - 1)
       io = jax.tree.map(lambda buf, x: put(buf, u_back, x, back), io, received)
       u, rep, busy = sched.work(i, s)
-      x = jax.tree.map(lambda buf, x: micro(jnp.where(first, buf[u], x)), io, received)
-      layers = jax.tree.map(lambda a: a[rep], xs)
-      rows_u = jax.tree.map(lambda a: micro(a[u]), rows)
-      y, _ = scan_layers(
-        lambda c, layer: step(c, layer, rows_u),
-        x,
-        layers,
-        policy=policy,
-        every=every,
-        unroll=unroll,
-      )
+      x = jax.tree.map(lambda buf, x: micro(jnp.where(first, get(buf, u), x)), io, received)
+      y = stage(x, rep, jax.tree.map(lambda a: micro(get(a, u)), rows))
       done = last & busy & (rep == r - 1)
       io = jax.tree.map(lambda buf, y: put(buf, u, y, done), io, y)
       sent = jax.tree.map(lambda a: jax.lax.ppermute(a, "stage", ring), y)
