@@ -10,6 +10,8 @@ notebooks and `bench/remat.py` can set the two side by side:
 * `train_state_bytes`: per-device bytes of parameters, gradients and optimizer state as the
   trainer lays them out on a mesh;
 * `saved_activation_bytes`: what the train step's forward pass saves for its backward pass;
+  `saved_activation_bytes_per_device`: the same per device as the sharded (or pipelined) step
+  lays it out;
 * `train_step_flops`: XLA's cost analysis of the compiled gradient.
 
 Every call into model, cache and trainer code that the planner is checked against goes through
@@ -19,7 +21,9 @@ here, so a change of those modules' surface is absorbed in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +88,31 @@ def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
   }
 
 
+def _param_view(params: set[int], producers: dict[int, jex_core.JaxprEqn]) -> Callable:
+  """Whether a var is a parameter or a free view of one: reshapes, and a pipeline's shard_map
+  handing its slice of a parameter back out (followed into its body and out again)."""
+
+  def is_param(v, params=params, producers=producers) -> bool:
+    while id(v) not in params:
+      eqn = producers.get(id(v))
+      if eqn is None:
+        return False
+      if eqn.primitive.name == "reshape":
+        v = eqn.invars[0]
+      elif eqn.primitive.name == "shard_map":
+        body = eqn.params["jaxpr"]
+        inner_params = {
+          id(b) for b, a in zip(body.invars, eqn.invars) if is_param(a, params, producers)
+        }
+        inner = {id(w): e for e in body.eqns for w in e.outvars}
+        return _param_view(inner_params, inner)(body.outvars[eqn.outvars.index(v)])
+      else:
+        return False
+    return True
+
+  return is_param
+
+
 def _residual_vars(cfg: Config, batch: int):
   """(residual vars of the train step's vjp, the parameter input vars, defining equations)."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
@@ -111,22 +140,42 @@ def saved_activation_bytes(cfg: Config, *, batch: int) -> int:
   the float32 master weights once per use).
   """
   residuals, param_vars, producers = _residual_vars(cfg, batch)
-  params = {id(v) for v in param_vars}
-
-  def is_param(v) -> bool:
-    while id(v) not in params:
-      eqn = producers.get(id(v))
-      if eqn is None or eqn.primitive.name != "reshape":
-        return False
-      v = eqn.invars[0]
-    return True
-
+  is_param = _param_view({id(v) for v in param_vars}, producers)
   seen, total = set(), 0
   for v in residuals:
     if isinstance(v, jex_core.Literal) or id(v) in seen or is_param(v):
       continue
     seen.add(id(v))
     total += math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+  return total
+
+
+def saved_activation_bytes_per_device(cfg: Config, *, mesh: Mesh) -> int:
+  """Per-device bytes the sharded train step's forward pass saves for its backward pass, as XLA
+  lays them out on `mesh` (pipeline stages included): the residuals of `jax.vjp` of the run's
+  loss on one accumulation micro-batch (train.batch_size / train.grad_accum rows), returned by a
+  compiled program whose output shardings give each one's shard; parameters left out."""
+  trainer = make_trainer(cfg, mesh=mesh)
+  loss = functools.partial(objective(cfg), trainer.graphdef)
+  params = trainer.abstract_state().params
+  rows = cfg.train.batch_size // cfg.train.grad_accum
+  tokens = jax.ShapeDtypeStruct((rows, cfg.train.seq_len + 1), jnp.int32)
+
+  def residuals(params, tokens_BT1):
+    _, vjp_fn = jax.vjp(lambda p: loss(p, {"tokens": tokens_BT1})[0], params)
+    return jax.tree.leaves(vjp_fn)
+
+  jaxpr = jax.make_jaxpr(residuals)(params, tokens).jaxpr
+  producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  is_param = _param_view({id(v) for v in jaxpr.invars[: len(jax.tree.leaves(params))]}, producers)
+  in_shardings = (trainer.state_shardings.params, shd.batch_sharding(mesh))
+  compiled = jax.jit(residuals, in_shardings=in_shardings).lower(params, tokens).compile()
+  seen, total = set(), 0
+  for v, out, sharding in zip(jaxpr.outvars, compiled.out_info, compiled.output_shardings):
+    if isinstance(v, jex_core.Literal) or id(v) in seen or is_param(v):
+      continue
+    seen.add(id(v))
+    total += math.prod(sharding.shard_shape(out.shape)) * np.dtype(out.dtype).itemsize
   return total
 
 

@@ -51,7 +51,8 @@ class Transformer(nnx.Module):
     unroll_layers: unroll the layer scan (FLOP measurement only).
     pipeline: runs the uncached layer stack instead of one scan, called as
       `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with
-      `step(carry, layer_state, rows)`: pipeline stages over a mesh
+      `step(carry, layer_state, rows)`, and lays out the token ids the embedding reads
+      (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
       (`atlas_jax.training.pipeline.Pipeline`). None: one scan.
   """
 
@@ -148,6 +149,8 @@ class Transformer(nnx.Module):
     `keep_trunk` carries each block's input through the scan, for the parallel MTP heads.
     """
     dtype = jnp.dtype(self.cfg.dtype)
+    if self.pipeline is not None:  # the first stage embeds every row (`pipeline.gather`)
+      tokens_BT = self.pipeline.gather(tokens_BT)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     graphdef, block_state = nnx.split(self.blocks)
     if cache is not None:

@@ -211,17 +211,31 @@ def _loss_tokens(V: float, chunked: bool) -> float:
   return 12 if chunked else 4 * V + 17
 
 
+def _head_tokens(cfg: ModelConfig, c: int, tp: int, chunked: bool) -> float:
+  """Per-token bytes after the blocks: the final norm, the logits and the loss."""
+  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
+  return (8 * D + 2 * D * c + 8) + _loss_tokens(V, chunked)
+
+
+def _scan_input_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int
+) -> tuple[float, float]:
+  """Per-token bytes the blocks read from outside them, kept once per layer scan: (what the
+  rows' positions make: the positions themselves under remat, from which the recomputed blocks
+  rebuild RoPE and masks, else the RoPE tables; what only the shapes make: the mask)."""
+  if policy != "none":
+    return 4, 0
+  N = _split(cfg.n_heads, tp)
+  # cos and sin for q and k; xla: the causal mask and scores
+  return 2 * _rope_dim(cfg) * c, (5 * N * S + 4 if attention == "xla" else 8)
+
+
 def _global_tokens(
   cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int, chunked: bool = False
 ) -> float:
   """Per-token bytes outside the blocks: embedding indices, final norm, logits, loss."""
-  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
-  out = 4 + (8 * D + 2 * D * c + 8) + _loss_tokens(V, chunked)
-  if policy != "none":
-    return out + 4  # the positions, from which the recomputed blocks rebuild RoPE and masks
-  out += 2 * _rope_dim(cfg) * c  # cos and sin for q and k
-  N = _split(cfg.n_heads, tp)
-  return out + (5 * N * S + 4 if attention == "xla" else 8)  # xla: the causal mask and scores
+  head = _head_tokens(cfg, c, tp, chunked)
+  return 4 + head + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))
 
 
 def _mtp_tokens(
@@ -239,10 +253,61 @@ def _mtp_tokens(
     head += 24 * D + 5 * D * c + 24 + 2 * R * c + 4
     shared = 0
   else:
-    shared = 2 * R * c + 8 * D + D * c + 8  # RoPE and the trunk's hidden state, once for all
-  N = _split(cfg.n_heads, tp)
-  shared += 5 * N * S + 4 if attention == "xla" else 8  # the heads' own causal mask
-  return cfg.mtp.n_predict * head + shared
+    shared = 8 * D + D * c + 8  # the trunk's hidden state, once for all
+  return cfg.mtp.n_predict * head + shared + _mtp_position_tokens(cfg, c, S, attention, tp)
+
+
+def _mtp_position_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: int) -> float:
+  """Per-token bytes the MTP heads build from the positions alone: their causal mask, and the
+  parallel heads' shared RoPE tables."""
+  if cfg.mtp is None:
+    return 0.0
+  out = 5 * _split(cfg.n_heads, tp) * S + 4 if attention == "xla" else 8
+  return out + (2 * _rope_dim(cfg) * c if cfg.mtp.kind == "parallel" else 0)
+
+
+def _selective_tokens(cfg: ModelConfig, tp: int) -> float:
+  """Elements per token and block the selective policy keeps: the named matmul outputs."""
+  if cfg.mla is None:
+    kept = 2 * cfg.d_model + 2 * _split(cfg.ffn_dim, tp)
+    return kept + 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
+  m, N = cfg.mla, _split(cfg.n_heads, tp)
+  kept = 2 * cfg.d_model + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
+  # q, the latent and rope key, K's and V's up-projections, the attention output
+  kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
+  return kept + N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
+
+
+def _blocks(
+  cfg: ModelConfig, policy: str, layers: int, M: int, per_layer: float, c: int, tp: int, k: int
+) -> tuple[float, float]:
+  """(saved, recomputed at a time) of `layers` block applications on M tokens; `per_layer`:
+  one block's residuals without remat (what `full` recomputes); k: every_k's group."""
+  D = cfg.d_model
+  if policy == "none":
+    return layers * per_layer, 0.0
+  if policy == "full":
+    return layers * D * c * M, per_layer
+  if policy == "every_k":
+    return (layers // k) * D * c * M, k * per_layer
+  kept = _selective_tokens(cfg, tp) * c * M
+  return layers * kept, max(per_layer - kept, 0.0)
+
+
+def _after_blocks(
+  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, chunked: bool, M: int, master: int
+) -> float:
+  """Bytes kept after the layer stack for M tokens: final norm, head and loss, MTP heads."""
+  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
+  out = _head_tokens(cfg, c, tp, chunked) * M + D * c  # + the final norm's scale, broadcast
+  if not chunked and (c != master or cfg.tie_embeddings):
+    out += c * D * V  # the head's compute-dtype copy, or transpose
+  if cfg.mtp is not None:
+    out += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
+    out += cfg.mtp.n_predict * _layer_fixed(mtp_head(cfg), c, master, tp)
+    if c != master and not chunked:
+      out += c * D * V  # the head is cast again for the MTP logits
+  return out
 
 
 def activation_bytes(
@@ -276,47 +341,97 @@ def activation_bytes(
     raise ValueError(f"--attention={attention!r} is not allowed; allowed: {ATTENTION_IMPLS}")
   _check_int("batch", batch)
   _check_int("seq_len", seq_len)
-  L, D, c, M, tp = cfg.n_layers, cfg.d_model, compute_bytes, batch * seq_len, tensor
+  L, c, M, tp = cfg.n_layers, compute_bytes, batch * seq_len, tensor
   S = seq_len
   layer_specs = block(cfg)
   per_layer = _layer_tokens(cfg, c, S, attention, tp) * M
   per_layer += _layer_fixed(layer_specs, c, master_bytes, tp)
-  fixed = D * c  # the final norm's scale, broadcast
   chunked = loss_chunk > 0
-  if not chunked and (c != master_bytes or cfg.tie_embeddings):
-    fixed += c * D * _split(cfg.vocab_size, tp)  # the head's compute-dtype copy, or transpose
-  glob = _global_tokens(cfg, c, S, attention, policy, tp, chunked) * M + fixed
-  if cfg.mtp is not None:
-    head_specs = mtp_head(cfg)
-    glob += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
-    glob += cfg.mtp.n_predict * _layer_fixed(head_specs, c, master_bytes, tp)
-    if c != master_bytes and not chunked:
-      glob += c * D * _split(cfg.vocab_size, tp)  # the head is cast again for the MTP logits
-  if policy == "none":
-    saved, recompute = L * per_layer, 0.0
-  elif policy == "full":
-    saved, recompute = L * D * c * M, per_layer
-  elif policy == "every_k":
-    k = default_every(L) if remat_every is None else remat_every
-    if L % k:
-      raise ValueError(f"--remat-every={k} must divide the model's n_layers={L}")
-    saved, recompute = (L // k) * D * c * M, k * per_layer
-  else:
-    if cfg.mla is None:
-      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)
-      kept += 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
-    else:
-      m, N = cfg.mla, _split(cfg.n_heads, tp)
-      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
-      # q, the latent and rope key, K's and V's up-projections, the attention output
-      kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
-      kept += N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
-    saved = L * kept * c * M
-    recompute = max(per_layer - kept * c * M, 0.0)
+  glob = (4 + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))) * M
+  glob += _after_blocks(cfg, c, S, attention, tp, chunked, M, master_bytes)
+  k = default_every(L) if remat_every is None else remat_every
+  if policy == "every_k" and L % k:
+    raise ValueError(f"--remat-every={k} must divide the model's n_layers={L}")
+  saved, recompute = _blocks(cfg, policy, L, M, per_layer, c, tp, k)
   return ActivationBytes(
     policy=policy,
     saved=int(round(saved + glob)),
     recompute=int(round(recompute)),
     per_layer_none=int(round(per_layer)),
     outside_blocks=int(round(glob)),
+  )
+
+
+def pipeline_activation_bytes(
+  cfg: ModelConfig,
+  *,
+  policy: str,
+  batch: int,
+  seq_len: int,
+  compute_bytes: int,
+  stages: int,
+  microbatches: int,
+  repeats: int = 1,
+  attention: str = "flash",
+  remat_every: int | None = None,
+  tensor: int = 1,
+  master_bytes: int = 4,
+  loss_chunk: int = 0,
+) -> ActivationBytes:
+  """Activation bytes on one device of a pipelined step (`atlas_jax.training.pipeline`) whose
+  data-parallel shard of an accumulation micro-batch is `batch` rows.
+
+  Each of the I = U r + p - 1 iterations runs L / (p r) blocks on one micro-batch of
+  batch / U rows and keeps their residuals (bubble iterations too, on idle data): GPipe keeps
+  every micro-batch's stage inputs, and what the remat policy saves inside the stage, until the
+  backward pass; with the micro-batch's positions (or, without remat, its RoPE tables and mask).
+  Without remat the stage's weights are cast to the compute dtype once (kept once). Every stage
+  embeds its shard's rows (their token ids are kept) and holds the trunk's output for them; the
+  final norm, head, loss and MTP heads run on batch / p rows (stages split the batch there).
+  Other arguments as `activation_bytes`.
+  """
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
+  p, U, r, L = stages, microbatches, repeats, cfg.n_layers
+  for name, value in (("batch", batch), ("seq_len", seq_len), ("pipeline", p), ("repeats", r)):
+    _check_int(name, value)
+  _check_int("microbatches", U)
+  if L % (p * r) or batch % U or batch % p:
+    raise ValueError(
+      f"n_layers={L} must divide by --pipeline x --repeats = {p} x {r}, and the {batch} rows "
+      f"of a data-parallel shard by --microbatches={U} and by --pipeline={p}"
+    )
+  c, tp, T = compute_bytes, tensor, seq_len
+  iterations, per_stage = U * r + p - 1, L // (p * r)
+  Mb = batch // U * T  # tokens of one micro-batch
+  k = default_every(per_stage) if remat_every is None else remat_every
+  if policy == "every_k" and per_stage % k:
+    raise ValueError(f"--remat-every={k} must divide the {per_stage} layers a stage runs at a time")
+  specs = block(cfg)
+  per_layer = _layer_tokens(cfg, c, T, attention, tp) * Mb
+  blocks, recompute = _blocks(cfg, policy, per_stage, Mb, per_layer, c, tp, k)
+  saved = iterations * blocks
+  if policy == "none":
+    # The norm scales' broadcasts, once per layer of the stage; the weights in the compute dtype:
+    # GPipe once per layer (cast up front; none kept in float32), circular each iteration's slice.
+    tp_size = lambda sp: math.prod(
+      _split(n, tp) if axis in TENSOR_AXES else n for n, axis in zip(sp.shape, sp.axes)
+    )
+    saved += (L // p) * sum(c * tp_size(sp) for sp in specs if sp.is_norm)
+    if r > 1:
+      saved += iterations * per_stage * c * sum(tp_size(sp) for sp in specs)
+    elif c != master_bytes:
+      saved += (L // p) * c * sum(tp_size(sp) for sp in specs if not sp.is_norm)
+  rope, mask = _scan_input_tokens(cfg, c, T, attention, policy, tp)
+  outside = (iterations * rope + mask) * Mb  # the rows' inputs per iteration; the mask once
+  # The token ids; what the MTP heads build from the positions alone (XLA builds it on every
+  # stage, for all of the shard's rows).
+  outside += (4 + (1 - 1 / p) * _mtp_position_tokens(cfg, c, T, attention, tp)) * batch * T
+  outside += _after_blocks(cfg, c, T, attention, tp, loss_chunk > 0, batch // p * T, master_bytes)
+  return ActivationBytes(
+    policy=policy,
+    saved=int(round(saved + outside)),
+    recompute=int(round(recompute)),
+    per_layer_none=int(round(per_layer)),
+    outside_blocks=int(round(outside)),
   )

@@ -21,10 +21,10 @@ policy. GPipe's memory cost: every micro-batch's stage inputs (and residuals) ar
 backward pass, all U of them in flight.
 
 Around the pipelined trunk the embedding runs on every stage over its data shard's rows (the
-trainer gathers the token ids over `stage`: `gather_over_stages`), since the first stage needs
-them all; the last stage's outputs are scattered back over the stages (reduce-scatter), so the
-final norm, the head, the loss and the MTP heads split the batch over `stage` as well as
-(data, fsdp) and are not repeated on every stage.
+token ids gathered over `stage`: `Pipeline.gather`), since the first stage needs them all; the
+last stage's outputs are scattered back over the stages (reduce-scatter), so the final norm,
+the head, the loss and the MTP heads split the batch over `stage` as well as (data, fsdp) and
+are not repeated on every stage.
 
 Circular stages own non-contiguous layers, so the trainer keeps the stacked layers in the run's
 order (`layer_order`: stage-major, each stage's rows one contiguous block, as the `layers` ->
@@ -44,14 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.model.scan import scan_layers
 from atlas_jax.training.sharding import BATCH_AXES, data_parallel_size, logical_axes_of
 
 DATA_AXES = tuple(a for a in BATCH_AXES if a != "stage")  # what splits the rows inside a stage
-WEIGHTS = "pipeline_stage_weights"  # the name of a stage's per-iteration slice of its weights
 
 Array = jax.Array
 Layout = tuple[
@@ -147,6 +145,14 @@ class Pipeline:
   def __call__(self, step: Callable, carry, xs, rows, **kwargs):
     return self.run(step, carry, xs, rows, **kwargs)[0]
 
+  def gather(self, x_B: Array) -> Array:
+    """Rows split over the data axes only (gathered over `stage`): the token ids the embedding
+    reads, so every stage embeds its data shard's rows (the first stage needs them all; a
+    lookup is cheap next to moving the activations) and XLA partitions the lookup as it does
+    without stages. The trunk's outputs come back split over BATCH_AXES, and so does what reads
+    them (final norm, head, loss, MTP heads): not repeated on every stage."""
+    return jax.lax.with_sharding_constraint(x_B, NamedSharding(self.mesh, P(DATA_AXES)))
+
   def run(
     self,
     step: Callable,
@@ -173,10 +179,8 @@ class Pipeline:
       real work at iteration i).
     """
     B = jax.tree.leaves(carry)[0].shape[0]
-    # In: each data shard's rows on every stage (the first stage needs them all; see
-    # `gather_over_stages`). Out: each stage its block of each data shard's rows, [n, p, b'].
-    on_stages = NamedSharding(self.mesh, P(DATA_AXES))
-    into = lambda x: jax.lax.with_sharding_constraint(x, on_stages)
+    # In: each data shard's rows on every stage (`gather`). Out: each stage its block of each
+    # data shard's rows, [n, p, b'].
     stages = jax.shard_map(
       functools.partial(self._stages, step, policy=policy, every=every, unroll=unroll),
       mesh=self.mesh,
@@ -184,7 +188,7 @@ class Pipeline:
       out_specs=(P(None, "stage"), P("stage")),
       axis_names={"stage"},
     )
-    out, busy_pI = stages(jax.tree.map(into, carry), xs, jax.tree.map(into, rows))
+    out, busy_pI = stages(jax.tree.map(self.gather, carry), xs, jax.tree.map(self.gather, rows))
     batch = NamedSharding(self.mesh, P(BATCH_AXES))
     out = jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x.reshape(B, *x.shape[3:]), batch), out
@@ -208,10 +212,11 @@ class Pipeline:
     # the last stage writes its finished micro-batches into its own copy.
     # Each stage's copy becomes its own (varying over `stage`); in the backward pass the copies'
     # gradients are summed over the stages (only the first stage's is not zero).
-    vary = lambda x: jax.lax.pcast(to_micro(x), ("stage",), to="varying")
+    vary = lambda x: _f32(lambda y: jax.lax.pcast(y, ("stage",), to="varying"), to_micro(x))
     io = jax.tree.map(vary, carry)
     rows = jax.tree.map(to_micro, rows)
-    xs = jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), xs)  # [r, L/(pr)]
+    if r > 1:
+      xs = jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), xs)  # [r, L/(pr)]
     # Slices and updates of the buffers as dynamic_slice / dynamic_update_slice: linear, so the
     # backward pass keeps only the index (a scatter's JVP would keep the whole buffer).
     get = lambda buf, u: jax.lax.dynamic_index_in_dim(buf, u, keepdims=False)
@@ -221,28 +226,22 @@ class Pipeline:
     # Circular: the last stage hands each micro-batch back to the first; GPipe: a chain.
     ring = [(j, (j + 1) % p) for j in range(p if r > 1 else p - 1)]
 
-    # The stage's layers of one repeat on one micro-batch. Each block takes its weights from the
-    # stage's whole stack by index, inside the block's remat region: the backward pass indexes
-    # them again (the stack is loop-invariant, kept once) rather than keeping a copy per
-    # iteration. Without a remat policy a region that keeps everything but those slices stands
-    # in, and the weights are cast to the compute dtype once, up front, so the per-use casts are
-    # not kept per iteration either (the blocks cast them to the same dtype: a no-op now).
+    # The stage's layers of one repeat on one micro-batch, under the model's remat policy.
+    # GPipe: the stage's weights are loop-invariant, so the backward pass reads them as they are.
+    # Circular: each block takes its weights from the stage's stack by index inside its remat
+    # region, so the backward pass indexes them again rather than keeping a copy per iteration
+    # (without remat that copy is kept). Without remat the weights are cast to the compute dtype
+    # once, up front, so the per-use casts (then no-ops) are not kept per iteration.
     if policy == "none":
       compute = jax.tree.leaves(carry)[0].dtype
       xs = jax.tree.map(lambda a: a.astype(compute), xs)
-
-    def block(c, j, rep, rows_u):
-      layer = jax.tree.map(lambda a: checkpoint_name(a[rep, j], WEIGHTS), xs)
-      return step(c, layer, rows_u)
-
-    if policy == "none":
-      keep = jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS)
-      block = jax.checkpoint(block, policy=keep)
+    remat = dict(policy=policy, every=every, unroll=unroll)
 
     def stage(x, rep, rows_u):
-      run = lambda c, j: block(c, j, rep, rows_u)
-      Lr = jax.tree.leaves(xs)[0].shape[1]
-      return scan_layers(run, x, jnp.arange(Lr), policy=policy, every=every, unroll=unroll)[0]
+      if r == 1:
+        return scan_layers(lambda c, layer: step(c, layer, rows_u), x, xs, **remat)[0]
+      block = lambda c, j: step(c, jax.tree.map(lambda a: a[rep, j], xs), rows_u)
+      return scan_layers(block, x, jnp.arange(jax.tree.leaves(xs)[0].shape[1]), **remat)[0]
 
     def iteration(loop, i):
       io, received = loop
@@ -263,21 +262,20 @@ class Pipeline:
 
     # The last stage's outputs, back in row order and as [n, p, b'] blocks (BATCH_AXES's layout:
     # stage last), zero on the other stages, so the reduce-scatter over `stage` hands each stage
-    # its block of each data shard.
+    # its block of each data shard. Zeroed by a product, whose backward pass keeps only the 0/1
+    # factor (a `where` keeps the whole buffer); the other stages' buffers hold the inputs and
+    # micro-batches the real work computed, finite wherever the step is.
     def scatter(x_UB):
       x = x_UB.swapaxes(0, 1).reshape(-1, *x_UB.shape[2:])
-      x = jnp.where(last, x, 0).reshape(n, p, -1, *x.shape[1:])
-      return jax.lax.psum_scatter(x, "stage", scatter_dimension=1, tiled=True)
+      x = (x * last.astype(x.dtype)).reshape(n, p, -1, *x.shape[1:])
+      return _f32(lambda y: jax.lax.psum_scatter(y, "stage", scatter_dimension=1, tiled=True), x)
 
     return jax.tree.map(scatter, io), busy_I[None]
 
 
-def gather_over_stages(batch, mesh: Mesh):
-  """A pipelined model's row inputs (tokens, positions, ...: a few int arrays), gathered over
-  `stage` but split over the data axes: every stage then embeds its data shard's rows (the
-  first stage needs all of them; a gather is cheap next to moving the activations), and XLA
-  partitions the embedding lookup as it does without stages. The trunk's outputs come back
-  split over BATCH_AXES, so the head and the loss are not repeated on every stage."""
-  return jax.tree.map(
-    lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA_AXES))), batch
-  )
+def _f32(collective: Callable, x: Array) -> Array:
+  """`collective(x)` summed in float32, cast back: the cross-stage sums (the reduce-scatter, and
+  the backward pass's sum of the copies' gradients) add one non-zero term to zeros, so this
+  changes no value. XLA's CPU compiler fails on a bf16/fp16 all-reduce of a partly manual
+  shard_map (its reducer holds a sharding annotation its float32 promotion cannot clone)."""
+  return collective(x.astype(jnp.float32)).astype(x.dtype)

@@ -183,9 +183,6 @@ def _accumulated_grads(trainer: Trainer, params, batch, scale):
   compute_loss = objective(trainer.cfg)
 
   def micro(batch_m):
-    if trainer.layout[0] > 1:
-      batch_m = pipeline.gather_over_stages(batch_m, trainer.mesh)
-
     def scaled_loss(params):
       loss, aux = compute_loss(trainer.graphdef, params, batch_m)
       return loss * scale, (loss, aux)
@@ -267,8 +264,6 @@ def make_eval_step(trainer: Trainer) -> Callable:
   compute_loss = objective(trainer.cfg)
 
   def eval_step(params, batch):
-    if trainer.layout[0] > 1:
-      batch = pipeline.gather_over_stages(batch, trainer.mesh)
     return compute_loss(trainer.graphdef, params, batch)[1]["ce"]
 
   return jax.jit(
