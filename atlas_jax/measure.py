@@ -12,7 +12,9 @@ notebooks and `bench/remat.py` can set the two side by side:
 * `saved_activation_bytes`: what the train step's forward pass saves for its backward pass;
   `saved_activation_bytes_per_device`: the same per device as the sharded (or pipelined) step
   lays it out;
-* `train_step_flops`: XLA's cost analysis of the compiled gradient.
+* `train_step_flops`: XLA's cost analysis of the compiled gradient;
+* `pipeline_loops` / `collective_permute_bytes`: a compiled train step's pipeline iterations and
+  the bytes its stages send each other (from `compiled_train_step`).
 
 Every call into model, cache and trainer code that the planner is checked against goes through
 here, so a change of those modules' surface is absorbed in one place.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 
 import jax
@@ -36,7 +39,7 @@ from atlas_jax.config import Config, ModelConfig
 from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.precision import training_model_config
-from atlas_jax.training.step import build_model, make_trainer, objective
+from atlas_jax.training.step import build_model, make_train_step, make_trainer, objective
 
 
 def _nbytes(tree) -> int:
@@ -177,6 +180,60 @@ def saved_activation_bytes_per_device(cfg: Config, *, mesh: Mesh) -> int:
     seen.add(id(v))
     total += math.prod(sharding.shard_shape(out.shape)) * np.dtype(out.dtype).itemsize
   return total
+
+
+def compiled_train_step(cfg: Config, *, mesh: Mesh) -> str:
+  """The train step's compiled program (HLO text) on `mesh`, from abstract inputs."""
+  trainer = make_trainer(cfg, mesh=mesh)
+  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+  step = make_train_step(trainer)
+  return step.lower(trainer.abstract_state(), {"tokens": tokens}).compile().as_text()
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*?\{\n(.*?)\n\}", re.M | re.S)
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+_WHILE = re.compile(r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)")
+_PERMUTE = re.compile(r"= (\(?[^=]*?\)?) collective-permute\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _hlo_computations(hlo: str) -> tuple[dict[str, str], str]:
+  """(computation name -> body text, the entry computation's name)."""
+  bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo)}
+  entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
+  return bodies, entry
+
+
+def pipeline_loops(hlo: str) -> list[int]:
+  """Trip counts of a compiled program's while loops whose bodies run a collective-permute
+  directly (the pipeline's iteration loops, forward and backward), in program order."""
+  bodies, _ = _hlo_computations(hlo)
+  loops = []
+  for m in _WHILE.finditer(hlo):
+    if "collective-permute" in bodies.get(m.group(1), ""):
+      loops.append(int(m.group(2)))
+  return loops
+
+
+def collective_permute_bytes(hlo: str) -> int:
+  """Bytes one device sends with collective-permutes in one run of a compiled program: each
+  op's per-device result shape, times the trip counts of the loops around it."""
+  bodies, entry = _hlo_computations(hlo)
+  itemsize = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "f64": 8, "pred": 1}
+
+  @functools.cache
+  def sent(name: str) -> int:
+    text = bodies.get(name, "")
+    total = 0
+    for shape in _PERMUTE.findall(text):
+      for dtype, dims in _ARRAY.findall(shape):
+        total += itemsize[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    trips = {m.group(1): int(m.group(2)) for m in _WHILE.finditer(text)}
+    for callee in set(_CALLS.findall(text)):
+      total += trips.get(callee, 1) * sent(callee)
+    return total
+
+  return sent(entry)
 
 
 def train_step_flops(cfg: Config, *, batch: int) -> float:

@@ -54,7 +54,9 @@ PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # compute dtype bytes
 TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "vocab")
 # ZeRO splits the model width and MLA's low-rank bottlenecks (as training.sharding.FSDP_RULES).
 FSDP_AXES = ("embed", "q_lora", "kv_lora")
-_STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
+# Pipeline stages split the stacked-layer axis (as training.sharding.STAGE_RULES).
+STAGE_AXIS = "layers"
+_ZERO = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
 _ADAM_COUNTERS = 2 * 4  # int32 step counts of scale_by_adam and the learning-rate schedule
 
 
@@ -63,31 +65,50 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def mesh_for(strategy: str, devices: int, tensor: int = 1) -> dict[str, int]:
-  """(data, fsdp, tensor) sizes a strategy uses on `devices` devices."""
+def mesh_for(strategy: str, devices: int, tensor: int = 1, stage: int = 1) -> dict[str, int]:
+  """(data, fsdp, stage, tensor) sizes a strategy uses on `devices` devices, `stage` of them
+  pipeline stages (`tensor` then takes what the stages leave)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"--strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
   _check_int("devices", devices)
   _check_int("tensor", tensor)
+  _check_int("pipeline", stage)
+  if devices % stage:
+    raise ValueError(f"--pipeline={stage} must divide --devices={devices}")
+  per_stage = devices // stage
   if strategy == "tensor":
-    return {"data": 1, "fsdp": 1, "tensor": devices}
-  if devices % tensor:
-    raise ValueError(f"--tensor={tensor} must divide --devices={devices}")
+    return {"data": 1, "fsdp": 1, "stage": stage, "tensor": per_stage}
+  if per_stage % tensor:
+    raise ValueError(
+      f"--tensor={tensor} must divide --devices={devices}"
+      + (f" / --pipeline={stage}" if stage > 1 else "")
+    )
+  rest = per_stage // tensor
   if strategy == "dp":
-    return {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
-  return {"data": 1, "fsdp": devices // tensor, "tensor": tensor}
+    return {"data": rest, "fsdp": 1, "stage": stage, "tensor": tensor}
+  return {"data": 1, "fsdp": rest, "stage": stage, "tensor": tensor}
 
 
-def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int) -> int:
-  """Elements of `spec` one device holds when split over fsdp and/or tensor ways (1: not split).
+def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, stage: int = 1) -> int:
+  """Elements of `spec` one device holds when split over fsdp, tensor and stage ways (1: not
+  split).
 
   As `atlas_jax.training.sharding.spec_for`: dimensions in order, each mesh axis splits the first
   dimension it divides among those whose logical axis maps to it; the rest stay replicated.
+  Pipeline stages split the stacked-layer axis ("layers").
   """
-  sizes = {"fsdp": fsdp, "tensor": tensor}
+  sizes = {"fsdp": fsdp, "tensor": tensor, "stage": stage}
   shape, used = list(spec.shape), set()
   for i, axis in enumerate(spec.axes):
-    mesh_axis = "tensor" if axis in TENSOR_AXES else "fsdp" if axis in FSDP_AXES else None
+    mesh_axis = (
+      "tensor"
+      if axis in TENSOR_AXES
+      else "fsdp"
+      if axis in FSDP_AXES
+      else "stage"
+      if axis == STAGE_AXIS
+      else None
+    )
     if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
       continue
     if shape[i] % sizes[mesh_axis] == 0:
@@ -112,23 +133,30 @@ class StateBytes:
 
 
 def state_bytes(
-  cfg: ModelConfig, *, strategy: str, devices: int, tensor: int = 1, master_bytes: int = 4
+  cfg: ModelConfig,
+  *,
+  strategy: str,
+  devices: int,
+  tensor: int = 1,
+  stage: int = 1,
+  master_bytes: int = 4,
 ) -> StateBytes:
-  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments)."""
-  mesh = mesh_for(strategy, devices, tensor)
-  stage = _STAGE[strategy]
+  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments);
+  `stage` pipeline stages split the layer stack under every strategy."""
+  mesh = mesh_for(strategy, devices, tensor, stage)
+  zero = _ZERO[strategy]
   specs = inventory(cfg)
 
   def per_device(sharded: bool) -> int:
-    fsdp = mesh["fsdp"] if sharded else 1
-    return master_bytes * sum(shard_elements(p, fsdp=fsdp, tensor=mesh["tensor"]) for p in specs)
+    ways = dict(fsdp=mesh["fsdp"] if sharded else 1, tensor=mesh["tensor"], stage=mesh["stage"])
+    return master_bytes * sum(shard_elements(p, **ways) for p in specs)
 
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(stage >= 3),
-    grads=per_device(stage >= 2),
-    opt_state=2 * per_device(stage >= 1) + _ADAM_COUNTERS,
+    params=per_device(zero >= 3),
+    grads=per_device(zero >= 2),
+    opt_state=2 * per_device(zero >= 1) + _ADAM_COUNTERS,
   )
 
 

@@ -178,25 +178,31 @@ class Pipeline:
       (carry after the L layers, split over BATCH_AXES; busy bool[p, I]: whether stage s did
       real work at iteration i).
     """
-    B = jax.tree.leaves(carry)[0].shape[0]
-    # In: each data shard's rows on every stage (`gather`). Out: each stage its block of each
-    # data shard's rows, [n, p, b'].
+    B, dtype = jax.tree.leaves(carry)[0].shape[0], jax.tree.leaves(carry)[0].dtype
+    remat = dict(policy=policy, every=every, unroll=unroll)
+    # In: each data shard's rows on every stage (`gather`), handed over in float32 (see `_f32`;
+    # the backward pass sums the stages' gradients of them: only the first stage's is not zero).
+    # Out: each stage its block of each data shard's rows, [n, p, b']. Without JAX's
+    # replication checks, which the Pallas interpreter's loops do not pass inside a shard_map.
     stages = jax.shard_map(
-      functools.partial(self._stages, step, policy=policy, every=every, unroll=unroll),
+      functools.partial(self._stages, step, dtype=dtype, **remat),
       mesh=self.mesh,
       in_specs=(P(), P("stage"), P()),
       out_specs=(P(None, "stage"), P("stage")),
       axis_names={"stage"},
+      check_vma=False,
     )
-    out, busy_pI = stages(jax.tree.map(self.gather, carry), xs, jax.tree.map(self.gather, rows))
+    carry = jax.tree.map(lambda x: self.gather(x).astype(jnp.float32), carry)
+    out, busy_pI = stages(carry, xs, jax.tree.map(self.gather, rows))
     batch = NamedSharding(self.mesh, P(BATCH_AXES))
     out = jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x.reshape(B, *x.shape[3:]), batch), out
     )
     return out, busy_pI
 
-  def _stages(self, step, carry, xs, rows, *, policy, every, unroll):
-    """One stage's program (inside shard_map): carry and rows [B, ...], xs [L/p, ...]."""
+  def _stages(self, step, carry, xs, rows, *, dtype, policy, every, unroll):
+    """One stage's program (inside shard_map): carry (float32, computed in `dtype`) and rows
+    [B, ...], xs [L/p, ...]."""
     sched = self.schedule
     p, U, r = sched.stages, sched.microbatches, sched.repeats
     n = data_parallel_size(self.mesh)
@@ -210,10 +216,7 @@ class Pipeline:
 
     # io: the first stage's input micro-batches (and those coming back for their next repeat);
     # the last stage writes its finished micro-batches into its own copy.
-    # Each stage's copy becomes its own (varying over `stage`); in the backward pass the copies'
-    # gradients are summed over the stages (only the first stage's is not zero).
-    vary = lambda x: _f32(lambda y: jax.lax.pcast(y, ("stage",), to="varying"), to_micro(x))
-    io = jax.tree.map(vary, carry)
+    io = jax.tree.map(lambda x: to_micro(x).astype(dtype), carry)
     rows = jax.tree.map(to_micro, rows)
     if r > 1:
       xs = jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), xs)  # [r, L/(pr)]
@@ -274,8 +277,8 @@ class Pipeline:
 
 
 def _f32(collective: Callable, x: Array) -> Array:
-  """`collective(x)` summed in float32, cast back: the cross-stage sums (the reduce-scatter, and
-  the backward pass's sum of the copies' gradients) add one non-zero term to zeros, so this
+  """`collective(x)` summed in float32, cast back: the cross-stage sums (this reduce-scatter,
+  and the backward pass's sum of the inputs' gradients) add one non-zero term to zeros, so this
   changes no value. XLA's CPU compiler fails on a bf16/fp16 all-reduce of a partly manual
   shard_map (its reducer holds a sharding annotation its float32 promotion cannot clone)."""
   return collective(x.astype(jnp.float32)).astype(x.dtype)
