@@ -193,7 +193,8 @@ def compiled_train_step(cfg: Config, *, mesh: Mesh) -> str:
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*?\{\n(.*?)\n\}", re.M | re.S)
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
 _WHILE = re.compile(r"while\(.*?body=%?([\w.\-]+).*?known_trip_count\":\{\"n\":\"(\d+)")
-_PERMUTE = re.compile(r"= (\(?[^=]*?\)?) collective-permute\(")
+# The collective-permutes jax.lax.ppermute lowers to (XLA adds others where it reshards).
+_PERMUTE = re.compile(r"= (\(?[^=]*?\)?) collective-permute\(.*op_name=\"[^\"]*/ppermute\"")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
@@ -205,19 +206,19 @@ def _hlo_computations(hlo: str) -> tuple[dict[str, str], str]:
 
 
 def pipeline_loops(hlo: str) -> list[int]:
-  """Trip counts of a compiled program's while loops whose bodies run a collective-permute
-  directly (the pipeline's iteration loops, forward and backward), in program order."""
+  """Trip counts of a compiled program's while loops whose bodies run a ppermute directly (the
+  pipeline's iteration loops, forward and backward), in program order."""
   bodies, _ = _hlo_computations(hlo)
   loops = []
   for m in _WHILE.finditer(hlo):
-    if "collective-permute" in bodies.get(m.group(1), ""):
+    if _PERMUTE.search(bodies.get(m.group(1), "")):
       loops.append(int(m.group(2)))
   return loops
 
 
 def collective_permute_bytes(hlo: str) -> int:
-  """Bytes one device sends with collective-permutes in one run of a compiled program: each
-  op's per-device result shape, times the trip counts of the loops around it."""
+  """Bytes one device sends with ppermutes in one run of a compiled program: each op's
+  per-device result shape, times the trip counts of the loops around it."""
   bodies, entry = _hlo_computations(hlo)
   itemsize = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "f64": 8, "pred": 1}
 
