@@ -16,7 +16,8 @@ FFN columns and the vocabulary over `tensor`:
   zero3      sharded     sharded    sharded
   tensor     every device is a tensor-parallel shard (mesh.tensor = devices), nothing over fsdp
 
-A dimension the mesh axis does not divide stays replicated, as in `atlas_jax.training.sharding`.
+Pipeline stages (mesh.stage) split the stacked-layer axis under every strategy. A dimension the
+mesh axis does not divide stays replicated, as in `atlas_jax.training.sharding`.
 
 Activations. What the train step's forward pass saves for its backward pass (the residuals of
 `jax.vjp`), counted tensor by tensor from the model code: per layer and token under `none`,
@@ -33,7 +34,9 @@ bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
 the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. `tests/plan` checks these against the real train step's residuals.
+residuals. A pipelined step (`pipeline_activation_bytes`) keeps, on each stage, its layers'
+residuals for every one of the schedule's iterations (one micro-batch each). `tests/plan` checks
+these against the real train step's residuals (per device, for the pipelined step).
 """
 
 from __future__ import annotations
