@@ -104,6 +104,8 @@ RESUME_MAY_CHANGE = {
   "on_corrupt_checkpoint",
   "loss_chunk",
   "xla_flags",
+  "pipeline_microbatches",
+  "pipeline_repeats",
 }
 
 

@@ -118,10 +118,10 @@ def test_pipelined_activations_match_the_residuals_the_compiled_step_keeps(case)
     attention="xla" if cfg.attention.implementation == "xla" else "flash",
     loss_chunk=t.loss_chunk,
   )
-  # The schedule's own indices and flags (a few int32 and bool scalars per iteration) are
-  # left out of the model.
+  # To 0.5%, with the schedule's own indices and flags (a few int32 and bool scalars per
+  # iteration), which the model leaves out.
   iterations = Schedule(m.stage, t.pipeline_microbatches, t.pipeline_repeats).iterations
-  assert abs(planned.saved - real) <= 200 * iterations, (planned.saved, real)
+  assert abs(planned.saved - real) <= 200 * iterations + 5e-3 * real, (planned.saved, real)
 
 
 @pytest.mark.parametrize(

@@ -99,3 +99,22 @@ def test_stages_on_two_hosts_follow_one_host(tmp_path, corpus, fsdp8):
   assert all(p.returncode == 0 for p in procs), outputs
   assert "processes: 2" in outputs[0]
   assert_same_curve(run_dir, fsdp8)
+
+
+def test_a_circular_run_resumes_unpipelined_on_the_same_curve(tmp_path, corpus, fsdp8):
+  """Three steps on stage 2 x fsdp 2 x tensor 2 (circular, its layers stored stage by stage),
+  then the same run directory resumed on fsdp 8 without stages: the fsdp 8 run's curve."""
+  run_dir = tmp_path / "run"
+  circular = [
+    "mesh.stage=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
+    "train.pipeline_microbatches=2",
+    "train.pipeline_repeats=2",
+  ]
+  first = train_cmd(run_dir, corpus, *COMMON, *circular, "train.steps=3")
+  subprocess.run(first, env=env(8), check=True, capture_output=True)
+  rest = train_cmd(run_dir, corpus, *COMMON, "mesh.fsdp=8", "train.sharding=zero3")
+  out = subprocess.run(rest, env=env(8), check=True, capture_output=True, text=True)
+  assert "resumed from" in out.stdout and "at step 3" in out.stdout
+  assert_same_curve(run_dir, fsdp8)
