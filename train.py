@@ -31,6 +31,7 @@ from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.metrics import (
@@ -40,7 +41,6 @@ from atlas_jax.training.metrics import (
   mfu,
   peak_memory_bytes,
 )
-from atlas_jax.training.pipeline import Schedule
 from atlas_jax.training.step import (
   Trainer,
   TrainState,

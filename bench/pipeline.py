@@ -35,8 +35,8 @@ from atlas_jax import measure
 from atlas_jax.config import Config, load_config
 from atlas_jax.plan import memory
 from atlas_jax.plan import pipeline as pipeline_plan
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.pipeline import Schedule
 from atlas_jax.training.step import make_trainer
 
 MODEL = [
@@ -103,16 +103,14 @@ def row(stages: int, microbatches: int, repeats: int, devices: int) -> dict:
     "param_bytes": measure.train_state_bytes(cfg, mesh)["params"],
     "param_bytes_plan": state.params,
     "activation_bytes": measure.saved_activation_bytes_per_device(cfg, mesh=mesh),
-    "activation_bytes_plan": memory.pipeline_activation_bytes(
+    "activation_bytes_plan": memory.activation_bytes(
       cfg.model,
       policy=t.remat,
       batch=rows,
       seq_len=t.seq_len,
       compute_bytes=4,
-      stages=stages,
-      microbatches=microbatches,
-      repeats=repeats,
       attention="xla",
+      schedule=sched,
     ).saved,
     "ppermute_bytes": measure.collective_permute_bytes(hlo),
     "ppermute_bytes_plan": pipeline_plan.ppermute_bytes(

@@ -34,7 +34,7 @@ bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
 the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. A pipelined step (`pipeline_activation_bytes`) keeps, on each stage, its layers'
+residuals. A pipelined step (`activation_bytes(schedule=...)`) keeps, on each stage, its layers'
 residuals for every one of the schedule's iterations (one micro-batch each). `tests/plan` checks
 these against the real train step's residuals (per device, for the pipelined step).
 """
@@ -47,6 +47,7 @@ import math
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.scan import default_every
 from atlas_jax.plan.params import ParamSpec, block, inventory, mtp_head
+from atlas_jax.schedule import Schedule
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
 REMAT_POLICIES = ("none", "full", "every_k", "selective")
@@ -353,6 +354,7 @@ def activation_bytes(
   tensor: int = 1,
   master_bytes: int = 4,
   loss_chunk: int = 0,
+  schedule: Schedule | None = None,
 ) -> ActivationBytes:
   """Activation bytes of a `batch` x `seq_len` micro-batch on one device.
 
@@ -365,6 +367,9 @@ def activation_bytes(
     tensor: tensor-parallel ways (head, FFN and vocab sized tensors split; estimate only).
     loss_chunk: train.loss_chunk; > 0, the chunked cross-entropy keeps no logits and no
       compute-dtype copy of the head (it casts the head inside, once per pass).
+    schedule: pipeline stages (`atlas_jax.training.pipeline.Schedule`, more than one stage):
+      one stage's bytes, `batch` then being a data-parallel shard's rows of an accumulation
+      step (`_pipelined`).
   """
   if policy not in REMAT_POLICIES:
     raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
@@ -372,6 +377,9 @@ def activation_bytes(
     raise ValueError(f"--attention={attention!r} is not allowed; allowed: {ATTENTION_IMPLS}")
   _check_int("batch", batch)
   _check_int("seq_len", seq_len)
+  args = (cfg, policy, batch, seq_len, compute_bytes, attention, remat_every, tensor)
+  if schedule is not None and schedule.stages > 1:
+    return _pipelined(*args, master_bytes, loss_chunk, schedule)
   L, c, M, tp = cfg.n_layers, compute_bytes, batch * seq_len, tensor
   S = seq_len
   layer_specs = block(cfg)
@@ -393,47 +401,38 @@ def activation_bytes(
   )
 
 
-def pipeline_activation_bytes(
+def _pipelined(
   cfg: ModelConfig,
-  *,
   policy: str,
   batch: int,
   seq_len: int,
-  compute_bytes: int,
-  stages: int,
-  microbatches: int,
-  repeats: int = 1,
-  attention: str = "flash",
-  remat_every: int | None = None,
-  tensor: int = 1,
-  master_bytes: int = 4,
-  loss_chunk: int = 0,
+  c: int,
+  attention: str,
+  remat_every: int | None,
+  tp: int,
+  master_bytes: int,
+  loss_chunk: int,
+  schedule: Schedule,
 ) -> ActivationBytes:
-  """Activation bytes on one device of a pipelined step (`atlas_jax.training.pipeline`) whose
+  """One stage's activation bytes of a pipelined step (`atlas_jax.training.pipeline`) whose
   data-parallel shard of an accumulation micro-batch is `batch` rows.
 
   Each of the I = U r + p - 1 iterations runs L / (p r) blocks on one micro-batch of
   batch / U rows and keeps their residuals (bubble iterations too, on idle data): GPipe keeps
   every micro-batch's stage inputs, and what the remat policy saves inside the stage, until the
   backward pass; with the micro-batch's positions (or, without remat, its RoPE tables and mask).
-  Without remat the stage's weights are cast to the compute dtype once (kept once). Every stage
-  embeds its shard's rows (their token ids are kept) and holds the trunk's output for them; the
-  final norm, head, loss and MTP heads run on batch / p rows (stages split the batch there).
-  Other arguments as `activation_bytes`.
+  Without remat the circular schedule also keeps each iteration's slice of the weights. Every
+  stage embeds its shard's rows (their token ids are kept); the final norm, head, loss and MTP
+  heads run on batch / p rows (stages split the batch there).
   """
-  if policy not in REMAT_POLICIES:
-    raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
-  p, U, r, L = stages, microbatches, repeats, cfg.n_layers
-  for name, value in (("batch", batch), ("seq_len", seq_len), ("pipeline", p), ("repeats", r)):
-    _check_int(name, value)
-  _check_int("microbatches", U)
+  p, U, r, L = schedule.stages, schedule.microbatches, schedule.repeats, cfg.n_layers
   if L % (p * r) or batch % U or batch % p:
     raise ValueError(
       f"n_layers={L} must divide by --pipeline x --repeats = {p} x {r}, and the {batch} rows "
       f"of a data-parallel shard by --microbatches={U} and by --pipeline={p}"
     )
-  c, tp, T = compute_bytes, tensor, seq_len
-  iterations, per_stage = U * r + p - 1, L // (p * r)
+  T = seq_len
+  iterations, per_stage = schedule.iterations, L // (p * r)
   Mb = batch // U * T  # tokens of one micro-batch
   k = default_every(per_stage) if remat_every is None else remat_every
   if policy == "every_k" and per_stage % k:
@@ -443,8 +442,8 @@ def pipeline_activation_bytes(
   blocks, recompute = _blocks(cfg, policy, per_stage, Mb, per_layer, c, tp, k)
   saved = iterations * blocks
   if policy == "none":
-    # The norm scales' broadcasts, once per layer of the stage; the weights in the compute dtype:
-    # GPipe once per layer (cast up front; none kept in float32), circular each iteration's slice.
+    # The norm scales' broadcasts, once per layer of the stage; the weights' compute-dtype casts:
+    # GPipe once per layer (loop-invariant; none in float32), circular each iteration's slice.
     tp_size = lambda sp: math.prod(
       _split(n, tp) if axis in TENSOR_AXES else n for n, axis in zip(sp.shape, sp.axes)
     )

@@ -13,7 +13,7 @@ the compiled train step.
 from __future__ import annotations
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.training.pipeline import Schedule
+from atlas_jax.schedule import Schedule
 
 
 def carried(cfg: ModelConfig) -> int:

@@ -20,7 +20,7 @@ from atlas_jax.plan import compute, memory
 from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
 from atlas_jax.plan.params import counts
-from atlas_jax.training.pipeline import Schedule
+from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
 
@@ -247,12 +247,7 @@ def make_plan(
       loss_chunk=inputs.loss_chunk,
       tensor=tensor,
     )
-    if inputs.pipeline == 1:
-      return memory.activation_bytes(cfg, **common)
-    sched = inputs.schedule
-    return memory.pipeline_activation_bytes(
-      cfg, stages=sched.stages, microbatches=sched.microbatches, repeats=sched.repeats, **common
-    )
+    return memory.activation_bytes(cfg, **common, schedule=inputs.schedule)
 
   # Training memory per device, every strategy at the selected remat policy. The state does not
   # depend on the batch; the activations need the batch to split as the trainer splits it.

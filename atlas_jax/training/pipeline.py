@@ -4,7 +4,7 @@ One SPMD program under `jit`: the stages are a `shard_map` over `stage` (manual 
 only, so `fsdp`, `tensor` and `data` shard each stage's work as they shard the unpipelined model),
 activations pass to the next stage with `ppermute`, and a `scan` runs the schedule's iterations.
 
-Schedules (p stages, U micro-batches, r repeats; `Schedule`):
+Schedules (p stages, U micro-batches, r repeats; `atlas_jax.schedule.Schedule`):
 
 * GPipe (r = 1): stage s holds layers [s L/p, (s+1) L/p) and runs micro-batch i - s at iteration
   i; U + p - 1 iterations, of which each stage idles p - 1: the bubble (p-1) / (U + p - 1).
@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.model.scan import scan_layers
+from atlas_jax.schedule import Schedule
 from atlas_jax.training.sharding import BATCH_AXES, data_parallel_size, logical_axes_of
 
 DATA_AXES = tuple(a for a in BATCH_AXES if a != "stage")  # what splits the rows inside a stage
@@ -55,42 +56,6 @@ Array = jax.Array
 Layout = tuple[
   int, int
 ]  # (stages, repeats) the stacked layers are stored for; (1, 1): in depth order
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """Which micro-batch each stage runs at each iteration (GPipe for repeats 1, else circular)."""
-
-  stages: int  # p
-  microbatches: int  # U
-  repeats: int = 1  # r
-
-  @property
-  def iterations(self) -> int:
-    """I = U r + p - 1."""
-    return self.microbatches * self.repeats + self.stages - 1
-
-  @property
-  def bubble(self) -> float:
-    """The share of a stage's iterations that do no work: (p-1) / (U r + p - 1)."""
-    return (self.stages - 1) / self.iterations
-
-  def work(self, i, s) -> tuple[Array, Array, Array]:
-    """(micro-batch, repeat, busy) of stage `s` at iteration `i` (ints or arrays, broadcast).
-
-    Stage s has taken k = i - s steps; outside 0 <= k < U r it idles (busy false; the micro-batch
-    and repeat are then clipped into range, so idle work reads real data and is discarded)."""
-    U = self.microbatches
-    k = jnp.asarray(i) - jnp.asarray(s)
-    busy = (k >= 0) & (k < U * self.repeats)
-    k = jnp.clip(k, 0, U * self.repeats - 1)
-    return k % U, k // U, busy
-
-  def table(self) -> np.ndarray:
-    """i32[I, p]: the micro-batch stage s runs at iteration i (repeat j adds j U), -1 idle."""
-    i_Ip, s_Ip = np.meshgrid(np.arange(self.iterations), np.arange(self.stages), indexing="ij")
-    u, rep, busy = (np.asarray(a) for a in self.work(i_Ip, s_Ip))
-    return np.where(busy, u + rep * self.microbatches, -1).astype(np.int32)
 
 
 def layer_order(n_layers: int, layout: Layout) -> np.ndarray:
@@ -230,14 +195,10 @@ class Pipeline:
     ring = [(j, (j + 1) % p) for j in range(p if r > 1 else p - 1)]
 
     # The stage's layers of one repeat on one micro-batch, under the model's remat policy.
-    # GPipe: the stage's weights are loop-invariant, so the backward pass reads them as they are.
-    # Circular: each block takes its weights from the stage's stack by index inside its remat
-    # region, so the backward pass indexes them again rather than keeping a copy per iteration
-    # (without remat that copy is kept). Without remat the weights are cast to the compute dtype
-    # once, up front, so the per-use casts (then no-ops) are not kept per iteration.
-    if policy == "none":
-      compute = jax.tree.leaves(carry)[0].dtype
-      xs = jax.tree.map(lambda a: a.astype(compute), xs)
+    # GPipe: the stage's weights (and their compute-dtype casts) are loop-invariant, so the
+    # backward pass reads them once. Circular: each block takes its weights from the stage's
+    # stack by index inside its remat region, so the backward pass indexes them again rather
+    # than keeping a copy per iteration (without remat that copy is kept).
     remat = dict(policy=policy, every=every, unroll=unroll)
 
     def stage(x, rep, rows_u):

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, check_pipeline
 from atlas_jax.model import Transformer, build
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import pipeline
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
@@ -114,9 +115,7 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   pipe, layout = None, (1, 1)
   if stages > 1:
     t = cfg.train
-    pipe = pipeline.Pipeline(
-      mesh, pipeline.Schedule(stages, t.pipeline_microbatches, t.pipeline_repeats)
-    )
+    pipe = pipeline.Pipeline(mesh, Schedule(stages, t.pipeline_microbatches, t.pipeline_repeats))
     layout = (stages, t.pipeline_repeats)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, pipe=pipe)))
   optimizer = make_optimizer(cfg.train)

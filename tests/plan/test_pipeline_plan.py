@@ -10,21 +10,13 @@ from atlas_jax.config import load_config
 from atlas_jax.plan import memory
 from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.planner import PlanInputs, make_plan
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.pipeline import Schedule
+
+from . import test_planner
 
 # The odd shapes of test_planner (a swapped axis cannot pass), eight layers for four stages.
-ODD = [
-  "model.vocab_size=101",
-  "model.d_model=48",
-  "model.n_heads=6",
-  "model.n_kv_heads=2",
-  "model.head_dim=10",
-  "model.ffn_dim=70",
-  "model.n_layers=8",
-  "model.max_seq_len=64",
-  "train.seq_len=12",
-]
+ODD = [*test_planner.ODD, "model.n_layers=8", "train.seq_len=12"]
 MLA_MTP = [
   "model.n_kv_heads=6",
   "model.mla.kv_lora_rank=20",
@@ -106,22 +98,21 @@ def test_pipelined_activations_match_the_residuals_the_compiled_step_keeps(case)
     cfg, mesh=shd.make_mesh(cfg.mesh, jax.devices()[:devices])
   )
   t, m = cfg.train, cfg.mesh
-  planned = memory.pipeline_activation_bytes(
+  schedule = Schedule(m.stage, t.pipeline_microbatches, t.pipeline_repeats)
+  planned = memory.activation_bytes(
     cfg.model,
     policy=t.remat,
     batch=t.batch_size // t.grad_accum // m.data,
     seq_len=t.seq_len,
     compute_bytes=memory.PRECISIONS[t.precision],
-    stages=m.stage,
-    microbatches=t.pipeline_microbatches,
-    repeats=t.pipeline_repeats,
     attention="xla" if cfg.attention.implementation == "xla" else "flash",
     loss_chunk=t.loss_chunk,
+    schedule=schedule,
   )
   # To 0.5%, with the schedule's own indices and flags (a few int32 and bool scalars per
   # iteration), which the model leaves out.
-  iterations = Schedule(m.stage, t.pipeline_microbatches, t.pipeline_repeats).iterations
-  assert abs(planned.saved - real) <= 200 * iterations + 5e-3 * real, (planned.saved, real)
+  slack = 200 * schedule.iterations + 5e-3 * real
+  assert abs(planned.saved - real) <= slack, (planned.saved, real)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ losses it logged."""
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +78,30 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def two_hosts(run_dir: Path, corpus: Path, *extra: str, timeout: float = 300) -> list[str]:
+  """Runs train.py as two processes of 4 devices each (one run, `run_dir`); returns their
+  output, the first process's first. Both must succeed."""
+  port = free_port()
+  procs = [
+    subprocess.Popen(
+      train_cmd(
+        run_dir,
+        corpus,
+        *extra,
+        f"mesh.coordinator_address=127.0.0.1:{port}",
+        "mesh.num_processes=2",
+        f"mesh.process_id={i}",
+      ),
+      env=env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outputs
+  assert "processes: 2" in outputs[0]
+  return outputs

@@ -9,6 +9,7 @@ from flax import nnx
 
 from atlas_jax import measure
 from atlas_jax.config import ConfigError, load_config
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import checkpoint, pipeline
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.checkpoint import single_device_mesh
@@ -133,7 +134,7 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_step(case):
 def test_schedule_table_iterations_and_bubble():
   """GPipe: stage s runs micro-batch i - s; circular: repeat j of micro-batch u is step
   j U + u, and every stage idles exactly p - 1 of the U r + p - 1 iterations."""
-  gpipe = pipeline.Schedule(stages=3, microbatches=4)
+  gpipe = Schedule(stages=3, microbatches=4)
   assert gpipe.table().tolist() == [
     [0, -1, -1],
     [1, 0, -1],
@@ -142,11 +143,11 @@ def test_schedule_table_iterations_and_bubble():
     [-1, 3, 2],
     [-1, -1, 3],
   ]
-  circular = pipeline.Schedule(stages=2, microbatches=3, repeats=2)
+  circular = Schedule(stages=2, microbatches=3, repeats=2)
   assert circular.table()[:, 0].tolist() == [0, 1, 2, 3, 4, 5, -1]
   assert circular.table()[:, 1].tolist() == [-1, 0, 1, 2, 3, 4, 5]
   for p, U, r in [(2, 4, 1), (4, 8, 1), (4, 8, 2), (4, 4, 4), (8, 16, 3)]:
-    sched = pipeline.Schedule(p, U, r)
+    sched = Schedule(p, U, r)
     table = sched.table()
     assert table.shape == (U * r + p - 1, p)
     assert ((table == -1).sum(axis=0) == p - 1).all()
@@ -182,7 +183,7 @@ def test_the_compiled_step_runs_the_schedules_iterations(p, U, r):
   _, busy_pI = jax.jit(lambda b, x: model.pipeline.run(step, x, b, rows))(blocks, x_BTD)
   busy_pI = np.asarray(busy_pI)
   assert busy_pI.shape == (p, U * r + p - 1)
-  np.testing.assert_array_equal(busy_pI.T, pipeline.Schedule(p, U, r).table() != -1)
+  np.testing.assert_array_equal(busy_pI.T, Schedule(p, U, r).table() != -1)
   assert 1 - busy_pI.mean() == pytest.approx((p - 1) / (r * U + p - 1))
 
 

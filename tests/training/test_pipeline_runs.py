@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from .runs import env, free_port, losses, train_cmd, write_corpus
+from .runs import env, losses, train_cmd, two_hosts, write_corpus
 
 # Four layers, so that two stages can each hold two groups (circular); eval at the last step.
 COMMON = [
@@ -72,32 +72,9 @@ def test_stage2_fsdp2_tensor2_follows_fsdp8(tmp_path, corpus, fsdp8, pipeline):
 def test_stages_on_two_hosts_follow_one_host(tmp_path, corpus, fsdp8):
   """stage 2 x tensor 4 over two processes of 4 devices: each process is one stage, so every
   ppermute and the stage gathers cross processes."""
-  port = free_port()
   run_dir = tmp_path / "two"
-  procs = [
-    subprocess.Popen(
-      train_cmd(
-        run_dir,
-        corpus,
-        *COMMON,
-        "mesh.stage=2",
-        "mesh.fsdp=1",
-        "mesh.tensor=4",
-        "train.pipeline_microbatches=2",
-        f"mesh.coordinator_address=127.0.0.1:{port}",
-        "mesh.num_processes=2",
-        f"mesh.process_id={i}",
-      ),
-      env=env(4),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = [p.communicate(timeout=300)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outputs
-  assert "processes: 2" in outputs[0]
+  stages = ["mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=4", "train.pipeline_microbatches=2"]
+  two_hosts(run_dir, corpus, *COMMON, *stages)
   assert_same_curve(run_dir, fsdp8)
 
 

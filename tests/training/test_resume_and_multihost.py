@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .runs import env, free_port, losses, train_cmd, write_corpus
+from .runs import env, losses, train_cmd, two_hosts, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -87,27 +87,7 @@ def test_two_processes_agree_with_one(tmp_path, corpus):
   ]
   subprocess.run(train_cmd(one, corpus, *common), env=env(8), check=True, capture_output=True)
 
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      train_cmd(
-        tmp_path / "two",
-        corpus,
-        *common,
-        f"mesh.coordinator_address=127.0.0.1:{port}",
-        "mesh.num_processes=2",
-        f"mesh.process_id={i}",
-      ),
-      env=env(4),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = [p.communicate(timeout=240)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outputs
-  assert "processes: 2" in outputs[0]
+  two_hosts(tmp_path / "two", corpus, *common, timeout=240)
   want, got = losses(one), losses(tmp_path / "two")
   assert sorted(got) == [1, 2, 3, 4]
   for step in want:
