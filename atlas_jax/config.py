@@ -8,6 +8,7 @@ Every invalid field raises `ConfigError` naming the field, the value and what is
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -212,12 +213,14 @@ class MeshConfig:
   """Device mesh axes; -1 takes the devices the other axes leave.
 
   The batch is split over (data, fsdp). `data` only replicates state; ZeRO sharding
-  (train.sharding) splits state over `fsdp`; tensor parallelism splits heads and FFN columns over
-  `tensor`.
+  (train.sharding) splits state over `fsdp`; `stage` splits the layer stack into pipeline stages
+  (train.pipeline_microbatches, train.pipeline_repeats), and outside the pipelined layers splits
+  the batch like `data`; tensor parallelism splits heads and FFN columns over `tensor`.
   """
 
   data: int = 1
   fsdp: int = -1
+  stage: int = 1
   tensor: int = 1
   # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
   # TPU pods / SLURM when num_processes is -1).
@@ -226,7 +229,7 @@ class MeshConfig:
   process_id: int | None = None
 
   def __post_init__(self):
-    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    sizes = {"data": self.data, "fsdp": self.fsdp, "stage": self.stage, "tensor": self.tensor}
     if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
       _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
     for name, size in sizes.items():
@@ -280,6 +283,11 @@ class TrainConfig:
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
+  # Pipeline parallelism (mesh.stage > 1): micro-batches in flight through the stages per
+  # accumulation step (GPipe), and layer groups per stage (circular when > 1); the bubble is
+  # (stage - 1) / (pipeline_repeats * pipeline_microbatches + stage - 1) of each stage's time.
+  pipeline_microbatches: int = 1
+  pipeline_repeats: int = 1
   z_loss: float = 0.0
   # Sequence positions per chunk of the chunked cross-entropy (LM head fused in, [B, T, V] float32
   # logits never held); 0: the plain loss over the whole [B, T, V] logits.
@@ -310,6 +318,8 @@ class TrainConfig:
       "learning_rate",
       "log_every",
       "grad_accum",
+      "pipeline_microbatches",
+      "pipeline_repeats",
       "keep_checkpoints",
       "loss_scale",
     )
@@ -529,6 +539,8 @@ class Config:
       _fail(
         "train.remat_every", k, f"must divide model.n_layers={self.model.n_layers} (groups of k)"
       )
+    if self.mesh.stage != -1:  # -1: checked once the mesh is built
+      check_pipeline(self.model, self.train, stages=self.mesh.stage)
     if self.train.seq_len > self.model.max_seq_len:
       _fail(
         "train.seq_len",
@@ -538,6 +550,63 @@ class Config:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+def check_pipeline(
+  model: ModelConfig, train: TrainConfig, *, stages: int, batch_shards: int | None = None
+) -> None:
+  """Raises ConfigError for a pipeline the layers or the batch cannot be split into.
+
+  Args:
+    stages: the mesh's `stage` size (p).
+    batch_shards: data-parallel devices (data x fsdp), where known: checks the batch split.
+  """
+  U, r, L = train.pipeline_microbatches, train.pipeline_repeats, model.n_layers
+  if stages == 1:
+    # Micro-batches without stages would only repeat what train.grad_accum does.
+    for name, value in (("pipeline_microbatches", U), ("pipeline_repeats", r)):
+      if value != 1:
+        _fail(
+          f"train.{name}",
+          value,
+          "must be 1 with mesh.stage=1 (no pipeline); set mesh.stage > 1 to pipeline the layers, "
+          "or use train.grad_accum for micro-batches without stages",
+        )
+    return
+  if L % (stages * r):
+    _fail(
+      "model.n_layers",
+      L,
+      f"must be divisible by mesh.stage x train.pipeline_repeats = {stages} x {r} (each stage "
+      "runs n_layers / (stage x repeats) contiguous layers per repeat)",
+    )
+  if r > 1 and U < stages:
+    _fail(
+      "train.pipeline_microbatches",
+      U,
+      f"must be >= mesh.stage={stages} with train.pipeline_repeats={r} > 1: a circular pipeline "
+      "feeds each micro-batch back to the first stage, which must not still be busy",
+    )
+  k = train.remat_every
+  per_stage = L // (stages * r)
+  if k is not None and train.remat == "every_k" and per_stage % k:
+    _fail(
+      "train.remat_every",
+      k,
+      f"must divide the layers a stage runs at a time, n_layers / (stage x repeats) = {per_stage}",
+    )
+  if batch_shards is None:
+    return
+  A, B = train.grad_accum, train.batch_size
+  rows = B // A // batch_shards if B % (A * batch_shards) == 0 else None
+  if rows is None or rows % U or rows % stages:
+    _fail(
+      "train.batch_size",
+      B,
+      f"must split into train.grad_accum={A} x {batch_shards} data-parallel shards (mesh.data x "
+      f"mesh.fsdp) whose rows divide by train.pipeline_microbatches={U} and by mesh.stage="
+      f"{stages}: a multiple of {A * batch_shards * math.lcm(U, stages)}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,10 +96,13 @@ def scan_layers(
   return carry, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), ys)
 
 
-def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+def stacked(
+  make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, *, axis: str = "layers"
+) -> nnx.Module:
   """One module whose parameters carry a leading [n] axis, initialised independently per copy.
 
-  Each parameter's logical axes gain a leading "layers" axis, so the sharding rules see it.
+  Each parameter's logical axes gain that leading axis, named `axis` ("layers" for the trunk's
+  blocks, which pipeline stages split), so the sharding rules see it.
   """
   keys = jax.random.split(rngs.params(), n)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
@@ -108,7 +111,7 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> n
   def add_layer_axis(v):
     if not isinstance(v, nnx.Param):
       return v
-    return v.replace(logical_axes=("layers", *v.get_metadata()["logical_axes"]))
+    return v.replace(logical_axes=(axis, *v.get_metadata()["logical_axes"]))
 
   state = jax.tree.map(add_layer_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)

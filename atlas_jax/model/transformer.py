@@ -5,7 +5,8 @@ Attention (`cfg.mla`), SwiGLU MLPs, and optional multi-token-prediction heads (`
 attention class is chosen once from the config; everything else is shared.
 
 Layers are stored stacked (every block parameter has a leading [L] axis) and run under one
-`jax.lax.scan` (`atlas_jax.model.scan`), with the training-time remat policy applied to it. The
+`jax.lax.scan` (`atlas_jax.model.scan`), with the training-time remat policy applied to it, or,
+in training, by a pipeline of stages that runs the same blocks (`pipeline`). The
 model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
 `atlas_jax.cache.protocol`, so callers never branch on the family or the cache kind.
 Mixture-of-experts layers are not implemented: every layer is dense (DeepSeek's
@@ -13,6 +14,8 @@ first_k_dense_replace >= n_layers).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,11 @@ class Transformer(nnx.Module):
     implementation: attention implementation for `atlas_jax.kernels` (None: best available).
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
     unroll_layers: unroll the layer scan (FLOP measurement only).
+    pipeline: runs the uncached layer stack instead of one scan, called as
+      `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with
+      `step(carry, layer_state, rows)`, and lays out the token ids the embedding reads
+      (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
+      (`atlas_jax.training.pipeline.Pipeline`). None: one scan.
   """
 
   def __init__(
@@ -57,11 +65,13 @@ class Transformer(nnx.Module):
     remat: str = "none",
     remat_every: int | None = None,
     unroll_layers: bool = False,
+    pipeline: Callable | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.remat = (remat, remat_every, unroll_layers)  # static
+    self.pipeline = pipeline  # static
 
     def make_block(r: nnx.Rngs) -> Block:
       return Block(cfg, rngs=r, implementation=implementation)
@@ -139,6 +149,8 @@ class Transformer(nnx.Module):
     `keep_trunk` carries each block's input through the scan, for the parallel MTP heads.
     """
     dtype = jnp.dtype(self.cfg.dtype)
+    if self.pipeline is not None:  # the first stage embeds every row (`pipeline.gather`)
+      tokens_BT = self.pipeline.gather(tokens_BT)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     graphdef, block_state = nnx.split(self.blocks)
     if cache is not None:
@@ -147,14 +159,22 @@ class Transformer(nnx.Module):
       )
       return trunk_BTD, self.final_norm(x_BTD), cache
 
-    def step(carry, state):
+    # Positions and segment ids go in as `rows`, so a pipeline can hand each block its
+    # micro-batch's.
+    def step(carry, state, rows):
+      positions_BT, segment_ids_BT = rows
       x_BTD = carry[0] if keep_trunk else carry
       y_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
       return ((y_BTD, x_BTD) if keep_trunk else y_BTD), None
 
     policy, every, unroll = self.remat
     carry = (x_BTD, x_BTD) if keep_trunk else x_BTD
-    carry, _ = scan_layers(step, carry, block_state, policy=policy, every=every, unroll=unroll)
+    rows = (positions_BT, segment_ids_BT)
+    remat = dict(policy=policy, every=every, unroll=unroll)
+    if self.pipeline is None:
+      carry, _ = scan_layers(lambda c, st: step(c, st, rows), carry, block_state, **remat)
+    else:
+      carry = self.pipeline(step, carry, block_state, rows, **remat)
     x_BTD, trunk_BTD = carry if keep_trunk else (carry, None)
     return trunk_BTD, self.final_norm(x_BTD), None
 

@@ -117,7 +117,7 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   if not cfg.tie_embeddings:
     specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
   if cfg.mtp is not None:
-    specs += _stack("mtp/heads", "layers", cfg.mtp.n_predict, mtp_head(cfg))
+    specs += _stack("mtp/heads", "mtp_heads", cfg.mtp.n_predict, mtp_head(cfg))
   return specs
 
 

@@ -5,8 +5,11 @@ Every parameter records its logical axis names where it is created (`atlas_jax.m
 logical names to mesh axes; nothing is matched by parameter name, and a parameter without logical
 axes is an error when the trainer is built, never a silent replication.
 
-Mesh axes: `data` (pure replication of state; batch split), `fsdp` (batch split; ZeRO shards state
-here), `tensor` (Megatron-style tensor parallelism: heads and FFN columns/rows, vocab).
+Mesh axes, in device order: `data` (pure replication of state; batch split), `fsdp` (batch split;
+ZeRO shards state here), `stage` (pipeline parallelism: the stacked-layer axis is split into
+contiguous stages; outside the pipelined layers the batch is split here too, see
+`atlas_jax.training.pipeline`), `tensor` (Megatron-style tensor parallelism: heads and FFN
+columns/rows, vocab). Tensor is last, so it stays within a host's devices.
 
 Strategies (train.sharding), each a statement about which state is split over `fsdp`:
 
@@ -16,7 +19,8 @@ Strategies (train.sharding), each a statement about which state is split over `f
   zero2      replicated   sharded     sharded           (gradients reduce-scattered)
   zero3/fsdp sharded      sharded     sharded           (parameters gathered per layer)
 
-Tensor parallelism applies whenever mesh.tensor > 1 and combines with any of them. A dimension that
+Tensor parallelism applies whenever mesh.tensor > 1, and pipeline stages whenever mesh.stage > 1;
+both combine with any of them. A dimension that
 the mesh axis does not divide stays replicated (e.g. a 259-token vocab over 2 devices), and a mesh
 axis shards at most one dimension of a parameter (the first whose logical axis maps to it).
 """
@@ -34,20 +38,24 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "stage", "tensor")
+# `stage` last: a pipeline gathers a data-parallel shard's rows from its stages (one block each).
+BATCH_AXES = ("data", "fsdp", "stage")
 
 # Tensor parallelism splits heads, the FFN width and the vocabulary; ZeRO-3 splits the model width
 # and MLA's low-rank bottlenecks (the dims of those projections that carry no head axis).
 TENSOR_RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 FSDP_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp"}
+# Pipeline stages own contiguous slices of the stacked layers, whatever the strategy.
+STAGE_RULES = {"layers": "stage"}
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over all devices; one -1 axis takes what the others leave."""
+  """A (data, fsdp, stage, tensor) mesh over all devices; one -1 axis takes what the others
+  leave."""
   devices = list(jax.devices() if devices is None else devices)
-  sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+  sizes = {axis: getattr(cfg, axis) for axis in AXES}
   known = math.prod(s for s in sizes.values() if s != -1)
   for name, size in sizes.items():
     if size == -1:
@@ -130,17 +138,23 @@ def strategy_rules(strategy: str) -> dict[str, dict[str, str]]:
   """Rules for params, grads and optimizer state under a ZeRO strategy (TP always applies)."""
   if strategy not in STRATEGIES:
     raise ConfigError(f"train.sharding={strategy!r} is not one of {STRATEGIES}")
-  stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
-  sharded = {**TENSOR_RULES, **FSDP_RULES}
+  zero = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
+  model_parallel = {**STAGE_RULES, **TENSOR_RULES}
+  sharded = {**model_parallel, **FSDP_RULES}
   return {
-    "params": sharded if stage >= 3 else TENSOR_RULES,
-    "grads": sharded if stage >= 2 else TENSOR_RULES,
-    "opt_state": sharded if stage >= 1 else TENSOR_RULES,
+    "params": sharded if zero >= 3 else model_parallel,
+    "grads": sharded if zero >= 2 else model_parallel,
+    "opt_state": sharded if zero >= 1 else model_parallel,
   }
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """Devices the batch is split over inside the pipelined layers (data x fsdp)."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES if a != "stage")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
