@@ -506,8 +506,10 @@ class Config:
     k = self.train.remat_every
     runs = [n for _, n in self.model.layer_runs()]
     if k is not None and any(n % k for n in runs):
-      where = f"model.n_layers={self.model.n_layers}" if len(runs) == 1 else (
-        f"every run of identical layers (dense and MoE runs of {runs} layers)"
+      where = (
+        f"model.n_layers={self.model.n_layers}"
+        if len(runs) == 1
+        else (f"every run of identical layers (dense and MoE runs of {runs} layers)")
       )
       _fail("train.remat_every", k, f"must divide {where} (groups of k)")
     if self.train.seq_len > self.model.max_seq_len:

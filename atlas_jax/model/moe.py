@@ -44,6 +44,7 @@ tokens. `bench/moe.py` measures both from the compiled programs on 8 devices (BE
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -258,6 +259,35 @@ def capacity_experts(
   return y_tD, jnp.sum(valid_a & ~keep_a, dtype=jnp.int32)
 
 
+def _expert_parallel_local(
+  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tp, batch, slots
+):
+  """One device's part of `expert_parallel` (inside its shard_map): f32[t, D] and its drops."""
+  E_local = w_gate_EDF.shape[0]
+  if ep is not None:
+    x_tD = jax.lax.all_gather(x_tD, ep, axis=0, tiled=True)
+    experts_tk = jax.lax.all_gather(experts_tk, ep, axis=0, tiled=True)
+    weights_tk = jax.lax.all_gather(weights_tk, ep, axis=0, tiled=True)
+    # This device's experts are [first, first + E_local): their ids become 0 .. E_local - 1,
+    # every other id falls outside and contributes nothing here.
+    experts_tk = experts_tk - jax.lax.axis_index(ep) * E_local
+  w = (w_gate_EDF, w_up_EDF, w_down_EFD)
+  if slots is None:
+    y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, *w)
+    dropped = jnp.zeros((), jnp.int32)
+  else:
+    y_tD, dropped = capacity_experts(
+      x_tD, experts_tk, weights_tk, *w, slots=slots(x_tD.shape[0]), out_dtype=jnp.float32
+    )
+  if ep is not None:
+    y_tD = jax.lax.psum_scatter(y_tD, ep, scatter_dimension=0, tiled=True)
+  if tp is not None:
+    # Each tensor shard computed a slice of every expert's width: its down projection is a
+    # partial sum (the drop count is the same on every shard).
+    y_tD = jax.lax.psum(y_tD, tp)
+  return y_tD, (jax.lax.psum(dropped, batch) if batch else dropped)
+
+
 def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Callable:
   """The experts over a mesh: split over its `expert` axis, their width over `tensor`.
 
@@ -275,40 +305,26 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
   Returns:
     (x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> ([t, D], i32[] dropped).
   """
-  names = mesh.axis_names
-  ep = "expert" if "expert" in names else None
-  tp = "tensor" if "tensor" in names else None
-  batch = tuple(a for a in names if a != "tensor")
 
-  def local(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD):
-    E_local = w_gate_EDF.shape[0]
-    if ep is not None:
-      first = jax.lax.axis_index(ep) * E_local
-      x_tD = jax.lax.all_gather(x_tD, ep, axis=0, tiled=True)
-      experts_tk = jax.lax.all_gather(experts_tk - first, ep, axis=0, tiled=True)
-      weights_tk = jax.lax.all_gather(weights_tk, ep, axis=0, tiled=True)
-    w = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    if slots is None:
-      y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, *w)
-      dropped = jnp.zeros((), jnp.int32)
-    else:
-      y_tD, dropped = capacity_experts(
-        x_tD, experts_tk, weights_tk, *w, slots=slots(x_tD.shape[0]), out_dtype=jnp.float32
-      )
-    if ep is not None:
-      y_tD = jax.lax.psum_scatter(y_tD, ep, scatter_dimension=0, tiled=True)
-    if tp is not None:
-      # Each tensor shard computed a slice of every expert's width: its down projection is a
-      # partial sum; the drop count is the same on every shard.
-      y_tD = jax.lax.psum(y_tD, tp)
-    return y_tD, jax.lax.psum(dropped, batch)
-
-  tokens = P(batch, None)
-  up = P(ep, None, tp)
+  def axis(name: str, dim: int) -> str | None:
+    """`name` if the mesh has it and it divides `dim`, else None (that dim stays whole)."""
+    size = mesh.shape.get(name, 1)
+    return name if size > 1 and dim % size == 0 else None
 
   def experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD):
+    E, _, F = w_gate_EDF.shape
+    # The tokens split as the batch is (every axis but tensor), as far as their count divides.
+    batch, split = [], 1
+    for name in mesh.axis_names:
+      if name != "tensor" and x_tD.shape[0] % (split * mesh.shape[name]) == 0:
+        batch.append(name)
+        split *= mesh.shape[name]
+    batch = tuple(batch)
+    ep = axis("expert", E) if "expert" in batch else None
+    tp = axis("tensor", F)
+    tokens, up = P(batch, None), P(ep, None, tp)
     run = jax.shard_map(
-      local,
+      functools.partial(_expert_parallel_local, ep=ep, tp=tp, batch=batch, slots=slots),
       mesh=mesh,
       in_specs=(tokens, tokens, tokens, up, up, P(ep, tp, None)),
       out_specs=(tokens, P()),

@@ -21,8 +21,8 @@ import jax
 from flax import nnx
 
 POLICIES = ("none", "full", "every_k", "selective")
-# Names tagged in atlas_jax/model/attention.py, mla.py, layers.py and moe.py: every matmul output and
-# the attention output (whose recomputation would rerun the attention kernel).
+# Names tagged in atlas_jax/model/attention.py, mla.py, layers.py and moe.py: every matmul output
+# and the attention output (whose recomputation would rerun the attention kernel).
 MATMUL_NAMES = (
   "q_lora_proj",  # MLA: the query bottleneck
   "kv_lora_proj",  # MLA: the latent and rope key, before the latent norm

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build
+from atlas_jax.training.sharding import AXES
 
 T = TypeVar("T")
 
@@ -216,4 +217,4 @@ def load_model(
 
 
 def single_device_mesh() -> Mesh:
-  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(AXES)), AXES)
