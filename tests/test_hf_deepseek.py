@@ -1,4 +1,5 @@
-"""Hugging Face parity for DeepSeek-V3-family folders: MLA layers, YaRN, MTP modules."""
+"""Hugging Face parity for dense DeepSeek-V3-family folders: MLA layers, YaRN, MTP modules (the
+mixture-of-experts ones are in tests/test_hf_moe.py)."""
 
 import json
 
@@ -109,10 +110,11 @@ def test_mtp_modules_load_and_match_transformers_mtp_layer(tmp_path):
   from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
   J, L = 2, 2
-  ref = build_hf(tmp_path, rope_parameters=YARN)
+  # Dense MTP blocks too: their layer indices L + j < first_k_dense_replace (MoE ones are in
+  # tests/test_hf_moe.py).
+  ref = build_hf(tmp_path, rope_parameters=YARN, first_k_dense_replace=L + J)
   cfg = ref.config
-  # Dense MTP blocks: layer_idx 0 < first_k_dense_replace (transformers' MtpModel would use MoE).
-  layers = [MtpLayer(cfg, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, 0) for _ in range(J)]
+  layers = [MtpLayer(cfg, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, L + j) for j in range(J)]
   tensors = load_file(str(tmp_path / "model.safetensors"))
   for j, layer in enumerate(layers):
     randomise(layer, 0.2)
@@ -153,26 +155,3 @@ def test_mtp_modules_load_and_match_transformers_mtp_layer(tmp_path):
       want = ref.lm_head(h).numpy()
       np.testing.assert_allclose(np.asarray(mtp[j - 1]), want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(main), ref(tt).logits.numpy(), atol=1e-4, rtol=1e-4)
-
-
-def test_mixture_of_experts_is_rejected(tmp_path):
-  (tmp_path / "config.json").write_text(
-    json.dumps(
-      {
-        "model_type": "deepseek_v3",
-        "num_hidden_layers": 4,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 8,
-        "vocab_size": V,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_attention_heads": 4,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 12,
-        "v_head_dim": 10,
-      }
-    )
-  )
-  with pytest.raises(hf.HFLoadError, match="mixture-of-experts.*first_k_dense_replace"):
-    hf.load(tmp_path)

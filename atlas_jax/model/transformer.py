@@ -84,11 +84,10 @@ class Transformer(nnx.Module):
     self.blocks = stacked(block_factory(main), sparse_L.count(main), rngs)
     self.dense_blocks = stacked(block_factory(False), n_dense, rngs) if main and n_dense else None
     # Static: (stack name, first index in the stack, layers, first layer) per run.
-    runs, seen = [], {True: 0, False: 0}
-    for sparse, n in cfg.layer_runs():
-      name = "blocks" if sparse == main else "dense_blocks"
-      runs.append((name, seen[sparse], n, seen[True] + seen[False]))
-      seen[sparse] += n
+    stacks, runs, first = layer_stacks(cfg), [], 0
+    for _, n in cfg.layer_runs():
+      runs.append((*stacks[first], n, first))
+      first += n
     self.runs = tuple(runs)
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
     self.lm_head = (
@@ -323,6 +322,19 @@ class TrainOutputs:
   main: Array  # f32[B, T, V] next-token logits, or [B, T, D] final hidden states
   mtp: Array | None  # f32[J, B, T, V] MTP logits, or [J, B, T, D]; None without heads
   router: RouterStats | None  # every field with a leading [L_moe] axis; None when dense
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+  """(stack, index in it) of each layer: "blocks" holds the MoE layers (every layer of a dense
+  model), "dense_blocks" the dense layers of a model that also has MoE ones."""
+  sparse_L = cfg.sparse_layers()
+  main = any(sparse_L)
+  seen = {True: 0, False: 0}
+  out = []
+  for sparse in sparse_L:
+    out.append(("blocks" if sparse == main else "dense_blocks", seen[sparse]))
+    seen[sparse] += 1
+  return tuple(out)
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, **kwargs) -> Transformer:
