@@ -220,6 +220,12 @@ def moe_config(**fields) -> MoEConfig:
     raise HFLoadError(f"config.json maps to an invalid mixture-of-experts config: {e}") from e
 
 
+def plain_top_k(m: MoEConfig) -> bool:
+  """A softmax router taking the top k of every expert, no shared expert (Mixtral, Qwen3-MoE,
+  OLMoE)."""
+  return m.scoring == "softmax" and m.topk_method == "greedy" and not m.shared_ffn_dim
+
+
 def model_config(**fields) -> ModelConfig:
   try:
     return ModelConfig(**fields)

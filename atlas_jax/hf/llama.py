@@ -3,12 +3,23 @@ mixture-of-experts families with GQA (Mixtral, Qwen2/3-MoE, OLMoE) store the sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from atlas_jax.config import ModelConfig
 from atlas_jax.hf.common import HFLoadError, base_fields, base_to_hf, field, model_config
-from atlas_jax.hf.weights import Spec, Weights, model_group, norm, swiglu, trunk_groups, weight
+from atlas_jax.hf.weights import (
+  ExpertNames,
+  Spec,
+  Weights,
+  model_group,
+  norm,
+  swiglu,
+  trunk_groups,
+  uses_fused_experts,
+  weight,
+)
+from atlas_jax.hf.weights import experts as routed
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {
@@ -109,10 +120,31 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", names=None)
 
 
 def spec(cfg: ModelConfig, hf: Mapping[str, Any] | None = None, names=None) -> Spec:
-  D, F = cfg.d_model, cfg.ffn_dim
+  return gqa_spec(cfg)
+
+
+def gqa_spec(
+  cfg: ModelConfig,
+  *,
+  experts: ExpertNames | None = None,
+  stored: set[str] | None = None,
+  legend_f: str = "moe_intermediate_size",
+  shared: Callable[[], list[Weights]] | None = None,
+) -> Spec:
+  """A GQA model's table: dense SwiGLU layers, and mixture-of-experts ones where the config has
+  them (their experts stored as `experts` names them, per expert or fused as `stored` shows;
+  `shared()` the shared expert's tensors, when the family has one)."""
+  D, sparse_L = cfg.d_model, cfg.sparse_layers()
 
   def layer(i, prefix):
-    return tuple(attention(cfg) + swiglu("mlp", D, F, "intermediate_size", ("mlp",)))
+    if not sparse_L[i]:
+      return tuple(attention(cfg) + swiglu("mlp", D, cfg.ffn_dim, "intermediate_size", ("mlp",)))
+    m = cfg.moe
+    fused = uses_fused_experts(stored, prefix, experts)
+    ffn = routed(
+      prefix, m.n_experts, D, m.expert_ffn_dim, names=experts, fused=fused, legend_f=legend_f
+    )
+    return tuple(attention(cfg) + ffn + (shared() if shared else []))
 
   return Spec((model_group(cfg), *trunk_groups(cfg, layer)))
 

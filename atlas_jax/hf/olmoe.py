@@ -15,16 +15,10 @@ from atlas_jax.hf.common import (
   field,
   model_config,
   moe_config,
+  plain_top_k,
 )
-from atlas_jax.hf.llama import attention, gqa_fields
-from atlas_jax.hf.weights import (
-  ExpertNames,
-  Spec,
-  experts,
-  model_group,
-  trunk_groups,
-  uses_fused_experts,
-)
+from atlas_jax.hf.llama import gqa_fields, gqa_spec
+from atlas_jax.hf.weights import ExpertNames, Spec
 
 MODEL_TYPES = ("olmoe",)
 NAMES = ExpertNames()
@@ -54,30 +48,13 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", names=None)
 
 
 def spec(cfg: ModelConfig, hf=None, names=None) -> Spec:
-  m = cfg.moe
-
-  def layer(i, prefix):
-    fused = uses_fused_experts(names, prefix, NAMES)
-    ffn = experts(
-      prefix,
-      m.n_experts,
-      cfg.d_model,
-      m.expert_ffn_dim,
-      names=NAMES,
-      fused=fused,
-      legend_f="intermediate_size",
-    )
-    return tuple(attention(cfg) + ffn)
-
-  return Spec((model_group(cfg), *trunk_groups(cfg, layer)))
+  return gqa_spec(cfg, experts=NAMES, stored=names, legend_f="intermediate_size")
 
 
 def model_type(cfg: ModelConfig) -> str | None:
   if cfg.moe is None or cfg.mla is not None or not cfg.qk_norm or cfg.qkv_bias:
     return None
-  m = cfg.moe
-  plain = m.scoring == "softmax" and m.topk_method == "greedy" and not m.shared_ffn_dim
-  return "olmoe" if cfg.qk_norm_scope == "all_heads" and plain else None
+  return "olmoe" if cfg.qk_norm_scope == "all_heads" and plain_top_k(cfg.moe) else None
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

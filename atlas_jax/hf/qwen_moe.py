@@ -18,17 +18,8 @@ from atlas_jax.hf.common import (
   model_config,
   moe_config,
 )
-from atlas_jax.hf.llama import attention, gqa_fields, no_sliding_window
-from atlas_jax.hf.weights import (
-  ExpertNames,
-  Spec,
-  experts,
-  model_group,
-  swiglu,
-  trunk_groups,
-  uses_fused_experts,
-  weight,
-)
+from atlas_jax.hf.llama import gqa_fields, gqa_spec, no_sliding_window
+from atlas_jax.hf.weights import ExpertNames, Spec, swiglu, weight
 
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 NAMES = ExpertNames()
@@ -69,29 +60,21 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", names=None)
 
 def spec(cfg: ModelConfig, hf=None, names=None) -> Spec:
   m, D = cfg.moe, cfg.d_model
-  sparse_L = cfg.sparse_layers()
 
-  def layer(i, prefix):
-    if not sparse_L[i]:
-      return tuple(attention(cfg) + swiglu("mlp", D, cfg.ffn_dim, "intermediate_size", ("mlp",)))
-    fused = uses_fused_experts(names, prefix, NAMES)
-    ffn = experts(prefix, m.n_experts, D, m.expert_ffn_dim, names=NAMES, fused=fused)
-    if m.shared_ffn_dim:
-      legend = "shared_expert_intermediate_size"
-      ffn += swiglu("mlp.shared_expert", D, m.shared_ffn_dim, legend, ("mlp", "shared"))
-      ffn.append(
-        weight(
-          "mlp.shared_expert_gate.weight",
-          (1, D),
-          "1, hidden_size",
-          ("mlp", "shared_gate"),
-          lambda w: w[0],
-          lambda w: w[None],
-        )
+  def shared():  # Qwen2-MoE: one shared expert, scaled by sigmoid(x @ shared_expert_gate)
+    legend = "shared_expert_intermediate_size"
+    return swiglu("mlp.shared_expert", D, m.shared_ffn_dim, legend, ("mlp", "shared")) + [
+      weight(
+        "mlp.shared_expert_gate.weight",
+        (1, D),
+        "1, hidden_size",
+        ("mlp", "shared_gate"),
+        lambda w: w[0],
+        lambda w: w[None],
       )
-    return tuple(attention(cfg) + ffn)
+    ]
 
-  return Spec((model_group(cfg), *trunk_groups(cfg, layer)))
+  return gqa_spec(cfg, experts=NAMES, stored=names, shared=shared if m.shared_ffn_dim else None)
 
 
 def model_type(cfg: ModelConfig) -> str | None:
@@ -99,7 +82,7 @@ def model_type(cfg: ModelConfig) -> str | None:
     return None
   m = cfg.moe
   if m.scoring != "softmax" or m.topk_method != "greedy" or m.first_k_dense:
-    return None
+    return None  # Qwen's routers are plain top-k; its dense layers are mlp_only_layers
   if m.shared_expert_gate and cfg.qkv_bias and not cfg.qk_norm:
     return "qwen2_moe"
   if not m.shared_ffn_dim and cfg.qk_norm and cfg.qk_norm_scope == "head" and not cfg.qkv_bias:

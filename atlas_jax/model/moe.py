@@ -17,7 +17,9 @@ The experts' computation has one signature,
 
 * `grouped_experts` (default, dropless): the t x k assignments sorted by expert, so each expert's
   rows are one contiguous group, and `jax.lax.ragged_dot` multiplies every group by its expert's
-  weights in one grouped matmul. Nothing is dropped, and no [t, E] intermediate is made.
+  weights in one grouped matmul. Nothing is dropped, and no [t, E] intermediate is made. On CPU,
+  XLA lowers `ragged_dot` to one masked matmul per group over every row: E x the active FLOPs
+  (`bench/moe.py` measures it; BENCHMARKS.md), so a CPU run pays the dense price or more.
 * `dense_experts` (the reference): every expert on every token, combined with a one-hot [t, E]
   weight matrix. E / k times the FLOPs; the tests hold the other forms to it.
 * `capacity_experts` (`MoEConfig.capacity_factor`): GShard's fixed slots, [E, e, D] buffers with
@@ -93,6 +95,8 @@ def route(
     probs_tE = scores_tE / jnp.sum(scores_tE, axis=-1, keepdims=True)
   choice_tE = scores_tE
   if cfg.topk_method == "noaux_tc":
+    if bias_E is None:
+      raise ValueError("route: topk_method='noaux_tc' needs bias_E, the selection bias f32[E]")
     choice_tE = scores_tE + jax.lax.stop_gradient(bias_E)
   if cfg.topk_method != "greedy" and cfg.n_group > 1:
     t = logits_tE.shape[0]
@@ -155,15 +159,16 @@ def _valid(experts_tk: Array, E: int) -> Array:
 
 def _combine(out_tkD: Array, weights_tk: Array) -> Array:
   """f32[t, D]: each token's k expert outputs weighted and summed in float32."""
-  return jnp.einsum(
-    "tkD,tk->tD", out_tkD.astype(jnp.float32), weights_tk.astype(jnp.float32)
-  ).astype(jnp.float32)
+  return jnp.einsum("tkD,tk->tD", out_tkD.astype(jnp.float32), weights_tk.astype(jnp.float32))
 
 
-def _swiglu(x, w_gate, w_up, w_down, matmul):
+def _swiglu(x, w_gate, w_up, w_down, matmul, matmul_down=None):
+  """The experts' SwiGLU with `matmul` (and `matmul_down` for the down projection, default the
+  same); the outputs are named for the selective remat policy."""
   gate = checkpoint_name(matmul(x, w_gate), "expert_gate")
   up = checkpoint_name(matmul(x, w_up), "expert_up")
-  return checkpoint_name(matmul(jax.nn.silu(gate) * up, w_down), "expert_down")
+  down = matmul if matmul_down is None else matmul_down
+  return checkpoint_name(down(jax.nn.silu(gate) * up, w_down), "expert_down")
 
 
 def _sorted(experts_tk: Array, E: int) -> tuple[Array, Array, Array]:
@@ -251,8 +256,9 @@ def capacity_experts(
   x_aD = jnp.repeat(x_tD, k, axis=0)
   buffer_EeD = jnp.zeros((E * slots, D), dtype).at[slot_a].set(x_aD, mode="drop")
   buffer_EeD = buffer_EeD.reshape(E, slots, D)
-  matmul = lambda lhs, rhs: jnp.einsum("EeX,EXY->EeY", lhs, rhs.astype(dtype))
-  out_EeD = _swiglu(buffer_EeD, w_gate_EDF, w_up_EDF, w_down_EFD, matmul)
+  up = lambda x_EeD, w_EDF: jnp.einsum("EeD,EDF->EeF", x_EeD, w_EDF.astype(dtype))
+  down = lambda h_EeF, w_EFD: jnp.einsum("EeF,EFD->EeD", h_EeF, w_EFD.astype(dtype))
+  out_EeD = _swiglu(buffer_EeD, w_gate_EDF, w_up_EDF, w_down_EFD, up, down)
   out_aD = jnp.take(out_EeD.reshape(E * slots, D), slot_a, axis=0, mode="fill", fill_value=0)
   weights_tk = jnp.where(keep_a.reshape(t, k), weights_tk, 0.0)
   y_tD = _combine(out_aD.reshape(t, k, D), weights_tk).astype(out_dtype or dtype)
