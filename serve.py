@@ -4,34 +4,50 @@
     python serve.py --checkpoint path/to/hf_folder --prompts prompts.jsonl --output out.jsonl
     python serve.py --checkpoint path/to/hf_folder --port 8000 [--host 127.0.0.1] [--api-key KEY]
 
-Batch mode reads prompts (repeated --prompt, or a JSONL file with a "prompt" field per line) and
-writes one JSON object per prompt: {"prompt", "completion", "completion_tokens"}, in input order.
-With --port it serves the OpenAI API instead (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics). Both run the continuous-batching engine over a paged KV cache.
+Batch mode reads prompts (repeated --prompt, or a JSONL file with a "prompt" field per line,
+and optionally the line's own max_tokens, temperature, top_p, top_k, stop, seed, ...) and writes
+one JSON object per prompt: {"prompt", "completion", "completion_tokens", "finish_reason"}, in
+input order. With --port it serves the OpenAI API instead (/v1/completions,
+/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics). Both run the
+continuous-batching engine over a paged KV cache.
+
+A Hugging Face folder is served as its files say: the eos ids of generation_config.json (else
+config.json, else tokenizer_config.json), the BOS its tokenizer adds, its chat template, its
+dtype, and generation_config.json's sampling defaults (--generation-config vllm ignores them);
+the flags override each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 from atlas_jax import hf
 from atlas_jax.config import ServeConfig, load_config
-from atlas_jax.data.corpus import iter_jsonl
-from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer
+from atlas_jax.data.corpus import iter_json_objects
 from atlas_jax.decoding.sampling import SamplingParams
+from atlas_jax.serving import model_files
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 from atlas_jax.serving.server import (
   EngineRunner,
+  RequestFields,
   ServerLimits,
+  Text,
   build_app,
   check_sampling_fields,
+  describe_invalid,
   encodable,
-  jinja_chat_template,
+  request_params,
 )
 from atlas_jax.training import checkpoint
+
+log = logging.getLogger("atlas_jax.serving")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,13 +61,28 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
-  # Defaults: the run's `serve:` config section for a train.py run directory, else these.
-  default = lambda name: f"default: the run's serve.{name}, else {getattr(d, name)}"
+  # Defaults: generation_config.json's, else the run's `serve:` section, else these.
+  default = lambda name: f"default: generation_config.json's or the run's, else {getattr(d, name)}"
   p.add_argument("--max-new-tokens", type=int, help=default("max_new_tokens"))
   p.add_argument("--temperature", type=float, help=default("temperature") + " (greedy)")
   p.add_argument("--top-k", type=int, help=default("top_k") + " (off)")
   p.add_argument("--top-p", type=float, help=default("top_p"))
-  p.add_argument("--seed", type=int, help=default("seed"))
+  p.add_argument("--min-p", type=float, help="default: generation_config.json's, else 0 (off)")
+  p.add_argument(
+    "--repetition-penalty", type=float, help="default: generation_config.json's, else 1 (off)"
+  )
+  p.add_argument(
+    "--seed",
+    type=int,
+    help="batch mode: the seed of prompts without their own (default: the run's, else 0); "
+    "the server draws a fresh seed for each request without one",
+  )
+  p.add_argument(
+    "--generation-config",
+    default="auto",
+    help="auto: the sampling defaults of the model folder's generation_config.json; vllm: "
+    "ignore it; or a folder holding the generation_config.json to use",
+  )
   p.add_argument("--max-batch", type=int, help="running requests at most; " + default("max_batch"))
   p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: max-batch full contexts)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -71,7 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="mtp: self-speculation, the model's own multi-token-prediction heads draft",
   )
   p.add_argument(
-    "--num-speculative-tokens", type=int, default=4, help="tokens the draft proposes per round"
+    "--num-speculative-tokens",
+    type=int,
+    help="tokens the draft proposes per round (default: 4; with --speculative mtp, the model's "
+    "MTP depth)",
   )
   p.add_argument(
     "--speculative-max-batch",
@@ -89,45 +123,143 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
   p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
   p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
-  p.add_argument("--model-name", help="the model id reported by the API (default: the folder)")
-  p.add_argument("--max-prompt-tokens", type=int, default=4096)
-  p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens allowed")
+  p.add_argument(
+    "--model-name",
+    "--served-model-name",
+    nargs="+",
+    help="the model id(s) the API serves: requests naming another get a 404 (default: the folder)",
+  )
+  p.add_argument(
+    "--chat-template",
+    help="a Jinja chat template file, or the template itself (default: the model folder's)",
+  )
+  p.add_argument(
+    "--max-prompt-tokens", type=int, help="longest prompt allowed (default: the context length)"
+  )
+  p.add_argument(
+    "--max-tokens-limit", type=int, help="largest max_tokens allowed (default: the context length)"
+  )
   p.add_argument("--max-n", type=int, default=4, help="largest n (choices per request) allowed")
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument(
     "--dtype",
-    default="float32",
-    choices=["float32", "bfloat16", "float16"],
-    help="parameter/compute dtype for Hugging Face folders",
+    default="auto",
+    choices=["auto", *DTYPES],
+    help="parameter/compute dtype for Hugging Face folders; auto: the checkpoint's (float32 on a "
+    "CPU in place of bfloat16 or float16, whose matmuls are slow there)",
+  )
+  p.add_argument(
+    "--log-level",
+    default="info",
+    choices=["debug", "info", "warning", "error", "critical"],
+    help="start-up progress and one line per finished request at info",
   )
   return p.parse_args(argv)
 
 
+class _StderrHandler(logging.StreamHandler):
+  """Writes to whatever sys.stderr is when a record is emitted (a test may swap it)."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    pass
+
+
+def setup_logging(level: str) -> None:
+  """`--log-level` for atlas_jax's loggers, one line per record on stderr. Other libraries log
+  at warning and above, through the same handler: it replaces the plain stderr handler some of
+  them install on import (orbax does), which would print each line twice."""
+  root = logging.getLogger()
+  if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+    for h in list(root.handlers):
+      if type(h) is logging.StreamHandler:
+        root.removeHandler(h)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+  logging.getLogger("atlas_jax").setLevel(level.upper())
+
+
+def step_folder_error(path: Path) -> str | None:
+  """The message for a train.py step folder (a numbered subfolder of a run), else None."""
+  if path.name.isdigit() and checkpoint.is_checkpoint(path.parent):
+    return (
+      f"--checkpoint={path} is step {path.name} of the train.py run {path.parent}: pass the run "
+      f"directory {path.parent} (it serves the newest intact step)"
+    )
+  return None
+
+
+def resolve_dtype(requested: str, folder: str) -> str:
+  """--dtype for a Hugging Face folder: as given, or the checkpoint's (auto)."""
+  if requested != "auto":
+    return requested
+  import jax
+
+  stored = model_files.checkpoint_dtype(folder)
+  if stored not in DTYPES:
+    if stored is not None:
+      log.info("dtype: float32 (config.json's %r is not one of %s)", stored, ", ".join(DTYPES))
+    return "float32"
+  if stored != "float32" and jax.default_backend() == "cpu":
+    log.info(
+      "dtype: float32, not the checkpoint's %s: its matmuls are slow on a CPU "
+      "(--dtype %s keeps it)",
+      stored,
+      stored,
+    )
+    return "float32"
+  return stored
+
+
 def load_any(path: str, dtype: str):
   """(model, tokenizer) from a run directory or a Hugging Face folder."""
-  if checkpoint.is_checkpoint(path):
-    model, _, tokenizer = checkpoint.load_model(path)
+  folder = Path(path)
+  if checkpoint.is_checkpoint(folder):
+    model, _, tokenizer = checkpoint.load_model(folder)
     return model, tokenizer
+  if (message := step_folder_error(folder)) is not None:
+    raise ValueError(message)
+  dtype = resolve_dtype(dtype, path)
   model = hf.load(path, dtype=dtype)
-  if (Path(path) / "tokenizer.json").is_file():
-    return model, HFTokenizer(hf.load_tokenizer(path))
-  if model.cfg.vocab_size != ByteTokenizer.vocab_size:
-    raise ValueError(f"{path}: no tokenizer.json beside the weights")
-  return model, ByteTokenizer()
+  return model, model_files.load_tokenizer(folder, model.cfg.vocab_size)
 
 
-def read_prompts(args) -> list[str]:
-  prompts = [(f"--prompt {i + 1}", p) for i, p in enumerate(args.prompt)]
-  if args.prompts:
-    prompts += iter_jsonl(Path(args.prompts), field="prompt")
+class BatchLine(RequestFields):
+  """A line of --prompts: a prompt, and any of the completion API's sampling fields."""
+
+  prompt: Text
+
+
+def read_prompts(args) -> list[tuple[str, BatchLine | None]]:
+  """(prompt, its line's fields, or None for a --prompt) in input order."""
+  prompts: list[tuple[str, BatchLine | None]] = []
+  where = [f"--prompt {i + 1}" for i in range(len(args.prompt))]
+  for i, p in enumerate(args.prompt):
+    try:
+      prompts.append((encodable(p), None))
+    except ValueError as e:
+      raise ValueError(f"{where[i]}: {e}") from None
+  ignored: set[str] = set()
+  for i, record in iter_json_objects(Path(args.prompts)) if args.prompts else ():
+    at = f"{Path(args.prompts).name}:{i}"
+    if "prompt" not in record:
+      raise ValueError(f"{at}: the object has no 'prompt' field (fields: {sorted(record)})")
+    try:
+      line = BatchLine.model_validate(record)
+    except ValueError as e:  # pydantic's ValidationError
+      raise ValueError(f"{at}: {describe_invalid(e.errors())[0]}") from None
+    ignored |= set(line.model_extra or {})
+    prompts.append((line.prompt, line))
+  if ignored:
+    log.warning("fields ignored in %s: %s", args.prompts, ", ".join(sorted(ignored)))
   if not prompts:
     raise ValueError("no prompts: pass --prompt TEXT or --prompts FILE.jsonl")
-  for where, prompt in prompts:
-    try:
-      encodable(prompt)
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
-  return [p for _, p in prompts]
+  return prompts
 
 
 # serve.py's sampling flags and the API fields they stand for: one set of rules for both.
@@ -136,6 +268,8 @@ SAMPLING_FLAGS = {
   "temperature": ("--temperature", "temperature"),
   "top_k": ("--top-k", "top_k"),
   "top_p": ("--top-p", "top_p"),
+  "min_p": ("--min-p", "min_p"),
+  "repetition_penalty": ("--repetition-penalty", "repetition_penalty"),
   "seed": ("--seed", "seed"),
 }
 # Engine and server flags: each a positive integer (None where the flag has a default of none).
@@ -157,14 +291,34 @@ POSITIVE_FLAGS = (
 
 
 def fill_defaults(args) -> None:
-  """Sampling flags not given come from the run's `serve:` section (a train.py run directory
-  knows how its model samples best), else from ServeConfig's defaults."""
+  """Sampling flags not given come from generation_config.json (with --generation-config auto,
+  a Hugging Face folder's), else from the run's `serve:` section (a train.py run directory knows
+  how its model samples best), else from ServeConfig's defaults. `args.sources` names where
+  each value came from, for the messages."""
   d = ServeConfig()
   if checkpoint.is_checkpoint(args.checkpoint):
     d = load_config(Path(args.checkpoint) / "config.yaml").serve
-  for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "max_batch"):
-    if getattr(args, name) is None:
-      setattr(args, name, getattr(d, name))
+  generation = {}
+  if args.generation_config != "vllm":
+    folder = args.checkpoint if args.generation_config == "auto" else args.generation_config
+    if args.generation_config != "auto" and not Path(folder).is_dir():
+      raise ValueError(
+        f"--generation-config={folder!r} is not allowed: must be auto, vllm or a folder"
+      )
+    generation, where = model_files.generation_defaults(folder)
+  fallback = {**dataclasses.asdict(d), "min_p": 0.0, "repetition_penalty": 1.0}
+  args.sources = {}
+  for name, (flag, api_name) in SAMPLING_FLAGS.items():
+    if getattr(args, name) is not None:
+      args.sources[name] = flag
+    elif api_name in generation:
+      setattr(args, name, generation[api_name])
+      args.sources[name] = f"{where} {name}"  # generation_config.json's field of that name
+    else:
+      setattr(args, name, fallback[name])
+      args.sources[name] = flag
+  if args.max_batch is None:
+    args.max_batch = d.max_batch
 
 
 def check_args(args) -> None:
@@ -174,7 +328,7 @@ def check_args(args) -> None:
     try:
       check_sampling_fields(**{api_name: getattr(args, name)})
     except ValueError as e:
-      raise ValueError(f"{flag}={getattr(args, name)}: {e}") from None
+      raise ValueError(f"{args.sources.get(name, flag)}={getattr(args, name)}: {e}") from None
   for name in POSITIVE_FLAGS:
     value = getattr(args, name)
     if value is not None and value < 1:
@@ -192,43 +346,14 @@ def check_args(args) -> None:
       raise ValueError(f"--output={args.output}: the folder {out.absolute().parent} does not exist")
 
 
-def chat_template_of(path: str):
-  """The folder's chat template (tokenizer_config.json or chat_template.jinja), else None."""
-  folder = Path(path)
-  settings = {}
-  config_file = folder / "tokenizer_config.json"
-  if config_file.is_file():
-    try:
-      settings = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(settings, dict):
-      raise ValueError(f"{config_file}: expected a JSON object")
-  source = f"{config_file} chat_template"
-  template = settings.get("chat_template")
-  if template is None and (folder / "chat_template.jinja").is_file():
-    source = str(folder / "chat_template.jinja")
-    template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-  if not isinstance(template, str):
-    return None
-  # Special tokens are strings, or {"content": ...} objects, in tokenizer_config.json.
-  token = lambda t: (t.get("content", "") if isinstance(t, dict) else t) or ""
-  try:
-    return jinja_chat_template(
-      template,
-      bos_token=token(settings.get("bos_token")),
-      eos_token=token(settings.get("eos_token")),
-    )
-  except Exception as e:  # jinja2's TemplateSyntaxError and the like
-    raise ValueError(f"{source}: not a valid Jinja template ({e})") from None
-
-
 def sampling_params(args) -> SamplingParams:
   return SamplingParams(
     max_new_tokens=args.max_new_tokens,
     temperature=args.temperature,
     top_k=max(0, args.top_k),  # -1 is off, as in the API
     top_p=args.top_p,
+    min_p=args.min_p,
+    repetition_penalty=args.repetition_penalty,
     seed=args.seed,
   )
 
@@ -240,6 +365,14 @@ def make_engine(args, model, tokenizer) -> Engine:
       f"--max-model-len={max_len} is not allowed: the model's context is "
       f"{model.cfg.max_seq_len} tokens"
     )
+  if args.draft is not None and args.speculative is not None:
+    raise ValueError("--draft and --speculative mtp are two drafts: give one")
+  k = args.num_speculative_tokens
+  if k is None:
+    k = 4
+    if args.speculative == "mtp" and model.mtp is not None:
+      k = model.mtp.n_draft_heads
+      log.info("--num-speculative-tokens %d: the model's MTP depth", k)
   n_blocks = args.num_blocks or args.max_batch * -(-max_len // args.block_size)
   config = EngineConfig(
     n_blocks=n_blocks,
@@ -248,16 +381,14 @@ def make_engine(args, model, tokenizer) -> Engine:
     max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_batch),
     prefill_chunk=args.prefill_chunk,
     max_model_len=max_len,
-    num_speculative_tokens=args.num_speculative_tokens,
+    num_speculative_tokens=k,
     speculative_max_batch=args.speculative_max_batch,
     guided_speculative_max_batch=args.guided_speculative_max_batch,
   )
-  if args.draft is not None and args.speculative is not None:
-    raise ValueError("--draft and --speculative mtp are two drafts: give one")
   draft = args.speculative
   if args.draft is not None:
     draft = load_draft(args.draft, args.dtype, tokenizer)
-  return Engine(model, config, eos_id=tokenizer.eos_id, detokenize=tokenizer.decode, draft=draft)
+  return Engine(model, config, eos_id=tokenizer.eos_ids, detokenize=tokenizer.decode, draft=draft)
 
 
 def load_draft(path: str, dtype: str, tokenizer):
@@ -270,7 +401,7 @@ def load_draft(path: str, dtype: str, tokenizer):
   return draft
 
 
-def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: SamplingParams) -> int:
+def run_batch(args, engine: Engine, tokenizer, prompts, params: SamplingParams) -> int:
   try:
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
   except OSError as e:
@@ -278,12 +409,19 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
     return 2
   results: dict[int, list[int]] = {}
   texts: dict[int, str] = {}
+  reasons: dict[int, str | None] = {}
   errors: dict[int, str] = {}
   try:
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, line) in enumerate(prompts):
+      ids = tokenizer.encode(prompt, add_special_tokens=True) or [tokenizer.bos_id]
       try:
-        engine.add_request(i, tokenizer.encode(prompt) or [tokenizer.bos_id], params)
-      except RequestError as e:
+        p = params
+        if line is not None:  # the line's own fields over the flags'
+          max_tokens = line.max_tokens or line.max_completion_tokens or params.max_new_tokens
+          seed = params.seed if line.seed is None else line.seed
+          p = request_params(line, params, max_tokens=max_tokens, seed=seed)
+        engine.add_request(i, ids, p)
+      except (RequestError, ValueError) as e:
         print(f"error: prompt {i + 1}: {e}", file=sys.stderr)
         return 2
       results[i], texts[i] = [], ""
@@ -297,20 +435,22 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
     while engine.has_unfinished():
       for o in engine.step():
         results[o.request_id] += o.new_token_ids
+        texts[o.request_id] += o.text
         if o.error:
           errors[o.request_id] = o.error
           print(f"error: prompt {o.request_id + 1}: {o.error}", file=sys.stderr)
         if o.finished:
+          reasons[o.request_id] = o.finish_reason
           done.add(o.request_id)
           if bar is not None:
             bar.update(1)
       # Write completions in input order as soon as every earlier one is done.
       while next_out in done:
-        ids = results[next_out]
         record = {
-          "prompt": prompts[next_out],
-          "completion": tokenizer.decode(ids),
-          "completion_tokens": len(ids),
+          "prompt": prompts[next_out][0],
+          "completion": texts[next_out],
+          "completion_tokens": len(results[next_out]),
+          "finish_reason": reasons[next_out],
         }
         if next_out in errors:
           record["error"] = errors[next_out]
@@ -325,9 +465,8 @@ def run_batch(args, engine: Engine, tokenizer, prompts: list[str], params: Sampl
   return 1 if errors else 0
 
 
-def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
-  import uvicorn
-
+def build_server(args, engine: Engine, tokenizer, chat_template):
+  """(the app, its EngineRunner) for --port: the engine behind the OpenAI-compatible API."""
   from atlas_jax.decoding.guided import GrammarCompiler
 
   runner = EngineRunner(engine)
@@ -336,12 +475,11 @@ def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
     guided = GrammarCompiler(tokenizer, vocab_size=engine.model_config.vocab_size)
   except ValueError as e:  # e.g. a tokenizer without an eos token: serve, without guided decoding
     guided = None
-    print(f"guided decoding is off: {e}", file=sys.stderr)
+    log.warning("guided decoding is off: %s", e)
   app = build_app(
     runner,
-    encode=lambda text: tokenizer.encode(text) or [tokenizer.bos_id],
-    decode=tokenizer.decode,
-    model_name=args.model_name or Path(args.checkpoint).name,
+    tokenizer=tokenizer,
+    model_name=args.model_name or [Path(args.checkpoint).name],
     chat_template=chat_template,
     limits=ServerLimits(
       max_prompt_tokens=args.max_prompt_tokens,
@@ -354,30 +492,97 @@ def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
     guided=guided,
     default_params=sampling_params(args),
   )
-  print(f"serving on http://{args.host}:{args.port}", file=sys.stderr)
+  return app, runner
+
+
+def warmup(engine: Engine) -> None:
+  """Compiles the engine's first step shapes, one progress line each."""
+  shapes, deferred = engine.warmup_shapes()
+  start = time.perf_counter()
+  engine.warmup(lambda i, n, shape: log.info("compiling step shape %d/%d: %s", i, n, shape))
+  log.info(
+    "compiled %d step shapes in %.1f s; compiled on first use: %s",
+    len(shapes),
+    time.perf_counter() - start,
+    "; ".join(deferred),
+  )
+
+
+def run_server(args, engine: Engine, tokenizer, chat_template) -> int:
+  import uvicorn
+
+  app, runner = build_server(args, engine, tokenizer, chat_template)
+  warmup(engine)
+  names = args.model_name or [Path(args.checkpoint).name]
+  log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # uvicorn's own lines through the same handler; its access log is the per-request line's
+    uvicorn.run(
+      app,
+      host=args.host,
+      port=args.port,
+      log_level=args.log_level,
+      access_log=False,
+      log_config=None,
+    )
   finally:
     runner.shutdown()
   return 0
 
 
+def describe(args, model, tokenizer, engine: Engine) -> None:
+  """The start-up summary: what is served, how it stops, how it samples."""
+  cfg = model.cfg
+  log.info(
+    "%s: %d layers, d_model %d, vocabulary %d, %s, context %d tokens",
+    args.checkpoint,
+    cfg.n_layers,
+    cfg.d_model,
+    cfg.vocab_size,
+    cfg.dtype,
+    engine.max_model_len,
+  )
+  named = lambda ids: ", ".join(
+    f"{i} {tokenizer.decode([i], skip_special_tokens=False)!r}" for i in ids
+  )
+  eos, bos = named(tokenizer.eos_ids), named(tokenizer.encode("", add_special_tokens=True))
+  log.info("stops on eos %s; prompts start with %s", eos or "none", bos or "no BOS")
+  given = lambda name: args.sources[name].startswith("--")  # a flag, or its default
+  log.info(
+    "sampling defaults: %s",
+    ", ".join(
+      f"{name}={getattr(args, name)}" + ("" if given(name) else f" ({args.sources[name]})")
+      for name in SAMPLING_FLAGS
+    ),
+  )
+
+
+def prepare(args):
+  """(engine, tokenizer, chat template or None, batch prompts) for parsed flags: the flags
+  filled in and checked, the model loaded. ValueError or OSError on bad input."""
+  fill_defaults(args)
+  check_args(args)
+  prompts = read_prompts(args) if args.port is None else []
+  model, tokenizer = load_any(args.checkpoint, args.dtype)
+  engine = make_engine(args, model, tokenizer)
+  chat_template = None
+  if args.port is not None:
+    chat_template = model_files.chat_template(args.checkpoint, tokenizer, args.chat_template)
+  describe(args, model, tokenizer, engine)
+  return engine, tokenizer, chat_template, prompts
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  setup_logging(args.log_level)
   try:
-    fill_defaults(args)
-    check_args(args)
-    prompts = read_prompts(args) if args.port is None else []
-    model, tokenizer = load_any(args.checkpoint, args.dtype)
-    engine = make_engine(args, model, tokenizer)
-    params = sampling_params(args)
-    chat_template = chat_template_of(args.checkpoint) if args.port is not None else None
+    engine, tokenizer, chat_template, prompts = prepare(args)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.port is not None:
     return run_server(args, engine, tokenizer, chat_template)
-  return run_batch(args, engine, tokenizer, prompts, params)
+  return run_batch(args, engine, tokenizer, prompts, sampling_params(args))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    lengths); output tokens/s of each and the ratio.
 3. decode cost per token at context n: the KV-cached decode step vs recomputing the whole prefix
    each step (O(n) vs O(n^2) work per sequence), as a table over n.
+4. start-up (`--only startup`): six parallel short requests on serve.py's default engine, cold
+   (compiling as they go) and again, against an engine compiled at start-up (`Engine.warmup`).
 
     python bench/serve.py [--requests 64] [--rate 8] [--batch 8] [--config configs/tiny.yaml]
     python bench/serve.py --only ratio --batches 8,32,64 --prompt-len 128 --new-tokens 256
+    python bench/serve.py --only startup
 
 On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """
@@ -263,6 +266,50 @@ def decode_cost_table(model: Transformer, ns) -> list[tuple[int, float, float]]:
   return rows
 
 
+def startup(cfg, n_requests: int = 6) -> None:
+  """Prints the time of `n_requests` parallel short requests (prompts of 12-30 tokens, 32 new
+  tokens) on serve.py's default engine: cold, then `n_requests` others of the same lengths (new
+  prompts: no prefix-cache hits); and after `Engine.warmup`, on a model of the same shape with
+  one more vocabulary entry (so its programs are compiled afresh)."""
+  import dataclasses
+
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(12, 30, n_requests)
+  first, second = (
+    [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lengths] for _ in "ab"
+  )
+  params = SamplingParams(max_new_tokens=32)
+  config = EngineConfig(  # serve.py's defaults
+    n_blocks=8 * -(-cfg.max_seq_len // 16),
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    prefill_chunk=256,
+    max_model_len=cfg.max_seq_len,
+  )
+
+  def timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+  print(
+    f"\n## start-up: {n_requests} parallel requests, 32 new tokens (load {os.getloadavg()[0]:.1f})"
+  )
+  print("| engine | warm-up s | first requests s | the next ones s |")
+  print("|---|---|---|---|")
+  for warm in (False, True):
+    model = Transformer(
+      dataclasses.replace(cfg, vocab_size=cfg.vocab_size + warm), rngs=nnx.Rngs(0)
+    )
+    engine = Engine(model, config)
+    warmup = timed(engine.warmup) if warm else 0.0
+    t_first = timed(engine.generate, first, params)
+    t_next = timed(engine.generate, second, params)
+    name = "compiled at start-up" if warm else "cold"
+    print(f"| {name} | {warmup:.1f} | {t_first:.2f} | {t_next:.2f} |")
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml")
@@ -273,7 +320,9 @@ def main(argv=None) -> None:
   p.add_argument("--threads", type=int, default=2, help="PyTorch CPU threads")
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument(
-    "--only", choices=["ratio", "rest"], help="ratio: engine vs generate and batch 1 only"
+    "--only",
+    choices=["ratio", "rest", "startup"],
+    help="ratio: engine vs generate and batch 1 only; startup: compilation at start-up only",
   )
   p.add_argument("--batches", default="16", help="engine vs generate batch sizes, comma-separated")
   p.add_argument("--prompt-len", type=int, default=48)
@@ -291,6 +340,8 @@ def main(argv=None) -> None:
     f"model d={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
     f"F={cfg.ffn_dim} V={cfg.vocab_size} {cfg.dtype}"
   )
+  if args.only == "startup":
+    return startup(cfg)
   if args.only != "rest":
     batches = [int(b) for b in args.batches.split(",")]
     print_ratio_tables(model, batches, args.prompt_len, args.new_tokens, args.repeat, args.burst)

@@ -292,3 +292,55 @@ def test_serve_with_a_draft_model(run_dir, tmp_path, capsys):
   assert "its tokenizer differs from the model's" in capsys.readouterr().err
   assert serve.main([*argv, "--draft", str(run_dir), "--num-speculative-tokens", "0"]) == 2
   assert "--num-speculative-tokens=0 is not allowed" in capsys.readouterr().err
+
+
+def test_serve_batch_lines_carry_their_own_fields(run_dir, tmp_path, capsys):
+  """A --prompts line's max_tokens, temperature, seed and stop are its own."""
+
+  def batch(*lines):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert serve.main(["--checkpoint", str(run_dir), "--prompts", str(prompts)]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+  greedy = {"prompt": "def f1", "max_tokens": 12, "temperature": 0}
+  sampled = {"prompt": "def f1", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+  rows = batch(greedy, {**greedy, "max_tokens": 3}, sampled, sampled, {**sampled, "seed": 8})
+  assert rows[1]["completion_tokens"] == 3 and rows[1]["finish_reason"] == "length"
+  assert rows[1]["completion"] == rows[0]["completion"][: len(rows[1]["completion"])]
+  assert rows[2] == rows[3] and rows[2]["completion"] != rows[4]["completion"]
+  text = rows[0]["completion"]
+  stop = next(c for c in text[1:] if not c.isspace())
+  (row,) = batch({**greedy, "stop": [stop]})
+  assert row["completion"] == text[: text.index(stop)] and row["finish_reason"] == "stop"
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "x"}\n{"prompt": "y", "top_p": 2}\n')
+  assert serve.main(["--checkpoint", str(run_dir), "--prompts", str(bad)]) == 2
+  assert "bad.jsonl:2: invalid value for 'top_p'" in capsys.readouterr().err
+
+
+def test_serve_names_the_run_directory_of_a_step_folder(run_dir, capsys):
+  assert serve.main(["--checkpoint", str(run_dir / "40"), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert f"is step 40 of the train.py run {run_dir}: pass the run directory {run_dir}" in err
+
+
+def test_serve_speculates_with_every_mtp_head_by_default():
+  from flax import nnx
+
+  from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
+  from atlas_jax.data.tokenizer import ByteTokenizer
+  from atlas_jax.model import build
+
+  mla = MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+  cfg = ModelConfig(
+    vocab_size=259, d_model=32, n_layers=1, n_heads=2, ffn_dim=64, mla=mla, mtp=MTPConfig()
+  )  # deepseek-tiny's MTP: one sequential module
+  model = build(cfg, rngs=nnx.Rngs(0))
+  args = serve.parse_args(["--checkpoint", "none", "--prompt", "x", "--speculative", "mtp"])
+  serve.fill_defaults(args)
+  engine = serve.make_engine(args, model, ByteTokenizer())
+  assert engine.config.num_speculative_tokens == 1 and engine.draft == "mtp"
+  args.num_speculative_tokens = 4
+  with pytest.raises(ValueError, match="num_speculative_tokens=4 with draft='mtp' must be <= 1"):
+    serve.make_engine(args, model, ByteTokenizer())

@@ -56,9 +56,8 @@ def source_files(source: str = "stdlib") -> list[Path]:
   )
 
 
-def iter_jsonl(path: Path, field: str = "text") -> Iterator[tuple[str, str]]:
-  """(name "file:line", value) per non-blank line of a JSONL file whose objects carry a string
-  `field`.
+def iter_json_objects(path: Path) -> Iterator[tuple[int, dict]]:
+  """(line number, object) per non-blank line of a JSONL file of objects.
 
   Raises:
     ValueError naming the file, the line and what is wrong with it.
@@ -78,14 +77,26 @@ def iter_jsonl(path: Path, field: str = "text") -> Iterator[tuple[str, str]]:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-      if field not in record:
-        raise ValueError(f"{where}: the object has no {field!r} field (fields: {sorted(record)})")
-      value = record[field]
-      if not isinstance(value, str):
-        raise ValueError(
-          f"{where}: field {field!r} must be a string, got {type(value).__name__} {value!r:.40}"
-        )
-      yield f"{Path(path).name}:{i}", value
+      yield i, record
+
+
+def iter_jsonl(path: Path, field: str = "text") -> Iterator[tuple[str, str]]:
+  """(name "file:line", value) per non-blank line of a JSONL file whose objects carry a string
+  `field`.
+
+  Raises:
+    ValueError naming the file, the line and what is wrong with it.
+  """
+  for i, record in iter_json_objects(path):
+    where = f"{path}:{i}"
+    if field not in record:
+      raise ValueError(f"{where}: the object has no {field!r} field (fields: {sorted(record)})")
+    value = record[field]
+    if not isinstance(value, str):
+      raise ValueError(
+        f"{where}: field {field!r} must be a string, got {type(value).__name__} {value!r:.40}"
+      )
+    yield f"{Path(path).name}:{i}", value
 
 
 def iter_documents(source: str = "stdlib") -> Iterator[tuple[str, str]]:

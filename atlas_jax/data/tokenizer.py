@@ -15,27 +15,32 @@ MIN_BPE_VOCAB = 260
 
 class Tokenizer(Protocol):
   vocab_size: int
-  bos_id: int
-  eos_id: int
+  bos_id: int  # -1: none
+  eos_id: int  # the first of eos_ids (training appends it to each document); -1: none
+  eos_ids: tuple[int, ...]  # every id that ends a generation
   pad_id: int
+  bos_token: str | None  # the BOS token's text (a chat template's `bos_token`)
 
-  def encode(self, text: str) -> list[int]: ...
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
 
-  def decode(self, ids: Sequence[int]) -> str: ...
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
   def fingerprint(self) -> str: ...
 
 
 class ByteTokenizer:
-  """UTF-8 bytes as ids 0..255, then <pad>, <bos>, <eos>. Lossless on any text."""
+  """UTF-8 bytes as ids 0..255, then <pad>, <bos>, <eos>. Lossless on any text. Runs trained
+  on bytes never saw a BOS, so none is added; the special ids have no text."""
 
   vocab_size = 259
   pad_id, bos_id, eos_id = 256, 257, 258
+  eos_ids = (258,)
+  bos_token = eos_token = None
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
     return list(text.encode("utf-8"))
 
-  def decode(self, ids: Sequence[int]) -> str:
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
   def fingerprint(self) -> str:
@@ -46,27 +51,55 @@ class ByteTokenizer:
     return [bytes([i]) for i in range(256)] + [None, None, None]
 
 
+# Names tried, in order, for a special token nothing declares (a bare tokenizer.json, such as a
+# train.py run's BPE with <s> and </s>); a model folder's own files say which they are instead
+# (`atlas_jax.serving.model_files`).
+_GUESSES = {
+  "bos": ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>"),
+  "eos": ("<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|endoftext|>", "<|im_end|>"),
+  "pad": ("<pad>", "<|pad|>"),
+}
+
+
 class HFTokenizer:
-  """A `tokenizers.Tokenizer` (tokenizer.json) behind the same small interface."""
+  """A `tokenizers.Tokenizer` (tokenizer.json) behind the same small interface.
+
+  Args:
+    bos, eos, pad: the special tokens' text; "" for none. Not given (None): the first of the
+      usual names the vocabulary holds.
+    eos_ids: every id that ends a generation (default: the eos token's).
+
+  `encode(text, add_special_tokens=True)` adds what the tokenizer's post-processor adds (a
+  Llama tokenizer's BOS), as transformers' default encoding does; training encodes without.
+  """
 
   def __init__(
-    self, tokenizer, *, bos: str | None = None, eos: str | None = None, pad: str | None = None
+    self,
+    tokenizer,
+    *,
+    bos: str | None = None,
+    eos: str | None = None,
+    pad: str | None = None,
+    eos_ids: Sequence[int] | None = None,
   ):
     self._tok = tokenizer
     self.vocab_size = tokenizer.get_vocab_size()
 
-    def find(name, *candidates):
-      for c in ([name] if name else []) + list(candidates):
-        i = tokenizer.token_to_id(c)
+    def find(kind, name):
+      for c in _GUESSES[kind] if name is None else (name,):
+        i = tokenizer.token_to_id(c) if c else None
         if i is not None:
           return i
       return -1
 
-    self.bos_id = find(bos, "<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
-    self.eos_id = find(
-      eos, "<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|endoftext|>", "<|im_end|>"
+    self.bos_id, eos_id, self.pad_id = find("bos", bos), find("eos", eos), find("pad", pad)
+    self.eos_ids = tuple(eos_ids) if eos_ids else ((eos_id,) if eos_id >= 0 else ())
+    self.eos_id = self.eos_ids[0] if self.eos_ids else -1
+    token = lambda i: tokenizer.id_to_token(i) if i >= 0 else None
+    self.bos_token, self.eos_token = (
+      token(self.bos_id),
+      token(eos_id if eos_id >= 0 else self.eos_id),
     )
-    self.pad_id = find(pad, "<pad>", "<|pad|>")
 
   @classmethod
   def from_file(cls, path: str | Path) -> HFTokenizer:
@@ -74,11 +107,11 @@ class HFTokenizer:
 
     return cls(_Tokenizer.from_file(str(path)))
 
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-  def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def save(self, path: str | Path) -> None:
     self._tok.save(str(path))

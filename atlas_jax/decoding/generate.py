@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams, sample_rows, step_keys
+from atlas_jax.decoding.sampling import (
+  SamplingArrays,
+  SamplingParams,
+  eos_ids,
+  sample_rows,
+  step_keys,
+)
 from atlas_jax.model.transformer import Transformer
 
 Array = jax.Array
@@ -88,11 +94,30 @@ def _decode_loop(
   return out_BN, logp_BN, steps, cache
 
 
-def _stop_ids(params: SamplingParams, eos_id: int | None) -> list[int]:
+def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> list[int]:
   ids = list(params.stop_token_ids)
-  if eos_id is not None and not params.ignore_eos:
-    ids.append(eos_id)
+  if not params.ignore_eos:
+    ids += eos
   return ids
+
+
+def token_lists(prompts) -> list[list[int]]:
+  """Prompts as lists of ints: from lists, or numpy / jax arrays (a 2-D array is one prompt per
+  row)."""
+  if isinstance(prompts, str | bytes):
+    raise ValueError("generate: prompts must be token id lists, not text (encode it first)")
+  if hasattr(prompts, "ndim") and prompts.ndim != 2:
+    raise ValueError(
+      f"generate: a prompts array must be 2-D [B, T], got shape {tuple(prompts.shape)} "
+      "(one prompt: pass [prompt])"
+    )
+  out = []
+  for b, p in enumerate(prompts):
+    row = np.asarray(p)
+    if row.ndim != 1 or (row.size and not np.issubdtype(row.dtype, np.integer)):
+      raise ValueError(f"generate: prompt {b} is not a list of integer token ids")
+    out.append(row.astype(np.int64).tolist())
+  return out
 
 
 def generate(
@@ -100,7 +125,7 @@ def generate(
   prompts: Sequence[Sequence[int]],
   params: SamplingParams | Sequence[SamplingParams] | None = None,
   *,
-  eos_id: int | None = None,
+  eos_id: int | Sequence[int] | None = None,
   return_logprobs: bool = False,
   draft: Transformer | str | None = None,
   num_speculative_tokens: int = 4,
@@ -109,10 +134,11 @@ def generate(
 
   Args:
     model: a Transformer.
-    prompts: token id lists, each non-empty.
+    prompts: token id lists, each non-empty (or a 2-D numpy / jax array, one prompt per row).
     params: one SamplingParams for all rows, or one per row. Stop strings (`params.stop`) need a
       tokenizer and are honoured by the serving engine, not here.
-    eos_id: stop a row once it draws this token (kept in the output), unless its ignore_eos.
+    eos_id: stop a row once it draws this token, or any of these tokens (kept in the output),
+      unless its ignore_eos.
     return_logprobs: also return each generated token's logprob (f32 lists).
     draft: speculative decoding (`atlas_jax.decoding.speculative`): a model with the same
       vocabulary that proposes `num_speculative_tokens` tokens per target pass, or "mtp" for the
@@ -124,6 +150,7 @@ def generate(
   Returns:
     list of i32 token lists; with return_logprobs, (tokens, logprobs).
   """
+  prompts = token_lists(prompts)
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
   B = len(prompts)
@@ -133,6 +160,9 @@ def generate(
     raise ValueError(f"generate: {len(per_row)} SamplingParams for {B} prompts")
   if any(p.guided is not None for p in per_row):
     raise ValueError("generate: guided decoding (SamplingParams.guided) is served by the Engine")
+  for name, unset in (("min_tokens", 0), ("prompt_logprobs", None)):
+    if any(getattr(p, name) != unset for p in per_row):
+      raise ValueError(f"generate: SamplingParams.{name} is served by the Engine")
   max_new = max(p.max_new_tokens for p in per_row)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = _bucket(int(lengths.max()))
@@ -149,7 +179,8 @@ def generate(
       raise ValueError(f"generate: prompt {b} has token ids outside [0, {vocab})")
     tokens[b, : len(p)] = p
 
-  stops = [_stop_ids(p, eos_id) for p in per_row]
+  eos = eos_ids(eos_id)
+  stops = [_stop_ids(p, eos) for p in per_row]
   stop_BS = np.full((B, max(1, max(len(s) for s in stops))), -1, np.int32)
   for b, s in enumerate(stops):
     stop_BS[b, : len(s)] = s

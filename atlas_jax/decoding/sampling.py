@@ -58,12 +58,31 @@ def _float_in(name: str, value, lo: float, hi: float, allowed: str) -> float:
   return value
 
 
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+  """`logit_bias` as sorted (token id, bias) pairs, from pairs or a {token id: bias} dict."""
+  allowed = "must map token ids (integers >= 0) to biases in [-100, 100]"
+  if isinstance(value, dict):
+    value = value.items()
+  if isinstance(value, str | bytes) or not _iterable(value):
+    raise ValueError(f"logit_bias={value!r} is not allowed: {allowed}")
+  pairs = {}
+  for pair in value:
+    if isinstance(pair, str | bytes) or not _iterable(pair) or len(tuple(pair)) != 2:
+      raise ValueError(f"logit_bias entry {pair!r} is not allowed: {allowed}")
+    token, bias = pair
+    pairs[_int_in("logit_bias token id", token, 0, INT32_MAX)] = _float_in(
+      f"logit_bias[{token}]", bias, -100.0, 100.0, "must be a number in [-100, 100]"
+    )
+  return tuple(sorted(pairs.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How one request is decoded and when it stops.
 
   `max_new_tokens` is the OpenAI `max_tokens`; `stop_token_ids` and `stop` (strings, checked on
-  the detokenised text by the serving engine) end a request in addition to the model's eos.
+  the detokenised text by the serving engine) end a request in addition to the model's eos ids.
+  The fields after `guided` are vLLM's and are honoured by the serving engine only.
   """
 
   max_new_tokens: int = 32
@@ -82,11 +101,23 @@ class SamplingParams:
   # A compiled constraint (`atlas_jax.decoding.guided.Grammar`, from a GrammarCompiler): the
   # output must match it. Served by the Engine, which masks each draw with it.
   guided: Grammar | None = None
+  # Added to the logits before anything else but the guided mask, as (token id, bias) pairs
+  # (a {token id: bias} dict is accepted), each bias in [-100, 100].
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  min_tokens: int = 0  # eos and stop tokens are masked, and stop strings unchecked, until then
+  skip_special_tokens: bool = True  # the output text leaves special tokens out
+  include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
+  prompt_logprobs: int | None = None  # each prompt token's logprob (the first: None) and top n
 
   def __post_init__(self):
     # Every field must fit what the jitted step holds (i32 and f32 per row), so a request that
     # passes here cannot overflow inside a batched step and take its neighbours down with it.
-    ints = {"max_new_tokens": (1, INT32_MAX), "top_k": (0, INT32_MAX), "seed": (0, INT32_MAX)}
+    ints = {
+      "max_new_tokens": (1, INT32_MAX),
+      "top_k": (0, INT32_MAX),
+      "seed": (0, INT32_MAX),
+      "min_tokens": (0, INT32_MAX),
+    }
     for name, (lo, hi) in ints.items():
       object.__setattr__(self, name, _int_in(name, getattr(self, name), lo, hi))
     floats = {
@@ -102,11 +133,19 @@ class SamplingParams:
       if value == 0 and name in ("top_p", "repetition_penalty"):
         raise ValueError(f"{name}=0.0 is not allowed: {allowed}")
       object.__setattr__(self, name, value)
-    if self.logprobs is not None:
-      object.__setattr__(self, "logprobs", _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS))
-    if not isinstance(self.ignore_eos, bool | np.bool_):
-      raise ValueError(f"ignore_eos={self.ignore_eos!r} is not allowed: must be true or false")
-    object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+    if self.min_tokens > self.max_new_tokens:
+      raise ValueError(
+        f"min_tokens={self.min_tokens} is not allowed: must be <= max_new_tokens="
+        f"{self.max_new_tokens}"
+      )
+    for name in ("logprobs", "prompt_logprobs"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, _int_in(name, getattr(self, name), 0, MAX_LOGPROBS))
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+      if not isinstance(getattr(self, name), bool | np.bool_):
+        raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: must be true or false")
+      object.__setattr__(self, name, bool(getattr(self, name)))
+    object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
     if isinstance(self.stop_token_ids, str | bytes) or not _iterable(self.stop_token_ids):
       raise ValueError(
         f"stop_token_ids={self.stop_token_ids!r} is not allowed: must be a list of token ids"
@@ -128,6 +167,17 @@ class SamplingParams:
     )
 
 
+def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+  """The end-of-sequence ids as a tuple: one id, several (Llama-3-Instruct stops on two), or
+  none."""
+  if eos_id is None:
+    return ()
+  ids = (eos_id,) if isinstance(eos_id, numbers.Integral) else tuple(eos_id)
+  if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+    raise ValueError(f"eos_id={eos_id!r} is not allowed: must be a token id or a list of them")
+  return tuple(int(i) for i in ids)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
@@ -143,6 +193,10 @@ class SamplingArrays:
   # i32[B, W] packed allowed tokens (bit v % 32 of word v // 32) for guided rows, all bits set
   # for the others; None when no row is guided.
   allowed_bits: Array | None = None
+  # logit_bias: i32[B, NB] token ids and f32[B, NB] biases (padding: token 0, bias 0); None when
+  # no row has one.
+  bias_ids: Array | None = None
+  bias_values: Array | None = None
 
   @classmethod
   def from_params(
@@ -154,6 +208,15 @@ class SamplingArrays:
     """Rows for `params`, padded (greedy) to `pad_to` rows; `allowed_bits` i32[pad_to, W]."""
     rows = list(params) + [SamplingParams()] * ((pad_to or len(params)) - len(params))
     col = lambda name, dt: np.asarray([getattr(p, name) for p in rows], dt)
+    bias_ids = bias_values = None
+    n_bias = max((len(p.logit_bias) for p in rows), default=0)
+    if n_bias:
+      NB = 1 << (n_bias - 1).bit_length()  # a power of two: few compiled shapes
+      bias_ids = np.zeros((len(rows), NB), np.int32)
+      bias_values = np.zeros((len(rows), NB), np.float32)
+      for b, p in enumerate(rows):
+        for j, (token, bias) in enumerate(p.logit_bias):
+          bias_ids[b, j], bias_values[b, j] = token, bias
     return cls(
       temperature=col("temperature", np.float32),
       top_k=col("top_k", np.int32),
@@ -163,7 +226,17 @@ class SamplingArrays:
       presence=col("presence_penalty", np.float32),
       frequency=col("frequency_penalty", np.float32),
       allowed_bits=allowed_bits,
+      bias_ids=bias_ids,
+      bias_values=bias_values,
     )
+
+
+def apply_bias(logits_BV: Array, arrays: SamplingArrays) -> Array:
+  """The logits plus each row's logit_bias (f32[B, V]); unchanged when no row has one."""
+  if arrays.bias_ids is None:
+    return logits_BV
+  rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
+  return logits_BV.at[rows_B1, arrays.bias_ids].add(arrays.bias_values)
 
 
 def unpack_allowed(bits_BW: Array, vocab_size: int) -> Array:
@@ -287,9 +360,9 @@ def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:
 
   Temperature, top-k, top-p and min-p applied exactly as `sample` applies them; a greedy row is
   one-hot at its argmax. Speculative decoding compares the target's and the draft's under the
-  same controls. (Penalties are not included.)
+  same controls. The logit bias is included; penalties are not.
   """
-  logits_BV = logits_BV.astype(jnp.float32)
+  logits_BV = apply_bias(logits_BV.astype(jnp.float32), arrays)
   V = logits_BV.shape[-1]
   kept_BV = _filtered(logits_BV, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p)
   probs_BV = jax.nn.softmax(kept_BV, axis=-1)
@@ -305,8 +378,8 @@ def sample_rows(
   counts_BV: Array | None = None,
   prompt_mask_BV: Array | None = None,
 ) -> tuple[Array, Array, Array, Array]:
-  """The guided mask (when `arrays.allowed_bits` is set), penalties (when counts are given), then
-  `sample`, then the logprobs of the draw.
+  """The guided mask (when `arrays.allowed_bits` is set), the logit bias, penalties (when counts
+  are given), then `sample`, then the logprobs of the draw.
 
   Disallowed tokens get -inf before anything else, so top-k / top-p / min-p choose among allowed
   tokens only. Logprobs are those of the model's distribution (before the mask, penalties and
@@ -319,6 +392,7 @@ def sample_rows(
   logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
   if arrays.allowed_bits is not None:
     logits_BV = mask_logits(logits_BV, arrays.allowed_bits)
+  logits_BV = apply_bias(logits_BV, arrays)
   if counts_BV is not None:
     logits_BV = apply_penalties(
       logits_BV,

@@ -63,6 +63,17 @@ only.
 Larger batches burst instead: there the target's pass is no longer bound by reading its
 weights, and speculation's extra draft and rejected-token work stops paying.
 
+A request in its first `min_tokens` tokens has its eos and stop ids masked the same way (and no
+burst or speculative round runs while one does); stop strings are looked for only after them. A
+request with `prompt_logprobs` gets the log-probabilities of its prompt tokens, from one more pass
+of the model over the whole prompt when its first token is drawn (`steps.prompt_logprobs`).
+
+`warmup()` compiles the step shapes a server meets first (decode steps and bursts at every batch
+bucket, prefill chunks), so that the first requests do not pay for compilation; it names the
+shapes it leaves to first use. Each finished request is logged on one line (logger
+`atlas_jax.serving`, INFO): its id, prompt and output tokens, time to first token, total time and
+finish reason.
+
 A request that cannot fit the pool (or the context) on its own is rejected when it is added, so
 the oldest request can always make progress by preempting newer ones: no crash, no livelock.
 Sampling keys are `fold_in(key(seed), i)` for the i-th generated token, as in `generate`, so
@@ -73,8 +84,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import logging
 import numbers
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
@@ -84,17 +98,23 @@ from flax import nnx
 
 from atlas_jax.cache.allocator import BlockAllocator, OutOfBlocksError
 from atlas_jax.decoding.guided import GuidedMatcher
-from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
+from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams, eos_ids
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving import steps
 from atlas_jax.serving.detokenize import IncrementalDetokenizer
 
 Array = jax.Array
 RequestId = Hashable
+log = logging.getLogger("atlas_jax.serving")
 
 
 class RequestError(ValueError):
-  """A request the engine cannot serve (too long for the context or the pool, bad token ids)."""
+  """A request the engine cannot serve (too long for the context or the pool, bad token ids).
+  `field` names the request field at fault, where one is (e.g. "logit_bias")."""
+
+  def __init__(self, message: str, field: str | None = None):
+    super().__init__(message)
+    self.field = field
 
 
 class _PoolLost(Exception):
@@ -161,6 +181,10 @@ class RequestOutput:
   finished: bool
   finish_reason: str | None = None  # "stop", "length", "abort" or "error"
   error: str | None = None
+  # With `params.prompt_logprobs`, on the request's first output: per prompt token, its logprob
+  # and the top `prompt_logprobs` (token, logprob) pairs; None for the first token.
+  prompt_logprobs: list[float | None] | None = None
+  prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -175,9 +199,17 @@ class _Request:
   detok: IncrementalDetokenizer | None = None  # the output's text (only with a detokenizer)
   n_text_sent: int = 0
   stop_at: int | None = None  # where the first stop string starts in the text
+  stop_end: int | None = None  # and where it ends
   n_preemptions: int = 0
   suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
   matcher: GuidedMatcher | None = None  # guided requests: where the output is in the grammar
+  t_arrival: float = 0.0  # time.perf_counter() when added
+  t_first: float | None = None  # when its first token was drawn
+
+  @property
+  def suppressing_stops(self) -> bool:
+    """Whether its eos and stop ids are masked (its first `min_tokens` tokens)."""
+    return len(self.output) < self.params.min_tokens
 
   @property
   def tokens(self) -> list[int]:
@@ -251,8 +283,10 @@ class Engine:
   Args:
     model: a Transformer (any family: its pool holds K/V, or MLA latents).
     config: pool and scheduling limits.
-    eos_id: the model's end-of-sequence token (a stop token unless a request sets ignore_eos).
-    detokenize: token ids -> text; enables stop strings and the `text` of outputs.
+    eos_id: the model's end-of-sequence token, or a list of them (Llama-3-Instruct ends on two):
+      stop tokens unless a request sets ignore_eos.
+    detokenize: token ids -> text; enables stop strings and the `text` of outputs. A request with
+      `skip_special_tokens=False` calls it with that keyword.
     draft: a smaller model with the same vocabulary, for speculative decoding; or "mtp", the
       model's own multi-token-prediction heads.
   """
@@ -262,7 +296,7 @@ class Engine:
     model: Transformer,
     config: EngineConfig = EngineConfig(),
     *,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     detokenize: Callable[[Sequence[int]], str] | None = None,
     draft: Transformer | str | None = None,
   ):
@@ -270,7 +304,7 @@ class Engine:
     self.config = config
     self.model_config = cfg
     self.max_model_len = config.max_model_len or cfg.max_seq_len
-    self.eos_id = eos_id
+    self.eos_ids = frozenset(eos_ids(eos_id))
     self.detokenize = detokenize
     self.graphdef, state = nnx.split(model)
     self.draft = draft
@@ -326,11 +360,93 @@ class Engine:
     self.n_drafted = 0  # draft tokens proposed to the target
     self.n_accepted = 0  # of those, accepted
     self.n_spec_emitted = 0  # tokens emitted by speculative rounds (accepted + one per row round)
+    self._finished: list[_Request] = []  # released since the last step's log lines
 
   @property
   def mean_acceptance_length(self) -> float:
     """Tokens a row emits per speculative round (accepted drafts + 1; cut at stops)."""
     return self.n_spec_emitted / max(self.n_spec_row_rounds, 1)
+
+  # -- start-up ------------------------------------------------------------------------------
+
+  def warmup_shapes(self) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """(the step shapes `warmup` compiles, as (program, rows B, tokens T), what it leaves to
+    first use): decode steps and bursts at every batch bucket, one prompt's prefill at every
+    chunk bucket and short prompts' (T <= 32) at every batch bucket; all with the narrowest
+    block table."""
+    c = self.config
+    buckets = sorted({self._bucket(n) for n in range(1, c.max_num_seqs + 1)})
+    chunks = sorted({min(_pow2(n, 16), c.prefill_chunk) for n in range(2, c.prefill_chunk + 1)})
+    shapes = [("prefill", B, T) for B in buckets for T in chunks if B == 1 or T <= 32]
+    shapes += [("decode", B, 1) for B in buckets]
+    if c.decode_burst >= 2:
+      shapes += [("burst", B, c.decode_burst) for B in buckets]
+    if self.draft is not None:
+      k = c.num_speculative_tokens
+      shapes += [("speculate", B, k + 1) for B in buckets if B <= _pow2(c.speculative_max_batch)]
+    Z, M = c.block_size, min(self._min_blocks, self.max_blocks)
+    deferred = [
+      f"block tables past {M * Z} tokens (one more shape per doubling of a context)",
+      "prefill batches of more than one prompt past 32 tokens",
+      "penalties, logit bias, guided masks, min_tokens and prompt logprobs",
+    ]
+    return shapes, deferred
+
+  def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+    """Compiles (and runs once, on padding rows that write nothing) every shape of
+    `warmup_shapes`, so the first requests of those shapes do not wait for XLA.
+
+    Args:
+      progress: called before each shape with (index, total, "prefill B=4 T=32").
+    """
+    shapes, _ = self.warmup_shapes()
+    M = min(self._min_blocks, self.max_blocks)
+    for i, (kind, B, T) in enumerate(shapes):
+      if progress is not None:
+        progress(i + 1, len(shapes), f"{kind} B={B} T={T}")
+      zeros = lambda *shape: np.zeros(shape, np.int32)
+      table, arrays, pad = zeros(B, M), SamplingArrays.from_params([], pad_to=B), np.full(B, -1)
+      progs = self.programs
+      if kind in ("prefill", "decode"):
+        self.pools, *outs = progs.forward_sample(
+          self.states,
+          self.pools,
+          zeros(B, T),
+          np.full((B, T), -1, np.int32),
+          table,
+          zeros(B),
+          zeros(B),
+          zeros(B),
+          zeros(B),
+          arrays,
+          False,
+          None,
+          None,
+        )
+      elif kind == "burst":
+        # Twice: fed from the host, then from the device (a chained burst's pending tokens are
+        # the last one's draws, which the program sees as placed on the device).
+        tokens = zeros(B)
+        for _ in range(2):
+          self.pools, *outs = progs.decode_burst(
+            self.states,
+            self.pools,
+            tokens,
+            pad.astype(np.int32),
+            table,
+            zeros(B),
+            zeros(B),
+            arrays,
+            None,
+            T,
+            False,
+            None,
+          )
+          tokens = outs[0][T - 1]
+      else:
+        rows = steps.RoundRows(zeros(B), pad.astype(np.int32), table, zeros(B), zeros(B), arrays)
+        self.pools, *outs = progs.speculative_round(self.states, self.pools, rows, T - 1)
+      jax.block_until_ready(outs)
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -419,9 +535,15 @@ class Engine:
         f"prompt length {len(prompt)} + max_tokens {params.max_new_tokens} needs "
         f"{-(-total // Z)} KV blocks of {Z} tokens; the pool holds {self.config.n_blocks}"
       )
+    for token, _ in params.logit_bias:
+      if token >= V:
+        raise RequestError(
+          f"logit_bias token id {token} is not allowed: token ids must be in [0, {V})",
+          "logit_bias",
+        )
     stop = set(params.stop_token_ids)
-    if self.eos_id is not None and not params.ignore_eos:
-      stop.add(self.eos_id)
+    if not params.ignore_eos:
+      stop |= self.eos_ids
     if params.guided is not None:
       if params.guided.vocab_size != V:
         raise RequestError(
@@ -429,10 +551,14 @@ class Engine:
         )
       stop.add(params.guided.eos_id)  # the grammar allows eos only where the output is whole
     req = _Request(request_id, prompt, params, self._arrivals, frozenset(stop))
+    req.t_arrival = time.perf_counter()
     if params.guided is not None:
       req.matcher = params.guided.matcher()
     if self.detokenize is not None:
-      req.detok = IncrementalDetokenizer(self.detokenize)
+      decode = self.detokenize
+      if not params.skip_special_tokens:
+        decode = functools.partial(decode, skip_special_tokens=False)
+      req.detok = IncrementalDetokenizer(decode)
     self._arrivals += 1
     return req
 
@@ -468,6 +594,15 @@ class Engine:
     A request whose rows make the model step raise fails alone (finish_reason "error"); the
     others continue with unchanged outputs (see `_run_isolated`).
     """
+    outputs = self._step()
+    if self._finished:
+      reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
+      for req in self._finished:
+        _log_finished(req, reasons.get(req.id))
+      self._finished = []
+    return outputs
+
+  def _step(self) -> list[RequestOutput]:
     outputs = self._process_aborts()
     try:
       if self._inflight is not None:
@@ -532,13 +667,15 @@ class Engine:
     return (
       self.config.decode_burst >= 2
       and self._decode_only()
-      and all(r.matcher is None for r in self.running)  # a guided row's mask follows each draw
+      # A guided row's mask follows each draw; a row in its min_tokens changes mask.
+      and all(r.matcher is None and not r.suppressing_stops for r in self.running)
     )
 
   def _should_speculate(self) -> bool:
     """Whether this step is a speculative round: a draft, a small enough batch, no row with
-    penalties (their counts would follow each draft), and no request that needs a mixed step.
-    Guided rows speculate: the host walks their drafts through the grammar mid-round."""
+    penalties (their counts would follow each draft) or in its min_tokens, and no request that
+    needs a mixed step. Guided rows speculate: the host walks their drafts through the grammar
+    mid-round."""
     return self._speculates(self.running) and self._decode_only()
 
   def _speculates(self, rows: list[_Request]) -> bool:
@@ -547,7 +684,7 @@ class Engine:
     return (
       self.draft is not None
       and len(rows) <= (c.guided_speculative_max_batch if guided else c.speculative_max_batch)
-      and not any(r.params.uses_penalties for r in rows)
+      and not any(r.params.uses_penalties or r.suppressing_stops for r in rows)
     )
 
   def _decode_only(self) -> bool:
@@ -898,14 +1035,20 @@ class Engine:
     return counts, prompt_mask
 
   def _allowed_bits(self, rows: list[tuple[_Request, int]], B: int) -> np.ndarray | None:
-    """i32[B, W] packed allowed tokens: guided rows' from their matchers, all set for the
-    others; None when no row is guided."""
-    if all(req.matcher is None for req, _ in rows):
+    """i32[B, W] packed allowed tokens: guided rows' from their matchers, without the stop ids
+    for rows in their min_tokens, all set for the others; None when no row needs a mask."""
+    if all(req.matcher is None and not req.suppressing_stops for req, _ in rows):
       return None
-    bits = np.full((B, -(-self.model_config.vocab_size // 32)), -1, np.int32)
+    V = self.model_config.vocab_size
+    bits = np.full((B, -(-V // 32)), -1, np.int32)
     for b, (req, _) in enumerate(rows):
       if req.matcher is not None:
         bits[b] = req.matcher.allowed_bits()
+      if req.suppressing_stops:
+        words = bits[b].view(np.uint32)
+        for t in req.stop_ids:
+          if t < V:
+            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
     return bits
 
   def _draft_masks(self, rows: list[_Request], drafts_BJ: np.ndarray, B: int) -> np.ndarray:
@@ -1088,6 +1231,7 @@ class Engine:
     n_top = req.params.logprobs or 0
     kept, kept_lp, kept_top = [], [], []
     reason = None
+    first = not req.output
     for token, logprob, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
       token = int(token)
       req.output.append(token)
@@ -1095,23 +1239,48 @@ class Engine:
       kept_lp.append(float(logprob))
       if req.params.logprobs is not None:
         kept_top.append([(int(t), float(p)) for t, p in zip(ids[:n_top], lps[:n_top])])
-      if token in req.stop_ids:
+      stop_token = token in req.stop_ids
+      if stop_token:
         reason = "stop"
       elif req.matcher is not None and self._guide(req.matcher, token):
         reason = "stop"  # the output is whole and only eos could follow
       elif len(req.output) >= req.params.max_new_tokens:
         reason = "length"
-      if req.detok is not None and self._text(req, token, final=reason is not None):
-        reason = "stop"  # a stop string
+      if req.detok is not None:
+        if stop_token and not req.params.include_stop_str_in_output:
+          req.detok.flush()  # as vLLM, the text leaves out the token it stopped on
+        elif self._text(req, token, final=reason is not None):
+          reason = "stop"  # a stop string
       if reason is not None:
         break
     text = "" if req.detok is None else self._emit(req, reason)
     out = RequestOutput(
       req.id, kept, kept_lp, kept_top, text, finished=reason is not None, finish_reason=reason
     )
+    if first:
+      req.t_first = time.perf_counter()
+      if req.params.prompt_logprobs is not None:
+        out.prompt_logprobs, out.prompt_top_logprobs = self._prompt_logprobs(req)
     if reason is not None and release:
       self._release(req)
     return out, len(kept)
+
+  def _prompt_logprobs(self, req: _Request):
+    """(per prompt token its logprob, per prompt token its top `prompt_logprobs` pairs), None
+    for the first token, from one pass of the model over the whole prompt."""
+    n = len(req.prompt)
+    T = max(n, min(_pow2(n, 16), self.max_model_len))
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :n] = req.prompt
+    lp, top_ids, top_lp = map(
+      np.asarray, self.programs.prompt_logprobs(self.states[0], tokens)
+    )  # right padding: causal attention keeps it out of the real positions
+    k = req.params.prompt_logprobs
+    lps: list[float | None] = [None] + [float(lp[t]) for t in range(n - 1)]
+    tops: list[list[tuple[int, float]] | None] = [None] + [
+      [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])] for t in range(n - 1)
+    ]
+    return lps, tops
 
   @staticmethod
   def _guide(matcher: GuidedMatcher, token: int) -> bool:
@@ -1124,11 +1293,13 @@ class Engine:
     req.detok.push(token)
     if final:
       req.detok.flush()
+    if len(req.output) <= req.params.min_tokens:
+      return False  # as vLLM: no stop string within the first min_tokens tokens
     full = req.detok.text
     for s in req.params.stop:
       at = full.find(s, max(0, req.n_text_sent - len(s) + 1))
-      if at >= 0:
-        req.stop_at = at if req.stop_at is None else min(req.stop_at, at)
+      if at >= 0 and (req.stop_at is None or at < req.stop_at):
+        req.stop_at, req.stop_end = at, at + len(s)
     return req.stop_at is not None
 
   def _emit(self, req: _Request, reason: str | None) -> str:
@@ -1136,7 +1307,7 @@ class Engine:
     become one."""
     full = req.detok.text
     if req.stop_at is not None:
-      end = req.stop_at
+      end = req.stop_end if req.params.include_stop_str_in_output else req.stop_at
     elif reason is None:
       end = len(full) - max((len(s) - 1 for s in req.params.stop), default=0)
     else:
@@ -1147,6 +1318,8 @@ class Engine:
     return text
 
   def _release(self, req: _Request) -> None:
+    if req.id in self._requests:
+      self._finished.append(req)
     if req.id in self.allocator:
       self.allocator.free(req.id)
     if req in self.running:
@@ -1165,4 +1338,18 @@ class Engine:
     return RequestOutput(req.id, [], [], [], "", finished=True, finish_reason=reason, error=error)
 
 
-__all__ = ["MAX_LOGPROBS", "Engine", "EngineConfig", "RequestError", "RequestOutput"]
+def _log_finished(req: _Request, reason: str | None) -> None:
+  now = time.perf_counter()
+  ttft = "-" if req.t_first is None else f"{req.t_first - req.t_arrival:.3f} s"
+  log.info(
+    "request %s: %s, %d prompt + %d output tokens, first token %s, total %.3f s",
+    req.id,
+    reason,
+    len(req.prompt),
+    len(req.output),
+    ttft,
+    now - req.t_arrival,
+  )
+
+
+__all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput"]

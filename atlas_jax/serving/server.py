@@ -6,7 +6,19 @@ the engine thread with `call_soon_threadsafe`. A client that disconnects mid-str
 request, which frees its blocks.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream as server-sent events ending
-in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+in `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's
+shapes), GET /health, GET /metrics (Prometheus).
+
+Requests are accepted as OpenAI and vLLM clients send them: fields the server does not use are
+ignored, with one warning line in the log naming them, as vLLM does; the fields it uses are
+checked (type and range), and a bad one is a 400 naming it. `model` must be one of the served
+names (a 404 otherwise). A completion's `prompt` may be a string, a list of token ids, or a list
+of either (one set of `n` choices per prompt, indexed in order); text prompts are encoded as the
+tokenizer encodes by default (a Llama tokenizer adds its BOS; `add_special_tokens: false` does
+not), chats as transformers encodes its rendered template (the template writes its own BOS).
+Without `seed`, a request draws a fresh one; with it, the output is reproducible. vLLM's
+`logit_bias`, `min_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and OpenAI's
+`echo` (with `logprobs`: each prompt token's logprob, the first null) are served.
 
 Guided decoding: both completion endpoints take OpenAI's `response_format` (`json_object`,
 `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`. The constraint is
@@ -21,10 +33,11 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
@@ -44,30 +57,33 @@ from starlette.exceptions import HTTPException
 from atlas_jax.decoding.guided import Grammar, GrammarCompiler, GuidedDecodingError
 from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
+from atlas_jax.serving.chat import ChatTemplate, ChatTemplateError, PlainChatTemplate
 from atlas_jax.serving.engine import Engine, RequestError, RequestOutput
 from atlas_jax.serving.metrics import ServingMetrics
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-  max_prompt_tokens: int = 4096
-  max_tokens: int = 1024  # per request, the most `max_tokens` may ask for
+  max_prompt_tokens: int | None = None  # default: the engine's context length
+  max_tokens: int | None = None  # the most `max_tokens` may ask for; default: the context length
   max_n: int = 4
   max_body_bytes: int = 1 << 20
-  default_max_tokens: int = 64
+  default_max_tokens: int = 64  # without `max_tokens`: this, or what the context leaves if less
 
 
 class APIError(Exception):
-  def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+  def __init__(
+    self, status: int, message: str, param: str | None = None, kind: str = "", code=None
+  ):
     super().__init__(message)
-    self.status, self.message, self.param = status, message, param
+    self.status, self.message, self.param, self.code = status, message, param, code
     self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
 
 def _error_response(
-  status: int, message: str, param=None, kind="invalid_request_error", headers=None
+  status: int, message: str, param=None, kind="invalid_request_error", headers=None, code=None
 ) -> JSONResponse:
-  body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+  body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
   return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -167,21 +183,37 @@ class EngineRunner:
 
   def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
     """Queues a request; its RequestOutputs arrive on the returned queue (None ends it)."""
-    return self.submit_all(prompt, [params])[0]
+    return self.submit_all([(prompt, [params])])[0]
 
   def submit_all(
-    self, prompt: list[int], params: list[SamplingParams]
+    self, groups: Sequence[tuple[list[int], Sequence[SamplingParams]]]
   ) -> list[tuple[str, asyncio.Queue]]:
-    """Queues n completions of one prompt, computed once and sharing its blocks (all or none)."""
-    rids = [uuid.uuid4().hex for _ in params]
+    """Queues each (prompt, n params) group: n completions of the prompt, computed once and
+    sharing its blocks. All groups or none: a RequestError for any leaves nothing queued."""
     loop = asyncio.get_running_loop()
     now = time.perf_counter()
-    streams = [_Stream(asyncio.Queue(), loop, now, len(prompt)) for _ in params]
-    with self._lock:
-      self.engine.add_requests(rids, prompt, params)  # RequestError propagates
-      self._streams.update(zip(rids, streams))
+    subs: list[tuple[str, asyncio.Queue]] = []
+    streams: dict[str, _Stream] = {}
+    with self._lock:  # the engine thread steps under it: nothing queued here has run yet
+      try:
+        for k, (prompt, params) in enumerate(groups):
+          rids = [uuid.uuid4().hex for _ in params]
+          try:
+            self.engine.add_requests(rids, prompt, params)
+          except RequestError as e:
+            if len(groups) > 1:
+              raise RequestError(f"prompt {k}: {e}", e.field) from None
+            raise
+          for rid in rids:
+            streams[rid] = _Stream(asyncio.Queue(), loop, now, len(prompt))
+            subs.append((rid, streams[rid].queue))
+      except RequestError:
+        for rid in streams:
+          self.engine.abort(rid)
+        raise
+      self._streams.update(streams)
     self._wake.set()
-    return [(rid, s.queue) for rid, s in zip(rids, streams)]
+    return subs
 
   def abort(self, rid: str) -> None:
     self.engine.abort(rid)
@@ -198,7 +230,7 @@ class EngineRunner:
       return dict(
         running=self.engine.n_running,
         waiting=self.engine.n_waiting,
-        kv_usage=s.n_used / s.n_blocks,
+        kv_usage=self.engine.kv_usage(),
         preemptions=self.engine.n_preemptions,
         prefix_queries=s.prefix_query_tokens,
         prefix_hits=s.prefix_hit_tokens,
@@ -247,6 +279,7 @@ class EngineRunner:
 # -- request bodies -----------------------------------------------------------------------------
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 def encodable(text: str) -> str:
@@ -264,10 +297,14 @@ def encodable(text: str) -> str:
 
 # Every string a request carries.
 Text = Annotated[str, AfterValidator(encodable)]
+# Fields the server does not use are kept aside (and named in one warning line), as vLLM does.
+_LENIENT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-class _Body(BaseModel):
-  model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class RequestFields(BaseModel):
+  """The fields both completion endpoints share (and a line of serve.py's --prompts file)."""
+
+  model_config = _LENIENT
 
   model: Text | None = None
   max_tokens: PositiveInt | None = None
@@ -287,6 +324,13 @@ class _Body(BaseModel):
   seed: Annotated[StrictInt, Field(ge=0, lt=2**31)] | None = None
   ignore_eos: StrictBool = False
   user: Text | None = None
+  # OpenAI's {"token id": bias}, each bias in [-100, 100]
+  logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+  # vLLM's
+  min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] = 0
+  skip_special_tokens: StrictBool = True
+  include_stop_str_in_output: StrictBool = False
+  add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for a chat
   # guided decoding (OpenAI, then vLLM's fields)
   response_format: dict[str, Any] | None = None
   guided_json: dict[str, Any] | Text | None = None
@@ -316,8 +360,6 @@ def describe_invalid(errors) -> tuple[str, str | None]:
   msg = str(err.get("msg", "")).removeprefix("Value error, ")
   if err.get("type") == "json_invalid":
     return f"malformed JSON body: {msg}", None
-  if err.get("type") == "extra_forbidden":
-    return f"unknown field '{param}'", param
   if param is None:  # the body as a whole: empty, not an object, or not sent as JSON
     return (
       f"the body must be a JSON object sent with Content-Type: application/json ({msg})",
@@ -330,28 +372,128 @@ def check_sampling_fields(**fields) -> None:
   """Applies the API's rules to sampling fields given elsewhere (serve.py's flags), by their API
   names (max_tokens, temperature, top_k, top_p, seed, ...): ValueError with the API's message."""
   try:
-    _Body.model_validate(fields)
+    RequestFields.model_validate(fields)
   except ValidationError as e:
     raise ValueError(describe_invalid(e.errors())[0]) from None
 
 
-class CompletionBody(_Body):
-  prompt: Text | list[Annotated[StrictInt, Field(ge=0)]]
+def request_params(
+  body: RequestFields,
+  defaults: SamplingParams,
+  *,
+  max_tokens: int,
+  seed: int,
+  logprobs: int | None = None,
+  prompt_logprobs: int | None = None,
+  guided: Grammar | None = None,
+) -> SamplingParams:
+  """The SamplingParams of a request's fields; a field not given takes `defaults`' value.
+
+  Raises:
+    RequestError naming the field: a logit_bias key that is not a token id, or min_tokens past
+    max_tokens (the engine checks the rest against the model).
+  """
+  bias = {}
+  for key, value in (body.logit_bias or {}).items():
+    if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+      raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias")
+    bias[int(key)] = value
+  if body.min_tokens > max_tokens:
+    raise RequestError(
+      f"min_tokens={body.min_tokens} is not allowed: must be <= max_tokens={max_tokens}",
+      "min_tokens",
+    )
+  stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+  pick = lambda v, d: d if v is None else v
+  return SamplingParams(
+    max_new_tokens=max_tokens,
+    temperature=pick(body.temperature, defaults.temperature),
+    top_p=pick(body.top_p, defaults.top_p),
+    top_k=max(0, pick(body.top_k, defaults.top_k)),
+    min_p=pick(body.min_p, defaults.min_p),
+    presence_penalty=pick(body.presence_penalty, defaults.presence_penalty),
+    frequency_penalty=pick(body.frequency_penalty, defaults.frequency_penalty),
+    repetition_penalty=pick(body.repetition_penalty, defaults.repetition_penalty),
+    seed=seed,
+    stop_token_ids=tuple(body.stop_token_ids or ()),
+    stop=tuple(s for s in stop if s),
+    ignore_eos=body.ignore_eos,
+    logprobs=logprobs,
+    guided=guided,
+    logit_bias=tuple(bias.items()),
+    min_tokens=body.min_tokens,
+    skip_special_tokens=body.skip_special_tokens,
+    include_stop_str_in_output=body.include_stop_str_in_output,
+    prompt_logprobs=prompt_logprobs,
+  )
+
+
+class CompletionBody(RequestFields):
+  # Text, token ids, or a list of either: one set of n choices per prompt.
+  prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
   logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-  echo: Literal[False] = False
+  echo: StrictBool = False
+  suffix: Text | None = None
 
 
 class ChatMessage(BaseModel):
-  model_config = ConfigDict(extra="forbid", strict=True)
+  model_config = _LENIENT  # other keys (tool_calls, ...) reach the template as they are
   role: Literal["system", "user", "assistant", "tool", "developer"]
-  content: Text
+  content: Text | list[dict[str, Any]] | None = None  # a string, or text parts
   name: Text | None = None
 
 
-class ChatBody(_Body):
+class _ChatFields(BaseModel):
+  """What renders a chat (the chat endpoint and /tokenize)."""
+
+  add_generation_prompt: StrictBool = True
+  continue_final_message: StrictBool = False
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatBody(RequestFields, _ChatFields):
   messages: Annotated[list[ChatMessage], Field(min_length=1)]
   logprobs: StrictBool = False
   top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class TokenizeBody(_ChatFields):
+  """vLLM's /tokenize: a `prompt`, or a chat's `messages`."""
+
+  model_config = _LENIENT
+  model: Text | None = None
+  prompt: Text | None = None
+  messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+  add_special_tokens: StrictBool | None = None
+  return_token_strs: StrictBool = False
+
+
+class DetokenizeBody(BaseModel):
+  model_config = _LENIENT
+  model: Text | None = None
+  tokens: list[TokenId]
+
+
+@dataclasses.dataclass
+class _Choice:
+  """One choice of a response as it is assembled: its prompt, its text, the next token's
+  `text_offset`."""
+
+  prompt_ids: list[int]
+  prompt_text: str
+  text: str = ""
+  started: bool = False
+  offset: int = 0
+  n_out: int = 0
+  finish_reason: str | None = None
+  logprobs: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _merge_logprobs(parts: list[dict]) -> dict:
+  """Logprobs objects of consecutive pieces as one (their lists concatenated)."""
+  if not parts:
+    return {}
+  return {k: [x for p in parts for x in p[k]] for k in parts[0]}
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -360,21 +502,38 @@ class ChatBody(_Body):
 def build_app(
   runner: EngineRunner,
   *,
-  encode: Callable[[str], list[int]],
-  decode: Callable[[list[int]], str],
-  model_name: str,
-  chat_template: Callable[[list[dict]], str] | None = None,
+  tokenizer,
+  model_name: str | Sequence[str],
+  chat_template: ChatTemplate | None = None,
   limits: ServerLimits = ServerLimits(),
   api_key: str | None = None,
   default_params: SamplingParams | None = None,
   guided: GrammarCompiler | None = None,
 ) -> FastAPI:
-  """The FastAPI app. `chat_template` renders messages to a prompt string (default: a plain
-  "role: content" transcript ending in "assistant:"); `guided` compiles guided-decoding
-  constraints over the model's tokenizer (without it, they are refused with a 400)."""
+  """The FastAPI app.
+
+  Args:
+    tokenizer: has `encode(text, add_special_tokens=)`, `decode(ids, skip_special_tokens=)`,
+      `bos_id` and `bos_token` (ByteTokenizer, HFTokenizer).
+    model_name: the served model's name, or several (aliases); a request's `model` must be one.
+    chat_template: renders messages to a prompt (default: a plain "role: content" transcript
+      ending in "assistant:").
+    default_params: the sampling defaults of requests that do not set a field (the seed aside:
+      a request without one draws a fresh one).
+    guided: compiles guided-decoding constraints over the model's tokenizer (without it, they are
+      refused with a 400).
+  """
   app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None)
+  names = [model_name] if isinstance(model_name, str) else list(model_name)
+  engine = runner.engine
+  vocab_size, context = engine.model_config.vocab_size, engine.max_model_len
+  max_prompt_tokens = limits.max_prompt_tokens or context
+  max_tokens_limit = limits.max_tokens or context
+  template = chat_template or PlainChatTemplate()
   defaults = default_params or SamplingParams()
   created = int(time.time())
+  encode = lambda text, add: tokenizer.encode(text, add_special_tokens=add)
+  token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request, exc: RequestValidationError):
@@ -383,7 +542,7 @@ def build_app(
 
   @app.exception_handler(APIError)
   async def _api_error(request, exc: APIError):
-    return _error_response(exc.status, exc.message, exc.param, exc.kind)
+    return _error_response(exc.status, exc.message, exc.param, exc.kind, code=exc.code)
 
   @app.exception_handler(HTTPException)
   async def _http_error(request, exc: HTTPException):
@@ -396,7 +555,48 @@ def build_app(
 
   app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
-  async def grammar_of(body: _Body) -> Grammar | None:
+  def not_found(model: str) -> APIError:
+    served = ", ".join(repr(n) for n in names)
+    return APIError(
+      404,
+      f"the model {model!r} does not exist; this server serves {served}",
+      "model",
+      code="model_not_found",
+    )
+
+  def check(body: BaseModel) -> None:
+    """The model asked for is served; the fields ignored are named in one warning line."""
+    if body.model is not None and body.model not in names:
+      raise not_found(body.model)
+    ignored = sorted(body.model_extra or {})
+    if ignored:
+      log.warning("request fields ignored: %s", ", ".join(ignored))
+
+  def prompt_ids(text: str, add_special_tokens: bool) -> list[int]:
+    """A prompt's ids; an empty text is the BOS alone, where the tokenizer has one."""
+    return encode(text, add_special_tokens) or ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else [])
+
+  def chat_ids(messages: list[ChatMessage], fields: _ChatFields, add: bool | None) -> list[int]:
+    """A chat's prompt ids: the template's text encoded as transformers encodes it."""
+    try:
+      text = template.render(
+        [m.model_dump(exclude_none=True) for m in messages],
+        add_generation_prompt=fields.add_generation_prompt,
+        continue_final_message=fields.continue_final_message,
+        **(fields.chat_template_kwargs or {}),
+      )
+      encodable(text)
+    except ChatTemplateError as e:  # the request's fault (e.g. the roles' order)
+      raise APIError(400, str(e), e.field) from None
+    except ValueError as e:
+      raise APIError(400, f"the chat's text: {e}", "messages") from None
+    # The template writes its own BOS; the plain transcript has none (encode as a prompt).
+    add = template.plain if add is None else add
+    if add and tokenizer.bos_token and text.startswith(tokenizer.bos_token):
+      add = False  # never a second BOS
+    return prompt_ids(text, add)
+
+  async def grammar_of(body: RequestFields) -> Grammar | None:
     """The request's compiled constraint, or None; a 400 naming the field when it is bad."""
     try:
       spec = guided_spec(
@@ -413,57 +613,54 @@ def build_app(
     except GuidedDecodingError as e:
       raise APIError(400, str(e), e.field) from None
 
-  def sampling(
-    body: _Body, n_prompt: int, index: int, logprobs: int | None, grammar: Grammar | None
-  ) -> SamplingParams:
-    default_max = min(limits.default_max_tokens, limits.max_tokens)
-    max_tokens = body.max_completion_tokens or body.max_tokens or default_max
-    if max_tokens > limits.max_tokens:
-      raise APIError(
-        400, f"max_tokens={max_tokens} exceeds the limit {limits.max_tokens}", "max_tokens"
-      )
-    if body.n > limits.max_n:
-      raise APIError(400, f"n={body.n} exceeds the limit {limits.max_n}", "n")
-    where = "messages" if isinstance(body, ChatBody) else "prompt"
-    if n_prompt > limits.max_prompt_tokens:
-      raise APIError(
-        400, f"the prompt has {n_prompt} tokens; the limit is {limits.max_prompt_tokens}", where
-      )
+  def max_tokens_of(body: RequestFields, n_prompt: int, where: str) -> int:
+    """The request's max_tokens (default: the server's, or what the context leaves), checked
+    against the limits with the prompt's length."""
     if n_prompt == 0:
       raise APIError(400, "the prompt is empty", where)
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    pick = lambda v, d: d if v is None else v
-    seed = pick(body.seed, defaults.seed)
-    return SamplingParams(
-      max_new_tokens=max_tokens,
-      temperature=pick(body.temperature, defaults.temperature),
-      top_p=pick(body.top_p, defaults.top_p),
-      top_k=max(0, pick(body.top_k, defaults.top_k)),
-      min_p=pick(body.min_p, defaults.min_p),
-      presence_penalty=pick(body.presence_penalty, 0.0),
-      frequency_penalty=pick(body.frequency_penalty, 0.0),
-      repetition_penalty=pick(body.repetition_penalty, 1.0),
-      seed=(seed + index) % 2**31,  # n choices differ, and each is reproducible
-      stop_token_ids=tuple(body.stop_token_ids or ()),
-      stop=tuple(s for s in stop if s),
-      ignore_eos=body.ignore_eos,
-      logprobs=logprobs,
-      guided=grammar,
-    )
+    if n_prompt > max_prompt_tokens:
+      raise APIError(
+        400, f"the prompt has {n_prompt} tokens; the limit is {max_prompt_tokens}", where
+      )
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+      return max(1, min(limits.default_max_tokens, max_tokens_limit, context - n_prompt))
+    if max_tokens > max_tokens_limit:
+      raise APIError(
+        400, f"max_tokens={max_tokens} exceeds the limit {max_tokens_limit}", "max_tokens"
+      )
+    return max_tokens
 
-  def submit_all(prompt_ids, body, logprobs, grammar):
+  def submit(body, prompts, logprobs, prompt_logprobs, grammar, where):
+    """Queues n choices per prompt (all or none); [(request id, queue)] in choice order."""
+    if body.n > limits.max_n:
+      raise APIError(400, f"n={body.n} exceeds the limit {limits.max_n}", "n")
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    groups = []
     try:
-      params = [sampling(body, len(prompt_ids), i, logprobs, grammar) for i in range(body.n)]
-      # The n choices share the prompt's computation and blocks (queued all or none).
-      return runner.submit_all(prompt_ids, params)
-    except (RequestError, ValueError) as e:
-      if isinstance(e, APIError):
-        raise
-      where = "messages" if isinstance(body, ChatBody) else "prompt"
-      raise APIError(400, str(e), where if isinstance(e, RequestError) else None) from None
+      for ids, _ in prompts:
+        max_tokens = max_tokens_of(body, len(ids), where)
+        params = [
+          request_params(
+            body,
+            defaults,
+            max_tokens=max_tokens,
+            seed=(seed + i) % 2**31,  # n choices differ, and each is reproducible
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            guided=grammar,
+          )
+          for i in range(body.n)
+        ]
+        groups.append((ids, params))
+      # Each prompt's n choices share its computation and blocks.
+      return runner.submit_all(groups)
+    except ValueError as e:
+      field = getattr(e, "field", None) or (where if isinstance(e, RequestError) else None)
+      raise APIError(400, str(e), field) from None
 
   async def merged(subs):
-    """(choice index, RequestOutput) in arrival order across the n choices."""
+    """(choice index, RequestOutput) in arrival order across the choices."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, q):
@@ -486,176 +683,207 @@ def build_app(
       for rid, _ in subs:  # no-op for finished requests; frees the blocks of the others
         runner.abort(rid)
 
-  def completion_logprobs(out: RequestOutput):
+  def completion_logprobs(choice: _Choice, ids, lps, tops) -> dict:
+    tokens = [token_text(t) for t in ids]
+    offsets = []
+    for t in tokens:  # as vLLM: each token's text after the ones before it
+      offsets.append(choice.offset)
+      choice.offset += len(t)
     return {
-      "tokens": [decode([t]) for t in out.new_token_ids],
-      "token_logprobs": out.new_logprobs,
-      "top_logprobs": [{decode([t]): lp for t, lp in top} for top in out.new_top_logprobs],
+      "tokens": tokens,
+      "token_logprobs": list(lps),
+      "top_logprobs": [
+        None if top is None else {token_text(t): lp for t, lp in top} for top in tops
+      ],
+      "text_offset": offsets,
     }
 
-  def chat_logprobs(out: RequestOutput):
+  def chat_logprobs(ids, lps, tops) -> dict:
+    def entry(t, lp):
+      text = token_text(t)
+      return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
     return {
       "content": [
-        {
-          "token": decode([t]),
-          "logprob": lp,
-          "bytes": None,
-          "top_logprobs": [{"token": decode([u]), "logprob": v, "bytes": None} for u, v in top],
-        }
-        for t, lp, top in zip(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
+        {**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in top]}
+        for t, lp, top in zip(ids, lps, tops)
       ]
     }
 
-  async def respond(body: _Body, prompt_ids: list[int], chat: bool, logprobs: int | None):
-    subs = submit_all(prompt_ids, body, logprobs, await grammar_of(body))
-    rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0][:24]
+  def piece(choice: _Choice, out: RequestOutput, chat: bool, logprobs, echo: bool):
+    """(text, logprobs or None) that `out` adds to `choice`; the first carries the echo."""
+    first, choice.started = not choice.started, True
+    text, lp = out.text, None
+    if logprobs is not None:
+      tokens = (out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
+      if chat:
+        lp = chat_logprobs(*tokens)
+      else:
+        parts = []
+        if first and echo and out.prompt_logprobs is not None:
+          prompt = (choice.prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs)
+          parts.append(completion_logprobs(choice, *prompt))
+        lp = _merge_logprobs([*parts, completion_logprobs(choice, *tokens)])
+    if first and echo:
+      text = choice.prompt_text + text
+    choice.text += text
+    choice.n_out += len(out.new_token_ids)
+    return text, lp
+
+  async def respond(body, prompts, *, chat: bool, logprobs: int | None, echo: bool = False):
+    """Serves n choices for each (ids, text) of `prompts`: a JSON response or an SSE stream."""
+    where = "messages" if chat else "prompt"
+    prompt_logprobs = logprobs if echo else None
+    grammar = await grammar_of(body)
+    subs = submit(body, prompts, logprobs, prompt_logprobs, grammar, where)
+    choices = [_Choice(ids, text) for ids, text in prompts for _ in range(body.n)]
+    rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0]  # the first choice's, as logged
     obj = "chat.completion" if chat else "text_completion"
-    model = body.model or model_name
+    model = body.model or names[0]
     usage_on = bool(body.stream_options and body.stream_options.get("include_usage"))
+    n_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+
+    def usage():
+      n_out = sum(c.n_out for c in choices)
+      return {
+        "prompt_tokens": n_prompt_tokens,
+        "completion_tokens": n_out,
+        "total_tokens": n_prompt_tokens + n_out,
+      }
 
     def error_of(out):
       return out.error or (
         f"request ended: {out.finish_reason}" if out.finish_reason == "error" else None
       )
 
+    def envelope(choice_list, **extra):
+      kind = obj + (".chunk" if chat and body.stream else "")
+      head = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+      return {**head, "choices": choice_list, **extra}
+
     if body.stream:
 
       async def events():
-        n_out = 0
         if chat:
-          for i in range(body.n):
-            chunk = {
-              "index": i,
-              "delta": {"role": "assistant", "content": ""},
-              "logprobs": None,
-              "finish_reason": None,
-            }
+          for i in range(len(choices)):
+            delta = {"role": "assistant", "content": ""}
             yield _sse(
-              {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [chunk],
-              }
+              envelope([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             )
         async for i, out in merged(subs):
           if error_of(out):
             yield _sse({"error": {"message": error_of(out), "type": "server_error"}})
             continue
-          n_out += len(out.new_token_ids)
-          if not out.text and not out.finished:
+          text, lp = piece(choices[i], out, chat, logprobs, echo)
+          if not text and not out.finished and not (lp and out.new_token_ids):
             continue
-          lp = None if logprobs is None else (chat_logprobs if chat else completion_logprobs)(out)
           reason = out.finish_reason if out.finished else None
           choice = (
-            {"index": i, "delta": {"content": out.text}, "logprobs": lp, "finish_reason": reason}
+            {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": reason}
             if chat
-            else {"index": i, "text": out.text, "logprobs": lp, "finish_reason": reason}
+            else {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
           )
-          yield _sse(
-            {
-              "id": rid,
-              "object": obj + (".chunk" if chat else ""),
-              "created": int(time.time()),
-              "model": model,
-              "choices": [choice],
-            }
-          )
+          yield _sse(envelope([choice]))
         if usage_on:
-          usage = {
-            "prompt_tokens": len(prompt_ids) * body.n,
-            "completion_tokens": n_out,
-            "total_tokens": len(prompt_ids) * body.n + n_out,
-          }
-          yield _sse(
-            {
-              "id": rid,
-              "object": obj + (".chunk" if chat else ""),
-              "created": int(time.time()),
-              "model": model,
-              "choices": [],
-              "usage": usage,
-            }
-          )
+          yield _sse(envelope([], usage=usage()))
         yield "data: [DONE]\n\n"
 
       return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
       )
 
-    texts = [""] * body.n
-    reasons = [None] * body.n
-    lps: list[list[RequestOutput]] = [[] for _ in range(body.n)]
-    n_out = 0
     async for i, out in merged(subs):
       if error_of(out):
         raise APIError(500, error_of(out))
-      texts[i] += out.text
-      n_out += len(out.new_token_ids)
-      lps[i].append(out)
+      _, lp = piece(choices[i], out, chat, logprobs, echo)
+      if lp is not None:
+        choices[i].logprobs.append(lp)
       if out.finished:
-        reasons[i] = out.finish_reason
+        choices[i].finish_reason = out.finish_reason
 
-    def merged_logprobs(i):
-      parts = [(chat_logprobs if chat else completion_logprobs)(o) for o in lps[i]]
+    body_choices = []
+    for i, c in enumerate(choices):
+      lp = None if logprobs is None else _merge_logprobs(c.logprobs)
       if chat:
-        return {"content": [c for p in parts for c in p["content"]]}
-      return {
-        k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")
-      }
-
-    choices = []
-    for i in range(body.n):
-      lp = None if logprobs is None else merged_logprobs(i)
-      if chat:
-        choices.append(
-          {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": lp,
-            "finish_reason": reasons[i],
-          }
+        message = {"role": "assistant", "content": c.text}
+        body_choices.append(
+          {"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
         )
       else:
-        choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i]})
-    usage = {
-      "prompt_tokens": len(prompt_ids) * body.n,
-      "completion_tokens": n_out,
-      "total_tokens": len(prompt_ids) * body.n + n_out,
-    }
-    return JSONResponse(
-      {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-      }
-    )
+        body_choices.append(
+          {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        )
+    return JSONResponse(envelope(body_choices, usage=usage()))
 
   @app.post("/v1/completions")
   async def completions(body: CompletionBody):
-    prompt_ids = encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    return await respond(body, prompt_ids, chat=False, logprobs=body.logprobs)
+    check(body)
+    if body.suffix:
+      raise APIError(400, "suffix is not supported", "suffix")
+    add = True if body.add_special_tokens is None else body.add_special_tokens
+    one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
+    prompts = []
+    for p in [body.prompt] if one and body.prompt != [] else body.prompt:
+      if isinstance(p, str):
+        prompts.append((prompt_ids(p, add), p))
+      else:
+        text = (
+          tokenizer.decode(p, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
+        )
+        prompts.append((list(p), text))
+    if not prompts:
+      raise APIError(400, "the prompt is empty", "prompt")
+    return await respond(body, prompts, chat=False, logprobs=body.logprobs, echo=body.echo)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatBody):
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-      text = (chat_template or plain_chat_template)(messages)
-    except Exception as e:  # a template error is the request's fault (e.g. role order)
-      raise APIError(400, f"chat template failed: {e}", "messages") from None
+    check(body)
+    ids = chat_ids(body.messages, body, body.add_special_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await respond(body, encode(text), chat=True, logprobs=logprobs)
+    return await respond(body, [(ids, "")], chat=True, logprobs=logprobs)
+
+  @app.post("/tokenize")
+  async def tokenize(body: TokenizeBody):
+    check(body)
+    if (body.prompt is None) == (body.messages is None):
+      raise APIError(400, "give one of 'prompt' (text) or 'messages' (a chat)", "prompt")
+    if body.prompt is not None:
+      ids = encode(
+        body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
+      )
+    else:
+      ids = chat_ids(body.messages, body, body.add_special_tokens)
+    strs = [token_text(t) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+  @app.post("/detokenize")
+  async def detokenize(body: DetokenizeBody):
+    check(body)
+    bad = next((t for t in body.tokens if t >= vocab_size), None)
+    if bad is not None:
+      raise APIError(
+        400, f"token id {bad} is not allowed: token ids must be in [0, {vocab_size})", "tokens"
+      )
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+  def card(name: str) -> dict:
+    return {
+      "id": name,
+      "object": "model",
+      "created": created,
+      "owned_by": "atlas_jax",
+      "max_model_len": context,
+    }
 
   @app.get("/v1/models")
   async def models():
-    return {
-      "object": "list",
-      "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "atlas_jax"}],
-    }
+    return {"object": "list", "data": [card(n) for n in names]}
+
+  @app.get("/v1/models/{model_id:path}")
+  async def model(model_id: str):
+    if model_id not in names:
+      raise not_found(model_id)
+    return card(model_id)
 
   @app.get("/health")
   async def health():
@@ -674,23 +902,3 @@ def build_app(
 
 def _sse(payload: dict) -> str:
   return f"data: {json.dumps(payload)}\n\n"
-
-
-def plain_chat_template(messages: list[dict]) -> str:
-  """The fallback template: one "role: content" line per message, then "assistant:"."""
-  return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
-def jinja_chat_template(template: str, *, bos_token: str = "", eos_token: str = ""):
-  """A Hugging Face `chat_template` (Jinja) as a messages -> prompt function."""
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  def raise_exception(message):
-    raise ValueError(message)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  env.globals["raise_exception"] = raise_exception
-  compiled = env.from_string(template)
-  return lambda messages: compiled.render(
-    messages=messages, bos_token=bos_token, eos_token=eos_token, add_generation_prompt=True
-  )

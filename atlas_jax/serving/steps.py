@@ -14,6 +14,8 @@ host-side scheduler (`atlas_jax.serving.engine`) decides what runs; these only c
   `speculative_draft` and `speculative_verify` for guided rows, whose masks at each draft position
   the host computes from the drafts.
 * `copy_blocks`: copy-on-write of pool blocks.
+* `prompt_logprobs`: the model over one whole prompt (no pool), each position's log-probability
+  of the token after it and the top ones (the API's `echo` with `logprobs`).
 
 With a draft model, every program takes `states` and `pools` as (target, draft) pairs: the draft
 runs over the same new tokens as the target into its own pool, indexed by the same block tables,
@@ -379,6 +381,26 @@ def _mtp_drafts(model, side, rows: RoundRows, keys_BK, k):
   return side, *heads_drafts(logits_JBV, keys_BK, arrays)
 
 
+def prompt_logprobs(graphdef, d_graphdef, states_target, tokens_1T):
+  """Log-probabilities of a prompt's tokens under the model.
+
+  Args:
+    states_target: the model's state (the target half of `states`).
+    tokens_1T: i32[1, T] the prompt, right-padded.
+
+  Returns:
+    (f32[T] at position t the logprob of token t + 1, i32[T, 5] the top tokens there, f32[T, 5]
+    their logprobs); the last real position's and the padding's values are not used.
+  """
+  del d_graphdef  # the draft plays no part
+  model = nnx.merge(graphdef, states_target)
+  logp_TV = jax.nn.log_softmax(model(tokens_1T)[0].astype(jnp.float32), axis=-1)
+  next_T = jnp.roll(tokens_1T[0], -1)
+  lp_T = jnp.take_along_axis(logp_TV, next_T[:, None], axis=-1)[:, 0]
+  top_lp_TK, top_ids_TK = jax.lax.top_k(logp_TV, min(MAX_LOGPROBS, logp_TV.shape[-1]))
+  return lp_T, top_ids_TK.astype(jnp.int32), top_lp_TK
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def copy_blocks(pool, src_N, dst_N):
   """Copies pool blocks src -> dst (i32[N] each) in every layer; the pool is donated."""
@@ -394,6 +416,7 @@ class Programs:
   speculative_round: Callable | None  # with a draft model only
   speculative_draft: Callable | None  # the round in two halves, for guided rows: the host
   speculative_verify: Callable | None  # walks the drafts through each grammar in between
+  prompt_logprobs: Callable
 
 
 @functools.cache
@@ -414,4 +437,5 @@ def programs(graphdef, draft_graphdef=None) -> Programs:
     speculative_verify=jax.jit(bind(speculative_verify), donate_argnums=(1,))
     if speculate
     else None,
+    prompt_logprobs=jax.jit(bind(prompt_logprobs)),
   )

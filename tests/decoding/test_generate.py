@@ -70,3 +70,22 @@ def test_bad_requests(model):
     generate(model, [[1] * 100], SamplingParams(max_new_tokens=100))
   with pytest.raises(ValueError, match="top_p=0"):
     SamplingParams(top_p=0)
+
+
+def test_prompts_as_arrays(model):
+  prompts = [[1, 2, 3, 4], [9, 8, 7, 6]]
+  want = generate(model, prompts, SamplingParams(max_new_tokens=6))
+  assert generate(model, np.asarray(prompts), SamplingParams(max_new_tokens=6)) == want
+  assert generate(model, jnp.asarray(prompts), SamplingParams(max_new_tokens=6)) == want
+  assert generate(model, [np.asarray(p) for p in prompts], SamplingParams(max_new_tokens=6)) == want
+  with pytest.raises(ValueError, match=r"must be 2-D \[B, T\], got shape \(4,\)"):
+    generate(model, np.asarray(prompts[0]))
+  with pytest.raises(ValueError, match="prompt 0 is not a list of integer token ids"):
+    generate(model, [[1.5, 2.0]])
+
+
+def test_logit_bias_in_generate(model):
+  biased = SamplingParams(max_new_tokens=5, logit_bias={7: 100.0})
+  assert generate(model, [[1, 2, 3]], biased)[0] == [7] * 5
+  # Speculation draws from the biased law too (the model drafting for itself).
+  assert generate(model, [[1, 2, 3]], biased, draft=model, num_speculative_tokens=2)[0] == [7] * 5

@@ -37,6 +37,14 @@ from atlas_jax.model.transformer import Transformer
     ("stop", ("ok", ""), "must be a list of non-empty strings"),
     ("stop", (b"x",), "stop="),
     ("ignore_eos", "yes", "ignore_eos='yes'"),
+    ("skip_special_tokens", 1, "skip_special_tokens=1 is not allowed: must be true or false"),
+    ("min_tokens", -1, r"min_tokens=-1 is not allowed: must be in \[0, 2147483647\]"),
+    ("min_tokens", 40, "min_tokens=40 is not allowed: must be <= max_new_tokens=32"),
+    ("prompt_logprobs", 6, "prompt_logprobs=6"),
+    ("logit_bias", {5: 101}, r"logit_bias\[5\]=101.0 is not allowed: must be a number in"),
+    ("logit_bias", {-1: 1}, "logit_bias token id=-1 is not allowed"),
+    ("logit_bias", [(1, 2, 3)], r"logit_bias entry \(1, 2, 3\) is not allowed"),
+    ("logit_bias", "x", "logit_bias='x' is not allowed: must map token ids"),
   ],
 )
 def test_fields_outside_what_the_step_holds_are_named(field, value, match):

@@ -62,7 +62,14 @@ def serving(model, tok, config: EngineConfig, log_level="warning", **app_kw):
   yields (base url, engine, runner); stops the server and the runner on exit."""
   engine = Engine(model, config, eos_id=tok.eos_id, detokenize=tok.decode)
   runner = EngineRunner(engine)
-  app = build_app(runner, encode=tok.encode, decode=tok.decode, **app_kw)
+  with serving_app(build_app(runner, tokenizer=tok, **app_kw), runner, log_level) as url:
+    yield url, engine, runner
+
+
+@contextlib.contextmanager
+def serving_app(app, runner, log_level="warning"):
+  """`app` on a free loopback port, served from a thread: yields its base url; stops the server
+  and `runner` on exit."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -72,7 +79,7 @@ def serving(model, tok, config: EngineConfig, log_level="warning", **app_kw):
   try:
     while not srv.started:
       time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, runner
+    yield f"http://127.0.0.1:{port}"
   finally:
     srv.should_exit = True
     thread.join(timeout=10)

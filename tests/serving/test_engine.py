@@ -1,12 +1,19 @@
 """The engine serves what `generate` would, whatever the arrivals, batching or preemption."""
 
 import dataclasses
+import logging
+import re
 
 import numpy as np
 import pytest
+from flax import nnx
 
+from atlas_jax.config import ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
+from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
+
+from .conftest import TINY
 
 
 def workload(seed, n=10, vocab=40):
@@ -34,7 +41,8 @@ CONFIGS = {
   "roomy": EngineConfig(
     n_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32
   ),
-  # 12 blocks of 4 cannot hold 8 sequences of up to 58 tokens: forces preemption and recompute.
+  # 16 blocks of 4 (64 slots) cannot hold 4 running sequences of up to 58 tokens each: forces
+  # preemption and recompute.
   "tight": EngineConfig(
     n_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=8
   ),
@@ -338,3 +346,54 @@ def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
   assert rows and set(rows) == {8}  # 3 requests, then fewer: always 8 rows
   with pytest.raises(ValueError, match="min_batch_bucket=3 must be a power of two"):
     dataclasses.replace(CONFIGS["roomy"], min_batch_bucket=3)
+
+
+def test_warmup_compiles_what_short_requests_need(tiny_model):
+  # A model of its own: its step programs share no compiled shapes with other tests'.
+  model = build(ModelConfig(**{**TINY, "vocab_size": 43}, n_kv_heads=2), rngs=nnx.Rngs(5))
+  config = EngineConfig(
+    n_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk=16
+  )
+  engine = Engine(model, config)
+  shapes, deferred = engine.warmup_shapes()
+  assert shapes == [("prefill", 1, 16), ("prefill", 2, 16), ("decode", 1, 1), ("decode", 2, 1)] + [
+    ("burst", 1, 8),
+    ("burst", 2, 8),
+  ]
+  assert deferred[0].startswith("block tables past 64 tokens")
+  progs = engine.programs
+  compiled = lambda: (progs.forward_sample._cache_size(), progs.decode_burst._cache_size())
+  assert compiled() == (0, 0)
+  seen = []
+  engine.warmup(lambda i, n, shape: seen.append(f"{i}/{n} {shape}"))
+  assert seen[0] == "1/6 prefill B=1 T=16" and seen[-1] == "6/6 burst B=2 T=8"
+  assert compiled() == (4, 4)  # a burst fed from the host, and one chained on the device
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # together, then decoding within 64 tokens
+  got = engine.generate(prompts, SamplingParams(max_new_tokens=30))
+  assert compiled() == (4, 4)  # nothing compiled on the way
+  assert got == generate(model, prompts, SamplingParams(max_new_tokens=30))  # the pool intact
+
+
+def test_several_eos_ids_each_stop(tiny_model):
+  free = generate(tiny_model, [[1, 2, 3]], SamplingParams(max_new_tokens=12))[0]
+  eos = [free[7], free[4]]
+  want = free[: min(free.index(e) for e in eos) + 1]
+  assert generate(tiny_model, [[1, 2, 3]], SamplingParams(max_new_tokens=12), eos_id=eos)[0] == want
+  engine = Engine(tiny_model, CONFIGS["roomy"], eos_id=eos)
+  assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12)) == [want]
+
+
+def test_each_finished_request_is_logged_once(tiny_model, caplog):
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    engine.add_request("b", [4, 5], SamplingParams(max_new_tokens=30))
+    engine.step()
+    engine.abort("b")
+    while engine.has_unfinished():
+      engine.step()
+  lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("request "))
+  assert len(lines) == 2
+  time = r"first token \d+\.\d{3} s, total \d+\.\d{3} s"
+  assert re.fullmatch(rf"request a: length, 3 prompt \+ 4 output tokens, {time}", lines[0])
+  assert re.fullmatch(rf"request b: abort, 2 prompt \+ \d+ output tokens, {time}", lines[1])

@@ -117,6 +117,7 @@ def test_deepseek_v3_hf_folder_over_http_matches_transformers(tmp_path):
 
   port = free_port()
   cmd = [sys.executable, str(ROOT / "serve.py"), "--checkpoint", str(tmp_path), "--port", str(port)]
+  cmd += ["--served-model-name", "m", "--max-batch", "2", "--prefill-chunk", "32"]
   proc = subprocess.Popen(
     cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
   )

@@ -82,7 +82,12 @@ def test_deepseek_v2_lite_shaped_folder_over_http_matches_transformers_and_gener
   config = EngineConfig(n_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
   with serving(model, text, config, model_name="m") as (url, _, _):
     for p, w in zip(prompts, want):
-      body = {"prompt": " ".join(f"w{t}" for t in p), "max_tokens": 8, "temperature": 0}
+      body = {
+        "model": "m",
+        "prompt": " ".join(f"w{t}" for t in p),
+        "max_tokens": 8,
+        "temperature": 0,
+      }
       r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
       assert r.status_code == 200, r.text
       assert r.json()["choices"][0]["text"] == " ".join(f"w{t}" for t in w)

@@ -3,10 +3,13 @@
 import asyncio
 import dataclasses
 import json
+import logging
 import socket
 import time
 
 import httpx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -91,7 +94,7 @@ def test_sse_ends_with_done(server):
   "body, status, match",
   [
     (b"{not json", 400, "malformed JSON"),
-    (json.dumps({"prompt": "x", "bogus": 1}), 400, "unknown field 'bogus'"),
+    (json.dumps({"prompt": "x", "model": "gpt-4"}), 404, "the model 'gpt-4' does not exist"),
     (json.dumps({"prompt": "x", "max_tokens": "5"}), 400, "max_tokens"),
     (json.dumps({"prompt": "x", "temperature": 9}), 400, "temperature"),
     (json.dumps({"prompt": "x", "max_tokens": 33}), 400, "exceeds the limit 32"),
@@ -319,3 +322,171 @@ def test_64_concurrent_streams(server):
     time.sleep(0.05)
   s = engine.allocator.stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
+
+
+# -- OpenAI / vLLM request compatibility ---------------------------------------------------------
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def call(server, body, path="/v1/completions"):
+  r = httpx.post(server[0] + path, json=body, headers=AUTH, timeout=120)
+  assert r.status_code == 200, r.text
+  return r.json()
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server, caplog):
+  body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "store": False}
+  body |= {"metadata": {"a": "b"}, "service_tier": "auto", "parallel_tool_calls": True}
+  with caplog.at_level(logging.WARNING, logger="atlas_jax.serving"):
+    r = call(server, body)
+  assert r["choices"][0]["text"] == expected(server[1], server[2], "def f(x):", 4)
+  lines = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+  assert lines == ["request fields ignored: metadata, parallel_tool_calls, service_tier, store"]
+  # The fields it uses are still checked.
+  r = httpx.post(
+    server[0] + "/v1/completions", json={**body, "min_tokens": "2"}, headers=AUTH, timeout=120
+  )
+  assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_without_a_seed_each_request_draws_its_own(server):
+  body = {"prompt": "ab", "max_tokens": 12, "temperature": 1.0}
+  texts = {call(server, body)["choices"][0]["text"] for _ in range(2)}
+  assert len(texts) == 2
+  seeded = {call(server, {**body, "seed": 9})["choices"][0]["text"] for _ in range(2)}
+  assert len(seeded) == 1
+
+
+def test_logit_bias_moves_the_argmax(server):
+  model, tok = server[1], server[2]
+  r = call(server, {"prompt": "ab", "max_tokens": 4, "logit_bias": {str(ord("z")): 100}})
+  assert r["choices"][0]["text"] == "zzzz"
+  ids = tok.encode("ab")
+  first = generate(model, [ids], SamplingParams(max_new_tokens=1))[0][0]
+  biased = SamplingParams(max_new_tokens=4, logit_bias={first: -100})
+  want = generate(model, [ids], biased, eos_id=tok.eos_id)[0]
+  assert want[0] != first
+  r = call(server, {"prompt": "ab", "max_tokens": 4, "logit_bias": {str(first): -100}})
+  assert r["choices"][0]["text"] == tok.decode(want)
+  bad = httpx.post(
+    server[0] + "/v1/completions",
+    json={"prompt": "ab", "logit_bias": {"300": 1}},
+    headers=AUTH,
+    timeout=120,
+  )
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def test_min_tokens_holds_eos_back(server):
+  eos = {str(server[2].eos_id): 100}  # eos is always the argmax
+  r = call(server, {"prompt": "ab", "max_tokens": 8, "logit_bias": eos})
+  assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (1, "stop")
+  r = call(server, {"prompt": "ab", "max_tokens": 8, "logit_bias": eos, "min_tokens": 3})
+  assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (4, "stop")
+
+
+def test_include_stop_str_in_output(server):
+  greedy = expected(server[1], server[2], "def f(x):", 16)
+  pairs = (greedy[i : i + 2] for i in range(1, len(greedy) - 1))
+  stop = next(p for p in pairs if p.isascii() and p.isprintable())
+  at = greedy.find(stop)
+  body = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "stop": [stop]}
+  assert call(server, body)["choices"][0]["text"] == greedy[:at]
+  body["include_stop_str_in_output"] = True
+  assert call(server, body)["choices"][0]["text"] == greedy[: at + len(stop)]
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_order(server):
+  model, tok = server[1], server[2]
+  want = [expected(model, tok, p, 5) for p in ("ab", "cd") for _ in range(2)]
+  for prompt in (["ab", "cd"], [tok.encode("ab"), tok.encode("cd")]):
+    r = call(server, {"prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 2})
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r["choices"]] == want
+    assert r["usage"]["prompt_tokens"] == 4 and r["usage"]["completion_tokens"] == 20
+    streamed = {}
+    with httpx.stream(
+      "POST",
+      server[0] + "/v1/completions",
+      json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "n": 2, "stream": True},
+      headers=AUTH,
+      timeout=120,
+    ) as s:
+      for line in s.iter_lines():
+        if line.startswith("data: {"):
+          for c in json.loads(line[6:])["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert [streamed[i] for i in range(4)] == want
+  # All or none: a bad second prompt queues nothing.
+  bad = httpx.post(
+    server[0] + "/v1/completions",
+    json={"prompt": [[97], [999]], "max_tokens": 2},
+    headers=AUTH,
+    timeout=120,
+  )
+  assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
+  engine, deadline = server[3], time.time() + 5
+  while engine.has_unfinished() and time.time() < deadline:
+    time.sleep(0.05)
+  assert not engine.has_unfinished() and engine.allocator.stats().n_used == 0
+
+
+def test_echo_with_logprobs_returns_the_prompts_log_softmax(server):
+  model, tok = server[1], server[2]
+  greedy = expected(model, tok, "abc", 3)
+  body = {"prompt": "abc", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+  choice = call(server, body)["choices"][0]
+  assert choice["text"] == "abc" + greedy
+  lp = choice["logprobs"]
+  assert lp["tokens"][:3] == ["a", "b", "c"] and len(lp["tokens"]) == 6
+  assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  logp = jax.nn.log_softmax(model(jnp.asarray([tok.encode("abc")]))[0], axis=-1)
+  want = [float(logp[0, ord("b")]), float(logp[1, ord("c")])]
+  np.testing.assert_allclose(lp["token_logprobs"][1:3], want, atol=1e-5)
+  assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])  # keyed by text: may collide
+  assert lp["text_offset"] == [0, 1, 2, 3, 4, 5]  # one byte, one character, each
+
+
+def test_text_offset_counts_characters_of_the_tokens_before(server):
+  lp = call(server, {"prompt": "ab", "max_tokens": 6, "logprobs": 0})["choices"][0]["logprobs"]
+  lengths = np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1]
+  assert lp["text_offset"] == lengths.tolist()
+
+
+def test_content_as_text_parts(server):
+  body = {"max_tokens": 4, "temperature": 0}
+  plain = call(server, {**body, "messages": [{"role": "user", "content": "hi\nyou"}]}, CHAT)
+  parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "you"}]
+  got = call(server, {**body, "messages": [{"role": "user", "content": parts}]}, CHAT)
+  assert got["choices"][0]["message"] == plain["choices"][0]["message"]
+  image = [{"type": "image_url", "image_url": {"url": "x"}}]
+  r = httpx.post(
+    server[0] + CHAT,
+    json={**body, "messages": [{"role": "user", "content": image}]},
+    headers=AUTH,
+    timeout=120,
+  )
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0"
+
+
+CHAT = "/v1/chat/completions"
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+  tok = server[2]
+  r = call(server, {"prompt": "héllo", "return_token_strs": True}, "/tokenize")
+  assert r["tokens"] == tok.encode("héllo") and r["count"] == 6 and r["max_model_len"] == 128
+  assert call(server, {"tokens": r["tokens"]}, "/detokenize") == {"prompt": "héllo"}
+  chat = call(server, {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize")
+  assert chat["tokens"] == tok.encode("user: hi\nassistant:")
+  r = httpx.post(server[0] + "/detokenize", json={"tokens": [1, 259]}, timeout=120)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_the_model_is_found_by_its_id(server):
+  r = httpx.get(server[0] + "/v1/models/tiny", headers=AUTH, timeout=120)
+  assert r.json()["id"] == "tiny"
+  r = httpx.get(server[0] + "/v1/models/gpt-4", headers=AUTH, timeout=120)
+  assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
