@@ -46,6 +46,7 @@ from atlas_jax.hf.weights import (
   linear,
   model_group,
   norm,
+  out_proj,
   swiglu,
   trunk_groups,
   uses_fused_experts,
@@ -221,14 +222,7 @@ def attention(cfg: ModelConfig, interleaved: bool) -> list[Weights]:
     ),
     norm("self_attn.kv_a_layernorm.weight", C, "kv_lora_rank", ("attn", "kv_norm", "scale")),
     kv_b,
-    weight(
-      "self_attn.o_proj.weight",
-      (D, N * Hv),
-      f"{d}, num_attention_heads * v_head_dim",
-      ("attn", "wo"),
-      lambda w: w.T.reshape(N, Hv, D),
-      lambda w: w.reshape(N * Hv, D).T,
-    ),
+    out_proj("self_attn.o_proj.weight", N, Hv, D, "num_attention_heads * v_head_dim"),
     norm("post_attention_layernorm.weight", D, d, ("mlp_norm", "scale")),
   ]
   if A is None:

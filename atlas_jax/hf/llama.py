@@ -14,6 +14,7 @@ from atlas_jax.hf.weights import (
   Weights,
   model_group,
   norm,
+  out_proj,
   swiglu,
   trunk_groups,
   uses_fused_experts,
@@ -56,14 +57,7 @@ def attention(cfg: ModelConfig, prefix: str = "self_attn") -> list[Weights]:
     proj("q", N, q),
     proj("k", K, kv),
     proj("v", K, kv),
-    weight(
-      f"{prefix}.o_proj.weight",
-      (D, N * H),
-      f"{d}, {q}",
-      ("attn", "wo"),
-      lambda w: w.T.reshape(N, H, D),
-      lambda w: w.reshape(N * H, D).T,
-    ),
+    out_proj(f"{prefix}.o_proj.weight", N, H, D, q),
     norm("post_attention_layernorm.weight", D, d, ("mlp_norm", "scale")),
   ]
   if cfg.qkv_bias:

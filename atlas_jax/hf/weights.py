@@ -68,6 +68,18 @@ def norm(name: str, dim: int, legend: str, where: Where) -> Weights:
   return weight(name, (dim,), legend, where)
 
 
+def out_proj(name: str, N: int, H: int, D: int, legend: str) -> Weights:
+  """Attention's output projection [D, N * H] held as [N, H, D] (H: a head's value dim)."""
+  return weight(
+    name,
+    (D, N * H),
+    f"hidden_size, {legend}",
+    ("attn", "wo"),
+    lambda w: w.T.reshape(N, H, D),
+    lambda w: w.reshape(N * H, D).T,
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
   """The stored tensors under one prefix and where their parameters go."""

@@ -24,43 +24,25 @@ from .test_serve_mla import word_tokenizer
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-V = 101
 # DeepSeek-V2-Lite's layout at a tiny size: no query bottleneck, the first layer dense, then
 # MoE layers of routed experts (softmax, greedy top-k, not renormalised) and 2 shared experts.
 V2_LITE = dict(
-  vocab_size=V,
-  hidden_size=32,
-  intermediate_size=48,
-  num_hidden_layers=3,
-  num_attention_heads=4,
-  num_key_value_heads=4,
-  kv_lora_rank=16,
-  q_lora_rank=None,
-  qk_rope_head_dim=8,
-  qk_nope_head_dim=8,
-  v_head_dim=8,
   n_routed_experts=8,
   num_experts_per_tok=2,
   moe_intermediate_size=16,
   n_shared_experts=2,
   first_k_dense_replace=1,
   topk_method="greedy",
-  max_position_embeddings=128,
 )
 
 
 @pytest.fixture(scope="module")
 def v2_lite(tmp_path_factory):
   """(the transformers model, our model loaded from its folder, a word tokenizer)."""
+  from tests.test_hf_moe import MLA, V, build_hf
+
   folder = tmp_path_factory.mktemp("v2-lite")
-  torch.manual_seed(0)
-  ref = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**V2_LITE)).eval()
-  with torch.no_grad():
-    for name, p in ref.named_parameters():
-      p.copy_(1.0 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(
-        0, 0.3
-      )
-  ref.save_pretrained(folder)
+  ref = build_hf("DeepseekV2", {**MLA, **V2_LITE}, folder, std=0.3)
   tok = word_tokenizer(V)
   tok.save(str(folder / "tokenizer.json"))
   return ref, hf.load(folder), tok
@@ -70,6 +52,7 @@ def test_deepseek_v2_lite_shaped_folder_over_http_matches_transformers_and_gener
   from atlas_jax.data.tokenizer import HFTokenizer
 
   ref, model, tok = v2_lite
+  V = model.cfg.vocab_size
   assert model.cfg.moe is not None and model.runs[0][0] == "dense_blocks"
   prompts = [[5, 17, 3, 99, 42, 8, 8, 60], [7, 1, 2], [(13 * i) % V for i in range(1, 24)]]
   want = []
