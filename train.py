@@ -31,6 +31,7 @@ from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.metrics import (
@@ -103,6 +104,8 @@ RESUME_MAY_CHANGE = {
   "on_corrupt_checkpoint",
   "loss_chunk",
   "xla_flags",
+  "pipeline_microbatches",
+  "pipeline_repeats",
 }
 
 
@@ -234,7 +237,7 @@ def restore(run: Run) -> tuple[Any, TrainState, int]:
     mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = int(meta["data_index"])
   run.say(f"resumed from {run.run_dir} at step {start}")
-  return mngr, state, start
+  return mngr, trainer.restored(state, meta), start
 
 
 class Interrupt:
@@ -306,6 +309,14 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"
   )
+  stages, repeats = trainer.layout
+  if stages > 1:
+    sched = Schedule(stages, cfg.train.pipeline_microbatches, repeats)
+    kind = f"circular, {repeats} repeats" if repeats > 1 else "GPipe"
+    run.say(
+      f"pipeline: {stages} stages x {sched.microbatches} micro-batches ({kind}): "
+      f"{sched.iterations} iterations per micro-batch step, bubble {sched.bubble:.1%}"
+    )
   train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
@@ -314,7 +325,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   logger = Logger(run.run_dir, enabled=run.main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
   progress = sys.stdout.isatty() and run.main_process
-  save = lambda step: checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
+  save = lambda step: checkpoint.save(mngr, step, state, trainer.checkpoint_meta(step))
 
   out = Outcome({}, step=start)
   t_last, steps_since = time.time(), 0

@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 # modules in collection order, so these start early and no worker ends the run alone on one.
 LONGEST_FIRST = (
   "serving/test_engine.py",
+  "training/test_pipeline.py",
   "training/test_sharding.py",
   "serving/test_engine_speculative.py",
   "serving/test_serve_moe.py",
@@ -35,6 +36,7 @@ LONGEST_FIRST = (
   "serving/test_engine_guided.py",
   "serving/test_engine_mtp.py",
   "training/test_resume_and_multihost.py",
+  "training/test_pipeline_runs.py",
   "training/test_step.py",
   "test_cli.py",
   "serving/test_serve_mla.py",

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build
+from atlas_jax.training.pipeline import reorder_layers
 from atlas_jax.training.sharding import AXES
 
 T = TypeVar("T")
@@ -193,7 +194,10 @@ def load_model(
       return mngr.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+          state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True
+          ),
+          meta=ocp.args.JsonRestore(),
         ),
       )
     except Exception as e:
@@ -211,6 +215,9 @@ def load_model(
   nnx.replace_by_pure_dict(
     abstract, nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   )
+  # A circular pipeline's run stores its layers stage by stage: back to depth order.
+  layout = tuple(restored["meta"].get("layer_layout", (1, 1)))
+  abstract = reorder_layers(abstract, layout, (1, 1))
   tok_file = directory / "tokenizer.json"
   tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
   return nnx.merge(graphdef, abstract), cfg, tokenizer

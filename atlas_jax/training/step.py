@@ -4,9 +4,10 @@ One function covers every configuration: gradient accumulation over micro-batche
 inside the step), precision policies (float32 master weights, bf16/fp16 compute, dynamic loss
 scaling for fp16), remat policies (in the model's layer scan), ZeRO/TP/EP sharding (the jit's
 in/out shardings plus a constraint on the gradients; the mesh is in context while the model is
-traced, so mixture-of-experts layers run their experts expert-parallel), and mixture-of-experts
-load balancing (`atlas_jax.training.experts`: the aux and z losses in the objective, the
-selection-bias update after the optimizer's).
+traced, so mixture-of-experts layers run their experts expert-parallel), pipeline stages (the
+model's layers run by `atlas_jax.training.pipeline`, each accumulation micro-batch split again
+into the pipeline's), and mixture-of-experts load balancing (`atlas_jax.training.experts`: the aux
+and z losses in the objective, the selection-bias update after the optimizer's).
 
 The gradient and the optimizer see only the model's `nnx.Param`s; its other variables (the
 routers' selection biases) are carried in `TrainState.params` beside them and saved with them.
@@ -25,8 +26,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from atlas_jax.config import Config
+from atlas_jax.config import Config, check_pipeline
 from atlas_jax.model import Transformer, build
+from atlas_jax.schedule import Schedule
+from atlas_jax.training import pipeline
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.experts import (
   COUNTS,
@@ -53,14 +56,18 @@ class TrainState:
   loss_scale: LossScale | None = None  # fp16 only
 
 
-def build_model(cfg: Config, key: Array | None = None) -> Transformer:
-  """The model this run trains (random init from `key`; abstract when called under eval_shape)."""
+def build_model(
+  cfg: Config, key: Array | None = None, pipe: pipeline.Pipeline | None = None
+) -> Transformer:
+  """The model this run trains (random init from `key`; abstract when called under eval_shape),
+  its layers run by `pipe` where the mesh has stages."""
   return build(
     training_model_config(cfg.model, cfg.train.precision),
     rngs=nnx.Rngs(0 if key is None else key),
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
+    pipeline=pipe,
   )
 
 
@@ -82,10 +89,17 @@ class Trainer:
   mesh: Mesh
   state_shardings: TrainState
   grad_shardings: Any
+  # (stages, repeats) the stacked layers are stored for (`pipeline.layer_order`); (1, 1): depth.
+  layout: pipeline.Layout = (1, 1)
 
   def init(self, key: Array) -> TrainState:
-    """Initialises model and optimizer under jit straight into their shardings."""
-    init = functools.partial(init_state, self.cfg, self.optimizer)
+    """Initialises model and optimizer under jit straight into their shardings (the same model
+    whatever the mesh: drawn in depth order, then stored in this run's layer order)."""
+
+    def init(key):
+      state = init_state(self.cfg, self.optimizer, key)
+      return pipeline.reorder_layers(state, (1, 1), self.layout)
+
     return jax.jit(init, out_shardings=self.state_shardings)(key)
 
   def abstract_state(self) -> TrainState:
@@ -93,10 +107,30 @@ class Trainer:
       functools.partial(init_state, self.cfg, self.optimizer), jax.random.key(0)
     )
 
+  def checkpoint_meta(self, step: int) -> dict[str, Any]:
+    """What a checkpoint of `step` records beside the state: the data position and the order
+    its stacked layers are stored in."""
+    return {"step": step, "data_index": step, "layer_layout": list(self.layout)}
+
+  def restored(self, state: TrainState, meta: dict[str, Any]) -> TrainState:
+    """A restored state in this run's layer order, whatever the order it was saved in."""
+    saved = tuple(meta.get("layer_layout", (1, 1)))
+    if saved == self.layout:
+      return state
+    move = functools.partial(pipeline.reorder_layers, src=saved, dst=self.layout)
+    return jax.jit(move, out_shardings=self.state_shardings, donate_argnums=0)(state)
+
 
 def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   mesh = shd.make_mesh(cfg.mesh) if mesh is None else mesh
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
+  stages = mesh.shape["stage"]
+  check_pipeline(cfg.model, cfg.train, stages=stages, batch_shards=shd.data_parallel_size(mesh))
+  pipe, layout = None, (1, 1)
+  if stages > 1:
+    t = cfg.train
+    pipe = pipeline.Pipeline(mesh, Schedule(stages, t.pipeline_microbatches, t.pipeline_repeats))
+    layout = (stages, t.pipeline_repeats)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, pipe=pipe)))
   optimizer = make_optimizer(cfg.train)
   abstract = jax.eval_shape(functools.partial(init_state, cfg, optimizer), jax.random.key(0))
   shd.check_declared(abstract.params)
@@ -112,7 +146,7 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     else jax.tree.map(lambda _: rep, abstract.loss_scale),
   )
   grad_shardings = shd.tree_shardings(trainable_split(abstract.params)[0], mesh, rules["grads"])
-  return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings)
+  return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings, layout)
 
 
 def loss_fn(
@@ -183,7 +217,9 @@ def _accumulated_grads(trainer: Trainer, params, batch, scale):
 
   if A == 1:
     return micro(batch)
-  split = jax.tree.map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
+  # Micro-batch a takes rows a, a + A, a + 2A, ...: every data-parallel shard's block of rows
+  # splits in place, so the split moves no data between devices.
+  split = jax.tree.map(lambda x: x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
 
   def body(acc, batch_m):
     grads, loss, aux = micro(batch_m)
