@@ -602,8 +602,9 @@ def check_pipeline(
     _fail(
       "train.remat_every",
       k,
-      f"must divide the layers a stage runs at a time, {L} pipelined layers / (stage x repeats) "
-      f"= {per_stage}",
+      f"must divide the layers a stage runs at a time, "
+      f"{'n_layers' if L == model.n_layers else f'the {L} MoE layers'} / (stage x repeats) = "
+      f"{per_stage}",
     )
   if batch_shards is None:
     return
