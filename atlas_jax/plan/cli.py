@@ -54,11 +54,7 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
     try:
       return Source(path.name, hf.load_config(path), None)
     except hf.HFLoadError as e:
-      hint = ""
-      if "mixture-of-experts" in str(e):
-        names = [n for n in REFERENCE_MODELS if n.startswith("deepseek")]
-        hint = f"; for DeepSeek's attention and KV cache use --config {' / '.join(names)}"
-      raise ValueError(f"--config={spec!r}: {e}{hint}") from e
+      raise ValueError(f"--config={spec!r}: {e}") from e
   ref = get_reference(spec)
   if ref is not None:
     return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
@@ -76,6 +72,8 @@ def preset_defaults(source: Source, devices: int) -> dict:
   t = cfg.train
   stage = cfg.mesh.stage if cfg.mesh.stage > 0 and devices % cfg.mesh.stage == 0 else 1
   tensor = cfg.mesh.tensor if (devices // stage) % cfg.mesh.tensor == 0 else 1
+  ways = devices // stage // tensor
+  expert = cfg.mesh.expert if cfg.mesh.expert > 0 and ways % cfg.mesh.expert == 0 else 1
   strategy = {"fsdp": "zero3"}.get(t.sharding, t.sharding)
   pipeline = {"pipeline": 1, "microbatches": 1, "repeats": 1}
   if stage > 1:
@@ -93,6 +91,7 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "remat_every": t.remat_every,
     "strategy": strategy,
     "tensor": tensor,
+    "expert": expert,
     "grad_accum": t.grad_accum,
     "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
@@ -112,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=8, help="devices to train on (default 8)")
   p.add_argument("--strategy", choices=memory.STRATEGIES, help="sharding strategy")
   p.add_argument("--tensor", type=int, help="tensor-parallel ways combined with the strategy")
+  p.add_argument("--expert", type=int, help="expert-parallel ways (mixture-of-experts models)")
   p.add_argument("--remat", choices=memory.REMAT_POLICIES, help="activation checkpointing")
   p.add_argument("--remat-every", type=int, help="k for --remat every_k")
   p.add_argument("--precision", choices=PRECISIONS, help="compute precision (default bf16)")
@@ -142,7 +142,8 @@ def build_plan(args: argparse.Namespace) -> dict:
       fields[name] = getattr(args, name)
   if args.pipeline is not None and args.pipeline != fields.get("pipeline"):
     fields.update(microbatches=1, repeats=1)  # the preset's belong to its own stage count
-  for name in ("attention", "grad_accum", "loss_chunk", "pipeline", "microbatches", "repeats"):
+  names = ("attention", "grad_accum", "loss_chunk", "expert")
+  for name in (*names, "pipeline", "microbatches", "repeats"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
   if args.tokens is not None:

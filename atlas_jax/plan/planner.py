@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.devices import get_device
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan import pipeline as pipeline_plan
@@ -37,6 +37,7 @@ class PlanInputs:
   devices: int = 8
   strategy: str = "zero3"  # the strategy the summary and activations use
   tensor: int = 1  # tensor-parallel ways combined with dp / zero1-3
+  expert: int = 1  # expert-parallel ways (MoE models), out of the data-parallel devices
   remat: str = "full"
   remat_every: int | None = None
   precision: str = "bf16"  # compute dtype: activations, KV cache and served weights
@@ -52,7 +53,7 @@ class PlanInputs:
   block_size: int = 16  # paged KV cache block size (tokens)
 
   def __post_init__(self):
-    names = ("seq_len", "batch", "devices", "tensor", "grad_accum", "block_size")
+    names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
     for name in (*names, "pipeline", "microbatches", "repeats"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -99,7 +100,8 @@ class PlanInputs:
         f"--microbatches={self.microbatches} must be >= --pipeline={self.pipeline} with "
         f"--repeats={self.repeats} > 1 (the circular schedule)"
       )
-    memory.mesh_for(self.strategy, self.devices, self.tensor, self.pipeline)  # raises if not
+    # raises if not
+    memory.mesh_for(self.strategy, self.devices, self.tensor, self.pipeline, self.expert)
 
   def micro_batch(self, strategy: str) -> int:
     """Sequences one data-parallel shard runs per accumulation step under `strategy` (rounded
@@ -107,9 +109,15 @@ class PlanInputs:
     return -(-self.batch // self._per_step(strategy)[0])
 
   def _per_step(self, strategy: str) -> tuple[int, int]:
-    mesh = memory.mesh_for(strategy, self.devices, self.tensor, self.pipeline)
-    replicas = mesh["data"] * mesh["fsdp"]
+    mesh = memory.mesh_for(
+      strategy, self.devices, self.tensor, self.pipeline, self._expert(strategy)
+    )
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     return replicas * self.grad_accum, replicas
+
+  def _expert(self, strategy: str) -> int:
+    """Expert-parallel ways under `strategy` (the tensor strategy has none)."""
+    return 1 if strategy == "tensor" else self.expert
 
   def batch_constraint(self, strategy: str) -> str | None:
     """Why the batch does not split as the trainer splits it under `strategy`; None if it does.
@@ -200,6 +208,16 @@ def _model_summary(cfg: ModelConfig) -> dict[str, Any]:
     )
   if cfg.mtp is not None:
     out.update(mtp_kind=cfg.mtp.kind, mtp_heads=cfg.mtp.n_predict)
+  if cfg.moe is not None:
+    m = cfg.moe
+    out.update(
+      n_experts=m.n_experts,
+      top_k=m.top_k,
+      expert_ffn_dim=m.expert_ffn_dim,
+      shared_ffn_dim=m.shared_ffn_dim,
+      moe_layers=sum(cfg.sparse_layers()),
+      router=f"{m.scoring} {m.topk_method}",
+    )
   return out
 
 
@@ -233,11 +251,16 @@ def make_plan(
     "alternatives": alternatives,
   }
 
-  if cfg.n_layers % (inputs.pipeline * inputs.repeats):
-    raise ValueError(
-      f"--pipeline={inputs.pipeline} x --repeats={inputs.repeats} must divide the model's "
-      f"n_layers={cfg.n_layers}"
-    )
+  if inputs.pipeline > 1:
+    try:  # the layers the stages split: all of them, or an MoE model's MoE layers
+      staged = pipelined_layers(cfg, stages=inputs.pipeline)
+    except ValueError as e:
+      raise ValueError(f"--pipeline={inputs.pipeline}: {e}") from None
+    if staged % (inputs.pipeline * inputs.repeats):
+      what = f"n_layers={cfg.n_layers}" if staged == cfg.n_layers else f"{staged} MoE layers"
+      raise ValueError(
+        f"--pipeline={inputs.pipeline} x --repeats={inputs.repeats} must divide the model's {what}"
+      )
 
   def activations_of(policy: str, micro: int, tensor: int) -> memory.ActivationBytes:
     common = dict(
@@ -262,6 +285,7 @@ def make_plan(
       devices=inputs.devices,
       tensor=inputs.tensor,
       stage=inputs.pipeline,
+      expert=inputs._expert(strategy),
     )
     micro, constraint = inputs.micro_batch(strategy), inputs.batch_constraint(strategy)
     row = {
@@ -271,6 +295,7 @@ def make_plan(
       "params": st.params,
       "grads": st.grads,
       "opt_state": st.opt_state,
+      "expert_params": st.experts,
       "state": st.total,
       "activations_saved": None,
       "activations_peak": None,
@@ -307,14 +332,14 @@ def make_plan(
 
   # Compute: FLOPs per token, time to train, Chinchilla.
   flops_tok = compute.train_flops_per_token(cfg, T)
-  chinchilla = compute.chinchilla_tokens(pc.inference)
+  chinchilla = compute.chinchilla_tokens(pc.inference)  # Chinchilla counted dense models
   tokens = chinchilla if inputs.tokens is None else inputs.tokens
   seconds = compute.train_seconds(
     tokens, flops_tok, devices=inputs.devices, peak_flops=dev.peak_bf16_flops, mfu=inputs.mfu
   )
   comp = {
     "flops_per_token": flops_tok,
-    "flops_per_token_6n": 6.0 * (pc.matmul + pc.mtp),
+    "flops_per_token_6n": 6.0 * (pc.matmul_active + pc.mtp_active),
     "attention_flops_per_token": 3 * compute.attention_flops_per_token(cfg, T),
     "tokens": tokens,
     "chinchilla_tokens": chinchilla,
@@ -343,7 +368,8 @@ def make_plan(
     pipe["constraint"] = selected["constraint"]
     comp["seconds_with_bubble"] = seconds / (1 - inputs.schedule.bubble)
 
-  # Decode ceiling: one device, and the whole group with tensor parallelism.
+  # Decode ceiling: one device, and the whole group with tensor parallelism. An MoE step reads
+  # only the experts its batch reaches.
   weight_bytes = pc.matmul * c
   decode_flops = compute.decode_flops_per_token(cfg, T)
   decode = {"weight_bytes": weight_bytes, "cache_bytes_per_sequence": per_token * T}
@@ -351,7 +377,7 @@ def make_plan(
     for batch in sorted({1, B}):
       bound = compute.decode_bound(
         batch=batch,
-        weight_bytes=weight_bytes,
+        weight_bytes=round(compute.decode_weight_params(cfg, batch) * c),
         cache_bytes_per_seq=per_token * T,
         flops_per_token=decode_flops,
         bandwidth=n * dev.hbm_bytes_per_s,
@@ -410,6 +436,13 @@ def make_plan(
       }
     )
 
+  if cfg.moe is not None:
+    notes = (
+      *notes,
+      "mixture-of-experts layers: activation bytes are an estimate (k experts' SwiGLU in the "
+      "dense formula), not checked against the train step; decode reads the experts a batch "
+      "reaches under uniform routing",
+    )
   return {
     "name": name,
     "notes": list(notes),
@@ -429,6 +462,9 @@ def make_plan(
       "per_layer": pc.per_layer,
       "mtp": pc.mtp,
       "matmul": pc.matmul,
+      "matmul_active": pc.matmul_active,
+      "experts": pc.experts,
+      "active": pc.active,
       "inference": pc.inference,
       "inference_bytes": pc.inference * c,
     },
