@@ -147,12 +147,18 @@ def decode_bound(
 
 def all_reduce_bytes(cfg: ModelConfig, *, tensor: int, rows: int, dtype_bytes: int) -> int:
   """Bytes each tensor device sends per decode step of `rows` sequences (per replica): a ring
-  all-reduce of the [rows, D] output of every row-parallel matmul (two per layer) and of the
-  vocabulary-parallel embedding. 0 on one device."""
+  all-reduce of the [rows, D] output of every row-parallel matmul (two per dense layer) and of
+  the vocabulary-parallel embedding. An MoE layer reduces its routed experts' down projections
+  per slot, before the k slots are weighted and summed ([rows x k, D]: XLA places the reduction
+  there), and its shared experts' as a dense MLP's. 0 on one device."""
   if tensor == 1:
     return 0
+  messages = 1 + cfg.n_layers  # the embedding, and every layer's attention output
+  for sparse in cfg.sparse_layers():
+    m = cfg.moe
+    messages += (m.top_k + (1 if m.shared_ffn_dim else 0)) if sparse else 1
   message = rows * cfg.d_model * dtype_bytes
-  return (2 * cfg.n_layers + 1) * message * 2 * (tensor - 1) // tensor
+  return messages * message * 2 * (tensor - 1) // tensor
 
 
 def logits_gather_bytes(cfg: ModelConfig, *, tensor: int, rows: int) -> int:

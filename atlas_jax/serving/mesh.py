@@ -9,6 +9,8 @@ through the same machinery as the trainer's tables (`atlas_jax.training.sharding
   q_heads, kv_heads   tensor      Q/K/V and W_UK/W_UV column-parallel, the output projection
                                   row-parallel; a KV pool's kv heads
   mlp                 tensor      gate/up column-parallel, down row-parallel
+  expert_mlp          tensor      the same within every routed expert (each device holds every
+                                  expert's slice; the router and the shared experts as above)
   vocab               tensor      the embedding and the output head (vocabulary-parallel)
   batch, pages        data        a step's rows and a pool's blocks: each replica its own
 
@@ -48,6 +50,7 @@ SERVING_RULES = {
   "q_heads": "tensor",
   "kv_heads": "tensor",
   "mlp": "tensor",
+  "expert_mlp": "tensor",
   "vocab": "tensor",
 }
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
+from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from atlas_jax.decoding import SamplingParams
 from atlas_jax.model import build
 from atlas_jax.plan import compute, memory
@@ -20,6 +20,13 @@ MODELS = {
   "gqa": ModelConfig(**SHAPE, n_kv_heads=2),
   "mla": ModelConfig(
     **SHAPE, n_kv_heads=8, mla=MLAConfig(16, 8, 8, 8, 12), mtp=MTPConfig("sequential", 1)
+  ),
+  # Routed experts split over the tensor axis by their FFN dimension; a dense first layer and a
+  # shared expert like the dense MLP.
+  "moe": ModelConfig(
+    **SHAPE,
+    n_kv_heads=2,
+    moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24, shared_ffn_dim=16, first_k_dense=1),
   ),
 }
 
@@ -99,9 +106,22 @@ def test_the_collective_bytes_are_the_compiled_decode_steps(kind, mesh):
     .compile()
     .as_text()
   )
-  reduced = [m for m in collectives(hlo, "all-reduce") if m[0] == rows * cfg.d_model]
-  assert sorted(reduced) == [(rows * cfg.d_model, False)] + 2 * [(rows * cfg.d_model, True)]
-  sent = sum(n * 4 * (cfg.n_layers if looped else 1) for n, looped in reduced)
+  BD = rows * cfg.d_model
+  if cfg.moe is None:  # one layer scan, two row-parallel outputs per layer
+    reduced = [m for m in collectives(hlo, "all-reduce") if m[0] == BD]
+    assert sorted(reduced) == [(BD, False)] + 2 * [(BD, True)]
+    sent = sum(n * 4 * (cfg.n_layers if looped else 1) for n, looped in reduced)
+  else:  # a scan per run of layers (here one dense layer, one MoE layer with a shared expert):
+    # the MoE layer's routed down projections reduced per slot, [B x k, D]
+    if dp > 1:
+      pytest.skip(
+        "over a data axis the MoE layer's token sort spans the replicas (XLA gathers the "
+        "routing and reduces the slots of every replica's rows): not counted by the planner"
+      )
+    k = cfg.moe.top_k
+    reduced = [m for m in collectives(hlo, "all-reduce") if m[0] in (BD, k * BD)]
+    assert sorted(reduced) == [(BD, False)] + 4 * [(BD, True)] + [(k * BD, True)]
+    sent = sum(n * 4 for n, _ in reduced)
   planned = compute.all_reduce_bytes(cfg, tensor=tp, rows=rows, dtype_bytes=4)
   assert planned == sent * 2 * (tp - 1) // tp
   logits = (rows * cfg.vocab_size, False)

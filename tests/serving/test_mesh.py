@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig
+from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.decoding import SamplingParams
 from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
@@ -31,7 +31,30 @@ CONFIG = EngineConfig(
 )
 
 
+# Mixtral-like (softmax top-2) and DeepSeek-V3-like (sigmoid noaux_tc, a shared expert, a dense
+# first layer): every expert's FFN split over the tensor axis like the dense MLP.
+MOE = {
+  "moe": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24),
+  "moe_mla": MoEConfig(
+    n_experts=8,
+    top_k=2,
+    expert_ffn_dim=24,
+    scoring="sigmoid",
+    topk_method="noaux_tc",
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    shared_ffn_dim=24,
+    first_k_dense=1,
+  ),
+}
+
+
 def model_of(kind: str, **kw):
+  if kind in MOE:
+    mla = MLAConfig(16, 8, 8, 8) if kind == "moe_mla" else None
+    cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, mla=mla, moe=MOE[kind], **kw)
+    return build(cfg, rngs=nnx.Rngs(0))
   if kind == "gqa":  # K=2 < 4 and 8: kv heads repeated up to the tensor size
     cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, **kw)
   else:
@@ -81,7 +104,13 @@ def reference():
 MESHES = [(1, 2), (1, 4), (1, 8), (2, 4), (8, 1)]
 # The default run: a tensor mesh that repeats kv heads, data x tensor, and MLA under both; the
 # whole sweep with -m slow.
-FAST = {("gqa", (1, 4)), ("gqa", (2, 4)), ("mla_qlora", (2, 4))}
+FAST = {
+  ("gqa", (1, 4)),
+  ("gqa", (2, 4)),
+  ("mla_qlora", (2, 4)),
+  ("moe", (1, 4)),
+  ("moe_mla", (2, 4)),
+}
 CASES = [
   pytest.param(
     kind,
@@ -89,7 +118,7 @@ CASES = [
     id=f"{kind}-data{mesh[0]}xtensor{mesh[1]}",
     marks=() if (kind, mesh) in FAST else pytest.mark.slow,
   )
-  for kind in ("gqa", "mla", "mla_qlora")
+  for kind in ("gqa", "mla", "mla_qlora", "moe", "moe_mla")
   for mesh in MESHES
 ]
 
@@ -101,6 +130,11 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
   config = dataclasses.replace(CONFIG, data_parallel_size=dp, tensor_parallel_size=tp)
   got, engine = serve(model, config)
   assert got == want
+  if model.cfg.moe is not None:  # each device holds 1/tp of every expert
+    mlp = engine.runner.states[0]["blocks"]["mlp"]
+    for name in ("w_gate", "w_up", "w_down"):
+      w = mlp[name][...]  # [L, E, D, F] or [L, E, F, D]
+      assert w.addressable_shards[0].data.size == w.size // tp, name
   s = engine.kv_stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == 16 * dp
   if dp <= 2:  # 8 replicas hold the 6 requests without preempting or sharing a prefix
