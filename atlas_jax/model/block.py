@@ -11,6 +11,7 @@ from flax import nnx
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm
+from atlas_jax.model.lora import Adapters
 from atlas_jax.model.mla import MLA
 
 
@@ -22,10 +23,19 @@ def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
 class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    adapters: Adapters | None = None,
+  ):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.attn = attention_class(cfg)(cfg, rngs=rngs, implementation=implementation)
+    self.attn = attention_class(cfg)(
+      cfg, rngs=rngs, implementation=implementation, adapters=adapters
+    )
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = MLP(
       cfg.d_model,
@@ -34,6 +44,7 @@ class Block(nnx.Module):
       out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
       rngs=rngs,
       param_dtype=pdt,
+      adapters=adapters,
     )
 
   def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):

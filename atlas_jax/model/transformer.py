@@ -21,7 +21,8 @@ from flax import nnx
 from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import LoRAConfig, ModelConfig
+from atlas_jax.model import lora as lora_lib
 from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.mtp import MTPHeads
@@ -46,6 +47,7 @@ class Transformer(nnx.Module):
     implementation: attention implementation for `atlas_jax.kernels` (None: best available).
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
     unroll_layers: unroll the layer scan (FLOP measurement only).
+    lora: LoRA adapters on every block's targeted projections (`atlas_jax.model.lora`).
   """
 
   def __init__(
@@ -57,14 +59,16 @@ class Transformer(nnx.Module):
     remat: str = "none",
     remat_every: int | None = None,
     unroll_layers: bool = False,
+    lora: LoRAConfig | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
+    adapters = lora_lib.resolve(cfg, lora)
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.remat = (remat, remat_every, unroll_layers)  # static
 
     def make_block(r: nnx.Rngs) -> Block:
-      return Block(cfg, rngs=r, implementation=implementation)
+      return Block(cfg, rngs=r, implementation=implementation, adapters=adapters)
 
     self.embed = param(normal(rngs, (V, D), cfg.init_std, pdt), ("vocab", "embed"))  # [V, D]
     self.blocks = stacked(make_block, cfg.n_layers, rngs)  # every parameter [L, ...]

@@ -3,7 +3,9 @@
 One function covers every configuration: gradient accumulation over micro-batches (a `lax.scan`
 inside the step), precision policies (float32 master weights, bf16/fp16 compute, dynamic loss
 scaling for fp16), remat policies (in the model's layer scan), and ZeRO/TP sharding (the jit's
-in/out shardings plus a constraint on the gradients).
+in/out shardings plus a constraint on the gradients). With LoRA (train.lora) the parameters split
+in two: the adapters, which alone are differentiated, clipped and updated and have optimizer
+state, and the frozen base weights, which the step passes through untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config
 from atlas_jax.model import Transformer, build
+from atlas_jax.model.lora import LoRAParam
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
@@ -31,8 +34,8 @@ Array = jax.Array
 
 @struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the model's Params (float32 master weights)
-  opt_state: Any  # optax state for `params`
+  params: Any  # nnx.State of the model's Params (float32 master weights; adapters included)
+  opt_state: Any  # optax state for the trainable params (`trainable`)
   step: Array  # i32[] steps run (skipped ones included: the data position)
   first_nonfinite: (
     Array  # i32[] first step (1-based) whose loss or gradients were not finite; 0: none
@@ -48,15 +51,38 @@ def build_model(cfg: Config, key: Array | None = None) -> Transformer:
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
+    lora=cfg.train.lora,
   )
 
 
-def init_state(cfg: Config, optimizer: optax.GradientTransformation, key: Array) -> TrainState:
-  """A fresh training state: the model initialised from `key`, the optimizer's zero state."""
+def split_trainable(cfg: Config, params) -> tuple[Any, Any]:
+  """(what trains, what stays frozen): all and None, or with LoRA the adapters and the rest."""
+  if cfg.train.lora is None:
+    return params, None
+  return nnx.split_state(params, LoRAParam, ...)
+
+
+def join_trainable(trainable, frozen):
+  return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def init_state(
+  cfg: Config, optimizer: optax.GradientTransformation, key: Array, base: Any = None
+) -> TrainState:
+  """A fresh training state: the model initialised from `key`, the optimizer's zero state.
+
+  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones (whose
+  draws XLA then drops as dead code); adapters are drawn from `key`.
+  """
   params = nnx.state(build_model(cfg, key))
+  if base is not None:
+    trainable, frozen = split_trainable(cfg, params)
+    (trainable if frozen is None else frozen).replace_by_pure_dict(base)
+    params = join_trainable(trainable, frozen)
   scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
   zero = jnp.zeros((), jnp.int32)
-  return TrainState(params, optimizer.init(params), zero, zero, scale)
+  trainable, _ = split_trainable(cfg, params)
+  return TrainState(params, optimizer.init(trainable), zero, zero, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +96,16 @@ class Trainer:
   state_shardings: TrainState
   grad_shardings: Any
 
-  def init(self, key: Array) -> TrainState:
-    """Initialises model and optimizer under jit straight into their shardings."""
+  def init(self, key: Array, base: Any = None) -> TrainState:
+    """Initialises model and optimizer under jit straight into their shardings.
+
+    `base`: pretrained weights (a pure dict of arrays already laid out in their shardings,
+    `atlas_jax.training.init_from`), donated: the state takes their buffers.
+    """
     init = functools.partial(init_state, self.cfg, self.optimizer)
-    return jax.jit(init, out_shardings=self.state_shardings)(key)
+    if base is None:
+      return jax.jit(init, out_shardings=self.state_shardings)(key)
+    return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=1)(key, base)
 
   def abstract_state(self) -> TrainState:
     return jax.eval_shape(
@@ -98,7 +130,8 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     if abstract.loss_scale is None
     else jax.tree.map(lambda _: rep, abstract.loss_scale),
   )
-  grad_shardings = shd.tree_shardings(abstract.params, mesh, rules["grads"])
+  trainable, _ = split_trainable(cfg, abstract.params)
+  grad_shardings = shd.tree_shardings(trainable, mesh, rules["grads"])
   return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings)
 
 
@@ -141,18 +174,20 @@ def objective(cfg: Config) -> Callable:
   return functools.partial(loss_fn, z_loss=cfg.train.z_loss, loss_chunk=chunk)
 
 
-def _accumulated_grads(trainer: Trainer, params, batch, scale):
-  """Mean loss and float32 gradients over train.grad_accum micro-batches (a scan, not a loop)."""
+def _accumulated_grads(trainer: Trainer, trainable, frozen, batch, scale):
+  """Mean loss and float32 gradients of the trainable params (the frozen ones are constants)
+  over train.grad_accum micro-batches (a scan, not a loop)."""
   cfg = trainer.cfg.train
   A = cfg.grad_accum
   compute_loss = objective(trainer.cfg)
 
   def micro(batch_m):
-    def scaled_loss(params):
+    def scaled_loss(trainable):
+      params = join_trainable(trainable, frozen)
       loss, aux = compute_loss(trainer.graphdef, params, batch_m)
       return loss * scale, (loss, aux)
 
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(trainable)
     return grads, loss, aux
 
   if A == 1:
@@ -177,7 +212,8 @@ def make_train_step(trainer: Trainer) -> Callable:
 
   def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
     scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
-    grads, loss, aux = _accumulated_grads(trainer, state.params, batch, scale)
+    trainable, frozen = split_trainable(trainer.cfg, state.params)
+    grads, loss, aux = _accumulated_grads(trainer, trainable, frozen, batch, scale)
     if state.loss_scale is not None:
       grads = state.loss_scale.unscale(grads)
     # ZeRO-2/3: gradients live sharded, so the all-reduce becomes a reduce-scatter.
@@ -185,13 +221,14 @@ def make_train_step(trainer: Trainer) -> Callable:
     # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
+      updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+      new = optax.apply_updates(trainable, updates)
       # A non-finite step never touches parameters or optimizer state: fp16 overflow and
       # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
       skip = ~finite
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      new, opt_state = keep(new, trainable), keep(opt_state, state.opt_state)
+      params = join_trainable(new, frozen)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
       **aux,
