@@ -189,6 +189,31 @@ def _safetensors_files(folder: Path) -> list[Path]:
   return files
 
 
+def tensor_names(folder: str | Path) -> set[str]:
+  """The names of a folder's tensors, from the safetensors headers (no tensor is read)."""
+  from safetensors import safe_open
+
+  names: set[str] = set()
+  for file in _safetensors_files(Path(folder)):
+    try:
+      with safe_open(str(file), framework="numpy") as f:
+        names.update(f.keys())
+    except Exception as e:  # safetensors raises its own error types, and OSError
+      raise HFLoadError(f"{file}: not a readable safetensors file: {type(e).__name__}: {e}") from e
+  return names
+
+
+def folder_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig `load` gives a folder, from config.json and the tensor names alone."""
+  hf_config = _read_json(Path(path) / "config.json")
+  if hf_config.get("model_type") == "deepseek_v3":
+    from atlas_jax import hf_deepseek
+
+    hf_deepseek.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs first
+    return hf_deepseek.config_for_tensors(hf_config, tensor_names(path), dtype=dtype)
+  return config_from_hf(hf_config, dtype=dtype)
+
+
 def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
   """All tensors of a folder (single file or sharded), as jax arrays on the host.
 

@@ -335,6 +335,25 @@ def params_from_hf(
   return params
 
 
+def config_for_tensors(
+  hf_config: Mapping[str, Any], names: set[str], *, dtype: str = "float32"
+) -> ModelConfig:
+  """The config of a checkpoint whose tensors are `names`: MTP heads for the MTP modules it
+  actually stores (transformers' save_pretrained drops them, so a config may announce
+  num_nextn_predict_layers without the weights)."""
+  L = config_from_hf(hf_config, dtype=dtype).n_layers
+  stored = 0
+  while any(n.startswith(f"model.layers.{L + stored}.") for n in names):
+    stored += 1
+  announced = n_mtp_layers(hf_config)
+  if stored > announced:
+    raise _error(
+      f"the checkpoint holds {stored} layers past num_hidden_layers={L} but "
+      f"num_nextn_predict_layers={announced}"
+    )
+  return config_from_hf(hf_config, dtype=dtype, mtp_layers=stored)
+
+
 def load(
   folder: str | Path,
   hf_config: Mapping[str, Any],
@@ -345,19 +364,7 @@ def load(
   """Loads a deepseek_v3 folder; called by `atlas_jax.hf.load` (which reads config.json)."""
   config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before reading weights
   tensors = read_safetensors(folder)
-  L = config_from_hf(hf_config, dtype=dtype).n_layers
-  # Count the MTP modules actually stored: transformers' save_pretrained drops them, so a
-  # config may announce num_nextn_predict_layers without the weights.
-  stored = 0
-  while any(n.startswith(f"model.layers.{L + stored}.") for n in tensors):
-    stored += 1
-  announced = n_mtp_layers(hf_config)
-  if stored > announced:
-    raise _error(
-      f"the checkpoint holds {stored} layers past num_hidden_layers={L} but "
-      f"num_nextn_predict_layers={announced}"
-    )
-  cfg = config_from_hf(hf_config, dtype=dtype, mtp_layers=stored)
+  cfg = config_for_tensors(hf_config, set(tensors), dtype=dtype)
   interleaved = field(hf_config, "rope_interleave", bool, True)
   params = params_from_hf(tensors, cfg, interleaved=interleaved)
   return build_model(cfg, params, implementation=implementation)

@@ -1,0 +1,107 @@
+"""Pretrained weights (train.init_from) laid out straight into a run's parameter shardings.
+
+A Hugging Face folder is read and converted on the host (safetensors -> our layouts, on the CPU
+backend), and each device is then handed only its own shards of each parameter
+(`jax.make_array_from_callback`): no device ever holds a whole unsharded parameter, whatever the
+mesh. A train.py run directory is restored by orbax straight into the shardings; a LoRA run's
+adapters are merged into their weights under jit, shard by shard.
+
+The result is a pure dict of the base model's parameters (no adapters), for `Trainer.init`, which
+draws the adapters and the optimizer's zero state around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from atlas_jax import hf, sources
+from atlas_jax.config import ConfigError, ModelConfig
+from atlas_jax.model import lora
+from atlas_jax.training import checkpoint
+from atlas_jax.training import sharding as shd
+from atlas_jax.training.step import Trainer, split_trainable
+
+
+def base_targets(trainer: Trainer) -> tuple[dict, dict]:
+  """(abstract base params, their shardings) as pure dicts: the run's parameters less its
+  adapters."""
+  abstract = trainer.abstract_state().params
+  trainable, frozen = split_trainable(trainer.cfg, abstract)
+  _, frozen_sh = split_trainable(trainer.cfg, trainer.state_shardings.params)
+  if frozen is None:
+    frozen, frozen_sh = trainable, trainer.state_shardings.params
+  return nnx.to_pure_dict(frozen), nnx.to_pure_dict(frozen_sh)
+
+
+def _check_same_model(source: ModelConfig, run: ModelConfig, path: str) -> None:
+  """The source's weights are for the run's model (the fields that may differ aside)."""
+  if sources.comparable(source) != sources.comparable(run):
+    raise ConfigError(
+      f"train.init_from={path!r} holds another model than the run's (changed since the run "
+      f"began?): {source} vs {run}"
+    )
+
+
+def place(host: dict, abstract: dict, shardings: dict) -> dict:
+  """Host arrays (a pure dict) as global arrays laid out with `shardings`, each device given
+  only its own slices.
+
+  Raises:
+    ConfigError naming a parameter that is missing or has another shape.
+  """
+  flat_host = dict(jax.tree_util.tree_leaves_with_path(host))
+
+  def one(path, want, sharding):
+    name = ".".join(str(getattr(k, "key", k)) for k in path)
+    if path not in flat_host:
+      raise ConfigError(f"train.init_from: the source has no parameter {name}")
+    value = np.asarray(flat_host[path])
+    if value.shape != tuple(want.shape):
+      raise ConfigError(
+        f"train.init_from: parameter {name} has shape {value.shape} in the source; the run's "
+        f"model needs {tuple(want.shape)}"
+      )
+    value = value.astype(want.dtype, copy=False)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  return jax.tree_util.tree_map_with_path(one, abstract, shardings)
+
+
+def _from_hf(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> dict:
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    model = hf.load(path)
+  _check_same_model(model.cfg, trainer.cfg.model, str(path))
+  host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  del model
+  return place(host, abstract, shardings)
+
+
+def _from_run(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> dict:
+  src = checkpoint.load_config(path / "config.yaml")
+  _check_same_model(src.model, trainer.cfg.model, str(path))
+  graphdef, src_abstract = checkpoint.abstract_params(src)
+  rules = shd.strategy_rules(trainer.cfg.train.sharding)["params"]
+  src_shardings = shd.tree_shardings(src_abstract, trainer.mesh, rules)
+  params = checkpoint.restore_params(path, src_abstract, src_shardings)
+  if src.train.lora is None:
+    return params
+
+  def merge(params):
+    state = nnx.state(nnx.merge(graphdef, src_abstract))
+    state.replace_by_pure_dict(params)
+    return lora.merged_params(nnx.merge(graphdef, state))
+
+  return jax.jit(merge, out_shardings=shardings, donate_argnums=0)(params)
+
+
+def base_params(path: str | Path, trainer: Trainer) -> dict:
+  """The source's weights for `trainer`'s model, laid out in its parameter shardings."""
+  path = Path(path)
+  abstract, shardings = base_targets(trainer)
+  if sources.is_run(path):
+    return _from_run(path, trainer, abstract, shardings)
+  return _from_hf(path, trainer, abstract, shardings)
