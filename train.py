@@ -37,11 +37,12 @@ from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline, supervised
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
-from atlas_jax.training import checkpoint, init_from
+from atlas_jax.hf import init_from
+from atlas_jax.plan.compute import train_flops_per_token
+from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.metrics import (
   Logger,
-  flops_per_token,
   matmul_params,
   mfu,
   peak_memory_bytes,
@@ -376,7 +377,9 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   checkpoints every checkpoint_every steps, at the end and when interrupted."""
   cfg, trainer = run.cfg, run.trainer
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
+  flops_tok = train_flops_per_token(
+    cfg.model, cfg.train.seq_len, n_matmul_params=matmul_params(state.params)
+  )
   run.say(
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"

@@ -7,7 +7,7 @@ safetensors headers, or the run's config.yaml; no weight is read and no device i
 tokenizer with the special tokens its files declare, and its chat template. The config's own
 model section may be left out; a field it does give must agree with the source, except the
 fields that say how the model runs rather than what it computes (`MAY_DIFFER`).
-The weights themselves are placed by `atlas_jax.training.init_from`.
+The weights themselves are placed by `atlas_jax.hf.init_from`.
 """
 
 from __future__ import annotations
@@ -22,27 +22,13 @@ from typing import Any
 from atlas_jax import hf
 from atlas_jax.config import Config, ConfigError, ModelConfig, TrainConfig, build, read_config
 from atlas_jax.config import load_config as load_plain
-from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from atlas_jax.data.tokenizer import Tokenizer
+from atlas_jax.hf.export import TOKENIZER_FILES
+from atlas_jax.hf.init_from import MAY_DIFFER
+from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import model_files
 from atlas_jax.serving.chat import ChatTemplate, PlainChatTemplate
-
-# Model fields a fine-tuning config may set whatever the source says: the compute and storage
-# dtypes (train.precision decides the training ones), the init scale (the weights are loaded) and
-# the MTP loss weight (a training objective, not the heads).
-MAY_DIFFER = ("dtype", "param_dtype", "init_std", "mtp.loss_weight")
-# What a model folder holds besides its weights that a run keeps with it and exports again.
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "chat_template.jinja",
-  "generation_config.json",
-)
-
-
-def is_run(path: str | Path) -> bool:
-  """A train.py run directory (its config.yaml)."""
-  return (Path(path) / "config.yaml").is_file()
+from atlas_jax.training import checkpoint
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -57,7 +43,7 @@ def model_config(path: str | Path) -> ModelConfig:
     a Hugging Face folder that cannot be imported.
   """
   path = Path(path)
-  if is_run(path):
+  if checkpoint.is_checkpoint(path):
     return load_plain(path / "config.yaml").model
   if is_hf_folder(path):
     return hf.folder_config(path)
@@ -66,14 +52,6 @@ def model_config(path: str | Path) -> ModelConfig:
     "and *.safetensors) or a train.py run directory (config.yaml and its checkpoints)"
     + ("" if path.exists() else "; it does not exist")
   )
-
-
-def comparable(cfg: ModelConfig) -> ModelConfig:
-  """`cfg` with the fields that may differ from a source's (`MAY_DIFFER`) at their defaults."""
-  default = ModelConfig()
-  mtp = None if cfg.mtp is None else dataclasses.replace(cfg.mtp, loss_weight=0.0)
-  keep = {name: getattr(default, name) for name in MAY_DIFFER if "." not in name}
-  return dataclasses.replace(cfg, **keep, mtp=mtp)
 
 
 def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -148,7 +126,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
   if not isinstance(given, Mapping):
     raise ConfigError(f"model={given!r} is not allowed: expected a mapping of model fields")
   run_dir = Path(train.get("checkpoint_dir", TrainConfig.checkpoint_dir))
-  recorded = load_plain(run_dir / "config.yaml") if is_run(run_dir) else None
+  recorded = load_plain(run_dir / "config.yaml") if checkpoint.is_checkpoint(run_dir) else None
   if not Path(init_from).exists() and recorded and recorded.train.init_from == init_from:
     source = recorded.model
   else:
@@ -158,17 +136,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def tokenizer(path: str | Path, vocab_size: int) -> Tokenizer:
-  """A source's tokenizer, with the special tokens and eos ids its files declare.
-
-  A Hugging Face folder, or a run that kept one's files, reads them as serve.py does; a run's own
-  BPE is its tokenizer.json; a run without one is byte-level.
-  """
-  path = Path(path)
-  if (path / "tokenizer_config.json").is_file() or is_hf_folder(path):
-    return model_files.load_tokenizer(path, vocab_size)
-  if (path / "tokenizer.json").is_file():
-    return HFTokenizer.from_file(path / "tokenizer.json")
-  return ByteTokenizer()
+  """A source's tokenizer, with the special tokens and eos ids its files declare
+  (`atlas_jax.hf.tokenizer.run_tokenizer`)."""
+  return run_tokenizer(path, vocab_size)
 
 
 def chat_template(path: str | Path | None, tokenizer: Tokenizer) -> ChatTemplate:

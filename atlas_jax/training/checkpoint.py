@@ -26,9 +26,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from atlas_jax import sources
 from atlas_jax.config import Config, dump_config, load_config
-from atlas_jax.data.tokenizer import Tokenizer
+from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build, lora
 from atlas_jax.training.precision import training_model_config
 
@@ -160,7 +159,7 @@ def set_aside(directory: str | Path, steps: list[int]) -> list[Path]:
 
 
 def is_checkpoint(directory: str | Path) -> bool:
-  return sources.is_run(directory)
+  return (Path(directory) / "config.yaml").is_file()
 
 
 def abstract_params(cfg: Config, *, implementation: str | None = None):
@@ -217,6 +216,22 @@ def restore_params(
   return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
+def load_trained(
+  directory: str | Path, *, step: int | None = None, implementation: str | None = None
+) -> tuple[nnx.Module, Config]:
+  """The model as trained (float32 master weights, LoRA adapters kept apart) and its config,
+  from the newest intact step (or `step`), on one device."""
+  directory = Path(directory)
+  if not is_checkpoint(directory):
+    raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
+  cfg = load_config(directory / "config.yaml")
+  graphdef, abstract = abstract_params(cfg, implementation=implementation)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  shardings = jax.tree.map(lambda _: device, abstract)
+  nnx.replace_by_pure_dict(abstract, restore_params(directory, abstract, shardings, step=step))
+  return nnx.merge(graphdef, abstract), cfg
+
+
 def load_model(
   directory: str | Path, *, step: int | None = None, implementation: str | None = None
 ) -> tuple[nnx.Module, Config, Tokenizer]:
@@ -226,25 +241,18 @@ def load_model(
   LoRA run's adapters are merged into the weights they adapt.
   """
   directory = Path(directory)
-  if not is_checkpoint(directory):
-    raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
-  cfg = load_config(directory / "config.yaml")
-  graphdef, abstract = abstract_params(cfg, implementation=implementation)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  shardings = jax.tree.map(lambda _: device, abstract)
-  nnx.replace_by_pure_dict(abstract, restore_params(directory, abstract, shardings, step=step))
-  trained = nnx.merge(graphdef, abstract)
+  trained, cfg = load_trained(directory, step=step, implementation=implementation)
   model = nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
   graphdef, state = nnx.split(model)
-  params = (
-    lora.merged_params(trained)
-    if cfg.train.lora is not None
-    else nnx.to_pure_dict(nnx.state(trained))
-  )
+  params = lora.merged_params(trained)  # the parameters alone where there is no adapter
   # The inference model's own parameter dtype (the master weights are float32).
   cast = lambda x, want: jax.numpy.asarray(x, want.dtype)
   state.replace_by_pure_dict(jax.tree.map(cast, params, nnx.to_pure_dict(state)))
-  return nnx.merge(graphdef, state), cfg, sources.tokenizer(directory, cfg.model.vocab_size)
+  # The run's own BPE, or bytes; a fine-tune of a Hugging Face folder keeps that folder's
+  # tokenizer files too, whose special tokens `atlas_jax.sources.tokenizer` reads.
+  tok_file = directory / "tokenizer.json"
+  tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
+  return nnx.merge(graphdef, state), cfg, tokenizer
 
 
 def single_device_mesh() -> Mesh:

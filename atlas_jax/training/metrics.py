@@ -14,9 +14,7 @@ from pathlib import Path
 
 import jax
 
-from atlas_jax.config import ModelConfig
 from atlas_jax.devices import DEVICES, match_device_kind
-from atlas_jax.plan.compute import train_flops_per_token
 
 # Dense bf16 peak TFLOP/s per device, from the planner's device table (sources there).
 PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
@@ -29,13 +27,6 @@ def matmul_params(params) -> int:
   """
   total = sum(x.size for x in jax.tree.leaves(params))
   return total if params.get("lm_head") is None else total - params["embed"][...].size
-
-
-def flops_per_token(
-  cfg: ModelConfig, n_matmul_params: int, seq_len: int, *, causal: bool = True
-) -> float:
-  """Training FLOPs per token (`atlas_jax.plan.compute.train_flops_per_token`)."""
-  return train_flops_per_token(cfg, seq_len, causal=causal, n_matmul_params=n_matmul_params)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float | None:

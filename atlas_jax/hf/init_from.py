@@ -12,18 +12,32 @@ draws the adapters and the optimizer's zero state around it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from atlas_jax import hf, sources
+from atlas_jax import hf
 from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.model import lora
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.step import Trainer, split_trainable
+
+# Model fields a fine-tuning config may set whatever the source says (`atlas_jax.sources`): the
+# compute and storage dtypes (train.precision decides the training ones), the init scale (the
+# weights are loaded) and the MTP loss weight (a training objective, not the heads).
+MAY_DIFFER = ("dtype", "param_dtype", "init_std", "mtp.loss_weight")
+
+
+def comparable(cfg: ModelConfig) -> ModelConfig:
+  """`cfg` with the fields that may differ from a source's (`MAY_DIFFER`) at their defaults."""
+  default = ModelConfig()
+  mtp = None if cfg.mtp is None else dataclasses.replace(cfg.mtp, loss_weight=0.0)
+  keep = {name: getattr(default, name) for name in MAY_DIFFER if "." not in name}
+  return dataclasses.replace(cfg, **keep, mtp=mtp)
 
 
 def base_targets(trainer: Trainer) -> tuple[dict, dict]:
@@ -39,7 +53,7 @@ def base_targets(trainer: Trainer) -> tuple[dict, dict]:
 
 def _check_same_model(source: ModelConfig, run: ModelConfig, path: str) -> None:
   """The source's weights are for the run's model (the fields that may differ aside)."""
-  if sources.comparable(source) != sources.comparable(run):
+  if comparable(source) != comparable(run):
     raise ConfigError(
       f"train.init_from={path!r} holds another model than the run's (changed since the run "
       f"began?): {source} vs {run}"
@@ -102,6 +116,6 @@ def base_params(path: str | Path, trainer: Trainer) -> dict:
   """The source's weights for `trainer`'s model, laid out in its parameter shardings."""
   path = Path(path)
   abstract, shardings = base_targets(trainer)
-  if sources.is_run(path):
+  if checkpoint.is_checkpoint(path):
     return _from_run(path, trainer, abstract, shardings)
   return _from_hf(path, trainer, abstract, shardings)
