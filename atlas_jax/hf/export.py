@@ -65,7 +65,7 @@ class ExportError(ValueError):
 
 def _model(cfg: Config, params: dict) -> nnx.Module:
   graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0))))
-  state.replace_by_pure_dict(params)
+  nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 
 

@@ -106,10 +106,10 @@ def _from_run(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> 
 
   def merge(params):
     state = nnx.state(nnx.merge(graphdef, src_abstract))
-    state.replace_by_pure_dict(params)
+    nnx.replace_by_pure_dict(state, params)
     return lora.merged_params(nnx.merge(graphdef, state))
 
-  return jax.jit(merge, out_shardings=shardings, donate_argnums=0)(params)
+  return jax.jit(merge, out_shardings=shardings)(params)
 
 
 def base_params(path: str | Path, trainer: Trainer) -> dict:

@@ -247,7 +247,7 @@ def load_model(
   params = lora.merged_params(trained)  # the parameters alone where there is no adapter
   # The inference model's own parameter dtype (the master weights are float32).
   cast = lambda x, want: jax.numpy.asarray(x, want.dtype)
-  state.replace_by_pure_dict(jax.tree.map(cast, params, nnx.to_pure_dict(state)))
+  nnx.replace_by_pure_dict(state, jax.tree.map(cast, params, nnx.to_pure_dict(state)))
   # The run's own BPE, or bytes; a fine-tune of a Hugging Face folder keeps that folder's
   # tokenizer files too, whose special tokens `atlas_jax.sources.tokenizer` reads.
   tok_file = directory / "tokenizer.json"

@@ -77,7 +77,7 @@ def init_state(
   params = nnx.state(build_model(cfg, key))
   if base is not None:
     trainable, frozen = split_trainable(cfg, params)
-    (trainable if frozen is None else frozen).replace_by_pure_dict(base)
+    nnx.replace_by_pure_dict(trainable if frozen is None else frozen, base)
     params = join_trainable(trainable, frozen)
   scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
   zero = jnp.zeros((), jnp.int32)
