@@ -112,6 +112,7 @@ RESUME_MAY_CHANGE = {
   "on_corrupt_checkpoint",
   "loss_chunk",
   "xla_flags",
+  "eval_exact_match",
 }
 
 
@@ -488,7 +489,12 @@ def report(run: Run, data: Data, out: Outcome) -> None:
       f"held-out exact match (greedy): {before}{hits}/{n} = {hits / max(n, 1):.1%} after "
       f"{out.step} steps"
     )
-    out.record["exact_match"] = hits / max(n, 1)
+    record = {"step": out.step, "exact_match": hits / max(n, 1)}
+    if out.before is not None:
+      record["exact_match_before"] = out.before[0] / max(out.before[1], 1)
+    logger = Logger(run.run_dir, enabled=run.main_process)  # a last line of metrics.jsonl
+    logger.write(record)
+    logger.close()
   if "eval_loss" in out.record:
     eval_loss = out.record["eval_loss"]
     run.say(
