@@ -32,7 +32,7 @@ from atlas_jax.config import Config, ModelConfig
 from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.precision import training_model_config
-from atlas_jax.training.step import build_model, make_trainer, objective
+from atlas_jax.training.step import build_model, make_trainer, objective, split_trainable
 
 
 def _nbytes(tree) -> int:
@@ -79,7 +79,8 @@ def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
   abstract = trainer.abstract_state()
   return {
     "params": shd.sharded_bytes(abstract.params, trainer.state_shardings.params),
-    "grads": shd.sharded_bytes(abstract.params, trainer.grad_shardings),
+    # What is differentiated: every parameter, or with LoRA the adapters.
+    "grads": shd.sharded_bytes(split_trainable(cfg, abstract.params)[0], trainer.grad_shardings),
     "opt_state": shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state),
   }
 

@@ -18,6 +18,9 @@ FFN columns and the vocabulary over `tensor`:
 
 A dimension the mesh axis does not divide stays replicated, as in `atlas_jax.training.sharding`.
 
+With LoRA (train.lora) the base weights are held as they are, the adapters beside them, and only
+the adapters have gradients and AdamW moments: 4 bytes per frozen parameter, 16 per adapter one.
+
 Activations. What the train step's forward pass saves for its backward pass (the residuals of
 `jax.vjp`), counted tensor by tensor from the model code: per layer and token under `none`,
 
@@ -43,7 +46,7 @@ import math
 
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.scan import default_every
-from atlas_jax.plan.params import ParamSpec, block, inventory, mtp_head
+from atlas_jax.plan.params import ParamSpec, block, inventory, lora_adapters, mtp_head
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
 REMAT_POLICIES = ("none", "full", "every_k", "selective")
@@ -112,23 +115,35 @@ class StateBytes:
 
 
 def state_bytes(
-  cfg: ModelConfig, *, strategy: str, devices: int, tensor: int = 1, master_bytes: int = 4
+  cfg: ModelConfig,
+  *,
+  strategy: str,
+  devices: int,
+  tensor: int = 1,
+  master_bytes: int = 4,
+  lora: tuple[int, frozenset[str]] | None = None,
 ) -> StateBytes:
-  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments)."""
+  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments).
+
+  `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
+  gradients and optimizer state.
+  """
   mesh = mesh_for(strategy, devices, tensor)
   stage = _STAGE[strategy]
-  specs = inventory(cfg)
+  base = inventory(cfg)
+  adapters = [] if lora is None else lora_adapters(cfg, *lora)
+  trained = base if lora is None else adapters
 
-  def per_device(sharded: bool) -> int:
+  def per_device(specs: list[ParamSpec], sharded: bool) -> int:
     fsdp = mesh["fsdp"] if sharded else 1
     return master_bytes * sum(shard_elements(p, fsdp=fsdp, tensor=mesh["tensor"]) for p in specs)
 
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(stage >= 3),
-    grads=per_device(stage >= 2),
-    opt_state=2 * per_device(stage >= 1) + _ADAM_COUNTERS,
+    params=per_device(base + adapters, stage >= 3),
+    grads=per_device(trained, stage >= 2),
+    opt_state=2 * per_device(trained, stage >= 1) + _ADAM_COUNTERS,
   )
 
 

@@ -121,6 +121,42 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   return specs
 
 
+# LoRA targets -> the weights they adapt and how many leading dims are the input
+# (`atlas_jax.model.lora`: `a` [*in, A] with the weight's input axes, `b` [A, *out]).
+_LORA_WEIGHTS = {
+  "q_proj": (("attn/wq", 1),),
+  "k_proj": (("attn/wk", 1),),
+  "v_proj": (("attn/wv", 1),),
+  "o_proj": (("attn/wo", 2),),
+  "q_a_proj": (("attn/wq_a", 1),),
+  "q_b_proj": (("attn/wq_b", 1),),
+  "kv_a_proj": (("attn/wkv_a", 1),),
+  "kv_b_proj": (("attn/wk_b", 1), ("attn/wv_b", 1)),
+  "gate_proj": (("mlp/w_gate", 1),),
+  "up_proj": (("mlp/w_up", 1),),
+  "down_proj": (("mlp/w_down", 1),),
+}
+
+
+def lora_adapters(cfg: ModelConfig, rank: int, targets: frozenset[str]) -> list[ParamSpec]:
+  """The adapters of every adapted projection of every block (the trunk's and the MTP heads'),
+  for resolved target names (`atlas_jax.model.lora.resolve`)."""
+  weights = {p.path: p for p in block(cfg)}
+  one = []
+  for target in sorted(targets):
+    for path, n_in in _LORA_WEIGHTS[target]:
+      w = weights[path]
+      one += [
+        ParamSpec(f"{path}_lora/a", (*w.shape[:n_in], rank), (*w.axes[:n_in], "lora")),
+        ParamSpec(f"{path}_lora/b", (rank, *w.shape[n_in:]), ("lora", *w.axes[n_in:])),
+      ]
+  specs = _stack("blocks", "layers", cfg.n_layers, one)
+  if cfg.mtp is not None:
+    inner = [dataclasses.replace(p, path=f"block/{p.path}") for p in one]
+    specs += _stack("mtp/heads", "layers", cfg.mtp.n_predict, inner)
+  return specs
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   total: int  # everything the model holds

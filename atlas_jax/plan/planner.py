@@ -14,11 +14,12 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import LORA_TARGETS, LoRAConfig, ModelConfig
 from atlas_jax.devices import get_device
+from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
-from atlas_jax.plan.params import counts
+from atlas_jax.plan.params import counts, lora_adapters
 
 PRECISIONS = tuple(memory.PRECISIONS)
 
@@ -42,6 +43,10 @@ class PlanInputs:
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
+  # LoRA (train.lora): adapters of this rank on these projections, the only trained parameters;
+  # 0: every parameter trains.
+  lora_rank: int = 0
+  lora_targets: tuple[str, ...] = ("attn", "mlp")
 
   def __post_init__(self):
     for name in ("seq_len", "batch", "devices", "tensor", "grad_accum", "block_size"):
@@ -78,6 +83,14 @@ class PlanInputs:
       raise ValueError(f"--tokens={self.tokens!r} must be >= 1")
     if self.devices % self.tensor:
       raise ValueError(f"--tensor={self.tensor} must divide --devices={self.devices}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"--lora-rank={self.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown or not self.lora_targets:
+      raise ValueError(
+        f"--lora-targets={','.join(self.lora_targets)!r} is not allowed: each one of "
+        f"{', '.join(LORA_TARGETS)}"
+      )
 
     self.micro_batch(self.strategy, strict=True)
 
@@ -196,9 +209,16 @@ def make_plan(
   }
 
   # Training memory per device, every strategy at the selected remat policy.
+  lora = None
+  if inputs.lora_rank:
+    adapters = resolve(cfg, LoRAConfig(rank=inputs.lora_rank, targets=inputs.lora_targets))
+    lora = (adapters.rank, adapters.targets)
+  trainable = pc.total if lora is None else sum(p.size for p in lora_adapters(cfg, *lora))
   strategies = []
   for strategy in memory.STRATEGIES:
-    st = memory.state_bytes(cfg, strategy=strategy, devices=inputs.devices, tensor=inputs.tensor)
+    st = memory.state_bytes(
+      cfg, strategy=strategy, devices=inputs.devices, tensor=inputs.tensor, lora=lora
+    )
     micro = inputs.micro_batch(strategy)
     act = memory.activation_bytes(
       cfg,
@@ -221,6 +241,8 @@ def make_plan(
         "grads": st.grads,
         "opt_state": st.opt_state,
         "state": st.total,
+        # Training state per model parameter on this device (16 unsharded without LoRA).
+        "bytes_per_param": st.total / pc.total,
         "activations_saved": act.saved,
         "activations_peak": act.peak,
         "total": total,
@@ -318,7 +340,12 @@ def make_plan(
       "inference_bytes": pc.inference * c,
     },
     "kv_cache": kv,
-    "training": {"selected": inputs.strategy, "strategies": strategies},
+    "training": {
+      "selected": inputs.strategy,
+      "strategies": strategies,
+      "trainable_params": trainable,
+      "lora_rank": inputs.lora_rank,
+    },
     "activations": activations,
     "compute": comp,
     "decode": decode,
