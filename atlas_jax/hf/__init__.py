@@ -506,6 +506,12 @@ def save(model: Transformer, path: str | Path) -> None:
   from safetensors.numpy import save_file
 
   cfg = model.cfg
+  if cfg.mla is not None or cfg.mtp is not None:
+    raise HFLoadError(
+      "save writes the Llama family (llama, mistral, qwen2, qwen3); this model has "
+      + ("MLA attention" if cfg.mla is not None else "MTP heads")
+      + ", which no exporter here writes"
+    )
   folder = Path(path)
   folder.mkdir(parents=True, exist_ok=True)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -69,13 +69,15 @@ def _model(cfg: Config, params: dict) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
-def _special_ids(run: Path, tokenizer) -> dict[str, Any]:
-  ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-  generation = run / "generation_config.json"
-  if generation.is_file():  # the source folder's own (several eos ids, say)
-    stored = json.loads(generation.read_text(encoding="utf-8"))
-    ids.update({k: stored[k] for k in ids if k in stored})
-  ids = {k: v for k, v in ids.items() if v is not None and v != -1}
+def _special_ids(tokenizer) -> dict[str, Any]:
+  """config.json's token ids: the tokenizer's, as serve.py reads them (the eos ids of the source
+  folder's files, several where it has several)."""
+  ids: dict[str, Any] = {}
+  if tokenizer.bos_id >= 0:
+    ids["bos_token_id"] = tokenizer.bos_id
+  eos = list(tokenizer.eos_ids)
+  if eos:
+    ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
   if tokenizer.pad_id >= 0:
     ids["pad_token_id"] = tokenizer.pad_id
   return ids
@@ -103,7 +105,7 @@ def _tokenizer_files(run: Path, out: Path, cfg: Config, tokenizer) -> list[str]:
   if "generation_config.json" not in written:
     s = cfg.serve  # the run's sampling defaults, as serve.py applied them to the run
     generation: dict[str, Any] = {
-      **_special_ids(run, tokenizer),
+      **_special_ids(tokenizer),
       "max_new_tokens": s.max_new_tokens,
     }
     if s.temperature > 0:
@@ -180,7 +182,7 @@ def export(run: str | Path, out: str | Path, *, adapters: str = "merged") -> lis
   hf.save(_model(cfg, params), out)
   tokenizer = run_tokenizer(run, cfg.model.vocab_size)
   config = json.loads((out / "config.json").read_text())
-  config.update(_special_ids(run, tokenizer))
+  config.update(_special_ids(tokenizer))
   (out / "config.json").write_text(json.dumps(config, indent=2))
   files = ["config.json", "model.safetensors", *_tokenizer_files(run, out, cfg, tokenizer)]
   if adapters == "separate":

@@ -227,6 +227,31 @@ def test_serve_serves_the_run_and_its_export_alike(chat_run, tmp_path):
   assert texts[0] == texts[1]
 
 
+def test_an_exported_full_fine_tune_loads_in_transformers(reverse_run, tmp_path):
+  run, _ = reverse_run
+  out = tmp_path / "hf"
+  assert hf_cli.main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+  ours = np.asarray(checkpoint.load_model(run)[0](jnp.asarray(TOKENS)))
+  np.testing.assert_allclose(logits_of(out), ours, rtol=1e-4, atol=1e-4)
+  config = json.loads((out / "config.json").read_text())
+  assert config["model_type"] == "llama" and config["eos_token_id"] == 258  # byte-level: no
+  assert not (out / "tokenizer.json").exists()  # tokenizer file; serve.py reads it as bytes
+
+
+def test_a_model_no_exporter_writes_is_named(tmp_path, capsys):
+  cfg = tiny_config(
+    "model.mla={kv_lora_rank: 16, qk_rope_head_dim: 4, qk_nope_head_dim: 4, v_head_dim: 8}",
+    f"train.checkpoint_dir={tmp_path}",
+  )
+  trainer = make_trainer(cfg)
+  checkpoint.write_run_files(tmp_path, cfg)
+  mngr = checkpoint.manager(tmp_path)
+  checkpoint.save(mngr, 1, trainer.init(jax.random.key(0)), {"step": 1, "data_index": 1})
+  mngr.wait_until_finished()
+  assert hf_cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+  assert "MLA attention" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
   "argv, message",
   [
