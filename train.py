@@ -456,7 +456,8 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
 
 
 def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: float) -> dict:
-  """One line of metrics.jsonl: the next-token loss, its MTP terms and what the step cost."""
+  """One line of metrics.jsonl: the next-token loss, its MTP and router terms, the experts' load
+  and what the step cost."""
   record = {
     "step": step,
     "loss": metrics["loss"],
@@ -469,9 +470,13 @@ def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: fl
   if util is not None:
     record["mfu"] = util
   mtp = {k: v for k, v in metrics.items() if k.startswith("loss_mtp")}
-  if mtp or cfg.train.z_loss:
+  # Mixture of experts: the balance and router z losses, the busiest expert's tokens over the
+  # mean, the mean tokens per expert, the share of assignments dropped.
+  moe = {k: v for k, v in metrics.items() if k.startswith("moe_")}
+  if mtp or moe or cfg.train.z_loss:
     record["loss_total"] = metrics["loss_total"]  # the objective the gradients came from
   record.update(mtp)
+  record.update(moe)
   if "loss_scale" in metrics:
     record["loss_scale"] = metrics["loss_scale"]
   if metrics.get("skipped"):

@@ -119,8 +119,95 @@ class MTPConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Mixture-of-experts feed-forward layers (`atlas_jax.model.moe`): a router picks `top_k` of
+  `n_experts` SwiGLU experts per token; optional shared experts see every token.
+
+  Routers (the Hugging Face fields each maps from in parentheses):
+    scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3).
+    topk_method: "greedy" (top-k of the scores); "group_limited_greedy" (DeepSeek-V2: the experts
+      split into n_group groups, only the topk_group groups with the highest best score compete);
+      "noaux_tc" (DeepSeek-V3: scores plus a per-expert selection bias, groups ranked by the sum
+      of their two best biased scores; the bias changes which experts are picked, never their
+      weights).
+    norm_topk_prob: renormalise the k weights to sum to 1 (Mixtral always; Qwen/OLMoE/V3 by flag).
+    routed_scaling_factor: multiplies the routed experts' weights (DeepSeek).
+
+  Which layers are MoE (the rest are dense SwiGLU layers of model.ffn_dim): layer i (0-based) is
+  MoE when i >= first_k_dense (first_k_dense_replace), (i + 1) % sparse_step == 0
+  (decoder_sparse_step) and i is not in dense_layers (mlp_only_layers).
+
+  capacity_factor: null computes every assignment (dropless). A number caps each expert at
+  ceil(capacity_factor * tokens * top_k / n_experts) tokens per call in the uncached forward
+  (training): assignments past the cap, in token order, are dropped and counted. Calls with a
+  cache (generation, serving) stay dropless, so a sequence's tokens never depend on its batch.
+  """
+
+  n_experts: int = 8  # E routed experts
+  top_k: int = 2  # experts per token
+  expert_ffn_dim: int = 256  # F of one routed expert (moe_intermediate_size)
+  scoring: Literal["softmax", "sigmoid"] = "softmax"
+  topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+  n_group: int = 1  # expert groups (group_limited_greedy, noaux_tc)
+  topk_group: int = 1  # groups a token may pick experts from
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  # Shared experts, one SwiGLU of this hidden width (DeepSeek: n_shared_experts x
+  # moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size); 0: none.
+  shared_ffn_dim: int = 0
+  shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert scaled by sigmoid(x @ w)
+  first_k_dense: int = 0
+  sparse_step: int = 1
+  dense_layers: tuple[int, ...] = ()
+  capacity_factor: float | None = None
+
+  def __post_init__(self):
+    _positive("model.moe", self, "n_experts", "top_k", "expert_ffn_dim", "n_group", "topk_group")
+    _positive("model.moe", self, "sparse_step", "routed_scaling_factor")
+    E = self.n_experts
+    if self.top_k > E:
+      _fail("model.moe.top_k", self.top_k, f"must be <= model.moe.n_experts={E}")
+    if E % self.n_group:
+      _fail("model.moe.n_group", self.n_group, f"must divide model.moe.n_experts={E}")
+    if self.topk_group > self.n_group:
+      _fail("model.moe.topk_group", self.topk_group, f"must be <= model.moe.n_group={self.n_group}")
+    per_group = E // self.n_group
+    if self.topk_method != "greedy" and self.top_k > self.topk_group * per_group:
+      _fail(
+        "model.moe.top_k",
+        self.top_k,
+        f"must be <= topk_group x experts per group = {self.topk_group} x {per_group}: the "
+        "experts of the groups a token may use",
+      )
+    if self.topk_method == "noaux_tc" and per_group < 2:
+      _fail(
+        "model.moe.n_group",
+        self.n_group,
+        f"leaves {per_group} expert per group; noaux_tc ranks groups by their two best scores, "
+        "so each group needs at least 2",
+      )
+    if self.shared_ffn_dim < 0:
+      _fail("model.moe.shared_ffn_dim", self.shared_ffn_dim, "must be >= 0 (0: no shared expert)")
+    if self.shared_expert_gate and not self.shared_ffn_dim:
+      _fail("model.moe.shared_expert_gate", True, "needs model.moe.shared_ffn_dim > 0")
+    if self.first_k_dense < 0:
+      _fail("model.moe.first_k_dense", self.first_k_dense, "must be >= 0")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      _fail("model.moe.capacity_factor", self.capacity_factor, "must be > 0 or null (dropless)")
+
+  def is_sparse(self, layer: int) -> bool:
+    """Whether layer `layer` (0-based; MTP modules count on past the trunk) is an MoE layer."""
+    return (
+      layer >= self.first_k_dense
+      and (layer + 1) % self.sparse_step == 0
+      and layer not in self.dense_layers
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer of the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+  """A decoder-only transformer: the Llama family (Llama, Mistral, Qwen2, Qwen3), DeepSeek's MLA
+  and MTP, and mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)."""
 
   vocab_size: int = 259
   d_model: int = 256  # D
@@ -135,6 +222,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   qkv_bias: bool = False  # Qwen2
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  # What qk_norm normalises: each head ("head", Qwen3) or all heads of q (and of k) together
+  # ("all_heads", OLMoE: one RMSNorm over the whole projection).
+  qk_norm_scope: Literal["head", "all_heads"] = "head"
   tie_embeddings: bool = False
   sliding_window: int | None = None  # Mistral
   init_std: float = 0.02
@@ -142,6 +232,7 @@ class ModelConfig:
   param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
   mla: MLAConfig | None = None  # DeepSeek MLA instead of GQA; n_kv_heads unused, head_dim Hn + R
   mtp: MTPConfig | None = None  # multi-token prediction heads (training; self-speculation)
+  moe: MoEConfig | None = None  # mixture-of-experts feed-forward layers where moe.is_sparse(i)
 
   def __post_init__(self):
     _positive(
@@ -194,6 +285,29 @@ class ModelConfig:
           _fail(f"model.{name}", True, "must be false with model.mla (MLA has no such option)")
       if self.sliding_window is not None:
         _fail("model.sliding_window", self.sliding_window, "must be null with model.mla")
+    if self.moe is not None:
+      for i in self.moe.dense_layers:
+        if not 0 <= i < self.n_layers:
+          _fail(
+            "model.moe.dense_layers",
+            list(self.moe.dense_layers),
+            f"every entry must be a layer index in [0, model.n_layers={self.n_layers})",
+          )
+
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether its feed-forward is a mixture of experts (all False without moe)."""
+    return tuple(self.moe is not None and self.moe.is_sparse(i) for i in range(self.n_layers))
+
+  def layer_runs(self) -> tuple[tuple[bool, int], ...]:
+    """The layers as runs of identical ones, in order: ((sparse, length), ...). A dense model is
+    one run; DeepSeek-V3 is (False, 3), (True, 58)."""
+    runs: list[list] = []
+    for sparse in self.sparse_layers():
+      if runs and runs[-1][0] == sparse:
+        runs[-1][1] += 1
+      else:
+        runs.append([sparse, 1])
+    return tuple((sparse, n) for sparse, n in runs)
 
   @property
   def group_size(self) -> int:  # G
@@ -211,13 +325,15 @@ class AttentionConfig:
 class MeshConfig:
   """Device mesh axes; -1 takes the devices the other axes leave.
 
-  The batch is split over (data, fsdp). `data` only replicates state; ZeRO sharding
-  (train.sharding) splits state over `fsdp`; tensor parallelism splits heads and FFN columns over
-  `tensor`.
+  The batch is split over (data, fsdp, expert). `data` only replicates state; ZeRO sharding
+  (train.sharding) splits state over `fsdp`; `expert` splits the routed experts of
+  mixture-of-experts layers (expert parallelism; elsewhere it splits the batch like `data`);
+  tensor parallelism splits heads and FFN columns over `tensor`.
   """
 
   data: int = 1
   fsdp: int = -1
+  expert: int = 1
   tensor: int = 1
   # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
   # TPU pods / SLURM when num_processes is -1).
@@ -226,7 +342,7 @@ class MeshConfig:
   process_id: int | None = None
 
   def __post_init__(self):
-    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
     if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
       _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
     for name, size in sizes.items():
@@ -330,6 +446,13 @@ class TrainConfig:
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
   z_loss: float = 0.0
+  # Mixture-of-experts models: the load-balancing loss weight (Switch/Mixtral form, 1.0 at
+  # perfect balance), the router z-loss weight (ST-MoE: mean log-sum-exp of the router logits,
+  # squared), and DeepSeek-V3's selection-bias step per train step (outside the gradient: each
+  # expert's bias moves by this much towards balance, by the sign of its load's gap to the mean).
+  moe_aux_loss: float = 0.01
+  moe_z_loss: float = 0.001
+  moe_bias_update_rate: float = 0.001
   # Sequence positions per chunk of the chunked cross-entropy (LM head fused in, [B, T, V] float32
   # logits never held); 0: the plain loss over the whole [B, T, V] logits.
   loss_chunk: int = 0
@@ -378,8 +501,9 @@ class TrainConfig:
       )
     if self.remat_every is not None and self.remat_every <= 0:
       _fail("train.remat_every", self.remat_every, "must be a positive int or null")
-    if self.z_loss < 0:
-      _fail("train.z_loss", self.z_loss, "must be >= 0")
+    for name in ("z_loss", "moe_aux_loss", "moe_z_loss", "moe_bias_update_rate"):
+      if getattr(self, name) < 0:
+        _fail(f"train.{name}", getattr(self, name), "must be >= 0")
     if self.loss_chunk < 0:
       _fail(
         "train.loss_chunk",
@@ -438,10 +562,14 @@ class Config:
 
   def __post_init__(self):
     k = self.train.remat_every
-    if k is not None and self.model.n_layers % k:
-      _fail(
-        "train.remat_every", k, f"must divide model.n_layers={self.model.n_layers} (groups of k)"
+    runs = [n for _, n in self.model.layer_runs()]
+    if k is not None and any(n % k for n in runs):
+      where = (
+        f"model.n_layers={self.model.n_layers}"
+        if len(runs) == 1
+        else (f"every run of identical layers (dense and MoE runs of {runs} layers)")
       )
+      _fail("train.remat_every", k, f"must divide {where} (groups of k)")
     if self.train.eval_exact_match and self.data.format == "text":
       _fail(
         "train.eval_exact_match",
@@ -456,10 +584,13 @@ class Config:
       )
 
   def to_dict(self) -> dict[str, Any]:
-    """Plain YAML-ready data: nested dicts, tuples as lists."""
-    lists = lambda x: [lists(v) for v in x] if isinstance(x, list | tuple) else x
-    tree = lambda d: {k: tree(v) if isinstance(v, dict) else lists(v) for k, v in d.items()}
-    return tree(dataclasses.asdict(self))
+    """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only
+    plain types)."""
+    return dataclasses.asdict(self, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+
+
+def _plain(value: Any) -> Any:
+  return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +630,11 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     if value not in typing.get_args(tp):
       _fail(field, value, f"expected {_describe(tp)}")
     return value
+  if origin is tuple:
+    (item, _) = typing.get_args(tp)  # tuple[X, ...]
+    if not isinstance(value, list | tuple):
+      _fail(field, value, f"expected a list of {_describe(item)}")
+    return tuple(_coerce(item, v, f"{field}[{i}]") for i, v in enumerate(value))
   if dataclasses.is_dataclass(tp):
     if isinstance(value, tp):
       return value

@@ -77,10 +77,11 @@ def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
   """Per-device bytes of parameters, gradients and optimizer state as the trainer shards them."""
   trainer = make_trainer(cfg, mesh=mesh)
   abstract = trainer.abstract_state()
+  trainable, _ = split_trainable(cfg, abstract.params)
   return {
     "params": shd.sharded_bytes(abstract.params, trainer.state_shardings.params),
-    # What is differentiated: every parameter, or with LoRA the adapters.
-    "grads": shd.sharded_bytes(split_trainable(cfg, abstract.params)[0], trainer.grad_shardings),
+    # What is differentiated: the Params, or with LoRA the adapters.
+    "grads": shd.sharded_bytes(trainable, trainer.grad_shardings),
     "opt_state": shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state),
   }
 

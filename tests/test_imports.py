@@ -117,11 +117,10 @@ def test_the_graph_sees_real_imports():
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# Two cycles that the serving and mixture-of-experts changes remove (generate and speculative
-# decoding meet in one drafter module; the Hugging Face import becomes a package of families).
+# A cycle that the serving change removes (generate and speculative decoding meet in one
+# drafter module).
 KNOWN = [
   ["atlas_jax.decoding.generate", "atlas_jax.decoding.speculative"],
-  ["atlas_jax.hf", "atlas_jax.hf_deepseek"],
 ]
 
 
@@ -133,6 +132,6 @@ def test_no_package_imports_one_that_imports_it_back():
   assert [c for c in cycles(package_graph(graph())) if c not in KNOWN] == []
 
 
-@pytest.mark.xfail(strict=True, reason="the two known cycles, until the changes that remove them")
+@pytest.mark.xfail(strict=True, reason="the known cycle, until the change that removes it")
 def test_the_known_cycles_are_gone():
   assert cycles(graph()) == []

@@ -8,10 +8,12 @@ tokenizer files, template and generation defaults; a run's own BPE exports as a
 plain "role: content" transcript serve.py rendered it with, written as a template; a byte-level
 run exports no tokenizer file (serve.py reads such a folder as bytes).
 
-LoRA adapters are merged into the weights they adapt (`--adapters merged`, the default), or kept
-apart (`--adapters separate`, the Llama family): the folder then holds the base model unchanged
-and `adapter/` holds the adapters as PEFT writes them (`adapter_config.json`,
-`adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads onto it.
+Every family `atlas_jax.hf.save` writes exports (Llama, Mistral, Qwen2/3, the mixture-of-experts
+families, DeepSeek's MLA). LoRA adapters are merged into the weights they adapt
+(`--adapters merged`, the default), or kept apart (`--adapters separate`, grouped-query attention
+families): the folder then holds the base model unchanged and `adapter/` holds the adapters as
+PEFT writes them (`adapter_config.json`, `adapter_model.safetensors`), which
+`peft.PeftModel.from_pretrained` loads onto it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from atlas_jax.config import Config
 from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.model import build
 from atlas_jax.model.lora import LoRA, merged_params
+from atlas_jax.model.transformer import layer_stacks
 from atlas_jax.training import checkpoint
 
 # What a model folder holds besides its weights that a run keeps with it and exports again.
@@ -46,7 +49,8 @@ PLAIN_TEMPLATE = (
   "{{ message['content'] if message['content'] is defined else '' }}\n{% endfor %}"
   "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-# Our adapted weights -> the Llama family's module names, for PEFT.
+# Our adapted weights -> the module names of the GQA families (Llama, Mistral, Qwen, Mixtral,
+# OLMoE alike), for PEFT.
 _PEFT_NAMES = {
   ("attn", "wq"): "self_attn.q_proj",
   ("attn", "wk"): "self_attn.k_proj",
@@ -118,32 +122,31 @@ def _tokenizer_files(run: Path, out: Path, cfg: Config, tokenizer) -> list[str]:
   return written
 
 
-def _peft_adapter(trained: nnx.Module, cfg: Config, out: Path, base: Path) -> None:
-  """The adapters in PEFT's layout: lora_A [r, in] and lora_B [out, r] per module and layer."""
-  from safetensors.numpy import save_file
-
+def _peft_adapter(trained: nnx.Module, cfg: Config, base: Path) -> tuple[dict, dict]:
+  """(tensors, adapter_config.json) of the adapters in PEFT's layout: lora_A [r, in] and
+  lora_B [out, r] per module and layer."""
   lo = cfg.train.lora
+  # Each stack's index -> the layer it is (dense and MoE layers are stacked apart).
+  layers = {where: i for i, where in enumerate(layer_stacks(cfg.model))}
   tensors, modules = {}, set()
   for path, node in nnx.iter_graph(trained):
     if not isinstance(node, LoRA):
       continue
     *parent, name = path
     key = (parent[-1], name.removesuffix("_lora"))
-    if parent[0] != "blocks" or key not in _PEFT_NAMES:
+    if parent[0] not in ("blocks", "dense_blocks") or key not in _PEFT_NAMES:
       raise ExportError(
         f"--adapters separate: the adapter {'/'.join(map(str, path))} has no PEFT module name "
-        "(the Llama family only); export with --adapters merged"
+        "(grouped-query attention families only, no MTP heads); export with --adapters merged"
       )
     module = _PEFT_NAMES[key]
     modules.add(module.split(".")[-1])
     a, b = np.asarray(node.a[...], np.float32), np.asarray(node.b[...], np.float32)
     A = a.shape[-1]
-    for i in range(cfg.model.n_layers):
-      prefix = f"base_model.model.model.layers.{i}.{module}"
-      tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, A).T)
-      tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(A, -1).T)
-  out.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for j in range(a.shape[0]):
+      prefix = f"base_model.model.model.layers.{layers[parent[0], j]}.{module}"
+      tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[j].reshape(-1, A).T)
+      tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[j].reshape(A, -1).T)
   config = {
     "peft_type": "LORA",
     "task_type": "CAUSAL_LM",
@@ -157,7 +160,7 @@ def _peft_adapter(trained: nnx.Module, cfg: Config, out: Path, base: Path) -> No
     "use_rslora": False,
     "inference_mode": True,
   }
-  (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+  return tensors, config
 
 
 def export(run: str | Path, out: str | Path, *, adapters: str = "merged") -> list[str]:
@@ -176,8 +179,9 @@ def export(run: str | Path, out: str | Path, *, adapters: str = "merged") -> lis
     raise ExportError(f"--adapters separate: the run {run} has no LoRA adapters (train.lora)")
   if adapters == "merged":
     params = merged_params(trained)
-  else:  # the base weights alone, as the run began
-    params = _drop_adapters(nnx.to_pure_dict(nnx.state(trained, nnx.Param)))
+  else:  # the base weights alone, as the run began; the adapters checked before any write
+    params = _drop_adapters(nnx.to_pure_dict(nnx.state(trained)))
+    peft_tensors, peft_config = _peft_adapter(trained, cfg, out)
   out.mkdir(parents=True, exist_ok=True)
   hf.save(_model(cfg, params), out)
   tokenizer = run_tokenizer(run, cfg.model.vocab_size)
@@ -186,7 +190,13 @@ def export(run: str | Path, out: str | Path, *, adapters: str = "merged") -> lis
   (out / "config.json").write_text(json.dumps(config, indent=2))
   files = ["config.json", "model.safetensors", *_tokenizer_files(run, out, cfg, tokenizer)]
   if adapters == "separate":
-    _peft_adapter(trained, cfg, out / "adapter", out)
+    from safetensors.numpy import save_file
+
+    (out / "adapter").mkdir(exist_ok=True)
+    save_file(
+      peft_tensors, str(out / "adapter/adapter_model.safetensors"), metadata={"format": "pt"}
+    )
+    (out / "adapter/adapter_config.json").write_text(json.dumps(peft_config, indent=2))
     files += ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
   return files
 

@@ -24,7 +24,7 @@ from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.model import lora
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.step import Trainer, split_trainable
+from atlas_jax.training.step import Trainer
 
 # Model fields a fine-tuning config may set whatever the source says (`atlas_jax.sources`): the
 # compute and storage dtypes (train.precision decides the training ones), the init scale (the
@@ -41,14 +41,11 @@ def comparable(cfg: ModelConfig) -> ModelConfig:
 
 
 def base_targets(trainer: Trainer) -> tuple[dict, dict]:
-  """(abstract base params, their shardings) as pure dicts: the run's parameters less its
-  adapters."""
-  abstract = trainer.abstract_state().params
-  trainable, frozen = split_trainable(trainer.cfg, abstract)
-  _, frozen_sh = split_trainable(trainer.cfg, trainer.state_shardings.params)
-  if frozen is None:
-    frozen, frozen_sh = trainable, trainer.state_shardings.params
-  return nnx.to_pure_dict(frozen), nnx.to_pure_dict(frozen_sh)
+  """(abstract base variables, their shardings) as pure dicts: the run's model less its
+  adapters (the routers' selection biases included)."""
+  _, abstract = nnx.split_state(trainer.abstract_state().params, lora.LoRAParam, ...)
+  _, shardings = nnx.split_state(trainer.state_shardings.params, lora.LoRAParam, ...)
+  return nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings)
 
 
 def _check_same_model(source: ModelConfig, run: ModelConfig, path: str) -> None:
@@ -89,7 +86,7 @@ def _from_hf(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> d
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     model = hf.load(path)
   _check_same_model(model.cfg, trainer.cfg.model, str(path))
-  host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
   del model
   return place(host, abstract, shardings)
 

@@ -56,11 +56,17 @@ class Attention(nnx.Module):
       self.bv = param(jnp.zeros((K, H), pdt), ("kv_heads", "head_dim"), decay=False)  # [K, H]
     else:
       self.bq = self.bk = self.bv = None
-    if cfg.qk_norm:
+    self.qk_norm_scope = cfg.qk_norm_scope  # static
+    if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
+      # OLMoE: one RMSNorm over all heads of q (of k), a scale per head and dim.
+      ones = lambda n, axis: param(jnp.ones((n, H), pdt), (axis, "head_dim"), decay=False)
+      self.q_norm, self.k_norm = ones(N, "q_heads"), ones(K, "kv_heads")  # [N, H], [K, H]
+    elif cfg.qk_norm:
       self.q_norm = RMSNorm(H, eps=cfg.norm_eps, axis="head_dim", param_dtype=pdt)
       self.k_norm = RMSNorm(H, eps=cfg.norm_eps, axis="head_dim", param_dtype=pdt)
     else:
       self.q_norm = self.k_norm = None
+    self.norm_eps = cfg.norm_eps
     # LoRA adapters (None where not adapted): x -> [N, H] / [K, H], and [N, H] -> D.
     self.wq_lora = adapter(adapters, "q_proj", self.wq, 1, rngs=rngs)
     self.wk_lora = adapter(adapters, "k_proj", self.wk, 1, rngs=rngs)
@@ -115,7 +121,10 @@ class Attention(nnx.Module):
       q_BTNH += self.bq[...].astype(dtype)
       k_BTKH += self.bk[...].astype(dtype)
       v_BTKH += self.bv[...].astype(dtype)
-    if self.q_norm is not None:
+    if self.q_norm is not None and self.qk_norm_scope == "all_heads":
+      q_BTNH = _norm_all_heads(q_BTNH, self.q_norm[...], self.norm_eps)
+      k_BTKH = _norm_all_heads(k_BTKH, self.k_norm[...], self.norm_eps)
+    elif self.q_norm is not None:
       q_BTNH = rms_norm(q_BTNH, self.q_norm.scale[...], self.q_norm.eps)
       k_BTKH = rms_norm(k_BTKH, self.k_norm.scale[...], self.k_norm.eps)
     inv_freq = inverse_frequencies(*self.rope)
@@ -154,3 +163,9 @@ class Attention(nnx.Module):
       "o_proj",
     )
     return out_BTD, cache
+
+
+def _norm_all_heads(x_BT__: Array, scale__: Array, eps: float) -> Array:
+  """RMSNorm over the last two axes together ([B, T, heads, H] with a [heads, H] scale)."""
+  B, T, n, H = x_BT__.shape
+  return rms_norm(x_BT__.reshape(B, T, n * H), scale__.reshape(n * H), eps).reshape(B, T, n, H)

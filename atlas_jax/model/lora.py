@@ -12,7 +12,9 @@ tensor parallelism and ZeRO split them as they split W, and the rank stays whole
 folds every adapter into its weight (W + s * a b) for export and serving.
 
 Targets are named as Hugging Face names the projections (`atlas_jax.config.LORA_TARGETS`);
-MLA's kv_b_proj, one matrix there, is our W_UK and W_UV, and each gets its own adapter.
+MLA's kv_b_proj, one matrix there, is our W_UK and W_UV, and each gets its own adapter. A model
+with mixture-of-experts layers takes adapters on its attention projections only (its experts,
+and the dense MLPs beside them, take none).
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def resolve(cfg: ModelConfig, lora: LoRAConfig | None) -> Adapters | None:
         "or 'attn' / 'mlp' for all of either"
       )
   assert names <= set(LORA_ATTENTION_TARGETS) | set(LORA_MLP_TARGETS)
+  if cfg.moe is not None and names & set(LORA_MLP_TARGETS):
+    raise ConfigError(
+      f"train.lora.targets={list(lora.targets)!r} is not allowed: this model has mixture-of-"
+      f"experts layers (model.moe), whose experts take no adapters; target its attention "
+      f"projections ({', '.join(attn)}, or 'attn')"
+    )
   return Adapters(lora.rank, lora.alpha / lora.rank, frozenset(names))
 
 
@@ -154,9 +162,10 @@ def adapted(weight: nnx.Param, lora: LoRA | None) -> Array:
 
 
 def merged_params(model: nnx.Module) -> dict:
-  """The model's parameters as a pure dict without adapters: each folded into its weight,
-  W + s * a b, in the weight's dtype. Equal to the adapted model's function."""
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  """The model's variables (its parameters, and the routers' selection biases where it has them)
+  as a pure dict without adapters: each folded into its weight, W + s * a b, in the weight's
+  dtype. Equal to the adapted model's function."""
+  params = nnx.to_pure_dict(nnx.state(model))
   for path, node in nnx.iter_graph(model):
     if not isinstance(node, LoRA):
       continue

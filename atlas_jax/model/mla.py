@@ -21,7 +21,7 @@ Two paths compute the same attention:
   each decode step reads C + R numbers per cached token.
 
 RoPE uses the rotate-half layout; Hugging Face's interleaved DeepSeek weights are permuted at
-import (`atlas_jax.hf_deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
+import (`atlas_jax.hf.deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
 mscale(factor, mscale_all_dim) ** 2 when YaRN scaling is set, and YaRN's attention factor
 multiplies the rotated rope parts, as in DeepSeek's reference code.
 """

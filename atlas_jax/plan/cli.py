@@ -55,11 +55,7 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
     try:
       return Source(path.name, hf.load_config(path), None)
     except hf.HFLoadError as e:
-      hint = ""
-      if "mixture-of-experts" in str(e):
-        names = [n for n in REFERENCE_MODELS if n.startswith("deepseek")]
-        hint = f"; for DeepSeek's attention and KV cache use --config {' / '.join(names)}"
-      raise ValueError(f"--config={spec!r}: {e}{hint}") from e
+      raise ValueError(f"--config={spec!r}: {e}") from e
   ref = get_reference(spec)
   if ref is not None:
     return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
@@ -76,6 +72,7 @@ def preset_defaults(source: Source, devices: int) -> dict:
     return {"seq_len": min(4096, source.model.max_seq_len), "batch": devices}
   t = cfg.train
   tensor = cfg.mesh.tensor if devices % cfg.mesh.tensor == 0 else 1
+  expert = cfg.mesh.expert if (devices // tensor) % cfg.mesh.expert == 0 else 1
   strategy = {"fsdp": "zero3"}.get(t.sharding, t.sharding)
   return {
     "seq_len": t.seq_len,
@@ -85,6 +82,7 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "remat_every": t.remat_every,
     "strategy": strategy,
     "tensor": tensor,
+    "expert": expert,
     "grad_accum": t.grad_accum,
     "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
@@ -105,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=8, help="devices to train on (default 8)")
   p.add_argument("--strategy", choices=memory.STRATEGIES, help="sharding strategy")
   p.add_argument("--tensor", type=int, help="tensor-parallel ways combined with the strategy")
+  p.add_argument("--expert", type=int, help="expert-parallel ways (mixture-of-experts models)")
   p.add_argument("--remat", choices=memory.REMAT_POLICIES, help="activation checkpointing")
   p.add_argument("--remat-every", type=int, help="k for --remat every_k")
   p.add_argument("--precision", choices=PRECISIONS, help="compute precision (default bf16)")
@@ -134,7 +133,7 @@ def build_plan(args: argparse.Namespace) -> dict:
   for name in ("seq_len", "batch", "strategy", "tensor", "remat", "remat_every", "precision"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
-  for name in ("attention", "grad_accum", "loss_chunk", "lora_rank"):
+  for name in ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
   if args.lora_targets is not None:

@@ -8,6 +8,8 @@ their parameters to N, one more use of the shared output head and one attention 
 
 Batch-1 decoding is memory bound: every step reads every weight once plus the sequence's cache,
 so tokens/s <= bandwidth / (weight bytes + cache bytes). A larger batch shares the weight read.
+Mixture-of-experts models: a token's FLOPs count only its k routed experts of E (`counts(cfg)`'s
+active parameters), and a decode step reads only the experts its batch reaches.
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ def train_flops_per_token(
 ) -> float:
   """Training FLOPs (forward + backward) per token: 6N + 3 x attention.
 
-  N counts every parameter in a matmul, MTP heads included; the heads also reuse the shared
-  output head (V x D) and add one attention layer each. `n_matmul_params` overrides N with the
-  real model's count (`atlas_jax.training.metrics.matmul_params`).
+  N counts every parameter in a matmul, MTP heads included, and of the routed experts only the
+  k of E a token runs; the heads also reuse the shared output head (V x D) and add one
+  attention layer each. `n_matmul_params` overrides N with the real model's count of its
+  parameters (`atlas_jax.training.metrics.matmul_params`), from which the routed experts a
+  token does not run are taken out.
   """
   pc = counts(cfg)
-  N = pc.matmul + pc.mtp if n_matmul_params is None else n_matmul_params
+  idle = pc.experts - pc.experts_active + pc.mtp_experts - pc.mtp_experts_active
+  N = pc.matmul_active + pc.mtp_active if n_matmul_params is None else n_matmul_params - idle
   flops = 6.0 * N + 3 * attention_flops_per_token(cfg, seq_len, causal=causal)
   if cfg.mtp is not None:
     J = cfg.mtp.n_predict
@@ -67,7 +72,25 @@ def train_flops_per_token(
 
 def decode_flops_per_token(cfg: ModelConfig, context: int) -> float:
   """Forward FLOPs of one decoded token attending over `context` cached tokens (no MTP)."""
-  return 2.0 * counts(cfg).matmul + attention_flops_per_token(cfg, context, causal=False)
+  return 2.0 * counts(cfg).matmul_active + attention_flops_per_token(cfg, context, causal=False)
+
+
+def experts_touched(cfg: ModelConfig, batch: int) -> float:
+  """Expected routed experts per MoE layer that `batch` tokens run, under uniform routing:
+  E (1 - (1 - k/E)^batch). One token runs k; a large batch reaches all E."""
+  if cfg.moe is None:
+    return 0.0
+  E, k = cfg.moe.n_experts, cfg.moe.top_k
+  return E * (1 - (1 - k / E) ** batch)
+
+
+def decode_weight_params(cfg: ModelConfig, batch: int) -> float:
+  """Weights one decode step of `batch` sequences reads (in parameters): the trunk's matmul
+  weights, and of the routed experts those the batch's tokens reach (`experts_touched`)."""
+  pc = counts(cfg)
+  if cfg.moe is None:
+    return float(pc.matmul)
+  return pc.matmul - pc.experts + pc.experts * experts_touched(cfg, batch) / cfg.moe.n_experts
 
 
 def chinchilla_tokens(n_params: int) -> int:

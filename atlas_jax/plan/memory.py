@@ -6,8 +6,11 @@ State. The trainer keeps float32 master weights whatever the compute precision, 
 step counters: 4 + 4 + 8 = 16 bytes per parameter. (The ZeRO paper's 16 bytes for mixed-precision
 Adam split differently, 2 + 2 + 12: fp16 weights and gradients beside fp32 master weights and
 moments; here the low-precision weight copies are made at use, and counted with the activations.)
-Each strategy splits some of it over the `fsdp` mesh axis, and tensor parallelism splits heads,
-FFN columns and the vocabulary over `tensor`:
+Each strategy splits some of it over the `fsdp` mesh axis, tensor parallelism splits heads,
+FFN columns (an expert's too) and the vocabulary over `tensor`, and expert parallelism splits the
+routed experts over `expert` (whatever the strategy; the ways come out of the data-parallel
+devices, as in `atlas_jax.training.sharding`). DeepSeek-V3's router biases are parameters here
+(saved, 4 bytes each) with no gradient and no optimizer state:
 
   strategy   parameters  gradients  optimizer state
   dp         replicated  replicated replicated
@@ -36,7 +39,9 @@ bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
 the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. `tests/plan` checks these against the real train step's residuals.
+residuals. `tests/plan` checks these against the real train step's residuals. Mixture-of-experts
+layers are an estimate, not checked: the dense MLP's terms replaced by k experts' (each token's k
+copies, their SwiGLU, the float32 router logits and probabilities) plus the shared experts'.
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ REMAT_POLICIES = ("none", "full", "every_k", "selective")
 ATTENTION_IMPLS = ("flash", "xla")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # compute dtype bytes
 
-# Logical axis -> mesh axis. Tensor parallelism as in atlas_jax.training.sharding.TENSOR_RULES.
-TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "vocab")
+# Logical axis -> mesh axis. Tensor parallelism as in atlas_jax.training.sharding.TENSOR_RULES,
+# expert parallelism as in its EXPERT_RULES.
+TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")
+EXPERT_AXES = ("experts",)
 # ZeRO splits the model width and MLA's low-rank bottlenecks (as training.sharding.FSDP_RULES).
 FSDP_AXES = ("embed", "q_lora", "kv_lora")
 _STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
@@ -66,31 +73,49 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def mesh_for(strategy: str, devices: int, tensor: int = 1) -> dict[str, int]:
-  """(data, fsdp, tensor) sizes a strategy uses on `devices` devices."""
+def mesh_for(strategy: str, devices: int, tensor: int = 1, expert: int = 1) -> dict[str, int]:
+  """(data, fsdp, expert, tensor) sizes a strategy uses on `devices` devices."""
   if strategy not in STRATEGIES:
     raise ValueError(f"--strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
   _check_int("devices", devices)
   _check_int("tensor", tensor)
+  _check_int("expert", expert)
   if strategy == "tensor":
-    return {"data": 1, "fsdp": 1, "tensor": devices}
+    if expert != 1:
+      raise ValueError(f"--expert={expert} needs a strategy other than tensor (every device TP)")
+    return {"data": 1, "fsdp": 1, "expert": 1, "tensor": devices}
   if devices % tensor:
     raise ValueError(f"--tensor={tensor} must divide --devices={devices}")
+  if (devices // tensor) % expert:
+    raise ValueError(
+      f"--expert={expert} must divide --devices / --tensor = {devices // tensor} (the "
+      "data-parallel devices the experts are split over)"
+    )
+  rest = devices // tensor // expert
   if strategy == "dp":
-    return {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
-  return {"data": 1, "fsdp": devices // tensor, "tensor": tensor}
+    return {"data": rest, "fsdp": 1, "expert": expert, "tensor": tensor}
+  return {"data": 1, "fsdp": rest, "expert": expert, "tensor": tensor}
 
 
-def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int) -> int:
-  """Elements of `spec` one device holds when split over fsdp and/or tensor ways (1: not split).
+def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, expert: int = 1) -> int:
+  """Elements of `spec` one device holds when split over fsdp, expert and/or tensor ways (1: not
+  split).
 
   As `atlas_jax.training.sharding.spec_for`: dimensions in order, each mesh axis splits the first
   dimension it divides among those whose logical axis maps to it; the rest stay replicated.
   """
-  sizes = {"fsdp": fsdp, "tensor": tensor}
+  sizes = {"fsdp": fsdp, "tensor": tensor, "expert": expert}
   shape, used = list(spec.shape), set()
   for i, axis in enumerate(spec.axes):
-    mesh_axis = "tensor" if axis in TENSOR_AXES else "fsdp" if axis in FSDP_AXES else None
+    mesh_axis = (
+      "tensor"
+      if axis in TENSOR_AXES
+      else "fsdp"
+      if axis in FSDP_AXES
+      else "expert"
+      if axis in EXPERT_AXES
+      else None
+    )
     if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
       continue
     if shape[i] % sizes[mesh_axis] == 0:
@@ -108,6 +133,7 @@ class StateBytes:
   params: int
   grads: int
   opt_state: int
+  experts: int = 0  # of `params`, the routed experts' weights (split over the expert axis)
 
   @property
   def total(self) -> int:
@@ -120,6 +146,7 @@ def state_bytes(
   strategy: str,
   devices: int,
   tensor: int = 1,
+  expert: int = 1,
   master_bytes: int = 4,
   lora: tuple[int, frozenset[str]] | None = None,
 ) -> StateBytes:
@@ -128,22 +155,29 @@ def state_bytes(
   `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
   gradients and optimizer state.
   """
-  mesh = mesh_for(strategy, devices, tensor)
+  mesh = mesh_for(strategy, devices, tensor, expert)
   stage = _STAGE[strategy]
   base = inventory(cfg)
   adapters = [] if lora is None else lora_adapters(cfg, *lora)
   trained = base if lora is None else adapters
 
-  def per_device(specs: list[ParamSpec], sharded: bool) -> int:
+  def per_device(
+    specs: list[ParamSpec], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
+  ) -> int:
     fsdp = mesh["fsdp"] if sharded else 1
-    return master_bytes * sum(shard_elements(p, fsdp=fsdp, tensor=mesh["tensor"]) for p in specs)
+    return master_bytes * sum(
+      shard_elements(p, fsdp=fsdp, tensor=mesh["tensor"], expert=mesh["expert"])
+      for p in specs
+      if (p.trainable or not trainable_only) and only(p)
+    )
 
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(base + adapters, stage >= 3),
+    params=per_device(base + adapters, stage >= 3, trainable_only=False),
     grads=per_device(trained, stage >= 2),
     opt_state=2 * per_device(trained, stage >= 1) + _ADAM_COUNTERS,
+    experts=per_device(base, stage >= 3, only=lambda p: p.is_routed_expert),
   )
 
 
@@ -171,18 +205,42 @@ def _split(n: int, tensor: int) -> float:
   return n / tensor if tensor > 1 and n % tensor == 0 else n
 
 
-def _layer_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: int) -> float:
+def _ffn_tokens(cfg: ModelConfig, c: int, tp: int, sparse: bool) -> float:
+  """Bytes a block's feed-forward saves per token: the dense SwiGLU's, or (an estimate) an MoE
+  layer's: k copies of the token and k experts' SwiGLU, the float32 router logits and
+  probabilities and the k weights, plus the shared experts' SwiGLU."""
+  if not sparse:
+    return 6 * _split(cfg.ffn_dim, tp) * c
+  m, D = cfg.moe, cfg.d_model
+  k, E = m.top_k, m.n_experts
+  out = k * (D * c + 6 * _split(m.expert_ffn_dim, tp) * c) + 8 * E + 8 * k
+  return out + (6 * _split(m.shared_ffn_dim, tp) * c + D * c if m.shared_ffn_dim else 0)
+
+
+def _ffn_kept(cfg: ModelConfig, tp: int, sparse: bool) -> float:
+  """Elements per token the selective policy keeps of a feed-forward's matmul outputs: a SwiGLU
+  keeps its gate and up (F each) and down (D) outputs; an MoE layer k experts' and the shared."""
+  swiglu = lambda F: cfg.d_model + 2 * _split(F, tp)
+  if not sparse:
+    return swiglu(cfg.ffn_dim)
+  m = cfg.moe
+  return m.top_k * swiglu(m.expert_ffn_dim) + (swiglu(m.shared_ffn_dim) if m.shared_ffn_dim else 0)
+
+
+def _layer_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, sparse: bool = False
+) -> float:
   """Bytes one block saves per token without remat (see the module docstring)."""
-  D, F, N = cfg.d_model, _split(cfg.ffn_dim, tp), _split(cfg.n_heads, tp)
+  D, N = cfg.d_model, _split(cfg.n_heads, tp)
   n_norms = 2
-  out = 4 * D * c + 16 * D + 6 * F * c
+  out = 4 * D * c + 16 * D + _ffn_tokens(cfg, c, tp, sparse)
   if cfg.mla is None:
     K, H = _split(cfg.n_kv_heads, tp), cfg.head_dim
     if attention == "xla":
       out += 2 * N * H * c + K * H * (c + 4) + 8 * N * S + 8 * N
     else:
       out += 3 * N * H * c + 2 * K * H * c + 4 * N
-    if cfg.qk_norm:  # Qwen3's RMSNorm over each q and k head: f32 input and output, scalars
+    if cfg.qk_norm:  # RMSNorm over each q and k head (Qwen3; OLMoE: all heads, an estimate)
       out += (N + K) * (H * (8 + c) + 8)
   else:
     m = cfg.mla
@@ -247,7 +305,8 @@ def _mtp_tokens(
     return 0.0
   D, V, R = cfg.d_model, _split(cfg.vocab_size, tp), _rope_dim(cfg)
   # Its block (whose input is a new array here), logits and loss.
-  head = _layer_tokens(cfg, c, S, attention, tp) + D * c + _loss_tokens(V, chunked)
+  sparse = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
+  head = _layer_tokens(cfg, c, S, attention, tp, sparse) + D * c + _loss_tokens(V, chunked)
   if cfg.mtp.kind == "sequential":
     # enorm, hnorm and the output norm; the [2D] concatenation; RoPE at positions t + j; the
     # shifted tokens' embedding indices.
@@ -293,9 +352,15 @@ def activation_bytes(
   _check_int("seq_len", seq_len)
   L, D, c, M, tp = cfg.n_layers, cfg.d_model, compute_bytes, batch * seq_len, tensor
   S = seq_len
-  layer_specs = block(cfg)
-  per_layer = _layer_tokens(cfg, c, S, attention, tp) * M
-  per_layer += _layer_fixed(layer_specs, c, master_bytes, tp)
+  sparse_L = cfg.sparse_layers()
+
+  def layer_bytes(sparse: bool) -> float:
+    per_token = _layer_tokens(cfg, c, S, attention, tp, sparse) * M
+    return per_token + _layer_fixed(block(cfg, sparse), c, master_bytes, tp)
+
+  by_kind = {sparse: layer_bytes(sparse) for sparse in set(sparse_L)}
+  all_layers = sum(by_kind[sparse] for sparse in sparse_L)
+  per_layer = max(by_kind.values())  # the largest block: what one recomputation rebuilds
   fixed = D * c  # the final norm's scale, broadcast
   chunked = loss_chunk > 0
   if not chunked and (c != master_bytes or cfg.tie_embeddings):
@@ -308,7 +373,7 @@ def activation_bytes(
     if c != master_bytes and not chunked:
       glob += c * D * _split(cfg.vocab_size, tp)  # the head is cast again for the MTP logits
   if policy == "none":
-    saved, recompute = L * per_layer, 0.0
+    saved, recompute = all_layers, 0.0
   elif policy == "full":
     saved, recompute = L * D * c * M, per_layer
   elif policy == "every_k":
@@ -318,16 +383,17 @@ def activation_bytes(
     saved, recompute = (L // k) * D * c * M, k * per_layer
   else:
     if cfg.mla is None:
-      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)
+      kept = D  # o_proj
       kept += 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
     else:
       m, N = cfg.mla, _split(cfg.n_heads, tp)
-      kept = 2 * D + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
+      kept = D  # o_proj
       # q, the latent and rope key, K's and V's up-projections, the attention output
       kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
       kept += N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
-    saved = L * kept * c * M
-    recompute = max(per_layer - kept * c * M, 0.0)
+    kept_L = [(kept + _ffn_kept(cfg, tp, sparse)) * c * M for sparse in sparse_L]
+    saved = sum(kept_L)
+    recompute = max(max(by_kind[sp] - k for sp, k in zip(sparse_L, kept_L)), 0.0)
   return ActivationBytes(
     policy=policy,
     saved=int(round(saved + glob)),

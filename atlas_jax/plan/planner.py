@@ -33,6 +33,7 @@ class PlanInputs:
   devices: int = 8
   strategy: str = "zero3"  # the strategy the summary and activations use
   tensor: int = 1  # tensor-parallel ways combined with dp / zero1-3
+  expert: int = 1  # expert-parallel ways (MoE models), out of the data-parallel devices
   remat: str = "full"
   remat_every: int | None = None
   precision: str = "bf16"  # compute dtype: activations, KV cache and served weights
@@ -49,7 +50,7 @@ class PlanInputs:
   lora_targets: tuple[str, ...] = ("attn", "mlp")
 
   def __post_init__(self):
-    for name in ("seq_len", "batch", "devices", "tensor", "grad_accum", "block_size"):
+    for name in ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 1")
@@ -83,6 +84,7 @@ class PlanInputs:
       raise ValueError(f"--tokens={self.tokens!r} must be >= 1")
     if self.devices % self.tensor:
       raise ValueError(f"--tensor={self.tensor} must divide --devices={self.devices}")
+    memory.mesh_for(self.strategy, self.devices, self.tensor, self.expert)
     if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
       raise ValueError(f"--lora-rank={self.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
@@ -99,8 +101,8 @@ class PlanInputs:
 
     `strict`: the batch must split evenly (the trainer's requirement); else rounded up.
     """
-    mesh = memory.mesh_for(strategy, self.devices, self.tensor)
-    replicas = mesh["data"] * mesh["fsdp"]
+    mesh = memory.mesh_for(strategy, self.devices, self.tensor, self._expert(strategy))
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     per_step = replicas * self.grad_accum
     if strict and self.batch % per_step:
       raise ValueError(
@@ -108,6 +110,10 @@ class PlanInputs:
         f"({replicas} data-parallel replicas x --grad-accum={self.grad_accum})"
       )
     return -(-self.batch // per_step)
+
+  def _expert(self, strategy: str) -> int:
+    """Expert-parallel ways under `strategy` (the tensor strategy has none)."""
+    return 1 if strategy == "tensor" else self.expert
 
 
 def kv_alternatives(cfg: ModelConfig, dtype_bytes: int) -> list[dict[str, Any]]:
@@ -175,6 +181,16 @@ def _model_summary(cfg: ModelConfig) -> dict[str, Any]:
     )
   if cfg.mtp is not None:
     out.update(mtp_kind=cfg.mtp.kind, mtp_heads=cfg.mtp.n_predict)
+  if cfg.moe is not None:
+    m = cfg.moe
+    out.update(
+      n_experts=m.n_experts,
+      top_k=m.top_k,
+      expert_ffn_dim=m.expert_ffn_dim,
+      shared_ffn_dim=m.shared_ffn_dim,
+      moe_layers=sum(cfg.sparse_layers()),
+      router=f"{m.scoring} {m.topk_method}",
+    )
   return out
 
 
@@ -217,7 +233,12 @@ def make_plan(
   strategies = []
   for strategy in memory.STRATEGIES:
     st = memory.state_bytes(
-      cfg, strategy=strategy, devices=inputs.devices, tensor=inputs.tensor, lora=lora
+      cfg,
+      strategy=strategy,
+      devices=inputs.devices,
+      tensor=inputs.tensor,
+      expert=inputs._expert(strategy),
+      lora=lora,
     )
     micro = inputs.micro_batch(strategy)
     act = memory.activation_bytes(
@@ -240,6 +261,7 @@ def make_plan(
         "params": st.params,
         "grads": st.grads,
         "opt_state": st.opt_state,
+        "expert_params": st.experts,
         "state": st.total,
         # Training state per model parameter on this device (16 unsharded without LoRA).
         "bytes_per_param": st.total / pc.total,
@@ -276,14 +298,14 @@ def make_plan(
 
   # Compute: FLOPs per token, time to train, Chinchilla.
   flops_tok = compute.train_flops_per_token(cfg, T)
-  chinchilla = compute.chinchilla_tokens(pc.inference)
+  chinchilla = compute.chinchilla_tokens(pc.inference)  # Chinchilla counted dense models
   tokens = chinchilla if inputs.tokens is None else inputs.tokens
   seconds = compute.train_seconds(
     tokens, flops_tok, devices=inputs.devices, peak_flops=dev.peak_bf16_flops, mfu=inputs.mfu
   )
   comp = {
     "flops_per_token": flops_tok,
-    "flops_per_token_6n": 6.0 * (pc.matmul + pc.mtp),
+    "flops_per_token_6n": 6.0 * (pc.matmul_active + pc.mtp_active),
     "attention_flops_per_token": 3 * compute.attention_flops_per_token(cfg, T),
     "tokens": tokens,
     "chinchilla_tokens": chinchilla,
@@ -294,7 +316,8 @@ def make_plan(
     "days": seconds / 86400,
   }
 
-  # Decode ceiling: one device, and the whole group with tensor parallelism.
+  # Decode ceiling: one device, and the whole group with tensor parallelism. An MoE step reads
+  # only the experts its batch reaches.
   weight_bytes = pc.matmul * c
   decode_flops = compute.decode_flops_per_token(cfg, T)
   decode = {"weight_bytes": weight_bytes, "cache_bytes_per_sequence": per_token * T}
@@ -302,7 +325,7 @@ def make_plan(
     for batch in sorted({1, B}):
       bound = compute.decode_bound(
         batch=batch,
-        weight_bytes=weight_bytes,
+        weight_bytes=round(compute.decode_weight_params(cfg, batch) * c),
         cache_bytes_per_seq=per_token * T,
         flops_per_token=decode_flops,
         bandwidth=n * dev.hbm_bytes_per_s,
@@ -317,6 +340,13 @@ def make_plan(
         "memory_bound": bound.memory_bound,
       }
 
+  if cfg.moe is not None:
+    notes = (
+      *notes,
+      "mixture-of-experts layers: activation bytes are an estimate (k experts' SwiGLU in the "
+      "dense formula), not checked against the train step; decode reads the experts a batch "
+      "reaches under uniform routing",
+    )
   return {
     "name": name,
     "notes": list(notes),
@@ -336,6 +366,9 @@ def make_plan(
       "per_layer": pc.per_layer,
       "mtp": pc.mtp,
       "matmul": pc.matmul,
+      "matmul_active": pc.matmul_active,
+      "experts": pc.experts,
+      "active": pc.active,
       "inference": pc.inference,
       "inference_bytes": pc.inference * c,
     },

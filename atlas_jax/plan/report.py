@@ -71,12 +71,20 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   out = [
     f"{plan['name']}: {m['attention']}, {m['n_layers']} layers, d_model {m['d_model']}, "
     f"{heads}, ffn {m['ffn_dim']}, vocab {m['vocab_size']}"
+    + (
+      f", {m['moe_layers']} MoE layers of {m['n_experts']} experts (top {m['top_k']}, "
+      f"{m['router']}) of ffn {m['expert_ffn_dim']}"
+      + (f" + shared {m['shared_ffn_dim']}" if m["shared_ffn_dim"] else "")
+      if "n_experts" in m
+      else ""
+    )
     + (f", {m['mtp_heads']} MTP head(s)" if "mtp_heads" in m else ""),
     f"plan: seq_len {T}, batch {inp['batch']}, {inp['devices']} x {dev['name']} "
     f"({dev['peak_bf16_flops'] / 1e12:g} TFLOP/s bf16, {fmt_bytes(dev['hbm_bytes'])}, "
     f"{fmt_bytes(dev['hbm_bytes_per_s'])}/s), precision {inp['precision']}, "
     f"remat {inp['remat']}, strategy {inp['strategy']}"
     + (f" x tensor {inp['tensor']}" if inp["tensor"] > 1 else "")
+    + (f" x expert {inp['expert']}" if inp["expert"] > 1 else "")
     + f", {inp['attention']} attention",
   ]
   out += [f"note: {n}" for n in plan["notes"]]
@@ -92,8 +100,14 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     ("blocks", f"{p['blocks']:,}", fmt_count(p["blocks"])),
     ("per layer", f"{p['per_layer']:,}", fmt_count(p["per_layer"])),
     ("MTP heads", f"{p['mtp']:,}", fmt_count(p["mtp"])),
-    ("in matmuls (the N of 6N)", f"{p['matmul']:,}", fmt_count(p["matmul"])),
+    ("in matmuls", f"{p['matmul']:,}", fmt_count(p["matmul"])),
   ]
+  if p["experts"]:
+    rows += [
+      ("routed experts", f"{p['experts']:,}", fmt_count(p["experts"])),
+      ("active per token", f"{p['active']:,}", fmt_count(p["active"])),
+      ("active in matmuls (the N of 6N)", f"{p['matmul_active']:,}", fmt_count(p["matmul_active"])),
+    ]
   body = table(("parameters", "count", ""), rows, markdown=markdown)
   out.append(_section("Parameters", body, markdown=markdown))
 
@@ -139,9 +153,10 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     rows.append(
       (
         s["strategy"] + (" *" if s["strategy"] == plan["training"]["selected"] else ""),
-        f"{mesh['data']}x{mesh['fsdp']}x{mesh['tensor']}",
+        f"{mesh['data']}x{mesh['fsdp']}x{mesh['expert']}x{mesh['tensor']}",
         s["micro_batch"],
-        fmt_bytes(s["params"]),
+        fmt_bytes(s["params"])
+        + (f" ({fmt_bytes(s['expert_params'])} experts)" if s["expert_params"] else ""),
         fmt_bytes(s["grads"]),
         fmt_bytes(s["opt_state"]),
         fmt_bytes(s["activations_peak"]),
@@ -152,7 +167,7 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   body = table(
     (
       "strategy",
-      "mesh d x f x t",
+      "mesh d x f x e x t",
       "micro-batch",
       "params",
       "grads",
@@ -228,7 +243,8 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     markdown=markdown,
   )
   body += (
-    f"\n\nweights {fmt_bytes(d['weight_bytes'])} (read once per step), cache "
+    f"\n\nweights {fmt_bytes(d['weight_bytes'])} (read once per step; of a mixture of experts, "
+    "the experts the batch reaches), cache "
     f"{fmt_bytes(d['cache_bytes_per_sequence'])} per sequence at {T} tokens"
   )
   out.append(_section("Decode ceiling", body, markdown=markdown))

@@ -30,6 +30,7 @@ from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build, lora
 from atlas_jax.training.precision import training_model_config
+from atlas_jax.training.sharding import AXES
 
 T = TypeVar("T")
 
@@ -256,4 +257,4 @@ def load_model(
 
 
 def single_device_mesh() -> Mesh:
-  return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(AXES)), AXES)

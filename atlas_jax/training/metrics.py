@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from atlas_jax.devices import DEVICES, match_device_kind
 
@@ -21,11 +22,15 @@ PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
 
 
 def matmul_params(params) -> int:
-  """Parameters that take part in matmuls per token: all but the embedding table (a gather).
+  """Parameters that take part in matmuls per token: all but the embedding table (a gather),
+  every routed expert counted (`flops_per_token` keeps only the k of E a token runs).
 
-  With tied embeddings the table is also the output head, so it stays in.
+  With tied embeddings the table is also the output head, so it stays in. Variables that are
+  not parameters (the routers' selection biases) are left out.
   """
-  total = sum(x.size for x in jax.tree.leaves(params))
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  leaves = jax.tree.leaves(params, is_leaf=is_variable)
+  total = sum(x.size for x in leaves if not is_variable(x) or isinstance(x, nnx.Param))
   return total if params.get("lm_head") is None else total - params["embed"][...].size
 
 

@@ -238,18 +238,48 @@ def test_an_exported_full_fine_tune_loads_in_transformers(reverse_run, tmp_path)
   assert not (out / "tokenizer.json").exists()  # tokenizer file; serve.py reads it as bytes
 
 
-def test_a_model_no_exporter_writes_is_named(tmp_path, capsys):
-  cfg = tiny_config(
-    "model.mla={kv_lora_rank: 16, qk_rope_head_dim: 4, qk_nope_head_dim: 4, v_head_dim: 8}",
-    f"train.checkpoint_dir={tmp_path}",
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory):
+  """A byte-level DeepSeek-V3 folder (MLA, a dense layer, MoE layers with a shared expert and
+  selection biases) fine-tuned with LoRA on its attention."""
+  from ..test_hf_moe import FAMILIES
+  from ..test_hf_moe import build_hf as build_moe
+
+  root = tmp_path_factory.mktemp("deepseek")
+  family, overrides = FAMILIES["deepseek_v3-noaux-tc"]
+  build_moe(family, {**overrides, "vocab_size": 259}, root / "base", std=0.05)
+  data = root / "reverse.jsonl"
+  synthetic.write(data, synthetic.reverse_examples(64, words=tuple("abcdefghij")), "completion")
+  argv = ["--config", FINETUNE] + sets(
+    f"train.init_from={root / 'base'}",
+    f"data.source={data}",
+    "train.lora={rank: 4, alpha: 8, targets: [attn]}",
+    "train.steps=3",
+    "train.batch_size=4",
+    "train.seq_len=32",
+    "train.learning_rate=3e-2",
+    "train.eval_exact_match=0",
+    f"train.checkpoint_dir={root / 'run'}",
   )
-  trainer = make_trainer(cfg)
-  checkpoint.write_run_files(tmp_path, cfg)
-  mngr = checkpoint.manager(tmp_path)
-  checkpoint.save(mngr, 1, trainer.init(jax.random.key(0)), {"step": 1, "data_index": 1})
-  mngr.wait_until_finished()
-  assert hf_cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-  assert "MLA attention" in capsys.readouterr().err
+  assert train.main(argv) == 0
+  return root
+
+
+def test_an_exported_deepseek_style_fine_tune_loads_in_transformers(deepseek_run, tmp_path):
+  run, out = deepseek_run / "run", tmp_path / "hf"
+  trained, _ = checkpoint.load_trained(run)
+  base = transformers.AutoModelForCausalLM.from_pretrained(deepseek_run / "base").eval()
+  bias = base.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
+  # LoRA leaves the base model, selection biases too, as it was.
+  np.testing.assert_array_equal(np.asarray(trained.blocks.mlp.score_bias[...])[0], bias)
+  ours = np.asarray(checkpoint.load_model(run)[0](jnp.asarray(TOKENS)))
+  assert np.abs(ours - logits_of(deepseek_run / "base")).max() > 1e-4  # the adapters trained
+  assert hf_cli.main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+  assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+  np.testing.assert_allclose(logits_of(out), ours, rtol=1e-4, atol=1e-4)
+  separate = ["--out", str(tmp_path / "s"), "--adapters", "separate"]
+  assert hf_cli.main(["export", "--checkpoint", str(run), *separate]) == 2  # MLA: no PEFT names
+  assert not (tmp_path / "s").exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize(

@@ -115,3 +115,38 @@ def test_fields_that_say_how_it_runs_may_differ(qwen_folder):
   cfg = finetune_config(qwen_folder, "model.dtype=bfloat16", "model.n_layers=2")
   assert cfg.model.dtype == "bfloat16" and cfg.model.n_layers == 2
   assert init_from.comparable(cfg.model) == init_from.comparable(hf.load(qwen_folder).cfg)
+
+
+@pytest.fixture(scope="module")
+def deepseek_moe_folder(tmp_path_factory):
+  """A DeepSeek-V3 folder: MLA, a dense first layer, then MoE layers with a shared expert and
+  the selection bias (`noaux_tc`)."""
+  from ..test_hf_moe import FAMILIES
+  from ..test_hf_moe import build_hf as build_moe
+
+  folder = tmp_path_factory.mktemp("deepseek_v3")
+  family, overrides = FAMILIES["deepseek_v3-noaux-tc"]
+  build_moe(family, overrides, folder)
+  return folder
+
+
+def test_init_from_a_mixture_of_experts_folder_under_an_expert_mesh(deepseek_moe_folder):
+  sets = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "train.sharding=zero3"]
+  cfg = finetune_config(deepseek_moe_folder, "train.lora={rank: 2, targets: [attn]}", *sets)
+  want_model = hf.load(deepseek_moe_folder)
+  assert cfg.model == want_model.cfg
+  trainer = make_trainer(cfg)
+  state = trainer.init(jax.random.key(0), init_from.base_params(deepseek_moe_folder, trainer))
+  w_up = state.params["blocks"]["mlp"]["w_up"][...]  # [L_moe, E, D, F], experts over `expert`
+  L, E, D, F = w_up.shape
+  assert {s.data.shape for s in w_up.addressable_shards} == {(L, E // 2, D // 2, F // 2)}
+  bias = np.asarray(state.params["blocks"]["mlp"]["score_bias"][...])
+  np.testing.assert_array_equal(bias, np.asarray(want_model.blocks.mlp.score_bias[...]))
+  got = np.asarray(nnx.merge(trainer.graphdef, state.params)(jnp.asarray(TOKENS % 97)))
+  want = np.asarray(want_model(jnp.asarray(TOKENS % 97)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_a_mixture_of_experts_mlp_is_named(deepseek_moe_folder):
+  with pytest.raises(ConfigError, match=r"train.lora.targets=\['attn', 'mlp'\].*mixture-of-"):
+    make_trainer(finetune_config(deepseek_moe_folder, "train.lora={rank: 2}"))
