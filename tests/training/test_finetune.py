@@ -255,7 +255,7 @@ def deepseek_run(tmp_path_factory):
     f"data.source={data}",
     "train.lora={rank: 4, alpha: 8, targets: [attn]}",
     "train.steps=3",
-    "train.batch_size=4",
+    "train.batch_size=8",
     "train.seq_len=32",
     "train.learning_rate=3e-2",
     "train.eval_exact_match=0",
