@@ -39,6 +39,7 @@ from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
 from atlas_jax.hf import init_from
 from atlas_jax.plan.compute import train_flops_per_token
+from atlas_jax.schedule import Schedule
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.metrics import (
@@ -47,9 +48,11 @@ from atlas_jax.training.metrics import (
   mfu,
   peak_memory_bytes,
 )
+from atlas_jax.training.pipeline import reorder_layers
 from atlas_jax.training.step import (
   Trainer,
   TrainState,
+  build_model,
   make_eval_step,
   make_train_step,
   make_trainer,
@@ -113,6 +116,8 @@ RESUME_MAY_CHANGE = {
   "loss_chunk",
   "xla_flags",
   "eval_exact_match",
+  "pipeline_microbatches",
+  "pipeline_repeats",
 }
 
 
@@ -294,7 +299,7 @@ def restore(run: Run) -> tuple[Any, TrainState, int]:
     mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
   start = int(meta["data_index"])
   run.say(f"resumed from {run.run_dir} at step {start}")
-  return mngr, state, start
+  return mngr, trainer.restored(state, meta), start
 
 
 class Interrupt:
@@ -357,6 +362,15 @@ class Outcome:
   before: tuple[int, int] | None = None  # held-out exact matches of the initial model (of n)
 
 
+def decoding_model(trainer: Trainer, params) -> nnx.Module:
+  """The model as `generate` runs it: its layers in depth order, without the pipeline runner
+  (which runs the uncached layers only)."""
+  if trainer.mesh.shape["stage"] == 1:
+    return nnx.merge(trainer.graphdef, params)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(trainer.cfg)))
+  return nnx.merge(graphdef, reorder_layers(params, trainer.layout, (1, 1)))
+
+
 def exact_match(run: Run, model, examples: supervised.Examples) -> tuple[int, int]:
   """(matches, n): held-out examples whose greedy completion of their prompt is exactly their
   answer (`train.eval_exact_match` of them, those that fit the context)."""
@@ -385,6 +399,14 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"
   )
+  stages, repeats = trainer.layout
+  if stages > 1:
+    sched = Schedule(stages, cfg.train.pipeline_microbatches, repeats)
+    kind = f"circular, {repeats} repeats" if repeats > 1 else "GPipe"
+    run.say(
+      f"pipeline: {stages} stages x {sched.microbatches} micro-batches ({kind}): "
+      f"{sched.iterations} iterations per micro-batch step, bubble {sched.bubble:.1%}"
+    )
   if cfg.train.lora is not None:
     n_lora = sum(x.size for x in jax.tree.leaves(split_trainable(cfg, state.params)[0]))
     lo = cfg.train.lora
@@ -394,8 +416,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
     )
   out = Outcome({}, step=start)
   if start == 0 and cfg.train.eval_exact_match and data.eval_examples is not None:
-    model = nnx.merge(trainer.graphdef, state.params)
-    out.before = exact_match(run, model, data.eval_examples)
+    out.before = exact_match(run, decoding_model(trainer, state.params), data.eval_examples)
   train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
@@ -404,7 +425,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   logger = Logger(run.run_dir, enabled=run.main_process)
   tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
   progress = sys.stdout.isatty() and run.main_process
-  save = lambda step: checkpoint.save(mngr, step, state, {"step": step, "data_index": step})
+  save = lambda step: checkpoint.save(mngr, step, state, trainer.checkpoint_meta(step))
 
   t_last, steps_since = time.time(), 0
   with Interrupt() as interrupt:

@@ -8,6 +8,7 @@ Every invalid field raises `ConfigError` naming the field, the value and what is
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -328,12 +329,15 @@ class MeshConfig:
   The batch is split over (data, fsdp, expert). `data` only replicates state; ZeRO sharding
   (train.sharding) splits state over `fsdp`; `expert` splits the routed experts of
   mixture-of-experts layers (expert parallelism; elsewhere it splits the batch like `data`);
-  tensor parallelism splits heads and FFN columns over `tensor`.
+  `stage` splits the layer stack into pipeline stages (train.pipeline_microbatches,
+  train.pipeline_repeats), and outside the pipelined layers splits the batch like `data`; tensor
+  parallelism splits heads and FFN columns over `tensor`.
   """
 
   data: int = 1
   fsdp: int = -1
   expert: int = 1
+  stage: int = 1
   tensor: int = 1
   # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
   # TPU pods / SLURM when num_processes is -1).
@@ -342,7 +346,13 @@ class MeshConfig:
   process_id: int | None = None
 
   def __post_init__(self):
-    sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
+    sizes = {
+      "data": self.data,
+      "fsdp": self.fsdp,
+      "expert": self.expert,
+      "stage": self.stage,
+      "tensor": self.tensor,
+    }
     if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
       _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
     for name, size in sizes.items():
@@ -445,6 +455,11 @@ class TrainConfig:
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
+  # Pipeline parallelism (mesh.stage > 1): micro-batches in flight through the stages per
+  # accumulation step (GPipe), and layer groups per stage (circular when > 1); the bubble is
+  # (stage - 1) / (pipeline_repeats * pipeline_microbatches + stage - 1) of each stage's time.
+  pipeline_microbatches: int = 1
+  pipeline_repeats: int = 1
   z_loss: float = 0.0
   # Mixture-of-experts models: the load-balancing loss weight (Switch/Mixtral form, 1.0 at
   # perfect balance), the router z-loss weight (ST-MoE: mean log-sum-exp of the router logits,
@@ -490,6 +505,8 @@ class TrainConfig:
       "learning_rate",
       "log_every",
       "grad_accum",
+      "pipeline_microbatches",
+      "pipeline_repeats",
       "keep_checkpoints",
       "loss_scale",
     )
@@ -576,6 +593,8 @@ class Config:
         self.train.eval_exact_match,
         "needs supervised examples to score (data.format chat or completion); 0 for text",
       )
+    if self.mesh.stage != -1:  # -1: checked once the mesh is built
+      check_pipeline(self.model, self.train, stages=self.mesh.stage)
     if self.train.seq_len > self.model.max_seq_len:
       _fail(
         "train.seq_len",
@@ -591,6 +610,105 @@ class Config:
 
 def _plain(value: Any) -> Any:
   return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def check_pipeline(
+  model: ModelConfig, train: TrainConfig, *, stages: int, batch_shards: int | None = None
+) -> None:
+  """Raises ConfigError for a pipeline the layers or the batch cannot be split into.
+
+  The stages split one stack of identical layers: every layer of a dense model, the MoE layers of
+  a mixture-of-experts model (its dense layers, which must all come first, run before the
+  pipeline; `pipelined_layers`).
+
+  Args:
+    stages: the mesh's `stage` size (p).
+    batch_shards: data-parallel devices (data x fsdp x expert), where known: checks the batch
+      split.
+  """
+  U, r = train.pipeline_microbatches, train.pipeline_repeats
+  if stages == 1:
+    # Micro-batches without stages would only repeat what train.grad_accum does.
+    for name, value in (("pipeline_microbatches", U), ("pipeline_repeats", r)):
+      if value != 1:
+        _fail(
+          f"train.{name}",
+          value,
+          "must be 1 with mesh.stage=1 (no pipeline); set mesh.stage > 1 to pipeline the layers, "
+          "or use train.grad_accum for micro-batches without stages",
+        )
+    return
+  L = pipelined_layers(model, stages=stages)
+  if L % (stages * r):
+    if L == model.n_layers:
+      _fail(
+        "model.n_layers",
+        L,
+        f"must be divisible by mesh.stage x train.pipeline_repeats = {stages} x {r} (each stage "
+        "runs n_layers / (stage x repeats) contiguous layers per repeat)",
+      )
+    _fail(
+      "model.n_layers",
+      model.n_layers,
+      f"leaves {L} MoE layers after the {model.n_layers - L} dense ones, and the pipeline stages "
+      f"split the MoE layers: their count must be divisible by mesh.stage x "
+      f"train.pipeline_repeats = {stages} x {r}",
+    )
+  if r > 1 and U < stages:
+    _fail(
+      "train.pipeline_microbatches",
+      U,
+      f"must be >= mesh.stage={stages} with train.pipeline_repeats={r} > 1: a circular pipeline "
+      "feeds each micro-batch back to the first stage, which must not still be busy",
+    )
+  k = train.remat_every
+  per_stage = L // (stages * r)
+  if k is not None and train.remat == "every_k" and per_stage % k:
+    _fail(
+      "train.remat_every",
+      k,
+      f"must divide the layers a stage runs at a time, "
+      f"{'n_layers' if L == model.n_layers else f'the {L} MoE layers'} / (stage x repeats) = "
+      f"{per_stage}",
+    )
+  if batch_shards is None:
+    return
+  A, B = train.grad_accum, train.batch_size
+  rows = B // A // batch_shards if B % (A * batch_shards) == 0 else None
+  if rows is None or rows % U or rows % stages:
+    _fail(
+      "train.batch_size",
+      B,
+      f"must split into train.grad_accum={A} x {batch_shards} data-parallel shards (mesh.data x "
+      f"mesh.fsdp x mesh.expert) whose rows divide by train.pipeline_microbatches={U} and by "
+      f"mesh.stage={stages}: a multiple of {A * batch_shards * math.lcm(U, stages)}",
+    )
+
+
+def pipelined_layers(model: ModelConfig, *, stages: int) -> int:
+  """The layers pipeline stages split: all of a dense model's, the MoE layers of an MoE model.
+
+  Raises ConfigError when an MoE model's dense layers do not all come before its MoE ones
+  (`stages` names the mesh.stage the error is for)."""
+  runs = model.layer_runs()
+  kinds = [sparse for sparse, _ in runs]
+  if kinds in ([False], [True], [False, True]):
+    return runs[-1][1]
+  moe = model.moe
+  field, value = (
+    ("model.moe.sparse_step", moe.sparse_step)
+    if moe.sparse_step != 1
+    else ("model.moe.dense_layers", list(moe.dense_layers))
+  )
+  layout = ", ".join(f"{'MoE' if sparse else 'dense'} x{n}" for sparse, n in runs)
+  _fail(
+    field,
+    value,
+    f"with mesh.stage={stages} the dense layers must all come before the MoE ones (the stages "
+    "split the MoE layers; the dense ones run before the pipeline): model.moe.sparse_step=1 and "
+    f"model.moe.dense_layers only among the first layers (or model.moe.first_k_dense); these "
+    f"layers run as {layout}",
+  )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import flash_kernels
+from .flash_kernels import out_struct
 from .reference import check_attention_inputs, default_q_positions
 
 Array = jax.Array
@@ -221,8 +222,8 @@ def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
     in_specs=in_specs,
     out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, n, i: (b, n, i, 0))],
     out_shape=[
-      jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((B, N, Tp, 1), jnp.float32),
+      out_struct(q.shape, q.dtype, q, k, v),
+      out_struct((B, N, Tp, 1), jnp.float32, q, k, v),
     ],
     compiler_params=_compiler_params(cfg, H),
     interpret=cfg.interpret,
@@ -265,7 +266,7 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
     grid=(B, N, Tp // bq),
     in_specs=in_specs,
     out_specs=q_spec,
-    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    out_shape=out_struct(q.shape, q.dtype, q, k, v, do),
     compiler_params=_compiler_params(cfg, H),
     interpret=cfg.interpret,
     name="flash_attention_dq",
@@ -304,7 +305,10 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
     grid=(B, K, Sp // bk),
     in_specs=in_specs,
     out_specs=[kblock_spec, kblock_spec],
-    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    out_shape=[
+      out_struct(k.shape, k.dtype, q, k, v, do),
+      out_struct(v.shape, v.dtype, q, k, v, do),
+    ],
     compiler_params=_compiler_params(cfg, H),
     interpret=cfg.interpret,
     name="flash_attention_dkdv",

@@ -16,12 +16,22 @@ Ref shapes in the comments use Q = block_q, Z = block_k, and Tp / Sp for the pad
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # contract the first dims: a.T @ b
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A pallas_call output of `shape` and `dtype`, varying over every manual mesh axis its
+  `inputs` vary over: inside a shard_map (a pipeline stage, say) the outputs are per-device
+  values like the inputs; elsewhere there are no such axes."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+  mat = jax.sharding.ManualAxisType(varying=varying)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
 def _dot(a, b, dims=None):

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .flash_kernels import _TN, _dot, finalize, key_mask, online_softmax_step, probs_and_dscores
+from .flash_kernels import (
+  _TN,
+  _dot,
+  finalize,
+  key_mask,
+  online_softmax_step,
+  out_struct,
+  probs_and_dscores,
+)
 
 
 def _block_visible(s0, block_k, klo_Q1, khi_Q1):
@@ -221,8 +228,8 @@ def forward(cfg, q, k, v, klo, khi, qseg, kvseg):
     in_specs=in_specs,
     out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))],
     out_shape=[
-      jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((B, N, Tp, 1), jnp.float32),
+      out_struct(q.shape, q.dtype, q, k, v),
+      out_struct((B, N, Tp, 1), jnp.float32, q, k, v),
     ],
     scratch_shapes=[
       pltpu.VMEM((bq, H), jnp.float32),
@@ -254,7 +261,7 @@ def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
     grid=(B, N, Tp // bq, Sp // bk),
     in_specs=in_specs,
     out_specs=q_spec,
-    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    out_shape=out_struct(q.shape, q.dtype, q, k, v, do),
     scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
     compiler_params=_params(cfg.interpret, ("parallel", "parallel", "parallel", "arbitrary")),
     interpret=cfg.interpret,
@@ -274,7 +281,10 @@ def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
     grid=(B, K, Sp // bk, G, Tp // bq),
     in_specs=in_specs,
     out_specs=[kv_spec, kv_spec],
-    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    out_shape=[
+      out_struct(k.shape, k.dtype, q, k, v, do),
+      out_struct(v.shape, v.dtype, q, k, v, do),
+    ],
     scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
     compiler_params=_params(
       cfg.interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")

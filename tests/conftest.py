@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 # modules in collection order, so these start early and no worker ends the run alone on one.
 LONGEST_FIRST = (
   "serving/test_engine.py",
+  "training/test_pipeline.py",
   "training/test_finetune.py",
   "training/test_sharding.py",
   "serving/test_engine_speculative.py",
@@ -36,6 +37,7 @@ LONGEST_FIRST = (
   "serving/test_engine_guided.py",
   "serving/test_engine_mtp.py",
   "training/test_resume_and_multihost.py",
+  "training/test_pipeline_runs.py",
   "training/test_step.py",
   "training/test_init_from.py",
   "data/test_supervised.py",

@@ -13,7 +13,8 @@ layout is declared where it is created and never inferred from its name. The nam
   q_lora     Q, MLA's query bottleneck
   kv_lora    C (+ R), MLA's key/value latent
   mtp_in     2D, the concatenated input of a DeepSeek MTP module's projection
-  layers     L (or J MTP heads): the stacking axis of the layer scan
+  layers     L: the stacking axis of the layer scan (split into pipeline stages)
+  mtp_heads  J: the stacking axis of the multi-token-prediction heads
   lora       A, a LoRA adapter's rank (`atlas_jax.model.lora`), never split
 """
 

@@ -134,6 +134,17 @@ class RouterStats:
     share_E = self.counts_E / jnp.maximum(jnp.sum(self.counts_E, axis=-1, keepdims=True), 1.0)
     return E * jnp.sum(share_E * self.probs_E, axis=-1)
 
+  def merge_calls(self) -> RouterStats:
+    """Stats [L, U, ...] of U calls on equal shares of the tokens (pipeline micro-batches) as
+    one call's [L, ...]: assignments and drops add up; probabilities and z-losses, means over
+    equal token counts, average."""
+    return RouterStats(
+      counts_E=jnp.sum(self.counts_E, axis=1),
+      probs_E=jnp.mean(self.probs_E, axis=1),
+      z_loss=jnp.mean(self.z_loss, axis=1),
+      dropped=jnp.sum(self.dropped, axis=1),
+    )
+
 
 def router_stats(
   logits_tE: Array, experts_tk: Array, probs_tE: Array, dropped: Array
@@ -294,6 +305,15 @@ def _expert_parallel_local(
   return y_tD, (jax.lax.psum(dropped, batch) if batch else dropped)
 
 
+def free_axes(mesh) -> tuple[str, ...]:
+  """The mesh's axes of more than one device that are not already manual (inside a pipeline
+  stage's shard_map, `stage` is): what `expert_parallel` can split over."""
+  if mesh.empty:
+    return ()
+  manual = set(mesh.manual_axes)
+  return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
+
+
 def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Callable:
   """The experts over a mesh: split over its `expert` axis, their width over `tensor`.
 
@@ -312,6 +332,8 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
     (x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> ([t, D], i32[] dropped).
   """
 
+  free = free_axes(mesh)
+
   def axis(name: str, dim: int) -> str | None:
     """`name` if the mesh has it and it divides `dim`, else None (that dim stays whole)."""
     size = mesh.shape.get(name, 1)
@@ -320,8 +342,9 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
   def experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD):
     E, _, F = w_gate_EDF.shape
     # The tokens split as the batch is (every axis but tensor), as far as their count divides.
+    # Axes already manual (a pipeline stage's, inside its shard_map) are not this map's.
     batch, split = [], 1
-    for name in mesh.axis_names:
+    for name in free:
       if name != "tensor" and x_tD.shape[0] % (split * mesh.shape[name]) == 0:
         batch.append(name)
         split *= mesh.shape[name]
@@ -334,6 +357,7 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
       mesh=mesh,
       in_specs=(tokens, tokens, tokens, up, up, P(ep, tp, None)),
       out_specs=(tokens, P()),
+      axis_names=set(free),
     )
     y_tD, dropped = run(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD)
     return y_tD.astype(x_tD.dtype), dropped
@@ -390,7 +414,7 @@ class MoE(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     capped = self.cfg.capacity_factor is not None and not dropless
     dropped = jnp.zeros((), jnp.int32)
-    if not mesh.empty and mesh.size > 1:
+    if free_axes(mesh):
       slots = (lambda tokens: capacity(self.cfg, tokens)) if capped else None
       y_tD, dropped = expert_parallel(mesh, slots=slots)(x_tD, experts_tk, weights_tk, *weights)
     elif capped:

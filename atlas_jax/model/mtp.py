@@ -83,7 +83,10 @@ class MTPHeads(nnx.Module):
     self.kind = cfg.mtp.kind
     self.n_predict = cfg.mtp.n_predict
     head_cls = SequentialHead if self.kind == "sequential" else ParallelHead
-    self.heads = stacked(lambda r: head_cls(cfg, make_block, rngs=r), self.n_predict, rngs)
+    # Their own stacking axis: the heads run after the trunk, never split into pipeline stages.
+    self.heads = stacked(
+      lambda r: head_cls(cfg, make_block, rngs=r), self.n_predict, rngs, axis="mtp_heads"
+    )
 
   def __call__(
     self,

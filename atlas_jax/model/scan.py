@@ -99,11 +99,14 @@ def scan_layers(
   return carry, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), ys)
 
 
-def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+def stacked(
+  make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, *, axis: str = "layers"
+) -> nnx.Module:
   """One module whose parameters carry a leading [n] axis, initialised independently per copy.
 
-  Each variable's logical axes (parameters', and any other variable that declares them) gain a
-  leading "layers" axis, so the sharding rules see it.
+  Each variable's logical axes (parameters', and any other variable that declares them) gain
+  that leading axis, named `axis` ("layers" for the stack pipeline stages split), so the
+  sharding rules see it.
   """
   keys = jax.random.split(rngs.params(), n)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
@@ -113,7 +116,7 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> n
     axes = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
     if axes is None:
       return v
-    return v.replace(logical_axes=("layers", *axes))
+    return v.replace(logical_axes=(axis, *axes))
 
   state = jax.tree.map(add_layer_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)

@@ -13,15 +13,22 @@ model) and `dense_blocks` (the dense layers of an MoE model, else None), and run
 `runs`: maximal runs of consecutive identical layers, in order, each a scan over a contiguous
 slice of one stack (`ModelConfig.layer_runs`). Every cache keeps one layer axis for all L layers
 in layer order, so each run reads and writes its own layers' slots and the cache protocol is the
-same whatever the runs. A pipeline split of the stacked `layers` axis into stages applies to
-each stack as it does to one: the runs, in layer order, are cut at the stage boundaries, so a
-stage runs the parts of the runs that fall in its layers.
+same whatever the runs.
+
+In training, a pipeline of stages (`pipeline`) can run the `blocks` stack instead of its scan:
+the stages split that stack's stacked `layers` axis. An MoE model's dense layers must then all
+come first (`atlas_jax.config.check_pipeline`, as DeepSeek's `first_k_dense_replace` has them);
+their stack's axis is `dense_layers`, which no stage splits, and they run before the pipeline
+on every stage's share of the rows, as the embedding does. Stages cut at arbitrary points of
+interleaved runs would run different programs, which one SPMD pipeline cannot.
 
 The model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
 `atlas_jax.cache.protocol`, so callers never branch on the family or the cache kind.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +65,12 @@ class Transformer(nnx.Module):
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
     unroll_layers: unroll the layer scan (FLOP measurement only).
     lora: LoRA adapters on every block's targeted projections (`atlas_jax.model.lora`).
+    pipeline: runs the uncached `blocks` stack instead of its scan, called as
+      `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with
+      `step(carry, layer_state, rows) -> (carry, router stats or None)` and returning (carry,
+      each layer's stats on each of its U micro-batches, [L, U, ...], or None), and lays out the
+      token ids the embedding reads (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
+      (`atlas_jax.training.pipeline.Pipeline`). None: one scan.
   """
 
   def __init__(
@@ -70,12 +83,14 @@ class Transformer(nnx.Module):
     remat_every: int | None = None,
     unroll_layers: bool = False,
     lora: LoRAConfig | None = None,
+    pipeline: Callable | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
     adapters = lora_lib.resolve(cfg, lora)
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.remat = (remat, remat_every, unroll_layers)  # static
+    self.pipeline = pipeline  # static
 
     def block_factory(sparse: bool):
       return lambda r: Block(
@@ -88,7 +103,12 @@ class Transformer(nnx.Module):
     n_dense = sparse_L.count(False)
     # Every parameter [L_kind, ...]: the layers of that kind, in layer order.
     self.blocks = stacked(block_factory(main), sparse_L.count(main), rngs)
-    self.dense_blocks = stacked(block_factory(False), n_dense, rngs) if main and n_dense else None
+    # The dense layers' stack has its own axis name: pipeline stages split only `blocks`.
+    self.dense_blocks = (
+      stacked(block_factory(False), n_dense, rngs, axis="dense_layers")
+      if main and n_dense
+      else None
+    )
     # Static: (stack name, first index in the stack, layers, first layer) per run.
     stacks, runs, first = layer_stacks(cfg), [], 0
     for _, n in cfg.layer_runs():
@@ -182,14 +202,26 @@ class Transformer(nnx.Module):
     `keep_trunk` carries each block's input through the scan, for the parallel MTP heads.
     """
     dtype = jnp.dtype(self.cfg.dtype)
+    pipelined = self.pipeline is not None and cache is None
+    if pipelined and self.runs[0][0] == "blocks":
+      # The pipeline starts at the embedding: every stage embeds all of its data shard's rows,
+      # which the first stage needs (`pipeline.gather`). After dense layers, the pipeline
+      # gathers their output instead.
+      tokens_BT = self.pipeline.gather(tokens_BT)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     trunk_BTD = x_BTD if keep_trunk else None
     storage = None if cache is None else cache.layers
     stats = []
-    for graphdef, state, first in self._runs():
+    for (name, *_), (graphdef, state, first) in zip(self.runs, self._runs(), strict=True):
       if cache is None:
         (x_BTD, trunk_BTD), ys = self._uncached_run(
-          graphdef, state, (x_BTD, trunk_BTD), positions_BT, segment_ids_BT, keep_trunk
+          graphdef,
+          state,
+          (x_BTD, trunk_BTD),
+          positions_BT,
+          segment_ids_BT,
+          keep_trunk,
+          pipelined=pipelined and name == "blocks",
         )
       else:
         (x_BTD, trunk_BTD, storage), ys = self._cached_run(
@@ -201,8 +233,16 @@ class Transformer(nnx.Module):
     new_cache = None if cache is None else cache.advance(storage, positions_BT)
     return trunk_BTD, self.final_norm(x_BTD), new_cache, stats
 
-  def _uncached_run(self, graphdef, state, carry, positions_BT, segment_ids_BT, keep_trunk):
-    def step(carry, state):
+  def _uncached_run(
+    self, graphdef, state, carry, positions_BT, segment_ids_BT, keep_trunk, *, pipelined=False
+  ):
+    """One run's layer scan without a cache, or the pipeline's stages when `pipelined`:
+    ((x, the last block's input or None), router stats [L_run, ...] or None)."""
+
+    # Positions and segment ids go in as `rows`, so a pipeline can hand each block its
+    # micro-batch's.
+    def step(carry, state, rows):
+      positions_BT, segment_ids_BT = rows
       x_BTD, _ = carry
       y_BTD, _, stats = nnx.merge(graphdef, state)(
         x_BTD, positions_BT, segment_ids_BT=segment_ids_BT
@@ -210,7 +250,13 @@ class Transformer(nnx.Module):
       return (y_BTD, x_BTD if keep_trunk else None), stats
 
     policy, every, unroll = self.remat
-    return scan_layers(step, carry, state, policy=policy, every=every, unroll=unroll)
+    rows = (positions_BT, segment_ids_BT)
+    remat = dict(policy=policy, every=every, unroll=unroll)
+    if not pipelined:
+      return scan_layers(lambda c, st: step(c, st, rows), carry, state, **remat)
+    carry, stats_LU = self.pipeline(step, carry, state, rows, **remat)
+    # Each layer ran once per pipeline micro-batch: [L, U, ...] stats, merged per layer.
+    return carry, None if stats_LU is None else stats_LU.merge_calls()
 
   def _cached_run(self, graphdef, state, first, carry, positions_BT, cache: Cache, keep_trunk):
     """One run's layer scan over a cache: its storage is carried whole, each layer writing and

@@ -69,7 +69,7 @@ def training_chart(plan: dict[str, Any], ax) -> None:
     ("opt_state", "Adam state"),
     ("activations_peak", f"activations ({plan['inputs']['remat']})"),
   ):
-    values = [r[key] / _GB for r in rows]
+    values = [(r[key] or 0) / _GB for r in rows]  # None: the batch does not split (no bar)
     ax.bar(names, values, bottom=bottom, label=label)
     bottom = [b + v for b, v in zip(bottom, values)]
   dev = plan["device"]
@@ -91,6 +91,11 @@ def activation_chart(plan: dict[str, Any], ax) -> None:
   )
   ax.set_ylabel("GB per device")
   ax.set_title("Activations per remat policy")
+  if not rows:  # the batch does not split under the selected strategy
+    training = plan["training"]
+    sel = next(s for s in training["strategies"] if s["strategy"] == training["selected"])
+    ax.set_title(f"Activations: n/a ({sel['constraint']})", fontsize=8)
+    return
   ax.legend(fontsize=8)
 
 

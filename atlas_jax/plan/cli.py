@@ -3,10 +3,11 @@
     atlas-plan --config configs/llama3-8b.yaml
     atlas-plan --config path/to/hf_folder --seq-len 4096 --batch 16 --device H200 --json
     atlas-plan --config llama-2-70b --devices 64 --strategy zero3 --plot charts/
+    atlas-plan --config configs/llama3-70b.yaml --devices 64 --pipeline 4 --microbatches 16
 
 `--config` takes a YAML preset, a Hugging Face folder (its config.json alone is read), or a
 published model's name (see `atlas_jax.plan.models`). A preset supplies the defaults for the
-sequence length, batch, precision, remat policy, sharding and tensor parallelism.
+sequence length, batch, precision, remat policy, sharding, tensor parallelism and pipeline.
 """
 
 from __future__ import annotations
@@ -71,10 +72,20 @@ def preset_defaults(source: Source, devices: int) -> dict:
   if cfg is None:
     return {"seq_len": min(4096, source.model.max_seq_len), "batch": devices}
   t = cfg.train
-  tensor = cfg.mesh.tensor if devices % cfg.mesh.tensor == 0 else 1
-  expert = cfg.mesh.expert if (devices // tensor) % cfg.mesh.expert == 0 else 1
+  stage = cfg.mesh.stage if cfg.mesh.stage > 0 and devices % cfg.mesh.stage == 0 else 1
+  tensor = cfg.mesh.tensor if (devices // stage) % cfg.mesh.tensor == 0 else 1
+  ways = devices // stage // tensor
+  expert = cfg.mesh.expert if cfg.mesh.expert > 0 and ways % cfg.mesh.expert == 0 else 1
   strategy = {"fsdp": "zero3"}.get(t.sharding, t.sharding)
+  pipeline = {"pipeline": 1, "microbatches": 1, "repeats": 1}
+  if stage > 1:
+    pipeline = {
+      "pipeline": stage,
+      "microbatches": t.pipeline_microbatches,
+      "repeats": t.pipeline_repeats,
+    }
   return {
+    **pipeline,
     "seq_len": t.seq_len,
     "batch": t.batch_size,
     "precision": t.precision,
@@ -110,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--device", default="H100", help=f"one of: {', '.join(DEVICES)}")
   p.add_argument("--attention", choices=memory.ATTENTION_IMPLS, help="attention implementation")
   p.add_argument("--grad-accum", type=int, help="micro-batches per step")
+  p.add_argument("--pipeline", type=int, help="pipeline stages (the layer stack split S ways)")
+  p.add_argument("--microbatches", type=int, help="pipeline micro-batches per accumulation step")
+  p.add_argument("--repeats", type=int, help="layer groups per stage (circular schedule if > 1)")
   p.add_argument(
     "--loss-chunk", type=int, help="positions per chunk of the chunked cross-entropy (0: plain)"
   )
@@ -133,7 +147,10 @@ def build_plan(args: argparse.Namespace) -> dict:
   for name in ("seq_len", "batch", "strategy", "tensor", "remat", "remat_every", "precision"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
-  for name in ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank"):
+  if args.pipeline is not None and args.pipeline != fields.get("pipeline"):
+    fields.update(microbatches=1, repeats=1)  # the preset's belong to its own stage count
+  names = ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank")
+  for name in (*names, "pipeline", "microbatches", "repeats"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
   if args.lora_targets is not None:

@@ -19,7 +19,9 @@ devices, as in `atlas_jax.training.sharding`). DeepSeek-V3's router biases are p
   zero3      sharded     sharded    sharded
   tensor     every device is a tensor-parallel shard (mesh.tensor = devices), nothing over fsdp
 
-A dimension the mesh axis does not divide stays replicated, as in `atlas_jax.training.sharding`.
+Pipeline stages (mesh.stage) split the stacked-layer axis under every strategy (of an MoE model,
+the MoE layers' stack; its dense layers' is whole on every stage). A dimension the mesh axis does
+not divide stays replicated, as in `atlas_jax.training.sharding`.
 
 With LoRA (train.lora) the base weights are held as they are, the adapters beside them, and only
 the adapters have gradients and AdamW moments: 4 bytes per frozen parameter, 16 per adapter one.
@@ -39,9 +41,12 @@ bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final
 logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
 12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
 the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. `tests/plan` checks these against the real train step's residuals. Mixture-of-experts
-layers are an estimate, not checked: the dense MLP's terms replaced by k experts' (each token's k
-copies, their SwiGLU, the float32 router logits and probabilities) plus the shared experts'.
+residuals. A pipelined step (`activation_bytes(schedule=...)`) keeps, on each stage, its layers'
+residuals for every one of the schedule's iterations (one micro-batch each). `tests/plan` checks
+these against the real train step's residuals (per device, for the pipelined step).
+Mixture-of-experts layers are an estimate, not checked: the dense MLP's terms replaced by k
+experts' (each token's k copies, their SwiGLU, the float32 router logits and probabilities) plus
+the shared experts'.
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.model.scan import default_every
 from atlas_jax.plan.params import ParamSpec, block, inventory, lora_adapters, mtp_head
+from atlas_jax.schedule import Schedule
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
 REMAT_POLICIES = ("none", "full", "every_k", "selective")
@@ -64,7 +70,9 @@ TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")
 EXPERT_AXES = ("experts",)
 # ZeRO splits the model width and MLA's low-rank bottlenecks (as training.sharding.FSDP_RULES).
 FSDP_AXES = ("embed", "q_lora", "kv_lora")
-_STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
+# Pipeline stages split the stacked-layer axis (as training.sharding.STAGE_RULES).
+STAGE_AXIS = "layers"
+_ZERO = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
 _ADAM_COUNTERS = 2 * 4  # int32 step counts of scale_by_adam and the learning-rate schedule
 
 
@@ -73,38 +81,52 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def mesh_for(strategy: str, devices: int, tensor: int = 1, expert: int = 1) -> dict[str, int]:
-  """(data, fsdp, expert, tensor) sizes a strategy uses on `devices` devices."""
+def mesh_for(
+  strategy: str, devices: int, tensor: int = 1, stage: int = 1, expert: int = 1
+) -> dict[str, int]:
+  """(data, fsdp, expert, stage, tensor) sizes a strategy uses on `devices` devices, `stage` of
+  them pipeline stages (`tensor` then takes what the stages leave, `expert` what tensor leaves)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"--strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
   _check_int("devices", devices)
   _check_int("tensor", tensor)
+  _check_int("pipeline", stage)
   _check_int("expert", expert)
+  if devices % stage:
+    raise ValueError(f"--pipeline={stage} must divide --devices={devices}")
+  per_stage = devices // stage
   if strategy == "tensor":
     if expert != 1:
       raise ValueError(f"--expert={expert} needs a strategy other than tensor (every device TP)")
-    return {"data": 1, "fsdp": 1, "expert": 1, "tensor": devices}
-  if devices % tensor:
-    raise ValueError(f"--tensor={tensor} must divide --devices={devices}")
-  if (devices // tensor) % expert:
+    return {"data": 1, "fsdp": 1, "expert": 1, "stage": stage, "tensor": per_stage}
+  if per_stage % tensor:
     raise ValueError(
-      f"--expert={expert} must divide --devices / --tensor = {devices // tensor} (the "
-      "data-parallel devices the experts are split over)"
+      f"--tensor={tensor} must divide --devices={devices}"
+      + (f" / --pipeline={stage}" if stage > 1 else "")
     )
-  rest = devices // tensor // expert
+  if (per_stage // tensor) % expert:
+    raise ValueError(
+      f"--expert={expert} must divide --devices / --tensor"
+      + (" / --pipeline" if stage > 1 else "")
+      + f" = {per_stage // tensor} (the data-parallel devices the experts are split over)"
+    )
+  rest = per_stage // tensor // expert
   if strategy == "dp":
-    return {"data": rest, "fsdp": 1, "expert": expert, "tensor": tensor}
-  return {"data": 1, "fsdp": rest, "expert": expert, "tensor": tensor}
+    return {"data": rest, "fsdp": 1, "expert": expert, "stage": stage, "tensor": tensor}
+  return {"data": 1, "fsdp": rest, "expert": expert, "stage": stage, "tensor": tensor}
 
 
-def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, expert: int = 1) -> int:
-  """Elements of `spec` one device holds when split over fsdp, expert and/or tensor ways (1: not
-  split).
+def shard_elements(
+  spec: ParamSpec, *, fsdp: int, tensor: int, stage: int = 1, expert: int = 1
+) -> int:
+  """Elements of `spec` one device holds when split over fsdp, tensor, stage and expert ways (1:
+  not split).
 
   As `atlas_jax.training.sharding.spec_for`: dimensions in order, each mesh axis splits the first
   dimension it divides among those whose logical axis maps to it; the rest stay replicated.
+  Pipeline stages split the stacked-layer axis ("layers").
   """
-  sizes = {"fsdp": fsdp, "tensor": tensor, "expert": expert}
+  sizes = {"fsdp": fsdp, "tensor": tensor, "stage": stage, "expert": expert}
   shape, used = list(spec.shape), set()
   for i, axis in enumerate(spec.axes):
     mesh_axis = (
@@ -112,6 +134,8 @@ def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, expert: int = 1) 
       if axis in TENSOR_AXES
       else "fsdp"
       if axis in FSDP_AXES
+      else "stage"
+      if axis == STAGE_AXIS
       else "expert"
       if axis in EXPERT_AXES
       else None
@@ -146,17 +170,20 @@ def state_bytes(
   strategy: str,
   devices: int,
   tensor: int = 1,
+  stage: int = 1,
   expert: int = 1,
   master_bytes: int = 4,
   lora: tuple[int, frozenset[str]] | None = None,
 ) -> StateBytes:
-  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments).
+  """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments);
+  `stage` pipeline stages split the layer stack under every strategy, `expert` ways the routed
+  experts.
 
   `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
   gradients and optimizer state.
   """
-  mesh = mesh_for(strategy, devices, tensor, expert)
-  stage = _STAGE[strategy]
+  mesh = mesh_for(strategy, devices, tensor, stage, expert)
+  zero = _ZERO[strategy]
   base = inventory(cfg)
   adapters = [] if lora is None else lora_adapters(cfg, *lora)
   trained = base if lora is None else adapters
@@ -164,9 +191,9 @@ def state_bytes(
   def per_device(
     specs: list[ParamSpec], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
   ) -> int:
-    fsdp = mesh["fsdp"] if sharded else 1
+    ways = dict(fsdp=mesh["fsdp"] if sharded else 1, tensor=mesh["tensor"], stage=mesh["stage"])
     return master_bytes * sum(
-      shard_elements(p, fsdp=fsdp, tensor=mesh["tensor"], expert=mesh["expert"])
+      shard_elements(p, **ways, expert=mesh["expert"])
       for p in specs
       if (p.trainable or not trainable_only) and only(p)
     )
@@ -174,10 +201,10 @@ def state_bytes(
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(base + adapters, stage >= 3, trainable_only=False),
-    grads=per_device(trained, stage >= 2),
-    opt_state=2 * per_device(trained, stage >= 1) + _ADAM_COUNTERS,
-    experts=per_device(base, stage >= 3, only=lambda p: p.is_routed_expert),
+    params=per_device(base + adapters, zero >= 3, trainable_only=False),
+    grads=per_device(trained, zero >= 2),
+    opt_state=2 * per_device(trained, zero >= 1) + _ADAM_COUNTERS,
+    experts=per_device(base, zero >= 3, only=lambda p: p.is_routed_expert),
   )
 
 
@@ -284,17 +311,31 @@ def _loss_tokens(V: float, chunked: bool) -> float:
   return 12 if chunked else 4 * V + 17
 
 
+def _head_tokens(cfg: ModelConfig, c: int, tp: int, chunked: bool) -> float:
+  """Per-token bytes after the blocks: the final norm, the logits and the loss."""
+  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
+  return (8 * D + 2 * D * c + 8) + _loss_tokens(V, chunked)
+
+
+def _scan_input_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int
+) -> tuple[float, float]:
+  """Per-token bytes the blocks read from outside them, kept once per layer scan: (what the
+  rows' positions make: the positions themselves under remat, from which the recomputed blocks
+  rebuild RoPE and masks, else the RoPE tables; what only the shapes make: the mask)."""
+  if policy != "none":
+    return 4, 0
+  N = _split(cfg.n_heads, tp)
+  # cos and sin for q and k; xla: the causal mask and scores
+  return 2 * _rope_dim(cfg) * c, (5 * N * S + 4 if attention == "xla" else 8)
+
+
 def _global_tokens(
   cfg: ModelConfig, c: int, S: int, attention: str, policy: str, tp: int, chunked: bool = False
 ) -> float:
   """Per-token bytes outside the blocks: embedding indices, final norm, logits, loss."""
-  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
-  out = 4 + (8 * D + 2 * D * c + 8) + _loss_tokens(V, chunked)
-  if policy != "none":
-    return out + 4  # the positions, from which the recomputed blocks rebuild RoPE and masks
-  out += 2 * _rope_dim(cfg) * c  # cos and sin for q and k
-  N = _split(cfg.n_heads, tp)
-  return out + (5 * N * S + 4 if attention == "xla" else 8)  # xla: the causal mask and scores
+  head = _head_tokens(cfg, c, tp, chunked)
+  return 4 + head + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))
 
 
 def _mtp_tokens(
@@ -313,10 +354,69 @@ def _mtp_tokens(
     head += 24 * D + 5 * D * c + 24 + 2 * R * c + 4
     shared = 0
   else:
-    shared = 2 * R * c + 8 * D + D * c + 8  # RoPE and the trunk's hidden state, once for all
-  N = _split(cfg.n_heads, tp)
-  shared += 5 * N * S + 4 if attention == "xla" else 8  # the heads' own causal mask
-  return cfg.mtp.n_predict * head + shared
+    shared = 8 * D + D * c + 8  # the trunk's hidden state, once for all
+  return cfg.mtp.n_predict * head + shared + _mtp_position_tokens(cfg, c, S, attention, tp)
+
+
+def _mtp_position_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: int) -> float:
+  """Per-token bytes the MTP heads build from the positions alone: their causal mask, and the
+  parallel heads' shared RoPE tables."""
+  if cfg.mtp is None:
+    return 0.0
+  out = 5 * _split(cfg.n_heads, tp) * S + 4 if attention == "xla" else 8
+  return out + (2 * _rope_dim(cfg) * c if cfg.mtp.kind == "parallel" else 0)
+
+
+def _selective_tokens(cfg: ModelConfig, tp: int, sparse: bool = False) -> float:
+  """Elements per token and block the selective policy keeps: the named matmul outputs."""
+  kept = cfg.d_model + _ffn_kept(cfg, tp, sparse)  # o_proj; the feed-forward's matmuls
+  if cfg.mla is None:
+    return kept + 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
+  m, N = cfg.mla, _split(cfg.n_heads, tp)
+  # q, the latent and rope key, K's and V's up-projections, the attention output
+  kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
+  return kept + N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
+
+
+def _blocks(
+  cfg: ModelConfig,
+  policy: str,
+  layers: int,
+  M: int,
+  per_layer: float,
+  c: int,
+  tp: int,
+  k: int,
+  sparse: bool = False,
+) -> tuple[float, float]:
+  """(saved, recomputed at a time) of `layers` block applications on M tokens; `per_layer`:
+  one block's residuals without remat (what `full` recomputes); k: every_k's group; `sparse`:
+  MoE blocks."""
+  D = cfg.d_model
+  if policy == "none":
+    return layers * per_layer, 0.0
+  if policy == "full":
+    return layers * D * c * M, per_layer
+  if policy == "every_k":
+    return (layers // k) * D * c * M, k * per_layer
+  kept = _selective_tokens(cfg, tp, sparse) * c * M
+  return layers * kept, max(per_layer - kept, 0.0)
+
+
+def _after_blocks(
+  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, chunked: bool, M: int, master: int
+) -> float:
+  """Bytes kept after the layer stack for M tokens: final norm, head and loss, MTP heads."""
+  D, V = cfg.d_model, _split(cfg.vocab_size, tp)
+  out = _head_tokens(cfg, c, tp, chunked) * M + D * c  # + the final norm's scale, broadcast
+  if not chunked and (c != master or cfg.tie_embeddings):
+    out += c * D * V  # the head's compute-dtype copy, or transpose
+  if cfg.mtp is not None:
+    out += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
+    out += cfg.mtp.n_predict * _layer_fixed(mtp_head(cfg), c, master, tp)
+    if c != master and not chunked:
+      out += c * D * V  # the head is cast again for the MTP logits
+  return out
 
 
 def activation_bytes(
@@ -331,6 +431,7 @@ def activation_bytes(
   tensor: int = 1,
   master_bytes: int = 4,
   loss_chunk: int = 0,
+  schedule: Schedule | None = None,
 ) -> ActivationBytes:
   """Activation bytes of a `batch` x `seq_len` micro-batch on one device.
 
@@ -343,6 +444,9 @@ def activation_bytes(
     tensor: tensor-parallel ways (head, FFN and vocab sized tensors split; estimate only).
     loss_chunk: train.loss_chunk; > 0, the chunked cross-entropy keeps no logits and no
       compute-dtype copy of the head (it casts the head inside, once per pass).
+    schedule: pipeline stages (`atlas_jax.training.pipeline.Schedule`, more than one stage):
+      one stage's bytes, `batch` then being a data-parallel shard's rows of an accumulation
+      step (`_pipelined`).
   """
   if policy not in REMAT_POLICIES:
     raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
@@ -350,54 +454,125 @@ def activation_bytes(
     raise ValueError(f"--attention={attention!r} is not allowed; allowed: {ATTENTION_IMPLS}")
   _check_int("batch", batch)
   _check_int("seq_len", seq_len)
-  L, D, c, M, tp = cfg.n_layers, cfg.d_model, compute_bytes, batch * seq_len, tensor
+  args = (cfg, policy, batch, seq_len, compute_bytes, attention, remat_every, tensor)
+  if schedule is not None and schedule.stages > 1:
+    return _pipelined(*args, master_bytes, loss_chunk, schedule)
+  c, M, tp = compute_bytes, batch * seq_len, tensor
   S = seq_len
-  sparse_L = cfg.sparse_layers()
-
-  def layer_bytes(sparse: bool) -> float:
-    per_token = _layer_tokens(cfg, c, S, attention, tp, sparse) * M
-    return per_token + _layer_fixed(block(cfg, sparse), c, master_bytes, tp)
-
-  by_kind = {sparse: layer_bytes(sparse) for sparse in set(sparse_L)}
-  all_layers = sum(by_kind[sparse] for sparse in sparse_L)
-  per_layer = max(by_kind.values())  # the largest block: what one recomputation rebuilds
-  fixed = D * c  # the final norm's scale, broadcast
   chunked = loss_chunk > 0
-  if not chunked and (c != master_bytes or cfg.tie_embeddings):
-    fixed += c * D * _split(cfg.vocab_size, tp)  # the head's compute-dtype copy, or transpose
-  glob = _global_tokens(cfg, c, S, attention, policy, tp, chunked) * M + fixed
-  if cfg.mtp is not None:
-    head_specs = mtp_head(cfg)
-    glob += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
-    glob += cfg.mtp.n_predict * _layer_fixed(head_specs, c, master_bytes, tp)
-    if c != master_bytes and not chunked:
-      glob += c * D * _split(cfg.vocab_size, tp)  # the head is cast again for the MTP logits
-  if policy == "none":
-    saved, recompute = all_layers, 0.0
-  elif policy == "full":
-    saved, recompute = L * D * c * M, per_layer
-  elif policy == "every_k":
-    k = default_every(L) if remat_every is None else remat_every
-    if L % k:
-      raise ValueError(f"--remat-every={k} must divide the model's n_layers={L}")
-    saved, recompute = (L // k) * D * c * M, k * per_layer
-  else:
-    if cfg.mla is None:
-      kept = D  # o_proj
-      kept += 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
-    else:
-      m, N = cfg.mla, _split(cfg.n_heads, tp)
-      kept = D  # o_proj
-      # q, the latent and rope key, K's and V's up-projections, the attention output
-      kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
-      kept += N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
-    kept_L = [(kept + _ffn_kept(cfg, tp, sparse)) * c * M for sparse in sparse_L]
-    saved = sum(kept_L)
-    recompute = max(max(by_kind[sp] - k for sp, k in zip(sparse_L, kept_L)), 0.0)
+  glob = (4 + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))) * M
+  glob += _after_blocks(cfg, c, S, attention, tp, chunked, M, master_bytes)
+  saved, recompute, per_layer = _runs(
+    cfg, cfg.layer_runs(), policy, M, c, S, attention, tp, master_bytes, remat_every
+  )
   return ActivationBytes(
     policy=policy,
     saved=int(round(saved + glob)),
     recompute=int(round(recompute)),
     per_layer_none=int(round(per_layer)),
     outside_blocks=int(round(glob)),
+  )
+
+
+def _per_layer(
+  cfg: ModelConfig, sparse: bool, M: int, c: int, S: int, attention: str, tp: int, master: int
+) -> float:
+  """One block's residuals on M tokens without remat (dense or MoE)."""
+  per_token = _layer_tokens(cfg, c, S, attention, tp, sparse) * M
+  return per_token + _layer_fixed(block(cfg, sparse), c, master, tp)
+
+
+def _runs(cfg, runs, policy, M, c, S, attention, tp, master, remat_every):
+  """(saved, recomputed at a time, the largest block's residuals) of runs of identical layers
+  ((sparse, layers), ...), each its own layer scan (`atlas_jax.model.transformer`) on M
+  tokens."""
+  saved, recompute, largest = 0.0, 0.0, 0.0
+  for sparse, n in runs:
+    per_layer = _per_layer(cfg, sparse, M, c, S, attention, tp, master)
+    k = default_every(n) if remat_every is None else remat_every
+    if policy == "every_k" and n % k:
+      where = f"the model's n_layers={n}" if n == cfg.n_layers else f"each run of {n} layers"
+      raise ValueError(f"--remat-every={k} must divide {where}")
+    s, r = _blocks(cfg, policy, n, M, per_layer, c, tp, k, sparse)
+    saved, recompute, largest = saved + s, max(recompute, r), max(largest, per_layer)
+  return saved, recompute, largest
+
+
+def _pipelined(
+  cfg: ModelConfig,
+  policy: str,
+  batch: int,
+  seq_len: int,
+  c: int,
+  attention: str,
+  remat_every: int | None,
+  tp: int,
+  master_bytes: int,
+  loss_chunk: int,
+  schedule: Schedule,
+) -> ActivationBytes:
+  """One stage's activation bytes of a pipelined step (`atlas_jax.training.pipeline`) whose
+  data-parallel shard of an accumulation micro-batch is `batch` rows.
+
+  Each of the I = U r + p - 1 iterations runs L / (p r) blocks on one micro-batch of
+  batch / U rows and keeps their residuals (bubble iterations too, on idle data): GPipe keeps
+  every micro-batch's stage inputs, and what the remat policy saves inside the stage, until the
+  backward pass; with the micro-batch's positions (or, without remat, its RoPE tables and mask).
+  Without remat the circular schedule also keeps each iteration's slice of the weights. Every
+  stage embeds its shard's rows (their token ids are kept); the final norm, head, loss and MTP
+  heads run on batch / p rows (stages split the batch there). An MoE model's stages split its
+  MoE layers; its dense layers, first, run before the pipeline on batch / p rows (an estimate:
+  the gather of their output over the stages is left out).
+  """
+  p, U, r = schedule.stages, schedule.microbatches, schedule.repeats
+  try:
+    L = pipelined_layers(cfg, stages=p)
+  except ValueError as e:
+    raise ValueError(f"--pipeline={p}: {e}") from None
+  sparse = any(cfg.sparse_layers())  # the pipelined stack is the MoE layers'
+  if L % (p * r) or batch % U or batch % p:
+    what = "n_layers" if L == cfg.n_layers else "the MoE layers"
+    raise ValueError(
+      f"{what}={L} must divide by --pipeline x --repeats = {p} x {r}, and the {batch} rows "
+      f"of a data-parallel shard by --microbatches={U} and by --pipeline={p}"
+    )
+  T = seq_len
+  iterations, per_stage = schedule.iterations, L // (p * r)
+  Mb = batch // U * T  # tokens of one micro-batch
+  k = default_every(per_stage) if remat_every is None else remat_every
+  if policy == "every_k" and per_stage % k:
+    raise ValueError(f"--remat-every={k} must divide the {per_stage} layers a stage runs at a time")
+  specs = block(cfg, sparse)
+  per_layer = _layer_tokens(cfg, c, T, attention, tp, sparse) * Mb
+  blocks, recompute = _blocks(cfg, policy, per_stage, Mb, per_layer, c, tp, k, sparse)
+  saved = iterations * blocks
+  if policy == "none":
+    # The norm scales' broadcasts, once per layer of the stage; the weights' compute-dtype casts:
+    # GPipe once per layer (loop-invariant; none in float32), circular each iteration's slice.
+    tp_size = lambda sp: math.prod(
+      _split(n, tp) if axis in TENSOR_AXES else n for n, axis in zip(sp.shape, sp.axes)
+    )
+    saved += (L // p) * sum(c * tp_size(sp) for sp in specs if sp.is_norm)
+    if r > 1:
+      saved += iterations * per_stage * c * sum(tp_size(sp) for sp in specs)
+    elif c != master_bytes:
+      saved += (L // p) * c * sum(tp_size(sp) for sp in specs if not sp.is_norm)
+  rope, mask = _scan_input_tokens(cfg, c, T, attention, policy, tp)
+  outside = (iterations * rope + mask) * Mb  # the rows' inputs per iteration; the mask once
+  # The token ids; what the MTP heads build from the positions alone (XLA builds it on every
+  # stage, for all of the shard's rows).
+  outside += (4 + (1 - 1 / p) * _mtp_position_tokens(cfg, c, T, attention, tp)) * batch * T
+  outside += _after_blocks(cfg, c, T, attention, tp, loss_chunk > 0, batch // p * T, master_bytes)
+  if L != cfg.n_layers:  # the dense layers before the pipeline
+    dense = [(False, cfg.n_layers - L)]
+    d_saved, d_recompute, _ = _runs(
+      cfg, dense, policy, batch // p * T, c, T, attention, tp, master_bytes, remat_every
+    )
+    outside, recompute = outside + d_saved, max(recompute, d_recompute)
+  return ActivationBytes(
+    policy=policy,
+    saved=int(round(saved + outside)),
+    recompute=int(round(recompute)),
+    per_layer_none=int(round(per_layer)),
+    outside_blocks=int(round(outside)),
   )

@@ -164,12 +164,12 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   main = any(sparse_L)  # `blocks` holds the MoE layers when there are any
   specs += _stack("blocks", "layers", sparse_L.count(main), block(cfg, main))
   if main and not all(sparse_L):
-    specs += _stack("dense_blocks", "layers", sparse_L.count(False), block(cfg))
+    specs += _stack("dense_blocks", "dense_layers", sparse_L.count(False), block(cfg))
   specs.append(ParamSpec("final_norm/scale", (D,), ("embed",)))
   if not cfg.tie_embeddings:
     specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
   if cfg.mtp is not None:
-    specs += _stack("mtp/heads", "layers", cfg.mtp.n_predict, mtp_head(cfg))
+    specs += _stack("mtp/heads", "mtp_heads", cfg.mtp.n_predict, mtp_head(cfg))
   return specs
 
 

@@ -14,12 +14,14 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.config import LORA_TARGETS, LoRAConfig, ModelConfig
+from atlas_jax.config import LORA_TARGETS, LoRAConfig, ModelConfig, pipelined_layers
 from atlas_jax.devices import get_device
 from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory
+from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
 from atlas_jax.plan.params import counts, lora_adapters
+from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
 
@@ -40,6 +42,9 @@ class PlanInputs:
   device: str = "H100"
   attention: str = "flash"  # "flash" (GPU/TPU default) or "xla" (materialises probabilities)
   grad_accum: int = 1
+  pipeline: int = 1  # pipeline stages (mesh.stage); the other axes share devices / pipeline
+  microbatches: int = 1  # pipeline micro-batches per accumulation step
+  repeats: int = 1  # layer groups per stage (circular schedule when > 1)
   loss_chunk: int = 0  # > 0: the chunked cross-entropy (no [B, T, V] float32 logits kept)
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
@@ -50,7 +55,8 @@ class PlanInputs:
   lora_targets: tuple[str, ...] = ("attn", "mlp")
 
   def __post_init__(self):
-    for name in ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size"):
+    names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
+    for name in (*names, "pipeline", "microbatches", "repeats"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 1")
@@ -84,7 +90,6 @@ class PlanInputs:
       raise ValueError(f"--tokens={self.tokens!r} must be >= 1")
     if self.devices % self.tensor:
       raise ValueError(f"--tensor={self.tensor} must divide --devices={self.devices}")
-    memory.mesh_for(self.strategy, self.devices, self.tensor, self.expert)
     if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
       raise ValueError(f"--lora-rank={self.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
@@ -93,27 +98,59 @@ class PlanInputs:
         f"--lora-targets={','.join(self.lora_targets)!r} is not allowed: each one of "
         f"{', '.join(LORA_TARGETS)}"
       )
-
-    self.micro_batch(self.strategy, strict=True)
-
-  def micro_batch(self, strategy: str, *, strict: bool = False) -> int:
-    """Sequences one device runs per micro-batch under `strategy`.
-
-    `strict`: the batch must split evenly (the trainer's requirement); else rounded up.
-    """
-    mesh = memory.mesh_for(strategy, self.devices, self.tensor, self._expert(strategy))
-    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    per_step = replicas * self.grad_accum
-    if strict and self.batch % per_step:
+    if self.pipeline == 1:
+      for name in ("microbatches", "repeats"):
+        if getattr(self, name) != 1:
+          raise ValueError(
+            f"--{name}={getattr(self, name)} needs --pipeline > 1 (pipeline stages); without "
+            "stages use --grad-accum for micro-batches"
+          )
+    if self.repeats > 1 and self.microbatches < self.pipeline:
       raise ValueError(
-        f"--batch={self.batch} must be a multiple of {per_step} under --strategy={strategy} "
-        f"({replicas} data-parallel replicas x --grad-accum={self.grad_accum})"
+        f"--microbatches={self.microbatches} must be >= --pipeline={self.pipeline} with "
+        f"--repeats={self.repeats} > 1 (the circular schedule)"
       )
-    return -(-self.batch // per_step)
+    # raises if not
+    memory.mesh_for(self.strategy, self.devices, self.tensor, self.pipeline, self.expert)
+
+  def micro_batch(self, strategy: str) -> int:
+    """Sequences one data-parallel shard runs per accumulation step under `strategy` (rounded
+    up where the batch does not split: `batch_constraint` says so)."""
+    return -(-self.batch // self._per_step(strategy)[0])
+
+  def _per_step(self, strategy: str) -> tuple[int, int]:
+    mesh = memory.mesh_for(
+      strategy, self.devices, self.tensor, self.pipeline, self._expert(strategy)
+    )
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    return replicas * self.grad_accum, replicas
 
   def _expert(self, strategy: str) -> int:
     """Expert-parallel ways under `strategy` (the tensor strategy has none)."""
     return 1 if strategy == "tensor" else self.expert
+
+  def batch_constraint(self, strategy: str) -> str | None:
+    """Why the batch does not split as the trainer splits it under `strategy`; None if it does.
+    The state per device holds whatever the batch; the activations need the split."""
+    per_step, replicas = self._per_step(strategy)
+    need = per_step
+    if self.pipeline > 1:
+      need *= math.lcm(self.microbatches, self.pipeline)
+    if self.batch % need == 0:
+      return None
+    pipe = (
+      f" x lcm(--microbatches={self.microbatches}, --pipeline={self.pipeline})"
+      if self.pipeline > 1
+      else ""
+    )
+    return (
+      f"--batch={self.batch} must be a multiple of {need} under --strategy={strategy} "
+      f"({replicas} data-parallel replicas x --grad-accum={self.grad_accum}{pipe})"
+    )
+
+  @property
+  def schedule(self) -> Schedule:
+    return Schedule(self.pipeline, self.microbatches, self.repeats)
 
 
 def kv_alternatives(cfg: ModelConfig, dtype_bytes: int) -> list[dict[str, Any]]:
@@ -224,7 +261,32 @@ def make_plan(
     "alternatives": alternatives,
   }
 
-  # Training memory per device, every strategy at the selected remat policy.
+  if inputs.pipeline > 1:
+    try:  # the layers the stages split: all of them, or an MoE model's MoE layers
+      staged = pipelined_layers(cfg, stages=inputs.pipeline)
+    except ValueError as e:
+      raise ValueError(f"--pipeline={inputs.pipeline}: {e}") from None
+    if staged % (inputs.pipeline * inputs.repeats):
+      what = f"n_layers={cfg.n_layers}" if staged == cfg.n_layers else f"{staged} MoE layers"
+      raise ValueError(
+        f"--pipeline={inputs.pipeline} x --repeats={inputs.repeats} must divide the model's {what}"
+      )
+
+  def activations_of(policy: str, micro: int, tensor: int) -> memory.ActivationBytes:
+    common = dict(
+      policy=policy,
+      batch=micro,
+      seq_len=T,
+      compute_bytes=c,
+      attention=inputs.attention,
+      remat_every=inputs.remat_every,
+      loss_chunk=inputs.loss_chunk,
+      tensor=tensor,
+    )
+    return memory.activation_bytes(cfg, **common, schedule=inputs.schedule)
+
+  # Training memory per device, every strategy at the selected remat policy. The state does not
+  # depend on the batch; the activations need the batch to split as the trainer splits it.
   lora = None
   if inputs.lora_rank:
     adapters = resolve(cfg, LoRAConfig(rank=inputs.lora_rank, targets=inputs.lora_targets))
@@ -237,54 +299,44 @@ def make_plan(
       strategy=strategy,
       devices=inputs.devices,
       tensor=inputs.tensor,
+      stage=inputs.pipeline,
       expert=inputs._expert(strategy),
       lora=lora,
     )
-    micro = inputs.micro_batch(strategy)
-    act = memory.activation_bytes(
-      cfg,
-      policy=inputs.remat,
-      batch=micro,
-      seq_len=T,
-      compute_bytes=c,
-      attention=inputs.attention,
-      remat_every=inputs.remat_every,
-      loss_chunk=inputs.loss_chunk,
-      tensor=st.mesh["tensor"],
-    )
-    total = st.total + act.peak
-    strategies.append(
-      {
-        "strategy": strategy,
-        "mesh": st.mesh,
-        "micro_batch": micro,
-        "params": st.params,
-        "grads": st.grads,
-        "opt_state": st.opt_state,
-        "expert_params": st.experts,
-        "state": st.total,
-        # Training state per model parameter on this device (16 unsharded without LoRA).
-        "bytes_per_param": st.total / pc.total,
-        "activations_saved": act.saved,
-        "activations_peak": act.peak,
-        "total": total,
-        "fits": total <= dev.hbm_bytes,
-      }
-    )
+    micro, constraint = inputs.micro_batch(strategy), inputs.batch_constraint(strategy)
+    row = {
+      "strategy": strategy,
+      "mesh": st.mesh,
+      "micro_batch": micro,
+      "params": st.params,
+      "grads": st.grads,
+      "opt_state": st.opt_state,
+      "expert_params": st.experts,
+      "state": st.total,
+      # Training state per model parameter on this device (16 unsharded without LoRA).
+      "bytes_per_param": st.total / pc.total,
+      "activations_saved": None,
+      "activations_peak": None,
+      "total": None,
+      "fits": None,
+      "constraint": constraint,
+    }
+    if constraint is None:
+      act = activations_of(inputs.remat, micro, st.mesh["tensor"])
+      total = st.total + act.peak
+      row.update(
+        activations_saved=act.saved,
+        activations_peak=act.peak,
+        total=total,
+        fits=total <= dev.hbm_bytes,
+      )
+    strategies.append(row)
   selected = next(s for s in strategies if s["strategy"] == inputs.strategy)
   activations = []
   for policy in memory.REMAT_POLICIES:
-    act = memory.activation_bytes(
-      cfg,
-      policy=policy,
-      batch=selected["micro_batch"],
-      seq_len=T,
-      compute_bytes=c,
-      attention=inputs.attention,
-      remat_every=inputs.remat_every,
-      loss_chunk=inputs.loss_chunk,
-      tensor=selected["mesh"]["tensor"],
-    )
+    if selected["constraint"] is not None:
+      break
+    act = activations_of(policy, selected["micro_batch"], selected["mesh"]["tensor"])
     activations.append(
       {
         "policy": policy,
@@ -315,6 +367,24 @@ def make_plan(
     "seconds": seconds,
     "days": seconds / 86400,
   }
+
+  # Pipeline: the schedule, its bubble and the step time it implies, the ppermute traffic.
+  pipe = None
+  if inputs.pipeline > 1:
+    pipe = pipeline_plan.figures(
+      cfg,
+      rows=selected["micro_batch"],
+      seq_len=T,
+      compute_bytes=c,
+      schedule=inputs.schedule,
+      grad_accum=inputs.grad_accum,
+      step_flops=flops_tok * T * B,
+      devices=inputs.devices,
+      peak_flops=dev.peak_bf16_flops,
+      mfu=inputs.mfu,
+    )
+    pipe["constraint"] = selected["constraint"]
+    comp["seconds_with_bubble"] = seconds / (1 - inputs.schedule.bubble)
 
   # Decode ceiling: one device, and the whole group with tensor parallelism. An MoE step reads
   # only the experts its batch reaches.
@@ -380,6 +450,7 @@ def make_plan(
       "lora_rank": inputs.lora_rank,
     },
     "activations": activations,
+    "pipeline": pipe,
     "compute": comp,
     "decode": decode,
   }

@@ -59,6 +59,34 @@ def _section(title: str, body: str, *, markdown: bool) -> str:
   return f"### {title}\n\n{body}\n" if markdown else f"{title}\n{body}\n"
 
 
+def _pipeline(plan: dict[str, Any], *, markdown: bool) -> str:
+  pp, c = plan["pipeline"], plan["compute"]
+  kind = pp["schedule"] + (f", {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
+  rows = [
+    ("schedule", f"{pp['stages']} stages x {pp['microbatches']} micro-batches ({kind})"),
+    ("iterations per accumulation step (U r + p - 1)", f"{pp['iterations']}"),
+    ("bubble (p - 1) / (U r + p - 1)", f"{pp['bubble']:.1%}"),
+    (
+      "step time at the MFU, without / with the bubble",
+      f"{fmt_seconds(pp['step_seconds_without_bubble'])} / {fmt_seconds(pp['step_seconds'])}",
+    ),
+    ("time to train with the bubble", fmt_seconds(c["seconds_with_bubble"])),
+    (
+      "ppermute bytes per step (a stage sends, fwd + bwd)",
+      fmt_bytes(pp["ppermute_bytes_per_step"]),
+    ),
+  ]
+  body = table(("pipeline", ""), rows, markdown=markdown)
+  body += (
+    f"\n\nGPipe keeps every micro-batch's stage inputs (and what the remat policy saves) until "
+    f"the backward pass: the activations above are one stage's, {pp['iterations']} iterations "
+    f"of {pp['microbatch_rows']}-row micro-batches"
+  )
+  if pp["constraint"] is not None:
+    body += f"\nn/a: {pp['constraint']}"
+  return body
+
+
 def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   """Every section of a plan as tables."""
   m, inp, dev = plan["model"], plan["inputs"], plan["device"]
@@ -85,6 +113,7 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     f"remat {inp['remat']}, strategy {inp['strategy']}"
     + (f" x tensor {inp['tensor']}" if inp["tensor"] > 1 else "")
     + (f" x expert {inp['expert']}" if inp["expert"] > 1 else "")
+    + (f" x pipeline {inp['pipeline']}" if inp["pipeline"] > 1 else "")
     + f", {inp['attention']} attention",
   ]
   out += [f"note: {n}" for n in plan["notes"]]
@@ -147,27 +176,30 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   )
   out.append(_section("KV cache", body, markdown=markdown))
 
-  rows = []
+  rows, constraints = [], []
   for s in plan["training"]["strategies"]:
     mesh = s["mesh"]
+    split = s["constraint"] is None  # else the batch does not split: no activations
+    if not split:
+      constraints.append(f"{s['strategy']}: {s['constraint']}")
     rows.append(
       (
         s["strategy"] + (" *" if s["strategy"] == plan["training"]["selected"] else ""),
-        f"{mesh['data']}x{mesh['fsdp']}x{mesh['expert']}x{mesh['tensor']}",
-        s["micro_batch"],
+        f"{mesh['data']}x{mesh['fsdp']}x{mesh['expert']}x{mesh['stage']}x{mesh['tensor']}",
+        s["micro_batch"] if split else "n/a",
         fmt_bytes(s["params"])
         + (f" ({fmt_bytes(s['expert_params'])} experts)" if s["expert_params"] else ""),
         fmt_bytes(s["grads"]),
         fmt_bytes(s["opt_state"]),
-        fmt_bytes(s["activations_peak"]),
-        fmt_bytes(s["total"]),
-        "yes" if s["fits"] else "no",
+        fmt_bytes(s["activations_peak"]) if split else "n/a",
+        fmt_bytes(s["total"]) if split else "n/a",
+        ("yes" if s["fits"] else "no") if split else "n/a",
       )
     )
   body = table(
     (
       "strategy",
-      "mesh d x f x e x t",
+      "mesh d x f x e x p x t",
       "micro-batch",
       "params",
       "grads",
@@ -183,6 +215,7 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     "\n\nfloat32 master weights, gradients and Adam moments: 16 bytes per parameter before "
     "sharding; activations at their peak (saved + one block recomputed)"
   )
+  body += "".join(f"\nn/a: {c}" for c in constraints)
   tr = plan["training"]
   if tr.get("lora_rank"):
     sel = next(s for s in tr["strategies"] if s["strategy"] == tr["selected"])
@@ -194,18 +227,19 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   out.append(_section("Training memory per device", body, markdown=markdown))
 
   sel = next(s for s in plan["training"]["strategies"] if s["strategy"] == inp["strategy"])
-  rows = [
-    (a["policy"], fmt_bytes(a["saved"]), fmt_bytes(a["recompute"]), fmt_bytes(a["peak"]))
-    for a in plan["activations"]
-  ]
-  body = table(("remat", "saved", "recomputed at a time", "peak"), rows, markdown=markdown)
-  out.append(
-    _section(
-      f"Activations per device ({sel['micro_batch']} x {T} tokens, {inp['strategy']})",
-      body,
-      markdown=markdown,
-    )
-  )
+  if sel["constraint"] is None:
+    rows = [
+      (a["policy"], fmt_bytes(a["saved"]), fmt_bytes(a["recompute"]), fmt_bytes(a["peak"]))
+      for a in plan["activations"]
+    ]
+    body = table(("remat", "saved", "recomputed at a time", "peak"), rows, markdown=markdown)
+    title = f"Activations per device ({sel['micro_batch']} x {T} tokens, {inp['strategy']})"
+  else:
+    body, title = f"n/a: {sel['constraint']}", f"Activations per device ({inp['strategy']})"
+  out.append(_section(title, body, markdown=markdown))
+
+  if plan["pipeline"] is not None:
+    out.append(_section("Pipeline", _pipeline(plan, markdown=markdown), markdown=markdown))
 
   c = plan["compute"]
   rows = [

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build, lora
+from atlas_jax.training.pipeline import reorder_layers
 from atlas_jax.training.precision import training_model_config
 from atlas_jax.training.sharding import AXES
 
@@ -181,7 +182,8 @@ def restore_params(
   directory: str | Path, abstract: Any, shardings: Any, *, step: int | None = None
 ):
   """The parameters of a run's newest intact step (or `step`), read straight into `shardings`
-  (a tree like `abstract`); the optimizer state is not read.
+  (a tree like `abstract`, an nnx.State, which a run stored in a circular pipeline's layer order
+  is filled in with to move its layers back), in depth order; the optimizer state is not read.
 
   Raises:
     ValueError for a directory with no step; CheckpointError when none can be restored.
@@ -199,7 +201,10 @@ def restore_params(
       return mngr.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+          state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True
+          ),
+          meta=ocp.args.JsonRestore(),
         ),
       )
     except Exception as e:
@@ -214,7 +219,13 @@ def restore_params(
   warn = lambda message: print(message, file=sys.stderr)
   _, restored, _ = newest_intact(steps, load, fallback=step is None, warn=warn)
   params = restored["state"]["params"]
-  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+  params = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+  layout = tuple(restored["meta"].get("layer_layout", (1, 1)))
+  if layout[1] == 1:  # stored in depth order
+    return params
+  # A circular pipeline's run stores its layers stage by stage: back to depth order.
+  nnx.replace_by_pure_dict(abstract, params)
+  return nnx.to_pure_dict(reorder_layers(abstract, layout, (1, 1)))
 
 
 def load_trained(

@@ -4,9 +4,10 @@ One function covers every configuration: gradient accumulation over micro-batche
 inside the step), precision policies (float32 master weights, bf16/fp16 compute, dynamic loss
 scaling for fp16), remat policies (in the model's layer scan), ZeRO/TP/EP sharding (the jit's
 in/out shardings plus a constraint on the gradients; the mesh is in context while the model is
-traced, so mixture-of-experts layers run their experts expert-parallel), and mixture-of-experts
-load balancing (`atlas_jax.training.experts`: the aux and z losses in the objective, the
-selection-bias update after the optimizer's).
+traced, so mixture-of-experts layers run their experts expert-parallel), pipeline stages (the
+model's layers run by `atlas_jax.training.pipeline`, each accumulation micro-batch split again
+into the pipeline's), and mixture-of-experts load balancing (`atlas_jax.training.experts`: the aux
+and z losses in the objective, the selection-bias update after the optimizer's).
 
 The gradient and the optimizer see only what trains (`split_trainable`): the model's
 `nnx.Param`s, or with LoRA (train.lora) the adapters alone. The rest (the routers' selection
@@ -27,9 +28,11 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from atlas_jax.config import Config
+from atlas_jax.config import Config, check_pipeline
 from atlas_jax.model import Transformer, build
 from atlas_jax.model.lora import LoRAParam
+from atlas_jax.schedule import Schedule
+from atlas_jax.training import pipeline
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.experts import COUNTS, load_metrics, router_terms, update_router_bias
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
@@ -51,8 +54,11 @@ class TrainState:
   loss_scale: LossScale | None = None  # fp16 only
 
 
-def build_model(cfg: Config, key: Array | None = None) -> Transformer:
-  """The model this run trains (random init from `key`; abstract when called under eval_shape)."""
+def build_model(
+  cfg: Config, key: Array | None = None, pipe: pipeline.Pipeline | None = None
+) -> Transformer:
+  """The model this run trains (random init from `key`; abstract when called under eval_shape),
+  its layers run by `pipe` where the mesh has stages."""
   return build(
     training_model_config(cfg.model, cfg.train.precision),
     rngs=nnx.Rngs(0 if key is None else key),
@@ -60,6 +66,7 @@ def build_model(cfg: Config, key: Array | None = None) -> Transformer:
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
     lora=cfg.train.lora,
+    pipeline=pipe,
   )
 
 
@@ -99,14 +106,21 @@ class Trainer:
   mesh: Mesh
   state_shardings: TrainState
   grad_shardings: Any
+  # (stages, repeats) the stacked layers are stored for (`pipeline.layer_order`); (1, 1): depth.
+  layout: pipeline.Layout = (1, 1)
 
   def init(self, key: Array, base: Any = None) -> TrainState:
-    """Initialises model and optimizer under jit straight into their shardings.
+    """Initialises model and optimizer under jit straight into their shardings (the same model
+    whatever the mesh: drawn in depth order, then stored in this run's layer order).
 
-    `base`: pretrained weights (a pure dict of arrays already laid out in their shardings,
-    `atlas_jax.training.init_from`), donated: the state takes their buffers.
+    `base`: pretrained weights in depth order (a pure dict of arrays already laid out in their
+    shardings, `atlas_jax.hf.init_from`), donated: the state takes their buffers.
     """
-    init = functools.partial(init_state, self.cfg, self.optimizer)
+
+    def init(key, base=None):
+      state = init_state(self.cfg, self.optimizer, key, base)
+      return pipeline.reorder_layers(state, (1, 1), self.layout)
+
     if base is None:
       return jax.jit(init, out_shardings=self.state_shardings)(key)
     return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=1)(key, base)
@@ -116,10 +130,30 @@ class Trainer:
       functools.partial(init_state, self.cfg, self.optimizer), jax.random.key(0)
     )
 
+  def checkpoint_meta(self, step: int) -> dict[str, Any]:
+    """What a checkpoint of `step` records beside the state: the data position and the order
+    its stacked layers are stored in."""
+    return {"step": step, "data_index": step, "layer_layout": list(self.layout)}
+
+  def restored(self, state: TrainState, meta: dict[str, Any]) -> TrainState:
+    """A restored state in this run's layer order, whatever the order it was saved in."""
+    saved = tuple(meta.get("layer_layout", (1, 1)))
+    if saved == self.layout:
+      return state
+    move = functools.partial(pipeline.reorder_layers, src=saved, dst=self.layout)
+    return jax.jit(move, out_shardings=self.state_shardings, donate_argnums=0)(state)
+
 
 def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   mesh = shd.make_mesh(cfg.mesh) if mesh is None else mesh
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
+  stages = mesh.shape["stage"]
+  check_pipeline(cfg.model, cfg.train, stages=stages, batch_shards=shd.data_parallel_size(mesh))
+  pipe, layout = None, (1, 1)
+  if stages > 1:
+    t = cfg.train
+    pipe = pipeline.Pipeline(mesh, Schedule(stages, t.pipeline_microbatches, t.pipeline_repeats))
+    layout = (stages, t.pipeline_repeats)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, pipe=pipe)))
   optimizer = make_optimizer(cfg.train)
   abstract = jax.eval_shape(functools.partial(init_state, cfg, optimizer), jax.random.key(0))
   shd.check_declared(abstract.params)
@@ -136,7 +170,7 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   )
   trainable, _ = split_trainable(cfg, abstract.params)
   grad_shardings = shd.tree_shardings(trainable, mesh, rules["grads"])
-  return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings)
+  return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings, layout)
 
 
 def loss_fn(
@@ -189,12 +223,13 @@ def objective(cfg: Config) -> Callable:
   return functools.partial(loss_fn, z_loss=cfg.train.z_loss, loss_chunk=chunk, **moe)
 
 
-def _accumulated_grads(trainer: Trainer, trainable, frozen, batch, scale):
-  """Mean loss and float32 gradients of what trains (the rest are constants) over
-  train.grad_accum micro-batches (a scan, not a loop)."""
+def _accumulated_grads(trainer: Trainer, params, batch, scale):
+  """Mean loss and float32 gradients of what trains (`split_trainable`; the rest are constants)
+  over train.grad_accum micro-batches (a scan, not a loop)."""
   cfg = trainer.cfg.train
   A = cfg.grad_accum
   compute_loss = _in_mesh(trainer, objective(trainer.cfg))
+  trainable, frozen = split_trainable(trainer.cfg, params)
 
   def micro(batch_m):
     def scaled_loss(trainable):
@@ -206,7 +241,9 @@ def _accumulated_grads(trainer: Trainer, trainable, frozen, batch, scale):
 
   if A == 1:
     return micro(batch)
-  split = jax.tree.map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
+  # Micro-batch a takes rows a, a + A, a + 2A, ...: every data-parallel shard's block of rows
+  # splits in place, so the split moves no data between devices.
+  split = jax.tree.map(lambda x: x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
 
   def body(acc, batch_m):
     grads, loss, aux = micro(batch_m)
@@ -236,8 +273,7 @@ def make_train_step(trainer: Trainer) -> Callable:
 
   def train_step(state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
     scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
-    trainable, frozen = split_trainable(trainer.cfg, state.params)
-    grads, loss, aux = _accumulated_grads(trainer, trainable, frozen, batch, scale)
+    grads, loss, aux = _accumulated_grads(trainer, state.params, batch, scale)
     if state.loss_scale is not None:
       grads = state.loss_scale.unscale(grads)
     # ZeRO-2/3: gradients live sharded, so the all-reduce becomes a reduce-scatter.
@@ -245,6 +281,7 @@ def make_train_step(trainer: Trainer) -> Callable:
     # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
+      trainable, frozen = split_trainable(trainer.cfg, state.params)
       updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
       new = optax.apply_updates(trainable, updates)
       new_frozen = frozen

@@ -42,12 +42,9 @@ def test_preset_json_takes_the_presets_training_shape(capsys):
   assert plan["params"]["total"] == 75_914_496
   assert all(isinstance(x, int | float) for x in numbers(plan))
   zero1 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero1")
-  assert zero1["micro_batch"] == 8 and zero1["mesh"] == {
-    "data": 1,
-    "fsdp": 4,
-    "expert": 1,
-    "tensor": 1,
-  }
+  assert zero1["micro_batch"] == 8
+  assert zero1["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "stage": 1, "tensor": 1}
+  assert plan["pipeline"] is None
 
 
 def test_set_overrides_a_preset(capsys):
@@ -103,7 +100,27 @@ def test_plot_writes_pngs(tmp_path, capsys):
       ["--config", "llama-2-7b", "--device", "Z80"],
       "--device='Z80' is not a known device; allowed",
     ),
-    (["--config", "llama-2-7b", "--batch", "12"], "--batch=12 must be a multiple of 8"),
+    (["--config", "llama-2-7b", "--microbatches", "4"], "--microbatches=4 needs --pipeline > 1"),
+    (
+      ["--config", "llama-2-7b", "--pipeline", "4", "--microbatches", "2", "--repeats", "2"],
+      "--microbatches=2 must be >= --pipeline=4 with --repeats=2",
+    ),
+    (["--config", "llama-2-7b", "--pipeline", "3"], "--pipeline=3 must divide --devices=8"),
+    (
+      [
+        "--config",
+        "llama-2-7b",
+        "--pipeline",
+        "8",
+        "--devices",
+        "64",
+        "--repeats",
+        "8",
+        "--microbatches",
+        "8",
+      ],
+      "--pipeline=8 x --repeats=8 must divide the model's n_layers=32",
+    ),
     (["--config", "llama-2-7b", "--tensor", "3"], "--tensor=3 must divide --devices=8"),
     (["--config", "llama-2-7b", "--mfu", "1.5"], "--mfu=1.5 must be in (0, 1]"),
     (["--config", "llama-2-7b", "--remat-every", "3"], "--remat-every=3 must divide"),
@@ -148,3 +165,39 @@ def test_bad_choice_is_argparse_error(capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert "--strategy: invalid choice: 'zero4'" in err and "'zero3'" in err
+
+
+def test_batch_1_reports_serving_and_names_the_training_constraint(capsys):
+  """One sequence on 8 devices cannot be split 8 ways for training, but the KV cache and the
+  decode ceiling do not depend on that: the plan is made, and the training rows say why they
+  have no activations."""
+  rc, out, err = run(capsys, "--config", "llama-2-7b", "--batch", "1", "--json")
+  assert rc == 0, err
+  plan = json.loads(out)
+  assert plan["kv_cache"]["bytes_batch"] == plan["kv_cache"]["bytes_per_sequence"] > 0
+  assert plan["decode"]["one_device_batch_1"]["tokens_per_s"] > 0
+  rows = {s["strategy"]: s for s in plan["training"]["strategies"]}
+  assert rows["zero3"]["constraint"] == (
+    "--batch=1 must be a multiple of 8 under --strategy=zero3 (8 data-parallel replicas x "
+    "--grad-accum=1)"
+  )
+  assert rows["zero3"]["activations_peak"] is None and rows["zero3"]["params"] > 0
+  assert rows["tensor"]["constraint"] is None and rows["tensor"]["total"] > 0  # 1 replica
+  assert plan["activations"] == []
+  rc, out, _ = run(capsys, "--config", "llama-2-7b", "--batch", "1")
+  assert rc == 0 and "n/a: --batch=1 must be a multiple of 8 under --strategy=zero3" in out
+  assert "Decode ceiling" in out and "KV cache" in out
+
+
+def test_pipeline_flags(capsys):
+  argv = ["--config", "llama-3-8b", "--devices", "16", "--tensor", "2", "--json"]
+  rc, out, err = run(capsys, *argv, "--pipeline", "4", "--microbatches", "8", "--repeats", "2")
+  assert rc == 0, err
+  plan = json.loads(out)
+  pp = plan["pipeline"]
+  assert (pp["stages"], pp["microbatches"], pp["repeats"], pp["schedule"]) == (4, 8, 2, "circular")
+  assert pp["iterations"] == 19 and pp["bubble"] == pytest.approx(3 / 19)
+  zero3 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero3")
+  assert zero3["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "stage": 4, "tensor": 2}
+  rc, out, _ = run(capsys, *argv[:-1], "--pipeline", "4", "--microbatches", "8")
+  assert rc == 0 and "4 stages x 8 micro-batches (GPipe)" in out and "bubble" in out

@@ -214,7 +214,7 @@ EXPERT_CASES = [
 
 
 def _trainer_config(name: str, strategy: str, tensor: int, expert: int = 1) -> Config:
-  mesh = memory.mesh_for(strategy, 8, tensor, expert)
+  mesh = memory.mesh_for(strategy, 8, tensor, expert=expert)
   sharding = "dp" if strategy == "tensor" else strategy
   return config(
     name,

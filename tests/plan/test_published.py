@@ -157,7 +157,7 @@ def test_deepseek_v3_expert_memory_per_device_under_the_expert_axis():
   cfg = REFERENCE_MODELS["deepseek-v3"].model
   st = memory.state_bytes(cfg, strategy="zero1", devices=64, expert=8)
   pc = params.counts(cfg)
-  assert st.mesh == {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}
+  assert st.mesh == {"data": 1, "fsdp": 8, "expert": 8, "stage": 1, "tensor": 1}
   assert st.experts == 4 * (pc.experts + pc.mtp_experts) // 8
   routers = 59 * 7168 * 256
   whole = pc.total - pc.experts - pc.mtp_experts - routers

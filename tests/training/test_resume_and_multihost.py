@@ -2,81 +2,18 @@
 exactly; two hosts agree with one."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
+from .runs import env, losses, train_cmd, two_hosts, write_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-  path.write_text(
-    "".join(
-      json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"}) + "\n"
-      for i in range(300)
-    )
-  )
-  return path
-
-
-def train_cmd(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
-  sets = [
-    "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=64",
-    "train.seq_len=32",
-    "train.batch_size=8",
-    "train.steps=12",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.checkpoint_every=3",
-    "train.warmup_steps=2",
-    f"data.source={corpus}",
-    f"train.checkpoint_dir={run_dir}",
-    *extra,
-  ]
-  cmd = [
-    sys.executable,
-    str(ROOT / "train.py"),
-    "--config",
-    str(ROOT / "configs" / "tiny.yaml"),
-    "--sample-prompt",
-    "",
-    "--data-cache",
-    str(run_dir.parent / "cache"),
-  ]
-  for s in sets:
-    cmd += ["--set", s]
-  return cmd
-
-
-def env(devices: int) -> dict[str, str]:
-  e = dict(os.environ)
-  # LLVM's optimisation off, as for the suite's own process (tests/conftest.py): compiles faster.
-  e["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-  )
-  e["JAX_PLATFORMS"] = "cpu"
-  return e
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-  """Loss per step; a step logged twice (re-run after a kill) keeps its last value."""
-  out = {}
-  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-    r = json.loads(line)
-    out[r["step"]] = r["loss"]
-  return out
+  return write_corpus(tmp_path_factory.mktemp("data") / "corpus.jsonl")
 
 
 def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
@@ -137,12 +74,6 @@ def test_an_interrupted_run_saves_and_the_rerun_continues_exactly(tmp_path, corp
   assert got == want
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_agree_with_one(tmp_path, corpus):
   one = tmp_path / "one"
   common = [
@@ -156,27 +87,7 @@ def test_two_processes_agree_with_one(tmp_path, corpus):
   ]
   subprocess.run(train_cmd(one, corpus, *common), env=env(8), check=True, capture_output=True)
 
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      train_cmd(
-        tmp_path / "two",
-        corpus,
-        *common,
-        f"mesh.coordinator_address=127.0.0.1:{port}",
-        "mesh.num_processes=2",
-        f"mesh.process_id={i}",
-      ),
-      env=env(4),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = [p.communicate(timeout=240)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outputs
-  assert "processes: 2" in outputs[0]
+  two_hosts(tmp_path / "two", corpus, *common, timeout=240)
   want, got = losses(one), losses(tmp_path / "two")
   assert sorted(got) == [1, 2, 3, 4]
   for step in want:

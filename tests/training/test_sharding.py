@@ -180,8 +180,8 @@ def test_a_parameter_without_logical_axes_is_an_error(monkeypatch):
 
   real = step_module.build_model
 
-  def with_stray_param(cfg, key=None):
-    model = real(cfg, key)
+  def with_stray_param(cfg, key=None, **kwargs):
+    model = real(cfg, key, **kwargs)
     model.stray = nnx.Param(jnp.zeros((4, 4)))  # no logical axes
     return model
 
