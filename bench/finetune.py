@@ -1,13 +1,16 @@
 """Full fine-tuning against LoRA on the same model: train-step tokens/s and memory, side by side.
 
     python bench/finetune.py [--config configs/tiny.yaml] [--rank 16] [--repeats 3] [--steps 20]
+    python bench/finetune.py --no-time      # memory and counts only (no step is run)
 
 Both runs train the preset's model on the same random batches, on one device, interleaved
 (full, LoRA, full, LoRA, ...) so that a machine's load drifts onto both alike; the load average
 is printed before and after. Memory is XLA's account of the compiled step (`memory_analysis`):
 its arguments (the train state and the batch) plus its temporaries (activations, gradients,
 the update), what the device must hold while the step runs. Beside it, the planner's training
-state in bytes per model parameter (`atlas_jax.plan.memory.state_bytes`, one device, dp).
+state in bytes per model parameter (`atlas_jax.plan.memory.state_bytes`, one device, dp); the
+step's arguments are exactly the planner's parameters and Adam state, the batch and two step
+counters (`memory_row`, which tests/test_bench_finetune.py checks).
 """
 
 from __future__ import annotations
@@ -43,13 +46,29 @@ def step_memory(cfg) -> dict[str, int]:
   }
 
 
-def planned_bytes_per_param(cfg) -> float:
+def planned_state(cfg) -> memory.StateBytes:
+  """The planner's training state for `cfg` on one device (dp)."""
   lora = None
   if cfg.train.lora is not None:
     adapters = resolve(cfg.model, cfg.train.lora)
     lora = (adapters.rank, adapters.targets)
-  st = memory.state_bytes(cfg.model, strategy="dp", devices=1, lora=lora)
-  return st.total / counts(cfg.model).total
+  return memory.state_bytes(cfg.model, strategy="dp", devices=1, lora=lora)
+
+
+def memory_row(cfg) -> dict[str, float]:
+  """What does not need a timer: trainable parameters, the compiled step's memory and the
+  planner's state (bytes, and bytes per model parameter)."""
+  trainer = make_trainer(cfg, mesh=single_device_mesh())
+  trained, _ = split_trainable(cfg, trainer.abstract_state().params)
+  st = planned_state(cfg)
+  return {
+    "trainable": sum(x.size for x in jax.tree.leaves(trained)),
+    **step_memory(cfg),
+    "batch": cfg.train.batch_size * (cfg.train.seq_len + 1) * 4,  # int32 tokens
+    "planned_params": st.params,
+    "planned_opt_state": st.opt_state,
+    "bytes_per_param": st.total / counts(cfg.model).total,
+  }
 
 
 def timed(step, state, batches) -> tuple[float, object]:
@@ -72,6 +91,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=20, help="timed steps per repeat")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  p.add_argument("--no-time", action="store_true", help="memory and counts only: no step is run")
   args = p.parse_args(argv)
   targets = "[" + ", ".join(t.strip() for t in args.targets.split(",")) + "]"
   base = [*args.set, "mesh.fsdp=1", "train.lora=null"]
@@ -87,17 +107,18 @@ def main(argv=None) -> int:
     f"model: {args.config} ({counts(c.model).total:,} parameters), batch {c.train.batch_size} x "
     f"{c.train.seq_len} tokens, precision {c.train.precision}"
   )
-  batches = random_batches(c, args.steps)
-  steps = {name: build(cfg) for name, cfg in cfgs.items()}
   tps: dict[str, list[float]] = {name: [] for name in cfgs}
-  tokens = c.train.batch_size * c.train.seq_len * args.steps
-  for r in range(args.repeats + 1):  # the first round compiles and warms up
-    for name, (step, state) in steps.items():
-      seconds, state = timed(step, state, batches if r else batches[:2])
-      steps[name] = (step, state)
-      if r:
-        tps[name].append(tokens / seconds)
-  print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+  if not args.no_time:
+    batches = random_batches(c, args.steps)
+    steps = {name: build(cfg) for name, cfg in cfgs.items()}
+    tokens = c.train.batch_size * c.train.seq_len * args.steps
+    for r in range(args.repeats + 1):  # the first round compiles and warms up
+      for name, (step, state) in steps.items():
+        seconds, state = timed(step, state, batches if r else batches[:2])
+        steps[name] = (step, state)
+        if r:
+          tps[name].append(tokens / seconds)
+    print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
   print()
   print(
     f"| run | trainable params | tokens/s (median of {args.repeats}) | step memory: state + "
@@ -106,21 +127,17 @@ def main(argv=None) -> int:
   print("|---|---|---|---|---|---|---|")
   rows = {}
   for name, cfg in cfgs.items():
-    trainer = make_trainer(cfg, mesh=single_device_mesh())
-    trained, _ = split_trainable(cfg, trainer.abstract_state().params)
-    trainable = sum(x.size for x in jax.tree.leaves(trained))
-    mem = step_memory(cfg)
-    rows[name] = (statistics.median(tps[name]), mem["arguments"] + mem["temporaries"])
+    m = memory_row(cfg)
+    median = statistics.median(tps[name]) if tps[name] else None
+    rows[name] = (median, m["arguments"] + m["temporaries"])
     print(
-      f"| {name} | {trainable:,} | {rows[name][0]:,.0f} | {mem['arguments'] / 2**20:.1f} MiB | "
-      f"{mem['temporaries'] / 2**20:.1f} MiB | {rows[name][1] / 2**20:.1f} MiB | "
-      f"{planned_bytes_per_param(cfg):.2f} |"
+      f"| {name} | {m['trainable']:,} | {'not timed' if median is None else f'{median:,.0f}'} | "
+      f"{m['arguments'] / 2**20:.1f} MiB | {m['temporaries'] / 2**20:.1f} MiB | "
+      f"{rows[name][1] / 2**20:.1f} MiB | {m['bytes_per_param']:.2f} |"
     )
   (f_tps, f_mem), (l_tps, l_mem) = rows["full"], rows["lora"]
-  print(
-    f"\nLoRA rank {args.rank}: {l_tps / f_tps:.2f}x full fine-tuning's tokens/s, "
-    f"{l_mem / f_mem:.2f}x its step memory"
-  )
+  speed = "" if f_tps is None else f"{l_tps / f_tps:.2f}x full fine-tuning's tokens/s, "
+  print(f"\nLoRA rank {args.rank}: {speed}{l_mem / f_mem:.2f}x its step memory")
   return 0
 
 
