@@ -28,7 +28,8 @@ The experts' computation has one signature,
 * `expert_parallel(mesh)` (a mesh in context, `jax.sharding.use_abstract_mesh`, with more than one
   device): the experts split over the mesh's `expert` axis (and their hidden width over `tensor`)
   inside a `shard_map`, dropless or with capacity per expert-parallel group (it returns the
-  dropped count too).
+  dropped count too). Inside a pipeline stage's `shard_map` (manual over `stage`) it maps over
+  the axes left automatic.
 
 Expert ids outside [0, E) mark assignments that contribute nothing (dropped ones, or experts held
 by another device).

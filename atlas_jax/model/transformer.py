@@ -19,8 +19,10 @@ In training, a pipeline of stages (`pipeline`) can run the `blocks` stack instea
 the stages split that stack's stacked `layers` axis. An MoE model's dense layers must then all
 come first (`atlas_jax.config.check_pipeline`, as DeepSeek's `first_k_dense_replace` has them);
 their stack's axis is `dense_layers`, which no stage splits, and they run before the pipeline
-on every stage's share of the rows, as the embedding does. Stages cut at arbitrary points of
-interleaved runs would run different programs, which one SPMD pipeline cannot.
+with the rows split over every batch axis, `stage` included (the pipeline then gathers their
+output over the stages, as it gathers the token ids when it starts at the embedding). Stages cut
+at arbitrary points of interleaved runs would each run a different program, which one SPMD
+pipeline cannot.
 
 The model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
 `atlas_jax.cache.protocol`, so callers never branch on the family or the cache kind.

@@ -26,6 +26,11 @@ last stage's outputs are scattered back over the stages (reduce-scatter), so the
 the head, the loss and the MTP heads split the batch over `stage` as well as (data, fsdp) and
 are not repeated on every stage.
 
+A layer may also report something of its rows (an MoE layer's router stats, for the balance
+losses and the selection-bias update): each stage records it per layer and micro-batch where it
+did real work, and the program returns every layer's, [L, U, ...] in the stored layer order, for
+the model to merge over the micro-batches.
+
 Circular stages own non-contiguous layers, so the trainer keeps the stacked layers in the run's
 order (`layer_order`: stage-major, each stage's rows one contiguous block, as the `layers` ->
 `stage` sharding rule splits them); checkpoints record the order they were saved in and

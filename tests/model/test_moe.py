@@ -265,6 +265,12 @@ def test_dense_prefix_then_moe_layers_run_in_order(deepseek_like):
     "embed",
     "expert_mlp",
   )
+  # The dense layers' stack has its own axis: pipeline stages split only the MoE layers'.
+  assert state["dense_blocks"]["mlp"]["w_gate"].get_metadata()["logical_axes"] == (
+    "dense_layers",
+    "embed",
+    "mlp",
+  )
 
 
 def test_cached_decode_equals_the_full_forward(deepseek_like):
