@@ -534,7 +534,7 @@ def sample(run: Run, prompt_text: str, max_tokens: int) -> None:
   cfg = run.cfg
   model, _, _ = checkpoint.load_model(run.run_dir, implementation=cfg.attention.implementation)
   prompt = run.tokenizer.encode(prompt_text)
-  s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
+  s = cfg.serve.sampling  # how serve.py samples from this run, unless its flags say otherwise
   params = SamplingParams(
     max_new_tokens=min(max_tokens, cfg.model.max_seq_len - len(prompt)),
     temperature=s.temperature,

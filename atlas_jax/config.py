@@ -549,23 +549,168 @@ class TrainConfig:
         _fail(f"train.{name}", getattr(self, name), "must be in [0, 1]")
 
 
+def _power_of_two(where: str, value: int) -> None:
+  if value < 1 or value & (value - 1):
+    _fail(where, value, "must be a power of two")
+
+
 @dataclasses.dataclass(frozen=True)
-class ServeConfig:
+class EngineConfig:
+  """serve.engine: the paged pool, the scheduler's limits, speculation and the device mesh.
+
+  Counts are per data-parallel replica: each replica holds `n_blocks` blocks of the pool on its
+  devices, runs up to `max_num_seqs` requests and computes up to `max_num_batched_tokens` tokens
+  per step. The fields left None are sized by the engine from the model and the devices
+  (`atlas_jax.serving.sizing`).
+  """
+
+  n_blocks: int | None = None  # P per replica; None: sized from memory
+  block_size: int = 16  # Z, token slots per block
+  # Pool bytes per device (a number > 1), or a fraction in (0, 1] of the memory the weights and
+  # the largest step's activations leave; None: `gpu_memory_utilization`.
+  kv_cache_memory: float | None = None
+  # vLLM's: the fraction of each device's memory the server may use, weights, activations and
+  # pool together (the pool gets what is left).
+  gpu_memory_utilization: float = 0.9
+  max_num_seqs: int | None = None  # running requests at most; None: what the pool holds at
+  # a typical length (`atlas_jax.serving.sizing.TYPICAL_TOKENS`)
+  max_num_batched_tokens: int | None = None  # per-step token budget; None: max(512, seqs)
+  prefill_chunk: int = 256  # most prompt tokens one request computes per step (a power of two)
+  max_model_len: int | None = None  # default: the model's max_seq_len
+  enable_prefix_caching: bool = True
+  decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
+  # With a draft: tokens it proposes per round (None: 4, or the MTP heads' depth with "mtp"),
+  # and the largest batch that speculates.
+  num_speculative_tokens: int | None = None
+  speculative_max_batch: int = 8  # measured: bench/speculative.py --engine
+  # The same for a batch with a guided row, whose rounds pay a host walk of the drafts and
+  # accept fewer of them; measured: bench/speculative.py --engine-guided.
+  guided_speculative_max_batch: int = 4
+  # Rows of a step are padded to a power of two, at least this many: each bucket is one more
+  # compiled shape of every program (warm-up time), each padded row wasted work.
+  min_batch_bucket: int = 1
+  tensor_parallel_size: int = 1  # devices per replica: heads, FFN and vocabulary split over them
+  data_parallel_size: int = 1  # replicas, each with its own requests and pages of the pool
+
+  def __post_init__(self):
+    where = lambda name: f"serve.engine.{name}"
+    for name in (
+      "n_blocks",
+      "block_size",
+      "max_num_seqs",
+      "max_num_batched_tokens",
+      "max_model_len",
+      "decode_burst",
+      "num_speculative_tokens",
+      "speculative_max_batch",
+      "guided_speculative_max_batch",
+      "tensor_parallel_size",
+      "data_parallel_size",
+    ):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _fail(where(name), value, "must be a positive integer")
+    for name in ("prefill_chunk", "min_batch_bucket"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where(name), value, "must be a power of two")
+      _power_of_two(where(name), value)
+    m = self.kv_cache_memory
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or not m > 0):
+      _fail(
+        where("kv_cache_memory"),
+        m,
+        "must be bytes per device (a number > 1) or a fraction in (0, 1] of the memory the "
+        "weights and activations leave",
+      )
+    if m is not None and m > 1 and m != int(m):
+      _fail(where("kv_cache_memory"), m, "bytes must be a whole number")
+    u = self.gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+      _fail(where("gpu_memory_utilization"), u, "must be a fraction in (0, 1]")
+    seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+    if seqs is not None and budget is not None and budget < seqs:
+      _fail(
+        where("max_num_batched_tokens"),
+        budget,
+        f"must be >= serve.engine.max_num_seqs={seqs} (one decode token per running request)",
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """serve.limits: what one HTTP request (or batch-mode line) may ask for."""
+
+  max_prompt_tokens: int | None = None  # default: the engine's context length
+  max_tokens: int | None = None  # the most `max_tokens` may ask for; default: the context length
+  max_n: int = 4  # choices per request
+  max_body_bytes: int = 1 << 20
+
+  def __post_init__(self):
+    for name in ("max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _fail(f"serve.limits.{name}", value, "must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+  """serve.sampling: how a request samples where it does not say (a Hugging Face folder's
+  generation_config.json replaces these; serve.py's flags replace both)."""
+
   max_new_tokens: int = 64
   temperature: float = 0.0  # 0: greedy
   top_k: int = 0  # 0: off
   top_p: float = 1.0
-  max_batch: int = 8
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
   seed: int = 0
 
   def __post_init__(self):
-    _positive("serve", self, "max_new_tokens", "max_batch")
+    _positive("serve.sampling", self, "max_new_tokens", "repetition_penalty")
     if self.temperature < 0:
-      _fail("serve.temperature", self.temperature, "must be >= 0 (0 is greedy)")
-    if self.top_k < 0:
-      _fail("serve.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+      _fail("serve.sampling.temperature", self.temperature, "must be >= 0 (0 is greedy)")
+    if self.top_k < -1:
+      _fail("serve.sampling.top_k", self.top_k, "must be >= -1 (0 or -1 disables top-k)")
     if not 0.0 < self.top_p <= 1.0:
-      _fail("serve.top_p", self.top_p, "must be in (0, 1]")
+      _fail("serve.sampling.top_p", self.top_p, "must be in (0, 1]")
+    if not 0.0 <= self.min_p <= 1.0:
+      _fail("serve.sampling.min_p", self.min_p, "must be in [0, 1]")
+    if self.seed < 0:
+      _fail("serve.sampling.seed", self.seed, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """How serve.py serves: the engine, the request limits and the sampling defaults."""
+
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+  sampling: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
+
+
+# Run directories written before `serve:` had sections hold these flat fields.
+LEGACY_SERVE_FIELDS = {
+  "max_new_tokens": "sampling",
+  "temperature": "sampling",
+  "top_k": "sampling",
+  "top_p": "sampling",
+  "seed": "sampling",
+  "max_batch": "engine.max_num_seqs",
+}
+
+
+def _migrate_serve(data: dict[str, Any]) -> None:
+  """Moves a flat `serve:` section's fields into their sections, in place."""
+  serve = data.get("serve")
+  if not isinstance(serve, dict):
+    return
+  for name, target in LEGACY_SERVE_FIELDS.items():
+    if name in serve:
+      section, _, field = target.partition(".")
+      node = serve.setdefault(section, {})
+      if isinstance(node, dict):
+        node.setdefault(field or name, serve.pop(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -849,7 +994,9 @@ def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if not isinstance(loaded, dict):
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     data = loaded
-  return apply_overrides(data, overrides)
+  apply_overrides(data, overrides)
+  _migrate_serve(data)
+  return data
 
 
 def dump_config(cfg: Config) -> str:

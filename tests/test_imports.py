@@ -10,8 +10,6 @@ the curated public API that imports everything, is left out of the package graph
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).parents[1]
 SOURCES = {"atlas_jax": ROOT / "atlas_jax", "atlas_jax.kernels": ROOT / "kernels"}
 
@@ -117,21 +115,9 @@ def test_the_graph_sees_real_imports():
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# A cycle that the serving change removes (generate and speculative decoding meet in one
-# drafter module).
-KNOWN = [
-  ["atlas_jax.decoding.generate", "atlas_jax.decoding.speculative"],
-]
-
-
 def test_no_module_imports_one_that_imports_it_back():
-  assert [c for c in cycles(graph()) if c not in KNOWN] == []
+  assert cycles(graph()) == []
 
 
 def test_no_package_imports_one_that_imports_it_back():
-  assert [c for c in cycles(package_graph(graph())) if c not in KNOWN] == []
-
-
-@pytest.mark.xfail(strict=True, reason="the known cycle, until the change that removes it")
-def test_the_known_cycles_are_gone():
-  assert cycles(graph()) == []
+  assert cycles(package_graph(graph())) == []

@@ -107,7 +107,7 @@ def _tokenizer_files(run: Path, out: Path, cfg: Config, tokenizer) -> list[str]:
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     written.append("tokenizer_config.json")
   if "generation_config.json" not in written:
-    s = cfg.serve  # the run's sampling defaults, as serve.py applied them to the run
+    s = cfg.serve.sampling  # the run's sampling defaults, as serve.py applied them to the run
     generation: dict[str, Any] = {
       **_special_ids(tokenizer),
       "max_new_tokens": s.max_new_tokens,

@@ -149,11 +149,18 @@ class MTPHeads(nnx.Module):
     sequential head would read embeddings of tokens not yet verified)."""
     return self.n_predict if self.kind == "parallel" else 1
 
-  def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype):
-    """A contiguous cache for the drafting heads' blocks: one "layer" per head."""
+  def init_cache(
+    self, cfg: ModelConfig, batch: int, max_len: int, dtype, n_heads: int | None = None
+  ):
+    """A contiguous cache for the drafting heads' blocks: one "layer" per head, for the first
+    `n_heads` (default all)."""
     attn = attention_class(cfg)
     return attn.cache_type.init(
-      n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
+      n_layers=self.n_draft_heads if n_heads is None else n_heads,
+      batch=batch,
+      max_len=max_len,
+      dtype=dtype,
+      **attn.cache_dims(cfg),
     )
 
   def init_pool(

@@ -10,6 +10,14 @@ Batch-1 decoding is memory bound: every step reads every weight once plus the se
 so tokens/s <= bandwidth / (weight bytes + cache bytes). A larger batch shares the weight read.
 Mixture-of-experts models: a token's FLOPs count only its k routed experts of E (`counts(cfg)`'s
 active parameters), and a decode step reads only the experts its batch reaches.
+
+Served over a (data, tensor) mesh (`serving_decode_bound`), each device reads its shard of the
+weights and its replica's sequences' cache per step (an MLA latent is read whole on every tensor
+device), at its own bandwidth, and the tensor devices all-reduce the row-parallel outputs (the
+attention output and down projections of every layer, and the vocabulary-parallel embedding):
+a ring all-reduce moves 2 (t - 1) / t of each message per device, over the interconnect. The
+sampler then all-gathers the vocabulary-parallel head's float32 logits once (a ring all-gather:
+(t - 1) / t of them per device).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from atlas_jax.config import ModelConfig
+from atlas_jax.plan.memory import serving_kv_bytes_per_token, serving_weight_bytes
 from atlas_jax.plan.params import counts
 
 # Hoffmann et al. 2022 ("Training Compute-Optimal Large Language Models"): about 20 training
@@ -133,3 +142,68 @@ def decode_bound(
   mem_s = step_bytes / bandwidth
   flop_s = batch * flops_per_token / peak_flops
   return DecodeBound(batch, step_bytes, mem_s, flop_s, batch / max(mem_s, flop_s))
+
+
+def all_reduce_bytes(cfg: ModelConfig, *, tensor: int, rows: int, dtype_bytes: int) -> int:
+  """Bytes each tensor device sends per decode step of `rows` sequences (per replica): a ring
+  all-reduce of the [rows, D] output of every row-parallel matmul (two per layer) and of the
+  vocabulary-parallel embedding. 0 on one device."""
+  if tensor == 1:
+    return 0
+  message = rows * cfg.d_model * dtype_bytes
+  return (2 * cfg.n_layers + 1) * message * 2 * (tensor - 1) // tensor
+
+
+def logits_gather_bytes(cfg: ModelConfig, *, tensor: int, rows: int) -> int:
+  """Bytes each tensor device receives per decode step of `rows` sequences when the sampler
+  all-gathers the [rows, V] float32 logits of the vocabulary-parallel head. 0 on one device."""
+  return rows * cfg.vocab_size * 4 * (tensor - 1) // tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingDecodeBound:
+  """One decode step of `batch` sequences on a data x tensor mesh, per device."""
+
+  tensor: int
+  data: int
+  batch: int  # sequences over every replica
+  weight_bytes: int  # the device's weight shard, read once per step
+  cache_bytes: int  # the device's share of its replica's sequences' cache
+  all_reduce_bytes: int  # sent over the interconnect per step (the activations' all-reduces)
+  all_gather_bytes: int  # received per step (the logits' all-gather)
+  memory_seconds: float  # (weights + cache) / bandwidth
+  compute_seconds: float  # the device's share of the FLOPs / peak FLOP/s
+  network_seconds: float | None  # both collectives' bytes / link bandwidth (None: not known)
+  tokens_per_s: float  # batch / step time: an upper bound for the whole mesh
+
+  @property
+  def bytes_per_step(self) -> int:
+    return self.weight_bytes + self.cache_bytes
+
+
+def serving_decode_bound(
+  cfg: ModelConfig,
+  *,
+  tensor: int,
+  data: int,
+  batch: int,
+  context: int,
+  dtype_bytes: int,
+  bandwidth: float,
+  peak_flops: float,
+  link_bandwidth: float | None = None,
+) -> ServingDecodeBound:
+  """The decode ceiling of `batch` sequences of `context` tokens served over data x tensor
+  devices: step time = max(memory, compute) + collectives' time, per device."""
+  rows = -(-batch // data)  # the busiest replica's sequences
+  weights = serving_weight_bytes(cfg, tensor=tensor, dtype_bytes=dtype_bytes)
+  cache = rows * context * serving_kv_bytes_per_token(cfg, tensor=tensor, dtype_bytes=dtype_bytes)
+  reduced = all_reduce_bytes(cfg, tensor=tensor, rows=rows, dtype_bytes=dtype_bytes)
+  gathered = logits_gather_bytes(cfg, tensor=tensor, rows=rows)
+  mem_s = (weights + cache) / bandwidth
+  flop_s = rows * decode_flops_per_token(cfg, context) / tensor / peak_flops
+  net_s = None if link_bandwidth is None else (reduced + gathered) / link_bandwidth
+  step = max(mem_s, flop_s) + (net_s or 0.0)
+  return ServingDecodeBound(
+    tensor, data, batch, weights, cache, reduced, gathered, mem_s, flop_s, net_s, batch / step
+  )

@@ -576,3 +576,38 @@ def _pipelined(
     per_layer_none=int(round(per_layer)),
     outside_blocks=int(round(outside)),
   )
+
+
+# ------------------------------------------------------------------------------------------------
+# Serving on a (data, tensor) mesh: every replica holds the weights and its own pool pages
+
+
+def served_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
+  """The config as served over `tensor` devices: a GQA model's kv heads repeated up to the tensor
+  size when fewer (`atlas_jax.serving.mesh.repeat_kv_heads`)."""
+  if cfg.mla is None and cfg.n_kv_heads < tensor:
+    return dataclasses.replace(cfg, n_kv_heads=tensor)
+  return cfg
+
+
+def serving_weight_bytes(
+  cfg: ModelConfig, *, tensor: int, dtype_bytes: int, attention_only: bool = False
+) -> int:
+  """Weight bytes each device holds when served over `tensor` devices (the serving rules split
+  heads, the FFN and the vocabulary as training's tensor rules do); `attention_only`: the
+  attention layers' alone (the trunk's, MTP heads' excluded)."""
+  specs = inventory(served_config(cfg, tensor))
+  if attention_only:
+    specs = [p for p in specs if p.path.startswith("blocks/attn/")]
+  return dtype_bytes * sum(shard_elements(p, fsdp=1, tensor=tensor) for p in specs)
+
+
+def serving_kv_bytes_per_token(cfg: ModelConfig, *, tensor: int, dtype_bytes: int) -> int:
+  """Pool bytes one token takes on each device of its replica: a KV pool's kv heads split over
+  the tensor axis (repeated up to it when fewer); an MLA latent held whole by every device."""
+  L = cfg.n_layers
+  if cfg.mla is not None:
+    m = cfg.mla
+    return L * (m.kv_lora_rank + m.qk_rope_head_dim) * dtype_bytes
+  K = served_config(cfg, tensor).n_kv_heads
+  return 2 * L * (K // tensor if K % tensor == 0 else K) * cfg.head_dim * dtype_bytes

@@ -24,6 +24,9 @@ from atlas_jax.plan.params import counts, lora_adapters
 from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
+# The share of each device's memory a serving plan gives weights and pool (vLLM's default
+# gpu_memory_utilization; the largest step's activations are not counted here).
+SERVING_MEMORY_UTILIZATION = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +420,50 @@ def make_plan(
       "dense formula), not checked against the train step; decode reads the experts a batch "
       "reaches under uniform routing",
     )
+  # Serving over data x tensor devices: per-device memory and the decode ceiling.
+  tp, dp = inputs.tensor, inputs.devices // inputs.tensor
+  weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
+  kv_dev = memory.serving_kv_bytes_per_token(cfg, tensor=tp, dtype_bytes=c)
+  pool_dev = max(0, int(SERVING_MEMORY_UTILIZATION * dev.hbm_bytes) - weights_dev)
+  serving = {
+    "tensor": tp,
+    "data": dp,
+    "kv_heads_served": None if cfg.mla is not None else memory.served_config(cfg, tp).n_kv_heads,
+    "weight_bytes_per_device": weights_dev,
+    "attention_weight_bytes_per_device": memory.serving_weight_bytes(
+      cfg, tensor=tp, dtype_bytes=c, attention_only=True
+    ),
+    "kv_bytes_per_token_per_device": kv_dev,
+    "memory_utilization": SERVING_MEMORY_UTILIZATION,
+    "pool_bytes_per_device": pool_dev,
+    "pool_tokens_per_replica": pool_dev // kv_dev,
+    "sequences_per_replica": pool_dev // (kv_dev * T),
+    "bounds": [],
+  }
+  for batch in sorted({dp, max(B, dp)}):  # one sequence per replica, and the batch
+    bound = compute.serving_decode_bound(
+      cfg,
+      tensor=tp,
+      data=dp,
+      batch=batch,
+      context=T,
+      dtype_bytes=c,
+      bandwidth=dev.hbm_bytes_per_s,
+      peak_flops=dev.peak_bf16_flops,
+      link_bandwidth=dev.link_bytes_per_s,
+    )
+    serving["bounds"].append(
+      {
+        "batch": batch,
+        "bytes_per_step_per_device": bound.bytes_per_step,
+        "all_reduce_bytes_per_device": bound.all_reduce_bytes,
+        "all_gather_bytes_per_device": bound.all_gather_bytes,
+        "seconds_per_step": batch / bound.tokens_per_s,
+        "network_seconds": bound.network_seconds,
+        "tokens_per_s": bound.tokens_per_s,
+      }
+    )
+
   return {
     "name": name,
     "notes": list(notes),
@@ -453,4 +500,5 @@ def make_plan(
     "pipeline": pipe,
     "compute": comp,
     "decode": decode,
+    "serving": serving,
   }

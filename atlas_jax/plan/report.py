@@ -282,4 +282,37 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     f"{fmt_bytes(d['cache_bytes_per_sequence'])} per sequence at {T} tokens"
   )
   out.append(_section("Decode ceiling", body, markdown=markdown))
+
+  sv = plan["serving"]
+  heads = "" if sv["kv_heads_served"] is None else f", kv heads served {sv['kv_heads_served']}"
+  rows = [
+    ("weights per device", fmt_bytes(sv["weight_bytes_per_device"])),
+    ("of which attention", fmt_bytes(sv["attention_weight_bytes_per_device"])),
+    ("cache per token per device", fmt_bytes(sv["kv_bytes_per_token_per_device"])),
+    (
+      f"pool per device ({sv['memory_utilization']:.0%} of {dev['name']} less weights)",
+      fmt_bytes(sv["pool_bytes_per_device"]),
+    ),
+    (
+      "tokens held per replica",
+      f"{sv['pool_tokens_per_replica']:,} ({sv['sequences_per_replica']:,} sequences at {T})",
+    ),
+  ]
+  for bnd in sv["bounds"]:
+    net = bnd["network_seconds"]
+    rows.append(
+      (
+        f"decode, batch {bnd['batch']}: bytes per device per step, all-reduce + logits' "
+        "all-gather, tokens/s",
+        f"{fmt_bytes(bnd['bytes_per_step_per_device'])}, "
+        f"{fmt_bytes(bnd['all_reduce_bytes_per_device'])} + "
+        f"{fmt_bytes(bnd['all_gather_bytes_per_device'])}"
+        + ("" if net is None else f" ({fmt_seconds(net)})")
+        + f", {bnd['tokens_per_s']:,.0f}",
+      )
+    )
+  title = f"Serving on {sv['data']} x {sv['tensor']} (data x tensor){heads}"
+  out.append(
+    _section(title, table(("serving", "per device"), rows, markdown=markdown), markdown=markdown)
+  )
   return "\n".join(out)
