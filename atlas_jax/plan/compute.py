@@ -8,8 +8,6 @@ their parameters to N, one more use of the shared output head and one attention 
 
 Batch-1 decoding is memory bound: every step reads every weight once plus the sequence's cache,
 so tokens/s <= bandwidth / (weight bytes + cache bytes). A larger batch shares the weight read.
-Mixture-of-experts models: a token's FLOPs count only its k routed experts of E (`counts(cfg)`'s
-active parameters), and a decode step reads only the experts its batch reaches.
 
 Served over a (data, tensor) mesh (`serving_decode_bound`), each device reads its shard of the
 weights and its replica's sequences' cache per step (an MLA latent is read whole on every tensor
@@ -18,6 +16,9 @@ attention output and down projections of every layer, and the vocabulary-paralle
 a ring all-reduce moves 2 (t - 1) / t of each message per device, over the interconnect. The
 sampler then all-gathers the vocabulary-parallel head's float32 logits once (a ring all-gather:
 (t - 1) / t of them per device).
+
+Mixture-of-experts models: a token's FLOPs count only its k routed experts of E (`counts(cfg)`'s
+active parameters), and a decode step reads only the experts its batch reaches.
 """
 
 from __future__ import annotations

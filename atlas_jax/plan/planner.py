@@ -413,13 +413,6 @@ def make_plan(
         "memory_bound": bound.memory_bound,
       }
 
-  if cfg.moe is not None:
-    notes = (
-      *notes,
-      "mixture-of-experts layers: activation bytes are an estimate (k experts' SwiGLU in the "
-      "dense formula), not checked against the train step; decode reads the experts a batch "
-      "reaches under uniform routing",
-    )
   # Serving over data x tensor devices: per-device memory and the decode ceiling.
   tp, dp = inputs.tensor, inputs.devices // inputs.tensor
   weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
@@ -464,6 +457,13 @@ def make_plan(
       }
     )
 
+  if cfg.moe is not None:
+    notes = (
+      *notes,
+      "mixture-of-experts layers: activation bytes are an estimate (k experts' SwiGLU in the "
+      "dense formula), not checked against the train step; decode reads the experts a batch "
+      "reaches under uniform routing",
+    )
   return {
     "name": name,
     "notes": list(notes),
