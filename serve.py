@@ -47,6 +47,7 @@ from atlas_jax.config import (
 )
 from atlas_jax.data.corpus import iter_json_objects
 from atlas_jax.decoding.sampling import SamplingParams
+from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import model_files
 from atlas_jax.serving.engine import Engine, RequestError
@@ -223,8 +224,9 @@ def load_any(path: str, dtype: str):
   """(model, tokenizer) from a run directory or a Hugging Face folder."""
   folder = Path(path)
   if checkpoint.is_checkpoint(folder):
-    model, _, tokenizer = checkpoint.load_model(folder)
-    return model, tokenizer
+    model, _, _ = checkpoint.load_model(folder)  # a LoRA run's adapters merged
+    # With the special tokens of the tokenizer files a fine-tune kept from its source.
+    return model, run_tokenizer(folder, model.cfg.vocab_size)
   if (message := step_folder_error(folder)) is not None:
     raise ValueError(message)
   dtype = resolve_dtype(dtype, path)

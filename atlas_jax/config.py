@@ -364,9 +364,16 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Training text and how it is tokenised."""
+  """Training text and how it is tokenised.
+
+  `format`: "text" (documents: every token counts), or supervised examples from a JSONL file
+  whose loss counts only the answer: "chat" (OpenAI-style `messages`, rendered with the model's
+  chat template as serve.py renders requests; the assistant messages count) or "completion"
+  (`prompt` and `completion` strings; the completion and its eos count).
+  """
 
   source: str = "stdlib"  # "stdlib", a folder of text files, or a .jsonl file with a "text" field
+  format: Literal["text", "chat", "completion"] = "text"
   # "byte"; "bpe:N", a byte-level BPE of N tokens trained on the source's train split at the
   # first run (seconds); or a path to a tokenizer.json.
   tokenizer: str = "byte"
@@ -375,6 +382,12 @@ class DataConfig:
   def __post_init__(self):
     if not 0.0 <= self.eval_fraction < 1.0:
       _fail("data.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+    if self.format != "text" and not self.source.endswith(".jsonl"):
+      _fail(
+        "data.source",
+        self.source,
+        f"data.format={self.format!r} reads a .jsonl file of examples (one JSON object a line)",
+      )
     n = self.tokenizer.removeprefix("bpe:")
     if self.tokenizer.startswith("bpe:") and not (n.isdigit() and int(n) >= 260):
       _fail(
@@ -382,6 +395,42 @@ class DataConfig:
         self.tokenizer,
         "bpe:N needs an integer N >= 260 (256 bytes, 3 special tokens, at least one merge)",
       )
+
+
+# LoRA targets: the projections of a decoder block, by their Hugging Face names. GQA attention has
+# q/k/v/o_proj; MLA has q_proj (without a query bottleneck) or q_a_proj and q_b_proj, kv_a_proj
+# (kv_a_proj_with_mqa) and kv_b_proj (its key and value halves, an adapter each), and o_proj.
+# "attn" and "mlp" name all of a block's attention or MLP projections.
+LORA_ATTENTION_TARGETS = (
+  "q_proj",
+  "k_proj",
+  "v_proj",
+  "o_proj",
+  "q_a_proj",
+  "q_b_proj",
+  "kv_a_proj",
+  "kv_b_proj",
+)
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS, "attn", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters (Hu et al. 2021): W x + (alpha / rank) * B A x on each targeted
+  projection of every block, B zero at the start; only the adapters train."""
+
+  rank: int = 8  # A
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("attn", "mlp")
+
+  def __post_init__(self):
+    _positive("train.lora", self, "rank", "alpha")
+    if not self.targets:
+      _fail("train.lora.targets", list(self.targets), "must name at least one projection")
+    for t in self.targets:
+      if t not in LORA_TARGETS:
+        _fail("train.lora.targets", list(self.targets), f"{t!r} is not one of {LORA_TARGETS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +486,14 @@ class TrainConfig:
   # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults
   # (`atlas_jax.training.xla_flags`), "": none of them.
   xla_flags: str | None = None
+  # Fine-tuning: a Hugging Face folder or a train.py run directory whose model (config, weights
+  # and tokenizer) the run starts from, at step 0 with a fresh optimizer; the config's model
+  # section must agree with it or be left out (`atlas_jax.sources.load_config`).
+  init_from: str | None = None
+  lora: LoRAConfig | None = None  # train low-rank adapters only; the base weights stay frozen
+  # Supervised data (data.format chat / completion): held-out examples completed greedily before
+  # and after training and scored by exact match with their answers; 0: none.
+  eval_exact_match: int = 0
 
   def __post_init__(self):
     _positive(
@@ -483,6 +540,7 @@ class TrainConfig:
       "eval_every",
       "checkpoint_every",
       "eval_batches",
+      "eval_exact_match",
     ):
       if getattr(self, name) < 0:
         _fail(f"train.{name}", getattr(self, name), "must be >= 0")
@@ -674,6 +732,12 @@ class Config:
         else (f"every run of identical layers (dense and MoE runs of {runs} layers)")
       )
       _fail("train.remat_every", k, f"must divide {where} (groups of k)")
+    if self.train.eval_exact_match and self.data.format == "text":
+      _fail(
+        "train.eval_exact_match",
+        self.train.eval_exact_match,
+        "needs supervised examples to score (data.format chat or completion); 0 for text",
+      )
     if self.mesh.stage != -1:  # -1: checked once the mesh is built
       check_pipeline(self.model, self.train, stages=self.mesh.stage)
     if self.train.seq_len > self.model.max_seq_len:
@@ -684,12 +748,13 @@ class Config:
       )
 
   def to_dict(self) -> dict[str, Any]:
-    # Lists, not tuples: YAML's safe dumper writes only plain types.
+    """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only
+    plain types)."""
     return dataclasses.asdict(self, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
 
 
 def _plain(value: Any) -> Any:
-  return list(value) if isinstance(value, tuple) else value
+  return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def check_pipeline(
@@ -861,6 +926,11 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     if not isinstance(value, str):
       _fail(field, value, "expected a string")
     return value
+  if origin is tuple:  # tuple[X, ...]: a YAML list
+    (item, _) = typing.get_args(tp)
+    if not isinstance(value, list | tuple):
+      _fail(field, value, f"expected a list of {_describe(item)}")
+    return tuple(_coerce(item, v, f"{field}[{i}]") for i, v in enumerate(value))
   raise TypeError(f"unsupported config field type {tp!r} for {field}")
 
 
@@ -901,7 +971,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides."""
+  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides.
+
+  A preset that fine-tunes (train.init_from) takes its model from the source: see
+  `atlas_jax.sources.load_config`, which reads it.
+  """
+  return build(Config, read_config(path, overrides))
+
+
+def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+  """The plain data of a YAML preset with the overrides applied, before any check."""
   data: dict[str, Any] = {}
   if path is not None:
     path = Path(path)
@@ -917,7 +996,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     data = loaded
   apply_overrides(data, overrides)
   _migrate_serve(data)
-  return build(Config, data)
+  return data
 
 
 def dump_config(cfg: Config) -> str:

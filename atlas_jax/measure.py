@@ -38,9 +38,14 @@ from jax.sharding import Mesh
 from atlas_jax.config import Config, ModelConfig
 from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.experts import trainable_split
 from atlas_jax.training.precision import training_model_config
-from atlas_jax.training.step import build_model, make_train_step, make_trainer, objective
+from atlas_jax.training.step import (
+  build_model,
+  make_train_step,
+  make_trainer,
+  objective,
+  split_trainable,
+)
 
 
 def _nbytes(tree) -> int:
@@ -85,9 +90,10 @@ def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
   """Per-device bytes of parameters, gradients and optimizer state as the trainer shards them."""
   trainer = make_trainer(cfg, mesh=mesh)
   abstract = trainer.abstract_state()
-  trainable, _ = trainable_split(abstract.params)
+  trainable, _ = split_trainable(cfg, abstract.params)
   return {
     "params": shd.sharded_bytes(abstract.params, trainer.state_shardings.params),
+    # What is differentiated: the Params, or with LoRA the adapters.
     "grads": shd.sharded_bytes(trainable, trainer.grad_shardings),
     "opt_state": shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state),
   }

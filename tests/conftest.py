@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 LONGEST_FIRST = (
   "serving/test_engine.py",
   "training/test_pipeline.py",
+  "training/test_finetune.py",
   "training/test_sharding.py",
   "serving/test_engine_speculative.py",
   "serving/test_serve_moe.py",
@@ -38,6 +39,8 @@ LONGEST_FIRST = (
   "training/test_resume_and_multihost.py",
   "training/test_pipeline_runs.py",
   "training/test_step.py",
+  "training/test_init_from.py",
+  "data/test_supervised.py",
   "test_cli.py",
   "serving/test_serve_mla.py",
   "serving/test_server.py",

@@ -13,6 +13,12 @@ maps config.json onto a `ModelConfig` (`config_from_hf`), describes its stored t
 model's own shapes) are written once, in `common` and `weights`. Weights are read with safetensors
 straight into jax arrays (single file or sharded with an index), converted from torch's
 [out, in] layouts into ours, and stacked over layers.
+
+Beside the families, for fine-tuning: `init_from` (a folder's or a run's weights placed shard by
+shard into a run's parameter shardings, train.init_from), `export` (a train.py run as a folder of
+any family `save` writes, LoRA adapters merged or kept apart for PEFT; the CLI
+`python -m atlas_jax.hf export`) and `tokenizer` (a folder's tokenizer with the special tokens
+its files declare, and a run's).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from atlas_jax.hf.weights import (
   check_tensor_shapes,
   params_from_tensors,
   read_safetensors,
+  tensor_names,
   tensors_from_params,
 )
 from atlas_jax.model import Transformer
@@ -51,11 +58,13 @@ __all__ = [
   "config_from_hf",
   "config_to_hf",
   "field",
+  "folder_config",
   "load",
   "load_config",
   "load_tokenizer",
   "read_safetensors",
   "save",
+  "tensor_names",
   "tensor_shapes",
 ]
 
@@ -84,6 +93,14 @@ def config_from_hf(
 def load_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
   """The ModelConfig of a folder's config.json (no weights read)."""
   return config_from_hf(read_json(Path(path) / "config.json"), dtype=dtype)
+
+
+def folder_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig `load` gives a folder, from config.json and the safetensors headers alone
+  (the stored names decide DeepSeek's MTP heads); no weight is read."""
+  hf_config = read_json(Path(path) / "config.json")
+  config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the files
+  return config_from_hf(hf_config, dtype=dtype, names=tensor_names(path))
 
 
 def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[str, tuple]:

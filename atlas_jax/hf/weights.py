@@ -233,6 +233,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
   return files
 
 
+def tensor_names(folder: str | Path) -> set[str]:
+  """The names of a folder's tensors, from the safetensors headers (no tensor is read)."""
+  from safetensors import safe_open
+
+  names: set[str] = set()
+  for file in _safetensors_files(Path(folder)):
+    try:
+      with safe_open(str(file), framework="numpy") as f:
+        names.update(f.keys())
+    except Exception as e:  # safetensors raises its own error types, and OSError
+      raise HFLoadError(f"{file}: not a readable safetensors file: {type(e).__name__}: {e}") from e
+  return names
+
+
 def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
   """All tensors of a folder (single file or sharded), as jax arrays on the host.
 

@@ -21,13 +21,21 @@ from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.layers import RMSNorm, normal, param, rms_norm
+from atlas_jax.model.lora import Adapters, adapter, plus
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
 
 Array = jax.Array
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    adapters: Adapters | None = None,
+  ):
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -59,6 +67,11 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
     self.norm_eps = cfg.norm_eps
+    # LoRA adapters (None where not adapted): x -> [N, H] / [K, H], and [N, H] -> D.
+    self.wq_lora = adapter(adapters, "q_proj", self.wq, 1, rngs=rngs)
+    self.wk_lora = adapter(adapters, "k_proj", self.wk, 1, rngs=rngs)
+    self.wv_lora = adapter(adapters, "v_proj", self.wv, 1, rngs=rngs)
+    self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
     self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies built at trace time
     self.sliding_window = cfg.sliding_window
     self.implementation = implementation
@@ -93,13 +106,16 @@ class Attention(nnx.Module):
     dtype = x_BTD.dtype
     # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
     q_BTNH = checkpoint_name(
-      jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), "q_proj"
+      plus(jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
+      "q_proj",
     )
     k_BTKH = checkpoint_name(
-      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), "k_proj"
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
+      "k_proj",
     )
     v_BTKH = checkpoint_name(
-      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), "v_proj"
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
+      "v_proj",
     )
     if self.bq is not None:
       q_BTNH += self.bq[...].astype(dtype)
@@ -141,7 +157,10 @@ class Attention(nnx.Module):
       )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
-      jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), "o_proj"
+      plus(
+        jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), self.wo_lora, out_BTNH
+      ),
+      "o_proj",
     )
     return out_BTD, cache
 

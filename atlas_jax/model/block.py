@@ -12,6 +12,7 @@ from flax import nnx
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm
+from atlas_jax.model.lora import Adapters
 from atlas_jax.model.mla import MLA
 from atlas_jax.model.moe import MoE, RouterStats
 
@@ -32,12 +33,15 @@ class Block(nnx.Module):
     rngs: nnx.Rngs,
     implementation: str | None = None,
     sparse: bool = False,
+    adapters: Adapters | None = None,
   ):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.attn = attention_class(cfg)(cfg, rngs=rngs, implementation=implementation)
+    self.attn = attention_class(cfg)(
+      cfg, rngs=rngs, implementation=implementation, adapters=adapters
+    )
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    if sparse:
+    if sparse:  # LoRA adapts no expert: `atlas_jax.model.lora.resolve` refuses MLP targets
       self.mlp = MoE(cfg, rngs=rngs)
     else:
       self.mlp = MLP(
@@ -47,6 +51,7 @@ class Block(nnx.Module):
         out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
         rngs=rngs,
         param_dtype=pdt,
+        adapters=adapters,
       )
 
   def __call__(

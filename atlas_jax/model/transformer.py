@@ -39,7 +39,8 @@ from flax import nnx, struct
 from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import LoRAConfig, ModelConfig
+from atlas_jax.model import lora as lora_lib
 from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
@@ -65,6 +66,7 @@ class Transformer(nnx.Module):
     implementation: attention implementation for `atlas_jax.kernels` (None: best available).
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
     unroll_layers: unroll the layer scan (FLOP measurement only).
+    lora: LoRA adapters on every block's targeted projections (`atlas_jax.model.lora`).
     pipeline: runs the uncached `blocks` stack instead of its scan, called as
       `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with
       `step(carry, layer_state, rows) -> (carry, router stats or None)` and returning (carry,
@@ -82,16 +84,20 @@ class Transformer(nnx.Module):
     remat: str = "none",
     remat_every: int | None = None,
     unroll_layers: bool = False,
+    lora: LoRAConfig | None = None,
     pipeline: Callable | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
+    adapters = lora_lib.resolve(cfg, lora)
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.remat = (remat, remat_every, unroll_layers)  # static
     self.pipeline = pipeline  # static
 
     def block_factory(sparse: bool):
-      return lambda r: Block(cfg, rngs=r, implementation=implementation, sparse=sparse)
+      return lambda r: Block(
+        cfg, rngs=r, implementation=implementation, sparse=sparse, adapters=adapters
+      )
 
     self.embed = param(normal(rngs, (V, D), cfg.init_std, pdt), ("vocab", "embed"))  # [V, D]
     sparse_L = cfg.sparse_layers()

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from atlas_jax.config import Config, ConfigError, ModelConfig, load_config
+from atlas_jax.config import Config, ConfigError, ModelConfig
 from atlas_jax.devices import DEVICES
 from atlas_jax.plan import memory
 from atlas_jax.plan.models import REFERENCE_MODELS, get_reference
@@ -38,7 +38,9 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
   """The model behind `--config`: a YAML preset, a Hugging Face folder, or a known model name."""
   path = Path(spec)
   if path.is_file() and path.suffix in (".yaml", ".yml"):
-    cfg = load_config(path, overrides)
+    from atlas_jax import sources  # a fine-tuning preset's model is its train.init_from's
+
+    cfg = sources.load_config(path, overrides)
     return Source(path.stem, cfg.model, cfg)
   if overrides:
     raise ValueError(f"--set {overrides[0]!r}: overrides apply to YAML presets only")
@@ -95,6 +97,7 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "grad_accum": t.grad_accum,
     "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
+    **({} if t.lora is None else {"lora_rank": t.lora.rank, "lora_targets": t.lora.targets}),
   }
 
 
@@ -127,6 +130,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
   p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
   p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
+  p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank only (0: all)")
+  p.add_argument(
+    "--lora-targets", help="comma-separated LoRA targets (default: the preset's, or attn,mlp)"
+  )
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print every figure as JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -142,10 +149,12 @@ def build_plan(args: argparse.Namespace) -> dict:
       fields[name] = getattr(args, name)
   if args.pipeline is not None and args.pipeline != fields.get("pipeline"):
     fields.update(microbatches=1, repeats=1)  # the preset's belong to its own stage count
-  names = ("attention", "grad_accum", "loss_chunk", "expert")
+  names = ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank")
   for name in (*names, "pipeline", "microbatches", "repeats"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
+  if args.lora_targets is not None:
+    fields["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(","))
   if args.tokens is not None:
     fields["tokens"] = int(args.tokens)
   fields.update(device=args.device, mfu=args.mfu, block_size=args.block_size)

@@ -23,6 +23,9 @@ Pipeline stages (mesh.stage) split the stacked-layer axis under every strategy (
 the MoE layers' stack; its dense layers' is whole on every stage). A dimension the mesh axis does
 not divide stays replicated, as in `atlas_jax.training.sharding`.
 
+With LoRA (train.lora) the base weights are held as they are, the adapters beside them, and only
+the adapters have gradients and AdamW moments: 4 bytes per frozen parameter, 16 per adapter one.
+
 Activations. What the train step's forward pass saves for its backward pass (the residuals of
 `jax.vjp`), counted tensor by tensor from the model code: per layer and token under `none`,
 
@@ -53,7 +56,7 @@ import math
 
 from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.model.scan import default_every
-from atlas_jax.plan.params import ParamSpec, block, inventory, mtp_head
+from atlas_jax.plan.params import ParamSpec, block, inventory, lora_adapters, mtp_head
 from atlas_jax.schedule import Schedule
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
@@ -170,15 +173,24 @@ def state_bytes(
   stage: int = 1,
   expert: int = 1,
   master_bytes: int = 4,
+  lora: tuple[int, frozenset[str]] | None = None,
 ) -> StateBytes:
   """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments);
   `stage` pipeline stages split the layer stack under every strategy, `expert` ways the routed
-  experts."""
+  experts.
+
+  `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
+  gradients and optimizer state.
+  """
   mesh = mesh_for(strategy, devices, tensor, stage, expert)
   zero = _ZERO[strategy]
-  specs = inventory(cfg)
+  base = inventory(cfg)
+  adapters = [] if lora is None else lora_adapters(cfg, *lora)
+  trained = base if lora is None else adapters
 
-  def per_device(sharded: bool, *, trainable_only: bool = True, only=lambda p: True) -> int:
+  def per_device(
+    specs: list[ParamSpec], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
+  ) -> int:
     ways = dict(fsdp=mesh["fsdp"] if sharded else 1, tensor=mesh["tensor"], stage=mesh["stage"])
     return master_bytes * sum(
       shard_elements(p, **ways, expert=mesh["expert"])
@@ -189,10 +201,10 @@ def state_bytes(
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(zero >= 3, trainable_only=False),
-    grads=per_device(zero >= 2),
-    opt_state=2 * per_device(zero >= 1) + _ADAM_COUNTERS,
-    experts=per_device(zero >= 3, only=lambda p: p.is_routed_expert),
+    params=per_device(base + adapters, zero >= 3, trainable_only=False),
+    grads=per_device(trained, zero >= 2),
+    opt_state=2 * per_device(trained, zero >= 1) + _ADAM_COUNTERS,
+    experts=per_device(base, zero >= 3, only=lambda p: p.is_routed_expert),
   )
 
 

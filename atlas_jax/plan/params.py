@@ -173,6 +173,44 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   return specs
 
 
+# LoRA targets -> the weights they adapt and how many leading dims are the input
+# (`atlas_jax.model.lora`: `a` [*in, A] with the weight's input axes, `b` [A, *out]).
+_LORA_WEIGHTS = {
+  "q_proj": (("attn/wq", 1),),
+  "k_proj": (("attn/wk", 1),),
+  "v_proj": (("attn/wv", 1),),
+  "o_proj": (("attn/wo", 2),),
+  "q_a_proj": (("attn/wq_a", 1),),
+  "q_b_proj": (("attn/wq_b", 1),),
+  "kv_a_proj": (("attn/wkv_a", 1),),
+  "kv_b_proj": (("attn/wk_b", 1), ("attn/wv_b", 1)),
+  "gate_proj": (("mlp/w_gate", 1),),
+  "up_proj": (("mlp/w_up", 1),),
+  "down_proj": (("mlp/w_down", 1),),
+}
+
+
+_BLOCK_STACKS = ("blocks/", "dense_blocks/", "mtp/heads/block/")
+
+
+def lora_adapters(cfg: ModelConfig, rank: int, targets: frozenset[str]) -> list[ParamSpec]:
+  """The adapters of every adapted projection of every block stack (the trunk's and the MTP
+  heads'), for resolved target names (`atlas_jax.model.lora.resolve`)."""
+  wanted = {path: n_in for t in sorted(targets) for path, n_in in _LORA_WEIGHTS[t]}
+  specs = []
+  for w in inventory(cfg):
+    stack = next((s for s in _BLOCK_STACKS if w.path.startswith(s)), None)
+    if stack is None or w.path.removeprefix(stack) not in wanted or w.is_routed_expert:
+      continue
+    n = 1 + wanted[w.path.removeprefix(stack)]  # the stacked axis, then the weight's input dims
+    L = (w.shape[0],), (w.axes[0],)
+    specs += [
+      ParamSpec(f"{w.path}_lora/a", (*w.shape[:n], rank), (*w.axes[:n], "lora")),
+      ParamSpec(f"{w.path}_lora/b", (*L[0], rank, *w.shape[n:]), (*L[1], "lora", *w.axes[n:])),
+    ]
+  return specs
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
   total: int  # every parameter the model trains (the router biases, not trained, left out)

@@ -14,12 +14,13 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.config import ModelConfig, pipelined_layers
+from atlas_jax.config import LORA_TARGETS, LoRAConfig, ModelConfig, pipelined_layers
 from atlas_jax.devices import get_device
+from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
-from atlas_jax.plan.params import counts
+from atlas_jax.plan.params import counts, lora_adapters
 from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
@@ -51,6 +52,10 @@ class PlanInputs:
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
+  # LoRA (train.lora): adapters of this rank on these projections, the only trained parameters;
+  # 0: every parameter trains.
+  lora_rank: int = 0
+  lora_targets: tuple[str, ...] = ("attn", "mlp")
 
   def __post_init__(self):
     names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
@@ -88,6 +93,14 @@ class PlanInputs:
       raise ValueError(f"--tokens={self.tokens!r} must be >= 1")
     if self.devices % self.tensor:
       raise ValueError(f"--tensor={self.tensor} must divide --devices={self.devices}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"--lora-rank={self.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown or not self.lora_targets:
+      raise ValueError(
+        f"--lora-targets={','.join(self.lora_targets)!r} is not allowed: each one of "
+        f"{', '.join(LORA_TARGETS)}"
+      )
     if self.pipeline == 1:
       for name in ("microbatches", "repeats"):
         if getattr(self, name) != 1:
@@ -277,6 +290,11 @@ def make_plan(
 
   # Training memory per device, every strategy at the selected remat policy. The state does not
   # depend on the batch; the activations need the batch to split as the trainer splits it.
+  lora = None
+  if inputs.lora_rank:
+    adapters = resolve(cfg, LoRAConfig(rank=inputs.lora_rank, targets=inputs.lora_targets))
+    lora = (adapters.rank, adapters.targets)
+  trainable = pc.total if lora is None else sum(p.size for p in lora_adapters(cfg, *lora))
   strategies = []
   for strategy in memory.STRATEGIES:
     st = memory.state_bytes(
@@ -286,6 +304,7 @@ def make_plan(
       tensor=inputs.tensor,
       stage=inputs.pipeline,
       expert=inputs._expert(strategy),
+      lora=lora,
     )
     micro, constraint = inputs.micro_batch(strategy), inputs.batch_constraint(strategy)
     row = {
@@ -297,6 +316,8 @@ def make_plan(
       "opt_state": st.opt_state,
       "expert_params": st.experts,
       "state": st.total,
+      # Training state per model parameter on this device (16 unsharded without LoRA).
+      "bytes_per_param": st.total / pc.total,
       "activations_saved": None,
       "activations_peak": None,
       "total": None,
@@ -469,7 +490,12 @@ def make_plan(
       "inference_bytes": pc.inference * c,
     },
     "kv_cache": kv,
-    "training": {"selected": inputs.strategy, "strategies": strategies},
+    "training": {
+      "selected": inputs.strategy,
+      "strategies": strategies,
+      "trainable_params": trainable,
+      "lora_rank": inputs.lora_rank,
+    },
     "activations": activations,
     "pipeline": pipe,
     "compute": comp,

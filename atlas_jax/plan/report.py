@@ -216,6 +216,14 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     "sharding; activations at their peak (saved + one block recomputed)"
   )
   body += "".join(f"\nn/a: {c}" for c in constraints)
+  tr = plan["training"]
+  if tr.get("lora_rank"):
+    sel = next(s for s in tr["strategies"] if s["strategy"] == tr["selected"])
+    body += (
+      f"\nLoRA rank {tr['lora_rank']}: {tr['trainable_params']:,} trainable parameters (adapters), "
+      "gradients and Adam moments for them only: "
+      f"{sel['bytes_per_param']:.2f} bytes per model parameter on a device ({tr['selected']})"
+    )
   out.append(_section("Training memory per device", body, markdown=markdown))
 
   sel = next(s for s in plan["training"]["strategies"] if s["strategy"] == inp["strategy"])

@@ -55,6 +55,7 @@ from pydantic import (
 from starlette.exceptions import HTTPException
 
 from atlas_jax.config import SamplingDefaults, ServerLimits
+from atlas_jax.data.tokenizer import encode_prompt
 from atlas_jax.decoding.guided import Grammar, GrammarCompiler, GuidedDecodingError
 from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
@@ -582,8 +583,7 @@ def build_app(
       log.warning("request fields ignored: %s", ", ".join(ignored))
 
   def prompt_ids(text: str, add_special_tokens: bool) -> list[int]:
-    """A prompt's ids; an empty text is the BOS alone, where the tokenizer has one."""
-    return encode(text, add_special_tokens) or ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else [])
+    return encode_prompt(tokenizer, text, add_special_tokens)
 
   def chat_ids(messages: list[ChatMessage], fields: _ChatFields, add: bool | None) -> list[int]:
     """A chat's prompt ids: the template's text encoded as transformers encodes it."""
@@ -599,11 +599,7 @@ def build_app(
       raise APIError(400, str(e), e.field) from None
     except ValueError as e:
       raise APIError(400, f"the chat's text: {e}", "messages") from None
-    # The template writes its own BOS; the plain transcript has none (encode as a prompt).
-    add = template.plain if add is None else add
-    if add and tokenizer.bos_token and text.startswith(tokenizer.bos_token):
-      add = False  # never a second BOS
-    return prompt_ids(text, add)
+    return prompt_ids(text, template.adds_special_tokens(text, tokenizer, add))
 
   async def grammar_of(body: RequestFields) -> Grammar | None:
     """The request's compiled constraint, or None; a 400 naming the field when it is bad."""

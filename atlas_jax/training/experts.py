@@ -55,8 +55,8 @@ def update_router_bias(frozen: nnx.State, counts_LE: Array, rate: float) -> nnx.
   """The non-trainable state with the trunk's selection biases stepped towards balance.
 
   Args:
-    frozen: the model's non-`Param` variables (`trainable_split`); the MoE stack's `RouterBias`
-      is [L_moe, E], in the order of the router stats.
+    frozen: what the optimizer does not update (`atlas_jax.training.step.split_trainable`);
+      the MoE stack's `RouterBias` is [L_moe, E], in the order of the router stats.
     counts_LE: f32[L_moe, E] assignments per expert this step.
   """
   if rate == 0:
@@ -69,8 +69,3 @@ def update_router_bias(frozen: nnx.State, counts_LE: Array, rate: float) -> nnx.
     return v.replace(v[...] + rate * jnp.sign(gap_LE))
 
   return nnx.map_state(step, frozen)
-
-
-def trainable_split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
-  """(the `Param`s the gradient and optimizer see, every other variable: the routers' biases)."""
-  return nnx.split_state(params, nnx.Param, ...)

@@ -9,8 +9,10 @@ model's layers run by `atlas_jax.training.pipeline`, each accumulation micro-bat
 into the pipeline's), and mixture-of-experts load balancing (`atlas_jax.training.experts`: the aux
 and z losses in the objective, the selection-bias update after the optimizer's).
 
-The gradient and the optimizer see only the model's `nnx.Param`s; its other variables (the
-routers' selection biases) are carried in `TrainState.params` beside them and saved with them.
+The gradient and the optimizer see only what trains (`split_trainable`): the model's
+`nnx.Param`s, or with LoRA (train.lora) the adapters alone. The rest (the routers' selection
+biases; with LoRA the frozen base weights) is carried in `TrainState.params` beside them, passed
+through the step untouched, and saved with them.
 """
 
 from __future__ import annotations
@@ -28,16 +30,11 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, check_pipeline
 from atlas_jax.model import Transformer, build
+from atlas_jax.model.lora import LoRAParam
 from atlas_jax.schedule import Schedule
 from atlas_jax.training import pipeline
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.experts import (
-  COUNTS,
-  load_metrics,
-  router_terms,
-  trainable_split,
-  update_router_bias,
-)
+from atlas_jax.training.experts import COUNTS, load_metrics, router_terms, update_router_bias
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from atlas_jax.training.precision import LossScale, all_finite, training_model_config
@@ -47,8 +44,9 @@ Array = jax.Array
 
 @struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the model: its Params (float32 master weights) and other variables
-  opt_state: Any  # optax state for the Params of `params`
+  params: Any  # nnx.State of the model: its Params (float32 master weights; adapters included)
+  # and other variables
+  opt_state: Any  # optax state for what trains (`split_trainable`)
   step: Array  # i32[] steps run (skipped ones included: the data position)
   first_nonfinite: (
     Array  # i32[] first step (1-based) whose loss or gradients were not finite; 0: none
@@ -67,16 +65,35 @@ def build_model(
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
+    lora=cfg.train.lora,
     pipeline=pipe,
   )
 
 
-def init_state(cfg: Config, optimizer: optax.GradientTransformation, key: Array) -> TrainState:
-  """A fresh training state: the model initialised from `key`, the optimizer's zero state."""
+def split_trainable(cfg: Config, params: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(what the gradient and the optimizer see, the rest): the model's Params, or with LoRA its
+  adapters alone. The rest holds every other variable (the routers' selection biases) and, with
+  LoRA, the frozen base weights."""
+  return nnx.split_state(params, LoRAParam if cfg.train.lora is not None else nnx.Param, ...)
+
+
+def init_state(
+  cfg: Config, optimizer: optax.GradientTransformation, key: Array, base: Any = None
+) -> TrainState:
+  """A fresh training state: the model initialised from `key`, the optimizer's zero state.
+
+  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones (whose
+  draws XLA then drops as dead code); adapters are drawn from `key`.
+  """
   params = nnx.state(build_model(cfg, key))
+  if base is not None:
+    adapters, rest = nnx.split_state(params, LoRAParam, ...)
+    nnx.replace_by_pure_dict(rest, base)
+    params = nnx.merge_state(adapters, rest)
   scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
   zero = jnp.zeros((), jnp.int32)
-  return TrainState(params, optimizer.init(trainable_split(params)[0]), zero, zero, scale)
+  trainable, _ = split_trainable(cfg, params)
+  return TrainState(params, optimizer.init(trainable), zero, zero, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +109,21 @@ class Trainer:
   # (stages, repeats) the stacked layers are stored for (`pipeline.layer_order`); (1, 1): depth.
   layout: pipeline.Layout = (1, 1)
 
-  def init(self, key: Array) -> TrainState:
+  def init(self, key: Array, base: Any = None) -> TrainState:
     """Initialises model and optimizer under jit straight into their shardings (the same model
-    whatever the mesh: drawn in depth order, then stored in this run's layer order)."""
+    whatever the mesh: drawn in depth order, then stored in this run's layer order).
 
-    def init(key):
-      state = init_state(self.cfg, self.optimizer, key)
+    `base`: pretrained weights in depth order (a pure dict of arrays already laid out in their
+    shardings, `atlas_jax.hf.init_from`), donated: the state takes their buffers.
+    """
+
+    def init(key, base=None):
+      state = init_state(self.cfg, self.optimizer, key, base)
       return pipeline.reorder_layers(state, (1, 1), self.layout)
 
-    return jax.jit(init, out_shardings=self.state_shardings)(key)
+    if base is None:
+      return jax.jit(init, out_shardings=self.state_shardings)(key)
+    return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=1)(key, base)
 
   def abstract_state(self) -> TrainState:
     return jax.eval_shape(
@@ -145,7 +168,8 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     if abstract.loss_scale is None
     else jax.tree.map(lambda _: rep, abstract.loss_scale),
   )
-  grad_shardings = shd.tree_shardings(trainable_split(abstract.params)[0], mesh, rules["grads"])
+  trainable, _ = split_trainable(cfg, abstract.params)
+  grad_shardings = shd.tree_shardings(trainable, mesh, rules["grads"])
   return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings, layout)
 
 
@@ -200,12 +224,12 @@ def objective(cfg: Config) -> Callable:
 
 
 def _accumulated_grads(trainer: Trainer, params, batch, scale):
-  """Mean loss and float32 gradients of the Params over train.grad_accum micro-batches (a scan,
-  not a loop)."""
+  """Mean loss and float32 gradients of what trains (`split_trainable`; the rest are constants)
+  over train.grad_accum micro-batches (a scan, not a loop)."""
   cfg = trainer.cfg.train
   A = cfg.grad_accum
   compute_loss = _in_mesh(trainer, objective(trainer.cfg))
-  trainable, frozen = trainable_split(params)
+  trainable, frozen = split_trainable(trainer.cfg, params)
 
   def micro(batch_m):
     def scaled_loss(trainable):
@@ -257,20 +281,24 @@ def make_train_step(trainer: Trainer) -> Callable:
     # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
-      trainable, frozen = trainable_split(state.params)
+      trainable, frozen = split_trainable(trainer.cfg, state.params)
       updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-      trainable = optax.apply_updates(trainable, updates)
+      new = optax.apply_updates(trainable, updates)
+      new_frozen = frozen
       counts_LE = aux.pop(COUNTS, None)
       if counts_LE is not None:
-        # Outside the gradient: the selection biases step towards the load this step saw.
-        frozen = update_router_bias(frozen, counts_LE, cfg.moe_bias_update_rate)
         aux.update(load_metrics(counts_LE, aux["moe_dropped"]))
-      params = nnx.merge_state(trainable, frozen)
+      if counts_LE is not None and cfg.lora is None:  # LoRA: the base model, biases too, frozen
+        # Outside the gradient: the selection biases step towards the load this step saw.
+        new_frozen = update_router_bias(frozen, counts_LE, cfg.moe_bias_update_rate)
       # A non-finite step never touches parameters or optimizer state: fp16 overflow and
       # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
       skip = ~finite
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      new, opt_state = keep(new, trainable), keep(opt_state, state.opt_state)
+      if new_frozen is not frozen:
+        new_frozen = keep(new_frozen, frozen)
+      params = nnx.merge_state(new, new_frozen)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
       **aux,

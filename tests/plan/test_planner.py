@@ -13,6 +13,7 @@ from flax import nnx
 
 from atlas_jax import measure
 from atlas_jax.config import Config, load_config
+from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory, params
 from atlas_jax.plan.planner import PlanInputs, make_plan, model_kv_bytes_per_token
 from atlas_jax.training import sharding as shd
@@ -238,6 +239,33 @@ def test_state_bytes_per_device_match_the_sharded_train_state(name, strategy, te
     real["grads"],
     real["opt_state"],
   )
+
+
+@pytest.mark.parametrize(
+  "name,strategy,tensor", [("tiny", "zero3", 2), ("deepseek-tiny", "zero2", 1)]
+)
+def test_lora_state_bytes_match_the_sharded_train_state(name, strategy, tensor):
+  """With LoRA the planner counts the base weights as parameters only, and the adapters (split
+  as the weights they adapt) with gradients and Adam moments, as the trainer holds them."""
+  mesh = memory.mesh_for(strategy, 8, tensor)
+  cfg = config(
+    name,
+    f"mesh.fsdp={mesh['fsdp']}",
+    f"mesh.tensor={tensor}",
+    f"train.sharding={strategy}",
+    "train.lora={rank: 4, targets: [attn, mlp]}",
+  )
+  real = measure.train_state_bytes(cfg, shd.make_mesh(cfg.mesh))
+  adapters = resolve(cfg.model, cfg.train.lora)
+  lora = (adapters.rank, adapters.targets)
+  plan = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor, lora=lora)
+  assert (plan.params, plan.grads, plan.opt_state) == (
+    real["params"],
+    real["grads"],
+    real["opt_state"],
+  )
+  full = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor)
+  assert plan.grads < full.grads / 4 and plan.params > full.params
 
 
 def test_state_bytes_of_a_8b_model_on_8_devices_by_eval_shape():

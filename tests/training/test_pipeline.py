@@ -81,6 +81,17 @@ CASES = {
       "train.loss_chunk=8",
     ],
   ),
+  # LoRA: the adapters' gradients (b's; a's are zero while b is) through the stages.
+  "lora_circular_zero3": (
+    "llama",
+    [
+      *STAGE2_FSDP2_TENSOR2,
+      "train.sharding=zero3",
+      "train.lora={rank: 4}",
+      "train.pipeline_microbatches=4",
+      "train.pipeline_repeats=2",
+    ],
+  ),
   "parallel_mtp_circular": (
     "llama_parallel_mtp",
     [
