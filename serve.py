@@ -130,7 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="mtp: self-speculation, the model's own multi-token-prediction heads draft",
   )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")
-  p.add_argument("--port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
+  p.add_argument(
+    "--port",
+    type=int,
+    help="serve the OpenAI-compatible HTTP API on this port; a request with stream: true gets "
+    "one server-sent event per token, each sent as soon as it is drawn (see --stream-bursts)",
+  )
   p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
   p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
   p.add_argument(
@@ -298,6 +303,14 @@ def memory_amount(text: str) -> float:
     ) from None
 
 
+def on_off(text: str) -> bool:
+  """A true/false flag value (true, false, on, off, yes, no, 1, 0)."""
+  value = {"true": True, "on": True, "yes": True, "1": True}.get(text.strip().lower())
+  if value is None and text.strip().lower() not in ("false", "off", "no", "0"):
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+  return bool(value)
+
+
 # The flags standing for ServeConfig fields: (names, the first vLLM's where vLLM has one; type;
 # what it sets). `--set serve.SECTION.FIELD=VALUE` reaches every field, these included.
 CONFIG_FLAGS = {
@@ -345,6 +358,18 @@ CONFIG_FLAGS = {
     ("--gpu-memory-utilization",),
     float,
     "the fraction of each device's memory for weights, activations and pool together",
+  ),
+  "engine.decode_burst": (
+    ("--decode-burst",),
+    int,
+    "decode iterations per call when no request needs the host (1: no bursts)",
+  ),
+  "engine.stream_bursts": (
+    ("--stream-bursts",),
+    on_off,
+    "false: while a streamed request runs, no burst runs, so its tokens leave one by one as "
+    "they are drawn (as vLLM streams); true: bursts run anyway, its tokens arriving "
+    "--decode-burst at a time (still one event each), the host's work amortised",
   ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),

@@ -579,6 +579,10 @@ class EngineConfig:
   max_model_len: int | None = None  # default: the model's max_seq_len
   enable_prefix_caching: bool = True
   decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
+  # Whether bursts run while a streamed request runs. Off (the default), a streamed request's
+  # tokens leave one by one as they are drawn, as vLLM streams; on, they leave `decode_burst` at
+  # a time (each still its own event), and the host's work is amortised over the burst.
+  stream_bursts: bool = False
   # With a draft: tokens it proposes per round (None: 4, or the MTP heads' depth with "mtp"),
   # and the largest batch that speculates.
   num_speculative_tokens: int | None = None
@@ -610,6 +614,9 @@ class EngineConfig:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         _fail(where(name), value, "must be a positive integer")
+    for name in ("enable_prefix_caching", "stream_bursts"):
+      if not isinstance(getattr(self, name), bool):
+        _fail(where(name), getattr(self, name), "must be true or false")
     for name in ("prefill_chunk", "min_batch_bucket"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int):

@@ -23,7 +23,12 @@ back on the device. The host reads the I tokens of every row once, cuts each at 
 (eos, stop token, max_tokens, stop string) and gives back the blocks it did not need, so outputs
 are exactly those of single steps while the host's per-step work is paid once per I tokens. The
 next burst is dispatched (chained, fed by the last one's draws on the device) before the host
-reads the one in flight, so the host settles step n while the device runs step n + 1.
+reads the one in flight, so the host settles step n while the device runs step n + 1; a request
+that arrives meanwhile and could be admitted stops the chain, so it waits for the burst in
+flight and no more, and is prefilled in the step after. While a streamed request runs
+(`add_request(..., stream=True)`, as the server's `stream: true`) no burst runs: each step hands
+back its next token as soon as it is drawn, as vLLM streams; `stream_bursts` keeps bursting
+then (I tokens per step, the host's work amortised), with the same tokens.
 
 Attention work follows the real lengths: every call's block table has as many columns as its
 longest row holds blocks, rounded up to a power of two, not the context's maximum.
@@ -375,36 +380,51 @@ class Engine:
 
   # -- requests ----------------------------------------------------------------------------------
 
-  def _make(self, request_id: RequestId, prompt, params) -> Request:
+  def _make(self, request_id: RequestId, prompt, params, stream: bool) -> Request:
     if request_id in self.scheduler.requests:
       raise RequestError(f"request {request_id!r} already exists")
+    if not isinstance(stream, bool):
+      raise RequestError(f"stream={stream!r} is not allowed: must be true or false", "stream")
     req = self.intake.make(request_id, prompt, params, self._arrivals)
+    req.stream = stream
     self._arrivals += 1
     return req
 
   def add_request(
-    self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None = None
+    self,
+    request_id: RequestId,
+    prompt: Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    stream: bool = False,
   ) -> None:
     """Queues a request.
+
+    Args:
+      stream: its client reads each token as it is drawn: while it runs, no decode burst runs
+        (unless `stream_bursts`), so each step hands back its next token. The tokens are the
+        same either way.
 
     Raises:
       RequestError: empty prompt, token ids that are not integers in the vocabulary, prompt +
         max_new_tokens past the context, or more blocks than the whole pool holds; or a
         duplicate id.
     """
-    self.scheduler.add(self._make(request_id, prompt, params))
+    self.scheduler.add(self._make(request_id, prompt, params, stream))
 
   def add_requests(
     self,
     request_ids: Sequence[RequestId],
     prompt: Sequence[int],
     params: Sequence[SamplingParams],
+    *,
+    stream: bool = False,
   ) -> None:
     """Queues n completions of one prompt that share its computation and its blocks.
 
     Each completion samples with its own params (seeds differ, say) and produces exactly what
     `add_request` would; the prompt is computed once and its blocks are shared copy-on-write.
-    All or nothing: if any request is invalid, none is queued.
+    All or nothing: if any request is invalid, none is queued. `stream` as `add_request`'s.
 
     Raises:
       RequestError: as `add_request`, for any of them; or ids and params of different lengths.
@@ -415,7 +435,8 @@ class Engine:
       )
     if len(set(request_ids)) != len(request_ids):
       raise RequestError(f"add_requests: duplicate request ids in {list(request_ids)!r}")
-    self.scheduler.add_group([self._make(rid, prompt, p) for rid, p in zip(request_ids, params)])
+    reqs = [self._make(rid, prompt, p, stream) for rid, p in zip(request_ids, params)]
+    self.scheduler.add_group(reqs)
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""

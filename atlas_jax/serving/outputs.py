@@ -4,7 +4,8 @@ A step hands it each row's draws (one, or a burst's or a round's several); it ap
 the request's output up to the first stop (an eos or stop token, max_tokens, a stop string in
 the detokenised text, or a guided output that is complete), advances the request's grammar
 matcher, and reports what the client may see: the new tokens, their logprobs and top
-alternatives, and the new text, holding back what could still become a stop string. Output text
+alternatives, and the new text (also per token, as single steps would have let it out),
+holding back what could still become a stop string. Output text
 is detokenised incrementally (`atlas_jax.serving.detokenize`). It never touches the pool: the
 scheduler settles the blocks of what was kept.
 """
@@ -35,7 +36,7 @@ class OutputProcessor:
       `finished=True`; releasing the request is the caller's.
     """
     n_top = req.params.logprobs or 0
-    kept, kept_lp, kept_top = [], [], []
+    kept, kept_lp, kept_top, texts = [], [], [], []
     reason = None
     first = not req.output
     for token, logprob, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
@@ -57,11 +58,19 @@ class OutputProcessor:
           req.detok.flush()  # as vLLM, the text leaves out the token it stopped on
         elif _text(req, token, final=reason is not None):
           reason = "stop"  # a stop string
+      # What this token lets out, as a step that drew it alone would report.
+      texts.append("" if req.detok is None else _emit(req, reason))
       if reason is not None:
         break
-    text = "" if req.detok is None else _emit(req, reason)
     out = RequestOutput(
-      req.id, kept, kept_lp, kept_top, text, finished=reason is not None, finish_reason=reason
+      req.id,
+      kept,
+      kept_lp,
+      kept_top,
+      "".join(texts),
+      finished=reason is not None,
+      finish_reason=reason,
+      new_texts=texts,
     )
     if first:
       req.t_first = time.perf_counter()

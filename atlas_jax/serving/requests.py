@@ -45,6 +45,9 @@ class RequestOutput:
   finished: bool
   finish_reason: str | None = None  # "stop", "length", "abort" or "error"
   error: str | None = None
+  # Per new token, the text it let out (joined: `text`), as if each had been drawn in its own
+  # step: a streamed burst leaves one event per token.
+  new_texts: list[str] = dataclasses.field(default_factory=list)
   # With `params.prompt_logprobs`, on the request's first output: per prompt token, its logprob
   # and the top `prompt_logprobs` (token, logprob) pairs; None for the first token.
   prompt_logprobs: list[float | None] | None = None
@@ -71,6 +74,7 @@ class Request:
   n_preemptions: int = 0
   suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
   matcher: GuidedMatcher | None = None  # guided requests: where the output is in the grammar
+  stream: bool = False  # its tokens leave as they are drawn: no bursts while it runs
   t_arrival: float = 0.0  # time.perf_counter() when added
   t_first: float | None = None  # when its first token was drawn
 

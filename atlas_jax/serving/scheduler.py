@@ -15,10 +15,11 @@ Each step is one of (`next_plan`):
   later. Then waiting requests are admitted in arrival order while the budgets, the batch and
   the pools allow, each on the least-loaded replica (the fewest running, then the longest cached
   prefix, then the most free blocks), starting after its longest prefix already cached there.
-* a burst (`BurstPlan`): every running request is decoding and nothing waits that could be
-  admitted: `decode_burst` iterations in one call, blocks reserved ahead for them
-  (`BlockAllocator.reserve`); a burst may be chained on the one in flight before the host has
-  read it.
+* a burst (`BurstPlan`): every running request is decoding, none is streamed (unless
+  `stream_bursts`) and nothing waits that could be admitted: `decode_burst` iterations in one
+  call, blocks reserved ahead for them (`BlockAllocator.reserve`); a burst may be chained on the
+  one in flight before the host has read it, unless a waiting request could be admitted once
+  that one is read: an arrival waits for the burst in flight, never for one more.
 * a speculative round (`RoundPlan`): the same, with a drafter, at most `speculative_max_batch`
   rows and none with penalties or in its min_tokens: k + 1 positions reserved per row.
 
@@ -252,8 +253,10 @@ class Scheduler:
     return (
       self.config.decode_burst >= 2
       and self.decode_only()
-      # A guided row's mask follows each draw; a row in its min_tokens changes mask.
+      # A guided row's mask follows each draw; a row in its min_tokens changes mask; a streamed
+      # row's client is owed each token as it is drawn (unless `stream_bursts`).
       and all(r.matcher is None and not r.suppressing_stops for r in self.running)
+      and (self.config.stream_bursts or not any(r.stream for r in self.running))
     )
 
   def should_speculate(self) -> bool:
@@ -283,14 +286,16 @@ class Scheduler:
       return False
     return not self._admissible()
 
-  def _admissible(self) -> bool:
+  def _admissible(self, n_running: collections.Counter | None = None) -> bool:
     """Whether the head of the queue could be admitted now on some replica (a mixed step then
-    runs rather than make it wait a burst)."""
+    runs rather than make it wait a burst), with `n_running` rows per replica (default: the
+    running ones)."""
     if not self.waiting:
       return False
     head, c = self.waiting[0], self.config
     for r, alloc in enumerate(self.allocators):
-      if self._n_running(r) >= c.max_num_seqs:
+      seated = self._n_running(r) if n_running is None else n_running[r]
+      if seated >= c.max_num_seqs:
         continue
       hit = alloc.cached_prefix_length(head.tokens)
       first = min(len(head.tokens) - hit, c.prefill_chunk)
@@ -311,19 +316,21 @@ class Scheduler:
   def chain(self, prev_rows: list[Row]) -> BurstPlan | None:
     """The next burst, dispatched before the host has read `prev_rows`' burst, for the rows
     still running and not certain to stop in it; None when a row needs the host first (an
-    admission is possible, or a pool is short)."""
+    admission is possible once that burst is read, or a pool is short).
+
+    A waiting request that could be admitted then stops the chain, so that it waits for the
+    burst in flight and no more: the head fits a seat and the blocks left beside the rows that
+    run on, or a row ends in the burst in flight (freeing its seat and blocks). One that cannot
+    be admitted (no seat, too few blocks) lets the chain go on."""
     I = self.config.decode_burst
-    keep = [
-      row
-      for row in prev_rows
-      if row.req in self.running and len(row.req.output) + I < row.req.params.max_new_tokens
-    ]
+    live = [row for row in prev_rows if row.req in self.running]
+    keep = [row for row in live if len(row.req.output) + I < row.req.params.max_new_tokens]
     if not keep:
       return None
-    kept_per_replica = collections.Counter(row.req.replica for row in keep)
-    free_seat = any(kept_per_replica[r] < self.config.max_num_seqs for r in range(self.n_replicas))
-    if self.waiting and free_seat:
-      return None  # finishing rows will free seats: admit rather than burst on
+    if self.waiting and (
+      len(keep) < len(live) or self._admissible(collections.Counter(r.req.replica for r in keep))
+    ):
+      return None
     reqs = [row.req for row in keep]
     if self.speculates_for(reqs):
       return None  # the batch has shrunk enough to speculate

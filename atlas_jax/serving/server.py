@@ -9,6 +9,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (stream as server-sen
 in `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's
 shapes), GET /health, GET /metrics (Prometheus).
 
+Streaming sends one event per token, as vLLM does, each with its own text and logprobs. A
+streamed request runs no decode bursts, so each token leaves as soon as the host has it;
+`serve.engine.stream_bursts` keeps bursting (the tokens then arrive `decode_burst` at a time,
+still one event each). A token whose text is held back (half a UTF-8 character, or what could
+still become a stop string) sends no event of its own unless logprobs are asked for.
+
 Requests are accepted as OpenAI and vLLM clients send them: fields the server does not use are
 ignored, with one warning line in the log naming them, as vLLM does; the fields it uses are
 checked (type and range), and a bad one is a 400 naming it. `model` must be one of the served
@@ -188,15 +194,18 @@ class EngineRunner:
     self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
     self._thread.start()
 
-  def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+  def submit(
+    self, prompt: list[int], params: SamplingParams, *, stream: bool = False
+  ) -> tuple[str, asyncio.Queue]:
     """Queues a request; its RequestOutputs arrive on the returned queue (None ends it)."""
-    return self.submit_all([(prompt, [params])])[0]
+    return self.submit_all([(prompt, [params])], stream=stream)[0]
 
   def submit_all(
-    self, groups: Sequence[tuple[list[int], Sequence[SamplingParams]]]
+    self, groups: Sequence[tuple[list[int], Sequence[SamplingParams]]], *, stream: bool = False
   ) -> list[tuple[str, asyncio.Queue]]:
     """Queues each (prompt, n params) group: n completions of the prompt, computed once and
-    sharing its blocks. All groups or none: a RequestError for any leaves nothing queued."""
+    sharing its blocks. All groups or none: a RequestError for any leaves nothing queued.
+    `stream`: the client reads each token as it is drawn (`Engine.add_request`)."""
     loop = asyncio.get_running_loop()
     now = time.perf_counter()
     subs: list[tuple[str, asyncio.Queue]] = []
@@ -206,7 +215,7 @@ class EngineRunner:
         for k, (prompt, params) in enumerate(groups):
           rids = [uuid.uuid4().hex for _ in params]
           try:
-            self.engine.add_requests(rids, prompt, params)
+            self.engine.add_requests(rids, prompt, params, stream=stream)
           except RequestError as e:
             if len(groups) > 1:
               raise RequestError(f"prompt {k}: {e}", e.field) from None
@@ -659,7 +668,7 @@ def build_app(
         ]
         groups.append((ids, params))
       # Each prompt's n choices share its computation and blocks.
-      return runner.submit_all(groups)
+      return runner.submit_all(groups, stream=body.stream)
     except ValueError as e:
       field = getattr(e, "field", None) or (where if isinstance(e, RequestError) else None)
       raise APIError(400, str(e), field) from None
@@ -775,20 +784,21 @@ def build_app(
             yield _sse(
               envelope([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             )
-        async for i, out in merged(subs):
-          if error_of(out):
-            yield _sse({"error": {"message": error_of(out), "type": "server_error"}})
+        async for i, whole in merged(subs):
+          if error_of(whole):
+            yield _sse({"error": {"message": error_of(whole), "type": "server_error"}})
             continue
-          text, lp = piece(choices[i], out, chat, logprobs, echo)
-          if not text and not out.finished and not (lp and out.new_token_ids):
-            continue
-          reason = out.finish_reason if out.finished else None
-          choice = (
-            {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": reason}
-            if chat
-            else {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-          )
-          yield _sse(envelope([choice]))
+          for out in one_per_token(whole):
+            text, lp = piece(choices[i], out, chat, logprobs, echo)
+            if not text and not out.finished and not (lp and out.new_token_ids):
+              continue  # a token whose text is held back (half a character, a possible stop)
+            reason = out.finish_reason if out.finished else None
+            choice = (
+              {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": reason}
+              if chat
+              else {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            )
+            yield _sse(envelope([choice]))
         if usage_on:
           yield _sse(envelope([], usage=usage()))
         yield "data: [DONE]\n\n"
@@ -903,6 +913,33 @@ def build_app(
     )
 
   return app
+
+
+def one_per_token(out: RequestOutput) -> list[RequestOutput]:
+  """An output of several tokens (a burst's, a speculative round's) as one output per token,
+  each with its own text and logprobs, the prompt's logprobs on the first and the finish on the
+  last: a stream sends each token as its own event, as vLLM does."""
+  n = len(out.new_token_ids)
+  if n <= 1:
+    return [out]
+  texts = out.new_texts if len(out.new_texts) == n else [out.text] + [""] * (n - 1)
+  tops = out.new_top_logprobs
+  return [
+    dataclasses.replace(
+      out,
+      new_token_ids=out.new_token_ids[j : j + 1],
+      new_logprobs=out.new_logprobs[j : j + 1],
+      new_top_logprobs=tops[j : j + 1],
+      text=texts[j],
+      new_texts=texts[j : j + 1],
+      finished=out.finished and j == n - 1,
+      finish_reason=out.finish_reason if j == n - 1 else None,
+      error=out.error if j == n - 1 else None,
+      prompt_logprobs=out.prompt_logprobs if j == 0 else None,
+      prompt_top_logprobs=out.prompt_top_logprobs if j == 0 else None,
+    )
+    for j in range(n)
+  ]
 
 
 def _sse(payload: dict) -> str:
