@@ -1,6 +1,7 @@
 """The HTTP server end to end on loopback: the openai client, SSE streams, errors, metrics, load."""
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -490,3 +491,49 @@ def test_the_model_is_found_by_its_id(server):
   assert r.json()["id"] == "tiny"
   r = httpx.get(server[0] + "/v1/models/gpt-4", headers=AUTH, timeout=120)
   assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def streamed_events(url, body, path="/v1/completions"):
+  """The JSON payloads of a streamed response's events (`[DONE]` left out)."""
+  with httpx.stream(
+    "POST", url + path, json={**body, "stream": True}, headers=AUTH, timeout=120
+  ) as r:
+    assert r.status_code == 200
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream_bursts", [False, True])
+def test_a_stream_sends_one_event_per_token(server, stream_bursts):
+  """Every generated token is an event of its own, with its text and its logprob, whether the
+  engine drew it alone (no burst runs while a request streams) or in a burst of 8
+  (`stream_bursts`); the events add up to the reply that was not streamed."""
+  url, model, tok, engine = server
+  body = {"prompt": "def f(x):", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+  chat = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 20,
+    "temperature": 0,
+    "ignore_eos": True,
+  }
+  whole = call(server, {**body, "logprobs": 1})["choices"][0]
+  whole_chat = call(server, {**chat, "logprobs": True}, "/v1/chat/completions")["choices"][0]
+  with contextlib.ExitStack() as stack:
+    if stream_bursts:
+      config = dataclasses.replace(engine.config, stream_bursts=True)
+      url, engine, _ = stack.enter_context(
+        serving(model, tok, config, model_name="tiny", api_key=KEY)
+      )
+    n_bursts = engine.n_bursts
+    events = streamed_events(url, {**body, "logprobs": 1})
+    chat_events = streamed_events(url, {**chat, "logprobs": True}, "/v1/chat/completions")
+    assert (engine.n_bursts > n_bursts) == stream_bursts
+  choices = [e["choices"][0] for e in events]
+  assert len(choices) == 20 and all(len(c["logprobs"]["tokens"]) == 1 for c in choices)
+  assert "".join(c["text"] for c in choices) == whole["text"]
+  lps = [c["logprobs"]["token_logprobs"][0] for c in choices]
+  assert lps == pytest.approx(whole["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-6)
+  assert [c["finish_reason"] for c in choices] == [None] * 19 + ["length"]
+  deltas = [e["choices"][0] for e in chat_events][1:]  # after the role's
+  assert len(deltas) == 20 and all(len(d["logprobs"]["content"]) == 1 for d in deltas)
+  assert "".join(d["delta"]["content"] for d in deltas) == whole_chat["message"]["content"]
+  assert [d["finish_reason"] for d in deltas][-1] == "length"
