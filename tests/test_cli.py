@@ -237,6 +237,10 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
   [
     (["--set", "serve.engine.prefill_chunk=48"], "serve.engine.prefill_chunk=48 is not allowed"),
     (["--set", "serve.engine.colour=red"], "serve.engine.colour is not a known field; allowed:"),
+    (
+      ["--set", "serve.engine.stream_bursts=2"],
+      "serve.engine.stream_bursts=2 is not allowed: expected true or false",
+    ),
     (["--set", "model.n_layers=2"], "--set model.n_layers=2 is not allowed: serve.py takes"),
     (
       ["--set", "serve.sampling.top_p=2"],
@@ -253,6 +257,7 @@ def test_serve_set_fields_are_checked_by_name(tmp_path, capsys, argv, message):
 def test_serve_set_and_flags_make_one_config():
   args = serve.parse_args(
     ["--checkpoint", "none", "--prompt", "x", "--set", "serve.engine.block_size=8", "-tp", "2"]
+    + ["--decode-burst", "4", "--stream-bursts", "on"]
   )
   args.set += ["serve.limits.max_n=3", "serve.engine.max_num_seqs=5", "serve.sampling.top_k=7"]
   args.max_num_seqs = 6  # the flag wins over --set
@@ -260,6 +265,9 @@ def test_serve_set_and_flags_make_one_config():
   config = serve.check_args(args)
   assert (config.engine.block_size, config.engine.tensor_parallel_size) == (8, 2)
   assert (config.engine.max_num_seqs, config.limits.max_n, config.sampling.top_k) == (6, 3, 7)
+  assert (config.engine.decode_burst, config.engine.stream_bursts) == (4, True)
+  with pytest.raises(SystemExit):
+    serve.parse_args(["--checkpoint", "none", "--stream-bursts", "maybe"])
   assert args.sources["top_k"] == "--set serve.sampling.top_k"
 
 
