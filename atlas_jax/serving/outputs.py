@@ -5,9 +5,9 @@ the request's output up to the first stop (an eos or stop token, max_tokens, a s
 the detokenised text, or a guided output that is complete), advances the request's grammar
 matcher, and reports what the client may see: the new tokens, their logprobs and top
 alternatives, and the new text (also per token, as single steps would have let it out),
-holding back what could still become a stop string. Output text
-is detokenised incrementally (`atlas_jax.serving.detokenize`). It never touches the pool: the
-scheduler settles the blocks of what was kept.
+holding back what could still become a stop string. Output text is detokenised incrementally
+(`atlas_jax.serving.detokenize`). It never touches the pool: the scheduler settles the blocks of
+what was kept.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from atlas_jax.config import ConfigError
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
+from .conftest import byte_model
+
 ROOMY = EngineConfig(
   n_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32
 )
@@ -143,3 +145,35 @@ def test_an_arrival_that_cannot_be_admitted_lets_the_chain_go_on(tiny_model):
   finish(engine, got)
   assert [got[0], got[1]] == want[:2]
   assert got["late"] == generate(tiny_model, [prompts[2][:20]], [params[2]])[0]
+
+
+def test_a_bursts_text_per_token_is_what_single_steps_let_out():
+  """A burst's output carries each token's own text: exactly what steps of one token each would
+  have sent, held-back half characters and possible stop strings included."""
+  model, tok = byte_model(1)
+  prompts = [tok.encode(p) for p in ("def f(x):", "import ", "ab")]
+  params = [
+    SamplingParams(max_new_tokens=30, temperature=1.0, seed=s, stop=("xyz", "q")) for s in range(3)
+  ]
+
+  def texts(decode_burst):
+    engine = Engine(
+      model,
+      dataclasses.replace(ROOMY, decode_burst=decode_burst),
+      eos_id=tok.eos_id,
+      detokenize=tok.decode,
+    )
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+      engine.add_request(i, p, sp)
+    got = {i: [] for i in range(3)}
+    while engine.has_unfinished():
+      for out in engine.step():
+        assert len(out.new_texts) == len(out.new_token_ids)
+        assert "".join(out.new_texts) == out.text
+        got[out.request_id] += out.new_texts
+    return got, engine.n_bursts
+
+  bursts, n_bursts = texts(8)
+  singles, no_bursts = texts(1)
+  assert n_bursts > 0 and no_bursts == 0
+  assert bursts == singles
