@@ -273,7 +273,7 @@ def report(results: dict) -> Fit:
   sizes = sorted({r["size"] for r in runs.values()})
   budgets = sorted({r["tokens"] for r in runs.values()})
   print(f"held-out loss (nats/token) by size and tokens; {results.get('machine', {})}")
-  print(f"| size | N (non-embedding) | " + " | ".join(f"D={d:,}" for d in budgets) + " |")
+  print("| size | N (non-embedding) | " + " | ".join(f"D={d:,}" for d in budgets) + " |")
   print("|---|---:|" + "---:|" * len(budgets))
   for s in sizes:
     row = {r["tokens"]: r for r in runs.values() if r["size"] == s}
