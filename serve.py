@@ -3,6 +3,8 @@
     python serve.py --checkpoint checkpoints/tiny --prompt "def " --prompt "import "
     python serve.py --checkpoint path/to/hf_folder --prompts prompts.jsonl --output out.jsonl
     python serve.py --checkpoint path/to/hf_folder --port 8000 [--host 127.0.0.1] [--api-key KEY]
+    python serve.py --checkpoint path/to/hf_folder --port 8000 --tensor-parallel-size 4 \
+      --data-parallel-size 2 --set serve.engine.kv_cache_memory=0.8
 
 Batch mode reads prompts (repeated --prompt, or a JSONL file with a "prompt" field per line,
 and optionally the line's own max_tokens, temperature, top_p, top_k, stop, seed, ...) and writes
@@ -15,6 +17,13 @@ A Hugging Face folder is served as its files say: the eos ids of generation_conf
 config.json, else tokenizer_config.json), the BOS its tokenizer adds, its chat template, its
 dtype, and generation_config.json's sampling defaults (--generation-config vllm ignores them);
 the flags override each.
+
+Every serving setting is a field of `ServeConfig` (sections engine, limits, sampling), set with
+`--set serve.SECTION.FIELD=VALUE`; the engine and limit flags are aliases of fields, with vLLM's
+names where vLLM has one, checked by the same rules (an error names the flag as given). On
+several devices the model is split over `--tensor-parallel-size` devices per replica and
+`--data-parallel-size` replicas (`atlas_jax.serving.mesh`); the pool is sized from the devices'
+memory (`atlas_jax.serving.sizing`).
 """
 
 from __future__ import annotations
@@ -28,21 +37,30 @@ import time
 from pathlib import Path
 
 from atlas_jax import hf
-from atlas_jax.config import ServeConfig, load_config
+from atlas_jax.config import (
+  ConfigError,
+  SamplingDefaults,
+  ServeConfig,
+  apply_overrides,
+  build,
+  load_config,
+)
 from atlas_jax.data.corpus import iter_json_objects
 from atlas_jax.decoding.sampling import SamplingParams
+from atlas_jax.hf.tokenizer import run_tokenizer
+from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import model_files
-from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
+from atlas_jax.serving.engine import Engine, RequestError
 from atlas_jax.serving.server import (
   EngineRunner,
   RequestFields,
-  ServerLimits,
   Text,
   build_app,
   check_sampling_fields,
   describe_invalid,
   encodable,
   request_params,
+  sampling_defaults,
 )
 from atlas_jax.training import checkpoint
 
@@ -62,7 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
   # Defaults: generation_config.json's, else the run's `serve:` section, else these.
-  default = lambda name: f"default: generation_config.json's or the run's, else {getattr(d, name)}"
+  default = lambda name: (
+    f"default: generation_config.json's or the run's, else {getattr(d.sampling, name)}"
+  )
   p.add_argument("--max-new-tokens", type=int, help=default("max_new_tokens"))
   p.add_argument("--temperature", type=float, help=default("temperature") + " (greedy)")
   p.add_argument("--top-k", type=int, help=default("top_k") + " (off)")
@@ -83,14 +103,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="auto: the sampling defaults of the model folder's generation_config.json; vllm: "
     "ignore it; or a folder holding the generation_config.json to use",
   )
-  p.add_argument("--max-batch", type=int, help="running requests at most; " + default("max_batch"))
-  p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: max-batch full contexts)")
-  p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-  p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
   p.add_argument(
-    "--prefill-chunk", type=int, default=256, help="prompt tokens per request per step"
+    "--set",
+    action="append",
+    default=[],
+    metavar="serve.SECTION.FIELD=VALUE",
+    help="any serving setting, as train.py's --set (sections: engine, limits, sampling); the "
+    "flags below are aliases of these fields",
   )
-  p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+  for path, (names, kind, what) in CONFIG_FLAGS.items():
+    default = getattr(getattr(d, path.split(".")[0]), path.split(".")[1])
+    p.add_argument(
+      *names,
+      dest=flag_dest(path),
+      type=kind,
+      help=f"{what} (serve.{path}; default: {default if default is not None else 'sized'})",
+    )
   p.add_argument(
     "--draft",
     help="speculative decoding: a smaller model with the same tokenizer (a train.py run directory "
@@ -100,24 +128,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--speculative",
     choices=["mtp"],
     help="mtp: self-speculation, the model's own multi-token-prediction heads draft",
-  )
-  p.add_argument(
-    "--num-speculative-tokens",
-    type=int,
-    help="tokens the draft proposes per round (default: 4; with --speculative mtp, the model's "
-    "MTP depth)",
-  )
-  p.add_argument(
-    "--speculative-max-batch",
-    type=int,
-    default=8,
-    help="the largest batch that speculates (larger ones decode plainly)",
-  )
-  p.add_argument(
-    "--guided-speculative-max-batch",
-    type=int,
-    default=4,
-    help="the same for a batch with a guided request",
   )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")
   p.add_argument("--port", type=int, help="serve the OpenAI-compatible HTTP API on this port")
@@ -134,14 +144,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="a Jinja chat template file, or the template itself (default: the model folder's)",
   )
   p.add_argument(
-    "--max-prompt-tokens", type=int, help="longest prompt allowed (default: the context length)"
-  )
-  p.add_argument(
-    "--max-tokens-limit", type=int, help="largest max_tokens allowed (default: the context length)"
-  )
-  p.add_argument("--max-n", type=int, default=4, help="largest n (choices per request) allowed")
-  p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-  p.add_argument(
     "--dtype",
     default="auto",
     choices=["auto", *DTYPES],
@@ -154,7 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     choices=["debug", "info", "warning", "error", "critical"],
     help="start-up progress and one line per finished request at info",
   )
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  args.typed = typed_flags(sys.argv[1:] if argv is None else argv)
+  return args
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -220,8 +224,9 @@ def load_any(path: str, dtype: str):
   """(model, tokenizer) from a run directory or a Hugging Face folder."""
   folder = Path(path)
   if checkpoint.is_checkpoint(folder):
-    model, _, tokenizer = checkpoint.load_model(folder)
-    return model, tokenizer
+    model, _, _ = checkpoint.load_model(folder)  # a LoRA run's adapters merged
+    # With the special tokens of the tokenizer files a fine-tune kept from its source.
+    return model, run_tokenizer(folder, model.cfg.vocab_size)
   if (message := step_folder_error(folder)) is not None:
     raise ValueError(message)
   dtype = resolve_dtype(dtype, path)
@@ -272,32 +277,151 @@ SAMPLING_FLAGS = {
   "repetition_penalty": ("--repetition-penalty", "repetition_penalty"),
   "seed": ("--seed", "seed"),
 }
-# Engine and server flags: each a positive integer (None where the flag has a default of none).
-POSITIVE_FLAGS = (
-  "max_batch",
-  "num_blocks",
-  "block_size",
-  "max_num_batched_tokens",
-  "prefill_chunk",
-  "max_model_len",
-  "num_speculative_tokens",
-  "speculative_max_batch",
-  "guided_speculative_max_batch",
-  "max_prompt_tokens",
-  "max_tokens_limit",
-  "max_n",
-  "max_body_bytes",
-)
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {f"{u}i": 2 ** (10 * (i + 1)) for i, u in enumerate("kmgt")}
+
+
+def memory_amount(text: str) -> float:
+  """--kv-cache-memory: bytes (8e9, 8GB, 8GiB) or a fraction (0.9)."""
+  raw = text.strip().lower().removesuffix("b")
+  for unit, scale in sorted(_UNITS.items(), key=lambda u: -len(u[0])):
+    if raw.endswith(unit):
+      try:
+        return float(raw[: -len(unit)]) * scale
+      except ValueError:
+        break
+  try:
+    return float(raw)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not bytes (8e9, 8GB, 8GiB) or a fraction (0.9)"
+    ) from None
+
+
+# The flags standing for ServeConfig fields: (names, the first vLLM's where vLLM has one; type;
+# what it sets). `--set serve.SECTION.FIELD=VALUE` reaches every field, these included.
+CONFIG_FLAGS = {
+  "engine.max_num_seqs": (("--max-num-seqs", "--max-batch"), int, "running requests at most"),
+  "engine.n_blocks": (
+    ("--num-blocks", "--num-gpu-blocks-override"),
+    int,
+    "pool blocks per data-parallel replica",
+  ),
+  "engine.block_size": (("--block-size",), int, "tokens per pool block"),
+  "engine.max_num_batched_tokens": (("--max-num-batched-tokens",), int, "per-step token budget"),
+  "engine.prefill_chunk": (("--prefill-chunk",), int, "prompt tokens per request per step"),
+  "engine.max_model_len": (("--max-model-len",), int, "context length (default: the model's)"),
+  "engine.num_speculative_tokens": (
+    ("--num-speculative-tokens",),
+    int,
+    "tokens the draft proposes per round (4; with --speculative mtp, the model's MTP depth)",
+  ),
+  "engine.speculative_max_batch": (
+    ("--speculative-max-batch",),
+    int,
+    "the largest batch that speculates (larger ones decode plainly)",
+  ),
+  "engine.guided_speculative_max_batch": (
+    ("--guided-speculative-max-batch",),
+    int,
+    "the same for a batch with a guided request",
+  ),
+  "engine.tensor_parallel_size": (
+    ("--tensor-parallel-size", "-tp"),
+    int,
+    "devices per replica: heads, FFN and vocabulary split over them",
+  ),
+  "engine.data_parallel_size": (
+    ("--data-parallel-size", "-dp"),
+    int,
+    "replicas, each with its own requests and pages of the pool",
+  ),
+  "engine.kv_cache_memory": (
+    ("--kv-cache-memory",),
+    memory_amount,
+    "pool bytes per device (8GiB), or a fraction (0.9) of what weights and activations leave",
+  ),
+  "engine.gpu_memory_utilization": (
+    ("--gpu-memory-utilization",),
+    float,
+    "the fraction of each device's memory for weights, activations and pool together",
+  ),
+  "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
+  "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
+  "limits.max_n": (("--max-n",), int, "largest n (choices per request) allowed"),
+  "limits.max_body_bytes": (("--max-body-bytes",), int, "largest request body"),
+}
+
+
+def flag_dest(path: str) -> str:
+  return "max_tokens_limit" if path == "limits.max_tokens" else path.split(".")[1]
+
+
+def typed_flags(argv) -> dict[str, str]:
+  """{ServeConfig field: the flag name the command line used for it}, for the messages."""
+  out = {}
+  for path, (names, _, _) in CONFIG_FLAGS.items():
+    for arg in argv:
+      name = arg.split("=", 1)[0]
+      if name in names:
+        out[path] = name
+  for name, (flag, _) in SAMPLING_FLAGS.items():
+    if flag in (a.split("=", 1)[0] for a in argv):
+      out[f"sampling.{name}"] = flag
+  return out
+
+
+def flagged(message: str, args) -> str:
+  """A message naming ServeConfig fields, with each field given by a flag named by that flag."""
+  for path, flag in getattr(args, "typed", {}).items():
+    message = message.replace(f"serve.{path}", flag)
+  return message
+
+
+def run_serve_section(args) -> dict:
+  """The run's `serve:` section as a dict (a train.py run directory knows how its model samples
+  best), else {} (ServeConfig's defaults)."""
+  if checkpoint.is_checkpoint(args.checkpoint):
+    return dataclasses.asdict(load_config(Path(args.checkpoint) / "config.yaml").serve)
+  return {}
+
+
+def set_overrides(args) -> dict:
+  """--set serve.SECTION.FIELD=VALUE overrides as a nested {section: {field: value}}."""
+  for item in args.set:
+    if not item.strip().startswith("serve."):
+      raise ConfigError(
+        f"--set {item} is not allowed: serve.py takes serve.SECTION.FIELD=VALUE (sections: "
+        "engine, limits, sampling)"
+      )
+  return apply_overrides({}, args.set).get("serve", {})
+
+
+def serve_config(args) -> ServeConfig:
+  """One ServeConfig from the run's serve section, --set and the flags (later wins), its
+  sampling section as `fill_defaults` resolved it; checked by ServeConfig's own rules."""
+  data = run_serve_section(args)
+  for section, fields in set_overrides(args).items():
+    if isinstance(fields, dict) and isinstance(data.get(section, {}), dict):
+      data[section] = {**data.get(section, {}), **fields}
+    else:
+      data[section] = fields
+  for path in CONFIG_FLAGS:
+    value = getattr(args, flag_dest(path))
+    if value is not None:
+      section, field = path.split(".")
+      data.setdefault(section, {})[field] = value
+  data["sampling"] = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+  return build(ServeConfig, data, prefix="serve")
 
 
 def fill_defaults(args) -> None:
-  """Sampling flags not given come from generation_config.json (with --generation-config auto,
-  a Hugging Face folder's), else from the run's `serve:` section (a train.py run directory knows
-  how its model samples best), else from ServeConfig's defaults. `args.sources` names where
-  each value came from, for the messages."""
-  d = ServeConfig()
-  if checkpoint.is_checkpoint(args.checkpoint):
-    d = load_config(Path(args.checkpoint) / "config.yaml").serve
+  """Sampling flags not given come from --set serve.sampling, else generation_config.json (with
+  --generation-config auto, a Hugging Face folder's), else from the run's `serve.sampling`
+  section, else from its defaults. `args.sources` names where each value came from, for the
+  messages."""
+  run = run_serve_section(args).get("sampling", {})
+  given = set_overrides(args).get("sampling", {})
   generation = {}
   if args.generation_config != "vllm":
     folder = args.checkpoint if args.generation_config == "auto" else args.generation_config
@@ -306,36 +430,33 @@ def fill_defaults(args) -> None:
         f"--generation-config={folder!r} is not allowed: must be auto, vllm or a folder"
       )
     generation, where = model_files.generation_defaults(folder)
-  fallback = {**dataclasses.asdict(d), "min_p": 0.0, "repetition_penalty": 1.0}
+  fallback = {**dataclasses.asdict(SamplingDefaults()), **run}
   args.sources = {}
   for name, (flag, api_name) in SAMPLING_FLAGS.items():
     if getattr(args, name) is not None:
       args.sources[name] = flag
+    elif name in given:
+      setattr(args, name, given[name])
+      args.sources[name] = f"--set serve.sampling.{name}"
     elif api_name in generation:
       setattr(args, name, generation[api_name])
       args.sources[name] = f"{where} {name}"  # generation_config.json's field of that name
     else:
       setattr(args, name, fallback[name])
       args.sources[name] = flag
-  if args.max_batch is None:
-    args.max_batch = d.max_batch
 
 
-def check_args(args) -> None:
-  """Every flag checked before anything is loaded; errors name the flag, the value and what is
-  allowed (the sampling flags with the HTTP API's own rules and messages)."""
+def check_args(args) -> ServeConfig:
+  """Every flag checked before anything is loaded; errors name the flag (or --set field), the
+  value and what is allowed (the sampling flags with the HTTP API's own rules and messages).
+  Returns the ServeConfig they make."""
   for name, (flag, api_name) in SAMPLING_FLAGS.items():
     try:
       check_sampling_fields(**{api_name: getattr(args, name)})
     except ValueError as e:
       raise ValueError(f"{args.sources.get(name, flag)}={getattr(args, name)}: {e}") from None
-  for name in POSITIVE_FLAGS:
-    value = getattr(args, name)
-    if value is not None and value < 1:
-      flag = "--" + name.replace("_", "-")
-      raise ValueError(f"{flag}={value} is not allowed: must be a positive integer")
-  if args.prefill_chunk & (args.prefill_chunk - 1):
-    raise ValueError(f"--prefill-chunk={args.prefill_chunk} is not allowed: must be a power of two")
+  config = serve_config(args)
+  placement.check_devices(config.engine.data_parallel_size, config.engine.tensor_parallel_size)
   if args.port is not None and not 1 <= args.port <= 65535:
     raise ValueError(f"--port={args.port} is not allowed: must be in [1, 65535]")
   if args.output is not None:
@@ -344,50 +465,20 @@ def check_args(args) -> None:
       raise ValueError(f"--output={args.output} is a folder; give a file path")
     if not out.absolute().parent.is_dir():
       raise ValueError(f"--output={args.output}: the folder {out.absolute().parent} does not exist")
+  return config
 
 
 def sampling_params(args) -> SamplingParams:
-  return SamplingParams(
-    max_new_tokens=args.max_new_tokens,
-    temperature=args.temperature,
-    top_k=max(0, args.top_k),  # -1 is off, as in the API
-    top_p=args.top_p,
-    min_p=args.min_p,
-    repetition_penalty=args.repetition_penalty,
-    seed=args.seed,
-  )
+  return sampling_defaults(serve_config(args).sampling)
 
 
 def make_engine(args, model, tokenizer) -> Engine:
-  max_len = args.max_model_len or model.cfg.max_seq_len
-  if max_len > model.cfg.max_seq_len:
-    raise ValueError(
-      f"--max-model-len={max_len} is not allowed: the model's context is "
-      f"{model.cfg.max_seq_len} tokens"
-    )
   if args.draft is not None and args.speculative is not None:
     raise ValueError("--draft and --speculative mtp are two drafts: give one")
-  k = args.num_speculative_tokens
-  if k is None:
-    k = 4
-    if args.speculative == "mtp" and model.mtp is not None:
-      k = model.mtp.n_draft_heads
-      log.info("--num-speculative-tokens %d: the model's MTP depth", k)
-  n_blocks = args.num_blocks or args.max_batch * -(-max_len // args.block_size)
-  config = EngineConfig(
-    n_blocks=n_blocks,
-    block_size=args.block_size,
-    max_num_seqs=args.max_batch,
-    max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_batch),
-    prefill_chunk=args.prefill_chunk,
-    max_model_len=max_len,
-    num_speculative_tokens=k,
-    speculative_max_batch=args.speculative_max_batch,
-    guided_speculative_max_batch=args.guided_speculative_max_batch,
-  )
   draft = args.speculative
   if args.draft is not None:
     draft = load_draft(args.draft, args.dtype, tokenizer)
+  config = serve_config(args).engine
   return Engine(model, config, eos_id=tokenizer.eos_ids, detokenize=tokenizer.decode, draft=draft)
 
 
@@ -481,13 +572,7 @@ def build_server(args, engine: Engine, tokenizer, chat_template):
     tokenizer=tokenizer,
     model_name=args.model_name or [Path(args.checkpoint).name],
     chat_template=chat_template,
-    limits=ServerLimits(
-      max_prompt_tokens=args.max_prompt_tokens,
-      max_tokens=args.max_tokens_limit,
-      max_n=args.max_n,
-      max_body_bytes=args.max_body_bytes,
-      default_max_tokens=args.max_new_tokens,
-    ),
+    limits=serve_config(args).limits,
     api_key=args.api_key,
     guided=guided,
     default_params=sampling_params(args),
@@ -561,9 +646,16 @@ def prepare(args):
   """(engine, tokenizer, chat template or None, batch prompts) for parsed flags: the flags
   filled in and checked, the model loaded. ValueError or OSError on bad input."""
   fill_defaults(args)
-  check_args(args)
+  config = check_args(args).engine
   prompts = read_prompts(args) if args.port is None else []
-  model, tokenizer = load_any(args.checkpoint, args.dtype)
+  if config.tensor_parallel_size * config.data_parallel_size > 1:
+    import jax
+
+    # Host memory first: the runner places each device's shard, never a whole copy on one.
+    with jax.default_device(jax.devices("cpu")[0]):
+      model, tokenizer = load_any(args.checkpoint, args.dtype)
+  else:
+    model, tokenizer = load_any(args.checkpoint, args.dtype)
   engine = make_engine(args, model, tokenizer)
   chat_template = None
   if args.port is not None:
@@ -578,7 +670,7 @@ def main(argv=None) -> int:
   try:
     engine, tokenizer, chat_template, prompts = prepare(args)
   except (ValueError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {flagged(str(e), args)}", file=sys.stderr)
     return 2
   if args.port is not None:
     return run_server(args, engine, tokenizer, chat_template)

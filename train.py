@@ -2,6 +2,10 @@
 
     python train.py --config configs/tiny.yaml [--set train.steps=300 --set train.remat=full ...]
 
+With train.init_from (a Hugging Face folder or another run) the run fine-tunes that model: its
+config, weights and tokenizer, from step 0 with a fresh optimizer; data.format chat or completion
+trains on the answers only, and train.lora trains low-rank adapters only.
+
 Rerunning the same command resumes from the run directory's latest checkpoint (model, optimizer,
 step and data position), so an interrupted run continues exactly where it stopped: Ctrl-C
 (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint and exits. On several hosts,
@@ -26,27 +30,33 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
+from atlas_jax import sources
 from atlas_jax.config import Config, ConfigError, load_config
-from atlas_jax.data import pipeline
+from atlas_jax.data import pipeline, supervised
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.decoding.generate import SamplingParams, generate
+from atlas_jax.hf import init_from
+from atlas_jax.plan.compute import train_flops_per_token
 from atlas_jax.schedule import Schedule
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.metrics import (
   Logger,
-  flops_per_token,
   matmul_params,
   mfu,
   peak_memory_bytes,
 )
+from atlas_jax.training.pipeline import reorder_layers
 from atlas_jax.training.step import (
   Trainer,
   TrainState,
+  build_model,
   make_eval_step,
   make_train_step,
   make_trainer,
+  split_trainable,
 )
 from atlas_jax.training.xla_flags import apply as apply_xla_flags
 
@@ -68,8 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument(
     "--sample-prompt",
-    default="def ",
-    help="prompt to complete with the trained model at the end ('' to skip)",
+    default=None,
+    help="prompt to complete with the trained model at the end ('' to skip; default 'def ' for "
+    "text data, none for supervised examples)",
   )
   p.add_argument("--sample-tokens", type=int, default=96)
   return p.parse_args(argv)
@@ -104,6 +115,7 @@ RESUME_MAY_CHANGE = {
   "on_corrupt_checkpoint",
   "loss_chunk",
   "xla_flags",
+  "eval_exact_match",
   "pipeline_microbatches",
   "pipeline_repeats",
 }
@@ -139,6 +151,8 @@ class Run:
   tokenizer: Tokenizer
   trainer: Trainer
   added_flags: str  # XLA flags set for this platform ("" if none)
+  template: Any = None  # data.format chat: the chat template serve.py renders this run's with
+  resuming: bool = False  # the run directory holds checkpoints
 
   @property
   def main_process(self) -> bool:
@@ -153,17 +167,18 @@ class Run:
 def build(args: argparse.Namespace) -> Run:
   """Config, XLA flags, tokenizer, distributed start-up and the trainer; raises ConfigError,
   ValueError or OSError on bad input, before any device work."""
-  cfg = load_config(args.config, args.set)
+  cfg = sources.load_config(args.config, args.set)
   # Before anything starts a jax backend: XLA reads its flags once, at start-up.
   added_flags = apply_xla_flags(cfg.train.xla_flags)
   run_dir = Path(cfg.train.checkpoint_dir)
   cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
   check_resumable(run_dir, cfg)
-  if (
-    has_checkpoints(run_dir)
-    and cfg.data.tokenizer != "byte"
-    and (run_dir / "tokenizer.json").is_file()
-  ):
+  resuming = has_checkpoints(run_dir)
+  # A fine-tune's tokenizer and chat template: the source's, kept in the run directory.
+  folder = (run_dir if resuming else Path(cfg.train.init_from)) if cfg.train.init_from else None
+  if folder is not None:
+    tokenizer = sources.tokenizer(folder, cfg.model.vocab_size)
+  elif resuming and cfg.data.tokenizer != "byte" and (run_dir / "tokenizer.json").is_file():
     tokenizer = load_tokenizer(str(run_dir / "tokenizer.json"))  # the one the run began with
   else:
     t0 = time.time()
@@ -175,21 +190,30 @@ def build(args: argparse.Namespace) -> Run:
       f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
       f"vocabulary ({tokenizer.vocab_size})"
     )
+  template = None
+  if cfg.data.format == "chat":
+    template = sources.chat_template(folder or (run_dir if resuming else None), tokenizer)
   init_distributed(cfg)
-  return Run(cfg, run_dir, cache_dir, tokenizer, make_trainer(cfg), added_flags)
+  trainer = make_trainer(cfg)
+  return Run(cfg, run_dir, cache_dir, tokenizer, trainer, added_flags, template, resuming)
 
 
 @dataclasses.dataclass(frozen=True)
 class Data:
   train: Any  # the grain dataset: train[i] is step i + 1's process-local batch
   eval: list  # process-local eval batches
-  unigram: float  # nats/token of a model that ignores the context
+  unigram: float  # nats/token of a model that ignores the context (over answers: supervised)
+  eval_examples: supervised.Examples | None = None  # held-out examples (supervised formats)
 
 
 def load_data(run: Run) -> Data:
   """Token files (tokenised once, cached), the packed train dataset and the eval batches."""
   cfg, t0 = run.cfg, time.time()
-  files = pipeline.token_files(cfg.data, run.tokenizer, run.cache_dir, log=run.say)
+  files = pipeline.token_files(
+    cfg.data, run.tokenizer, run.cache_dir, log=run.say, template=run.template
+  )
+  if cfg.data.format != "text":
+    return load_examples(run, files, t0)
   shards = dict(process_index=jax.process_index(), process_count=jax.process_count())
   sizes = dict(seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size)
   train_ds = pipeline.train_dataset(*files["train"], **sizes, seed=cfg.train.seed, **shards)
@@ -199,14 +223,46 @@ def load_data(run: Run) -> Data:
   shortfall = pipeline.eval_shortfall(*files["eval"], **sizes, eval_fraction=cfg.data.eval_fraction)
   if shortfall and cfg.train.eval_every and cfg.train.eval_batches:
     run.say(f"note: {shortfall}")
-  counts = np.bincount(np.asarray(files["train"][0]), minlength=run.tokenizer.vocab_size)
-  p = counts[counts > 0] / counts.sum()
-  unigram = float(-(p * np.log(p)).sum())
+  unigram = unigram_entropy(np.asarray(files["train"][0]), run.tokenizer.vocab_size)
   run.say(
     f"corpus: {len(files['train'][0]):,} train / {len(files['eval'][0]):,} eval tokens "
     f"({time.time() - t0:.1f}s); unigram baseline {unigram:.3f} nats/token"
   )
   return Data(train_ds, eval_data, unigram)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+  """Nats/token of a model that ignores the context."""
+  counts = np.bincount(tokens, minlength=vocab_size)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+def load_examples(run: Run, files: dict, t0: float) -> Data:
+  """Supervised examples packed into rows; losses (and the unigram baseline) over answers."""
+  cfg = run.cfg
+  shards = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  split = {k: supervised.Examples(tokens=t, starts=s, mask=m) for k, (t, s, m) in files.items()}
+  if not len(split["train"]):
+    raise ValueError("the train split has no examples: add lines, or lower data.eval_fraction")
+  pad = max(run.tokenizer.pad_id, 0)
+  rows = {k: supervised.PackedExamples(v, cfg.train.seq_len, pad) for k, v in split.items()}
+  train_ds = pipeline.batched_rows(
+    rows["train"], batch_size=cfg.train.batch_size, seed=cfg.train.seed, **shards
+  )
+  eval_data = pipeline.eval_example_batches(
+    rows["eval"], batch_size=cfg.train.batch_size, n_batches=cfg.train.eval_batches, **shards
+  )
+  for name, r in rows.items():
+    run.say(f"{name}: {r.packing.describe(cfg.train.seq_len)}")
+  answers = np.asarray(split["train"].tokens)[np.asarray(split["train"].mask) > 0]
+  unigram = unigram_entropy(answers, run.tokenizer.vocab_size)
+  run.say(
+    f"examples: {len(split['train']):,} train / {len(split['eval']):,} eval, "
+    f"{len(answers):,} answer tokens to learn ({time.time() - t0:.1f}s); unigram baseline "
+    f"{unigram:.3f} nats/token over the answers"
+  )
+  return Data(train_ds, eval_data, unigram, split["eval"])
 
 
 def restore(run: Run) -> tuple[Any, TrainState, int]:
@@ -217,7 +273,13 @@ def restore(run: Run) -> tuple[Any, TrainState, int]:
   cfg, trainer = run.cfg, run.trainer
   mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
   if mngr.latest_step() is None:
-    return mngr, trainer.init(jax.random.key(cfg.train.seed)), 0
+    key = jax.random.key(cfg.train.seed)
+    if cfg.train.init_from is None:
+      return mngr, trainer.init(key), 0
+    t0 = time.time()
+    state = trainer.init(key, init_from.base_params(cfg.train.init_from, trainer))
+    run.say(f"initialised from {cfg.train.init_from} ({time.time() - t0:.1f}s)")
+    return mngr, state, 0
   step, (state, meta), damaged = checkpoint.newest_intact(
     list(mngr.all_steps()),
     lambda s: checkpoint.restore(mngr, trainer.abstract_state(), trainer.state_shardings, s),
@@ -297,6 +359,32 @@ class Outcome:
   record: dict  # the last metrics logged
   exit_code: int = 0  # 0; 1 a non-finite step under on_nan=stop; 128 + signal when interrupted
   step: int = 0  # steps done when the loop ended
+  before: tuple[int, int] | None = None  # held-out exact matches of the initial model (of n)
+
+
+def decoding_model(trainer: Trainer, params) -> nnx.Module:
+  """The model as `generate` runs it: its layers in depth order, without the pipeline runner
+  (which runs the uncached layers only)."""
+  if trainer.mesh.shape["stage"] == 1:
+    return nnx.merge(trainer.graphdef, params)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(trainer.cfg)))
+  return nnx.merge(graphdef, reorder_layers(params, trainer.layout, (1, 1)))
+
+
+def exact_match(run: Run, model, examples: supervised.Examples) -> tuple[int, int]:
+  """(matches, n): held-out examples whose greedy completion of their prompt is exactly their
+  answer (`train.eval_exact_match` of them, those that fit the context)."""
+  n, limit = run.cfg.train.eval_exact_match, run.cfg.model.max_seq_len
+  pairs = [
+    (p, a)
+    for p, a in supervised.held_out_examples(examples, n)
+    if p and a and len(p) + len(a) <= limit
+  ]
+  if not pairs:
+    return 0, 0
+  params = [SamplingParams(max_new_tokens=len(a), temperature=0.0) for _, a in pairs]
+  outs = generate(model, [p for p, _ in pairs], params)
+  return sum(list(o) == a for o, (_, a) in zip(outs, pairs)), len(pairs)
 
 
 def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
@@ -304,7 +392,9 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   checkpoints every checkpoint_every steps, at the end and when interrupted."""
   cfg, trainer = run.cfg, run.trainer
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
+  flops_tok = train_flops_per_token(
+    cfg.model, cfg.train.seq_len, n_matmul_params=matmul_params(state.params)
+  )
   run.say(
     f"model: {n_params:,} parameters; precision {cfg.train.precision}, remat "
     f"{cfg.train.remat}, sharding {cfg.train.sharding}"
@@ -317,6 +407,16 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
       f"pipeline: {stages} stages x {sched.microbatches} micro-batches ({kind}): "
       f"{sched.iterations} iterations per micro-batch step, bubble {sched.bubble:.1%}"
     )
+  if cfg.train.lora is not None:
+    n_lora = sum(x.size for x in jax.tree.leaves(split_trainable(cfg, state.params)[0]))
+    lo = cfg.train.lora
+    run.say(
+      f"LoRA rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}: {n_lora:,} trainable "
+      f"parameters ({n_lora / n_params:.2%}), the base weights frozen"
+    )
+  out = Outcome({}, step=start)
+  if start == 0 and cfg.train.eval_exact_match and data.eval_examples is not None:
+    out.before = exact_match(run, decoding_model(trainer, state.params), data.eval_examples)
   train_step, eval_step = make_train_step(trainer), make_eval_step(trainer)
   batch_sharding = shd.batch_sharding(trainer.mesh)
   to_global = lambda local: jax.tree.map(
@@ -327,7 +427,6 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   progress = sys.stdout.isatty() and run.main_process
   save = lambda step: checkpoint.save(mngr, step, state, trainer.checkpoint_meta(step))
 
-  out = Outcome({}, step=start)
   t_last, steps_since = time.time(), 0
   with Interrupt() as interrupt:
     for step in range(start + 1, cfg.train.steps + 1):
@@ -378,7 +477,8 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
 
 
 def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: float) -> dict:
-  """One line of metrics.jsonl: the next-token loss, its MTP terms and what the step cost."""
+  """One line of metrics.jsonl: the next-token loss, its MTP and router terms, the experts' load
+  and what the step cost."""
   record = {
     "step": step,
     "loss": metrics["loss"],
@@ -391,9 +491,13 @@ def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: fl
   if util is not None:
     record["mfu"] = util
   mtp = {k: v for k, v in metrics.items() if k.startswith("loss_mtp")}
-  if mtp or cfg.train.z_loss:
+  # Mixture of experts: the balance and router z losses, the busiest expert's tokens over the
+  # mean, the mean tokens per expert, the share of assignments dropped.
+  moe = {k: v for k, v in metrics.items() if k.startswith("moe_")}
+  if mtp or moe or cfg.train.z_loss:
     record["loss_total"] = metrics["loss_total"]  # the objective the gradients came from
   record.update(mtp)
+  record.update(moe)
   if "loss_scale" in metrics:
     record["loss_scale"] = metrics["loss_scale"]
   if metrics.get("skipped"):
@@ -403,6 +507,20 @@ def step_record(cfg: Config, step: int, metrics: dict, tps: float, flops_tok: fl
 
 def report(run: Run, data: Data, out: Outcome) -> None:
   run.say(f"checkpoint: {run.run_dir} (step {out.step})")
+  if run.cfg.train.eval_exact_match and data.eval_examples is not None:
+    model, _, _ = checkpoint.load_model(run.run_dir)  # what serve.py serves: adapters merged
+    hits, n = exact_match(run, model, data.eval_examples)
+    before = "" if out.before is None else f"{out.before[0]}/{out.before[1]} before, "
+    run.say(
+      f"held-out exact match (greedy): {before}{hits}/{n} = {hits / max(n, 1):.1%} after "
+      f"{out.step} steps"
+    )
+    record = {"step": out.step, "exact_match": hits / max(n, 1)}
+    if out.before is not None:
+      record["exact_match_before"] = out.before[0] / max(out.before[1], 1)
+    logger = Logger(run.run_dir, enabled=run.main_process)  # a last line of metrics.jsonl
+    logger.write(record)
+    logger.close()
   if "eval_loss" in out.record:
     eval_loss = out.record["eval_loss"]
     run.say(
@@ -416,7 +534,7 @@ def sample(run: Run, prompt_text: str, max_tokens: int) -> None:
   cfg = run.cfg
   model, _, _ = checkpoint.load_model(run.run_dir, implementation=cfg.attention.implementation)
   prompt = run.tokenizer.encode(prompt_text)
-  s = cfg.serve  # how serve.py samples from this run, unless its flags say otherwise
+  s = cfg.serve.sampling  # how serve.py samples from this run, unless its flags say otherwise
   params = SamplingParams(
     max_new_tokens=min(max_tokens, cfg.model.max_seq_len - len(prompt)),
     temperature=s.temperature,
@@ -446,6 +564,8 @@ def run_command(args: argparse.Namespace) -> int:
     return 2
   if run.main_process:
     checkpoint.write_run_files(run.run_dir, run.cfg, run.tokenizer)
+    if run.cfg.train.init_from and not run.resuming:
+      sources.copy_files(run.cfg.train.init_from, run.run_dir)
   run.say(
     f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
     f"processes: {jax.process_count()}, mesh: {dict(run.trainer.mesh.shape)}"
@@ -459,15 +579,18 @@ def run_command(args: argparse.Namespace) -> int:
     return 2
   try:
     mngr, state, start = restore(run)
-  except checkpoint.CheckpointError as e:
+  except (checkpoint.CheckpointError, ConfigError, ValueError) as e:  # init_from's errors too
     print(f"error: {e}", file=sys.stderr)
     return 2
   out = train(run, data, mngr, state, start)
   if out.exit_code:
     return out.exit_code
   report(run, data, out)
-  if args.sample_prompt and jax.process_count() == 1:
-    sample(run, args.sample_prompt, args.sample_tokens)
+  prompt = args.sample_prompt
+  if prompt is None:
+    prompt = "def " if run.cfg.data.format == "text" else ""
+  if prompt and jax.process_count() == 1:
+    sample(run, prompt, args.sample_tokens)
   return 0
 
 

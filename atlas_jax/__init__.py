@@ -22,9 +22,12 @@ shape comment in the project.
 Lower case: an axis local to one mechanism.
 
   h MLA no-rope head dim (Hn)           v MLA value head dim (Hv)
-  k top-k candidates (logprobs)         s stop ids per row
+  k top-k candidates (logprobs; a       s stop ids per row
+    token's routed experts)
   c block copies (copy-on-write)        e expert capacity (token slots per expert)
   p pipeline stages                     r circular-pipeline repeats
+  t tokens of a flattened batch (B x T) a token-expert assignments (t x k)
+  g expert groups (group-limited routing)
 """
 
 from atlas_jax import hf, kernels

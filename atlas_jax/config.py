@@ -120,8 +120,95 @@ class MTPConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Mixture-of-experts feed-forward layers (`atlas_jax.model.moe`): a router picks `top_k` of
+  `n_experts` SwiGLU experts per token; optional shared experts see every token.
+
+  Routers (the Hugging Face fields each maps from in parentheses):
+    scoring: "softmax" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3).
+    topk_method: "greedy" (top-k of the scores); "group_limited_greedy" (DeepSeek-V2: the experts
+      split into n_group groups, only the topk_group groups with the highest best score compete);
+      "noaux_tc" (DeepSeek-V3: scores plus a per-expert selection bias, groups ranked by the sum
+      of their two best biased scores; the bias changes which experts are picked, never their
+      weights).
+    norm_topk_prob: renormalise the k weights to sum to 1 (Mixtral always; Qwen/OLMoE/V3 by flag).
+    routed_scaling_factor: multiplies the routed experts' weights (DeepSeek).
+
+  Which layers are MoE (the rest are dense SwiGLU layers of model.ffn_dim): layer i (0-based) is
+  MoE when i >= first_k_dense (first_k_dense_replace), (i + 1) % sparse_step == 0
+  (decoder_sparse_step) and i is not in dense_layers (mlp_only_layers).
+
+  capacity_factor: null computes every assignment (dropless). A number caps each expert at
+  ceil(capacity_factor * tokens * top_k / n_experts) tokens per call in the uncached forward
+  (training): assignments past the cap, in token order, are dropped and counted. Calls with a
+  cache (generation, serving) stay dropless, so a sequence's tokens never depend on its batch.
+  """
+
+  n_experts: int = 8  # E routed experts
+  top_k: int = 2  # experts per token
+  expert_ffn_dim: int = 256  # F of one routed expert (moe_intermediate_size)
+  scoring: Literal["softmax", "sigmoid"] = "softmax"
+  topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+  n_group: int = 1  # expert groups (group_limited_greedy, noaux_tc)
+  topk_group: int = 1  # groups a token may pick experts from
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  # Shared experts, one SwiGLU of this hidden width (DeepSeek: n_shared_experts x
+  # moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size); 0: none.
+  shared_ffn_dim: int = 0
+  shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert scaled by sigmoid(x @ w)
+  first_k_dense: int = 0
+  sparse_step: int = 1
+  dense_layers: tuple[int, ...] = ()
+  capacity_factor: float | None = None
+
+  def __post_init__(self):
+    _positive("model.moe", self, "n_experts", "top_k", "expert_ffn_dim", "n_group", "topk_group")
+    _positive("model.moe", self, "sparse_step", "routed_scaling_factor")
+    E = self.n_experts
+    if self.top_k > E:
+      _fail("model.moe.top_k", self.top_k, f"must be <= model.moe.n_experts={E}")
+    if E % self.n_group:
+      _fail("model.moe.n_group", self.n_group, f"must divide model.moe.n_experts={E}")
+    if self.topk_group > self.n_group:
+      _fail("model.moe.topk_group", self.topk_group, f"must be <= model.moe.n_group={self.n_group}")
+    per_group = E // self.n_group
+    if self.topk_method != "greedy" and self.top_k > self.topk_group * per_group:
+      _fail(
+        "model.moe.top_k",
+        self.top_k,
+        f"must be <= topk_group x experts per group = {self.topk_group} x {per_group}: the "
+        "experts of the groups a token may use",
+      )
+    if self.topk_method == "noaux_tc" and per_group < 2:
+      _fail(
+        "model.moe.n_group",
+        self.n_group,
+        f"leaves {per_group} expert per group; noaux_tc ranks groups by their two best scores, "
+        "so each group needs at least 2",
+      )
+    if self.shared_ffn_dim < 0:
+      _fail("model.moe.shared_ffn_dim", self.shared_ffn_dim, "must be >= 0 (0: no shared expert)")
+    if self.shared_expert_gate and not self.shared_ffn_dim:
+      _fail("model.moe.shared_expert_gate", True, "needs model.moe.shared_ffn_dim > 0")
+    if self.first_k_dense < 0:
+      _fail("model.moe.first_k_dense", self.first_k_dense, "must be >= 0")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      _fail("model.moe.capacity_factor", self.capacity_factor, "must be > 0 or null (dropless)")
+
+  def is_sparse(self, layer: int) -> bool:
+    """Whether layer `layer` (0-based; MTP modules count on past the trunk) is an MoE layer."""
+    return (
+      layer >= self.first_k_dense
+      and (layer + 1) % self.sparse_step == 0
+      and layer not in self.dense_layers
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer of the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+  """A decoder-only transformer: the Llama family (Llama, Mistral, Qwen2, Qwen3), DeepSeek's MLA
+  and MTP, and mixture-of-experts layers (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)."""
 
   vocab_size: int = 259
   d_model: int = 256  # D
@@ -136,6 +223,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   qkv_bias: bool = False  # Qwen2
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  # What qk_norm normalises: each head ("head", Qwen3) or all heads of q (and of k) together
+  # ("all_heads", OLMoE: one RMSNorm over the whole projection).
+  qk_norm_scope: Literal["head", "all_heads"] = "head"
   tie_embeddings: bool = False
   sliding_window: int | None = None  # Mistral
   init_std: float = 0.02
@@ -143,6 +233,7 @@ class ModelConfig:
   param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
   mla: MLAConfig | None = None  # DeepSeek MLA instead of GQA; n_kv_heads unused, head_dim Hn + R
   mtp: MTPConfig | None = None  # multi-token prediction heads (training; self-speculation)
+  moe: MoEConfig | None = None  # mixture-of-experts feed-forward layers where moe.is_sparse(i)
 
   def __post_init__(self):
     _positive(
@@ -195,6 +286,29 @@ class ModelConfig:
           _fail(f"model.{name}", True, "must be false with model.mla (MLA has no such option)")
       if self.sliding_window is not None:
         _fail("model.sliding_window", self.sliding_window, "must be null with model.mla")
+    if self.moe is not None:
+      for i in self.moe.dense_layers:
+        if not 0 <= i < self.n_layers:
+          _fail(
+            "model.moe.dense_layers",
+            list(self.moe.dense_layers),
+            f"every entry must be a layer index in [0, model.n_layers={self.n_layers})",
+          )
+
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether its feed-forward is a mixture of experts (all False without moe)."""
+    return tuple(self.moe is not None and self.moe.is_sparse(i) for i in range(self.n_layers))
+
+  def layer_runs(self) -> tuple[tuple[bool, int], ...]:
+    """The layers as runs of identical ones, in order: ((sparse, length), ...). A dense model is
+    one run; DeepSeek-V3 is (False, 3), (True, 58)."""
+    runs: list[list] = []
+    for sparse in self.sparse_layers():
+      if runs and runs[-1][0] == sparse:
+        runs[-1][1] += 1
+      else:
+        runs.append([sparse, 1])
+    return tuple((sparse, n) for sparse, n in runs)
 
   @property
   def group_size(self) -> int:  # G
@@ -212,14 +326,17 @@ class AttentionConfig:
 class MeshConfig:
   """Device mesh axes; -1 takes the devices the other axes leave.
 
-  The batch is split over (data, fsdp). `data` only replicates state; ZeRO sharding
-  (train.sharding) splits state over `fsdp`; `stage` splits the layer stack into pipeline stages
-  (train.pipeline_microbatches, train.pipeline_repeats), and outside the pipelined layers splits
-  the batch like `data`; tensor parallelism splits heads and FFN columns over `tensor`.
+  The batch is split over (data, fsdp, expert). `data` only replicates state; ZeRO sharding
+  (train.sharding) splits state over `fsdp`; `expert` splits the routed experts of
+  mixture-of-experts layers (expert parallelism; elsewhere it splits the batch like `data`);
+  `stage` splits the layer stack into pipeline stages (train.pipeline_microbatches,
+  train.pipeline_repeats), and outside the pipelined layers splits the batch like `data`; tensor
+  parallelism splits heads and FFN columns over `tensor`.
   """
 
   data: int = 1
   fsdp: int = -1
+  expert: int = 1
   stage: int = 1
   tensor: int = 1
   # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
@@ -229,7 +346,13 @@ class MeshConfig:
   process_id: int | None = None
 
   def __post_init__(self):
-    sizes = {"data": self.data, "fsdp": self.fsdp, "stage": self.stage, "tensor": self.tensor}
+    sizes = {
+      "data": self.data,
+      "fsdp": self.fsdp,
+      "expert": self.expert,
+      "stage": self.stage,
+      "tensor": self.tensor,
+    }
     if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
       _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
     for name, size in sizes.items():
@@ -241,9 +364,16 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Training text and how it is tokenised."""
+  """Training text and how it is tokenised.
+
+  `format`: "text" (documents: every token counts), or supervised examples from a JSONL file
+  whose loss counts only the answer: "chat" (OpenAI-style `messages`, rendered with the model's
+  chat template as serve.py renders requests; the assistant messages count) or "completion"
+  (`prompt` and `completion` strings; the completion and its eos count).
+  """
 
   source: str = "stdlib"  # "stdlib", a folder of text files, or a .jsonl file with a "text" field
+  format: Literal["text", "chat", "completion"] = "text"
   # "byte"; "bpe:N", a byte-level BPE of N tokens trained on the source's train split at the
   # first run (seconds); or a path to a tokenizer.json.
   tokenizer: str = "byte"
@@ -252,6 +382,12 @@ class DataConfig:
   def __post_init__(self):
     if not 0.0 <= self.eval_fraction < 1.0:
       _fail("data.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+    if self.format != "text" and not self.source.endswith(".jsonl"):
+      _fail(
+        "data.source",
+        self.source,
+        f"data.format={self.format!r} reads a .jsonl file of examples (one JSON object a line)",
+      )
     n = self.tokenizer.removeprefix("bpe:")
     if self.tokenizer.startswith("bpe:") and not (n.isdigit() and int(n) >= 260):
       _fail(
@@ -259,6 +395,42 @@ class DataConfig:
         self.tokenizer,
         "bpe:N needs an integer N >= 260 (256 bytes, 3 special tokens, at least one merge)",
       )
+
+
+# LoRA targets: the projections of a decoder block, by their Hugging Face names. GQA attention has
+# q/k/v/o_proj; MLA has q_proj (without a query bottleneck) or q_a_proj and q_b_proj, kv_a_proj
+# (kv_a_proj_with_mqa) and kv_b_proj (its key and value halves, an adapter each), and o_proj.
+# "attn" and "mlp" name all of a block's attention or MLP projections.
+LORA_ATTENTION_TARGETS = (
+  "q_proj",
+  "k_proj",
+  "v_proj",
+  "o_proj",
+  "q_a_proj",
+  "q_b_proj",
+  "kv_a_proj",
+  "kv_b_proj",
+)
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS, "attn", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters (Hu et al. 2021): W x + (alpha / rank) * B A x on each targeted
+  projection of every block, B zero at the start; only the adapters train."""
+
+  rank: int = 8  # A
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("attn", "mlp")
+
+  def __post_init__(self):
+    _positive("train.lora", self, "rank", "alpha")
+    if not self.targets:
+      _fail("train.lora.targets", list(self.targets), "must name at least one projection")
+    for t in self.targets:
+      if t not in LORA_TARGETS:
+        _fail("train.lora.targets", list(self.targets), f"{t!r} is not one of {LORA_TARGETS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +461,13 @@ class TrainConfig:
   pipeline_microbatches: int = 1
   pipeline_repeats: int = 1
   z_loss: float = 0.0
+  # Mixture-of-experts models: the load-balancing loss weight (Switch/Mixtral form, 1.0 at
+  # perfect balance), the router z-loss weight (ST-MoE: mean log-sum-exp of the router logits,
+  # squared), and DeepSeek-V3's selection-bias step per train step (outside the gradient: each
+  # expert's bias moves by this much towards balance, by the sign of its load's gap to the mean).
+  moe_aux_loss: float = 0.01
+  moe_z_loss: float = 0.001
+  moe_bias_update_rate: float = 0.001
   # Sequence positions per chunk of the chunked cross-entropy (LM head fused in, [B, T, V] float32
   # logits never held); 0: the plain loss over the whole [B, T, V] logits.
   loss_chunk: int = 0
@@ -307,6 +486,14 @@ class TrainConfig:
   # Extra XLA flags (space-separated) set before jax starts; null: the platform's defaults
   # (`atlas_jax.training.xla_flags`), "": none of them.
   xla_flags: str | None = None
+  # Fine-tuning: a Hugging Face folder or a train.py run directory whose model (config, weights
+  # and tokenizer) the run starts from, at step 0 with a fresh optimizer; the config's model
+  # section must agree with it or be left out (`atlas_jax.sources.load_config`).
+  init_from: str | None = None
+  lora: LoRAConfig | None = None  # train low-rank adapters only; the base weights stay frozen
+  # Supervised data (data.format chat / completion): held-out examples completed greedily before
+  # and after training and scored by exact match with their answers; 0: none.
+  eval_exact_match: int = 0
 
   def __post_init__(self):
     _positive(
@@ -331,8 +518,9 @@ class TrainConfig:
       )
     if self.remat_every is not None and self.remat_every <= 0:
       _fail("train.remat_every", self.remat_every, "must be a positive int or null")
-    if self.z_loss < 0:
-      _fail("train.z_loss", self.z_loss, "must be >= 0")
+    for name in ("z_loss", "moe_aux_loss", "moe_z_loss", "moe_bias_update_rate"):
+      if getattr(self, name) < 0:
+        _fail(f"train.{name}", getattr(self, name), "must be >= 0")
     if self.loss_chunk < 0:
       _fail(
         "train.loss_chunk",
@@ -352,6 +540,7 @@ class TrainConfig:
       "eval_every",
       "checkpoint_every",
       "eval_batches",
+      "eval_exact_match",
     ):
       if getattr(self, name) < 0:
         _fail(f"train.{name}", getattr(self, name), "must be >= 0")
@@ -360,23 +549,168 @@ class TrainConfig:
         _fail(f"train.{name}", getattr(self, name), "must be in [0, 1]")
 
 
+def _power_of_two(where: str, value: int) -> None:
+  if value < 1 or value & (value - 1):
+    _fail(where, value, "must be a power of two")
+
+
 @dataclasses.dataclass(frozen=True)
-class ServeConfig:
+class EngineConfig:
+  """serve.engine: the paged pool, the scheduler's limits, speculation and the device mesh.
+
+  Counts are per data-parallel replica: each replica holds `n_blocks` blocks of the pool on its
+  devices, runs up to `max_num_seqs` requests and computes up to `max_num_batched_tokens` tokens
+  per step. The fields left None are sized by the engine from the model and the devices
+  (`atlas_jax.serving.sizing`).
+  """
+
+  n_blocks: int | None = None  # P per replica; None: sized from memory
+  block_size: int = 16  # Z, token slots per block
+  # Pool bytes per device (a number > 1), or a fraction in (0, 1] of the memory the weights and
+  # the largest step's activations leave; None: `gpu_memory_utilization`.
+  kv_cache_memory: float | None = None
+  # vLLM's: the fraction of each device's memory the server may use, weights, activations and
+  # pool together (the pool gets what is left).
+  gpu_memory_utilization: float = 0.9
+  max_num_seqs: int | None = None  # running requests at most; None: what the pool holds at
+  # a typical length (`atlas_jax.serving.sizing.TYPICAL_TOKENS`)
+  max_num_batched_tokens: int | None = None  # per-step token budget; None: max(512, seqs)
+  prefill_chunk: int = 256  # most prompt tokens one request computes per step (a power of two)
+  max_model_len: int | None = None  # default: the model's max_seq_len
+  enable_prefix_caching: bool = True
+  decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
+  # With a draft: tokens it proposes per round (None: 4, or the MTP heads' depth with "mtp"),
+  # and the largest batch that speculates.
+  num_speculative_tokens: int | None = None
+  speculative_max_batch: int = 8  # measured: bench/speculative.py --engine
+  # The same for a batch with a guided row, whose rounds pay a host walk of the drafts and
+  # accept fewer of them; measured: bench/speculative.py --engine-guided.
+  guided_speculative_max_batch: int = 4
+  # Rows of a step are padded to a power of two, at least this many: each bucket is one more
+  # compiled shape of every program (warm-up time), each padded row wasted work.
+  min_batch_bucket: int = 1
+  tensor_parallel_size: int = 1  # devices per replica: heads, FFN and vocabulary split over them
+  data_parallel_size: int = 1  # replicas, each with its own requests and pages of the pool
+
+  def __post_init__(self):
+    where = lambda name: f"serve.engine.{name}"
+    for name in (
+      "n_blocks",
+      "block_size",
+      "max_num_seqs",
+      "max_num_batched_tokens",
+      "max_model_len",
+      "decode_burst",
+      "num_speculative_tokens",
+      "speculative_max_batch",
+      "guided_speculative_max_batch",
+      "tensor_parallel_size",
+      "data_parallel_size",
+    ):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _fail(where(name), value, "must be a positive integer")
+    for name in ("prefill_chunk", "min_batch_bucket"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where(name), value, "must be a power of two")
+      _power_of_two(where(name), value)
+    m = self.kv_cache_memory
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int | float) or not m > 0):
+      _fail(
+        where("kv_cache_memory"),
+        m,
+        "must be bytes per device (a number > 1) or a fraction in (0, 1] of the memory the "
+        "weights and activations leave",
+      )
+    if m is not None and m > 1 and m != int(m):
+      _fail(where("kv_cache_memory"), m, "bytes must be a whole number")
+    u = self.gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+      _fail(where("gpu_memory_utilization"), u, "must be a fraction in (0, 1]")
+    seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+    if seqs is not None and budget is not None and budget < seqs:
+      _fail(
+        where("max_num_batched_tokens"),
+        budget,
+        f"must be >= serve.engine.max_num_seqs={seqs} (one decode token per running request)",
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """serve.limits: what one HTTP request (or batch-mode line) may ask for."""
+
+  max_prompt_tokens: int | None = None  # default: the engine's context length
+  max_tokens: int | None = None  # the most `max_tokens` may ask for; default: the context length
+  max_n: int = 4  # choices per request
+  max_body_bytes: int = 1 << 20
+
+  def __post_init__(self):
+    for name in ("max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        _fail(f"serve.limits.{name}", value, "must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+  """serve.sampling: how a request samples where it does not say (a Hugging Face folder's
+  generation_config.json replaces these; serve.py's flags replace both)."""
+
   max_new_tokens: int = 64
   temperature: float = 0.0  # 0: greedy
   top_k: int = 0  # 0: off
   top_p: float = 1.0
-  max_batch: int = 8
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
   seed: int = 0
 
   def __post_init__(self):
-    _positive("serve", self, "max_new_tokens", "max_batch")
+    _positive("serve.sampling", self, "max_new_tokens", "repetition_penalty")
     if self.temperature < 0:
-      _fail("serve.temperature", self.temperature, "must be >= 0 (0 is greedy)")
-    if self.top_k < 0:
-      _fail("serve.top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+      _fail("serve.sampling.temperature", self.temperature, "must be >= 0 (0 is greedy)")
+    if self.top_k < -1:
+      _fail("serve.sampling.top_k", self.top_k, "must be >= -1 (0 or -1 disables top-k)")
     if not 0.0 < self.top_p <= 1.0:
-      _fail("serve.top_p", self.top_p, "must be in (0, 1]")
+      _fail("serve.sampling.top_p", self.top_p, "must be in (0, 1]")
+    if not 0.0 <= self.min_p <= 1.0:
+      _fail("serve.sampling.min_p", self.min_p, "must be in [0, 1]")
+    if self.seed < 0:
+      _fail("serve.sampling.seed", self.seed, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """How serve.py serves: the engine, the request limits and the sampling defaults."""
+
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+  sampling: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
+
+
+# Run directories written before `serve:` had sections hold these flat fields.
+LEGACY_SERVE_FIELDS = {
+  "max_new_tokens": "sampling",
+  "temperature": "sampling",
+  "top_k": "sampling",
+  "top_p": "sampling",
+  "seed": "sampling",
+  "max_batch": "engine.max_num_seqs",
+}
+
+
+def _migrate_serve(data: dict[str, Any]) -> None:
+  """Moves a flat `serve:` section's fields into their sections, in place."""
+  serve = data.get("serve")
+  if not isinstance(serve, dict):
+    return
+  for name, target in LEGACY_SERVE_FIELDS.items():
+    if name in serve:
+      section, _, field = target.partition(".")
+      node = serve.setdefault(section, {})
+      if isinstance(node, dict):
+        node.setdefault(field or name, serve.pop(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +724,19 @@ class Config:
 
   def __post_init__(self):
     k = self.train.remat_every
-    if k is not None and self.model.n_layers % k:
+    runs = [n for _, n in self.model.layer_runs()]
+    if k is not None and any(n % k for n in runs):
+      where = (
+        f"model.n_layers={self.model.n_layers}"
+        if len(runs) == 1
+        else (f"every run of identical layers (dense and MoE runs of {runs} layers)")
+      )
+      _fail("train.remat_every", k, f"must divide {where} (groups of k)")
+    if self.train.eval_exact_match and self.data.format == "text":
       _fail(
-        "train.remat_every", k, f"must divide model.n_layers={self.model.n_layers} (groups of k)"
+        "train.eval_exact_match",
+        self.train.eval_exact_match,
+        "needs supervised examples to score (data.format chat or completion); 0 for text",
       )
     if self.mesh.stage != -1:  # -1: checked once the mesh is built
       check_pipeline(self.model, self.train, stages=self.mesh.stage)
@@ -404,7 +748,13 @@ class Config:
       )
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only
+    plain types)."""
+    return dataclasses.asdict(self, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+
+
+def _plain(value: Any) -> Any:
+  return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def check_pipeline(
@@ -412,11 +762,16 @@ def check_pipeline(
 ) -> None:
   """Raises ConfigError for a pipeline the layers or the batch cannot be split into.
 
+  The stages split one stack of identical layers: every layer of a dense model, the MoE layers of
+  a mixture-of-experts model (its dense layers, which must all come first, run before the
+  pipeline; `pipelined_layers`).
+
   Args:
     stages: the mesh's `stage` size (p).
-    batch_shards: data-parallel devices (data x fsdp), where known: checks the batch split.
+    batch_shards: data-parallel devices (data x fsdp x expert), where known: checks the batch
+      split.
   """
-  U, r, L = train.pipeline_microbatches, train.pipeline_repeats, model.n_layers
+  U, r = train.pipeline_microbatches, train.pipeline_repeats
   if stages == 1:
     # Micro-batches without stages would only repeat what train.grad_accum does.
     for name, value in (("pipeline_microbatches", U), ("pipeline_repeats", r)):
@@ -428,12 +783,21 @@ def check_pipeline(
           "or use train.grad_accum for micro-batches without stages",
         )
     return
+  L = pipelined_layers(model, stages=stages)
   if L % (stages * r):
+    if L == model.n_layers:
+      _fail(
+        "model.n_layers",
+        L,
+        f"must be divisible by mesh.stage x train.pipeline_repeats = {stages} x {r} (each stage "
+        "runs n_layers / (stage x repeats) contiguous layers per repeat)",
+      )
     _fail(
       "model.n_layers",
-      L,
-      f"must be divisible by mesh.stage x train.pipeline_repeats = {stages} x {r} (each stage "
-      "runs n_layers / (stage x repeats) contiguous layers per repeat)",
+      model.n_layers,
+      f"leaves {L} MoE layers after the {model.n_layers - L} dense ones, and the pipeline stages "
+      f"split the MoE layers: their count must be divisible by mesh.stage x "
+      f"train.pipeline_repeats = {stages} x {r}",
     )
   if r > 1 and U < stages:
     _fail(
@@ -448,7 +812,9 @@ def check_pipeline(
     _fail(
       "train.remat_every",
       k,
-      f"must divide the layers a stage runs at a time, n_layers / (stage x repeats) = {per_stage}",
+      f"must divide the layers a stage runs at a time, "
+      f"{'n_layers' if L == model.n_layers else f'the {L} MoE layers'} / (stage x repeats) = "
+      f"{per_stage}",
     )
   if batch_shards is None:
     return
@@ -459,9 +825,35 @@ def check_pipeline(
       "train.batch_size",
       B,
       f"must split into train.grad_accum={A} x {batch_shards} data-parallel shards (mesh.data x "
-      f"mesh.fsdp) whose rows divide by train.pipeline_microbatches={U} and by mesh.stage="
-      f"{stages}: a multiple of {A * batch_shards * math.lcm(U, stages)}",
+      f"mesh.fsdp x mesh.expert) whose rows divide by train.pipeline_microbatches={U} and by "
+      f"mesh.stage={stages}: a multiple of {A * batch_shards * math.lcm(U, stages)}",
     )
+
+
+def pipelined_layers(model: ModelConfig, *, stages: int) -> int:
+  """The layers pipeline stages split: all of a dense model's, the MoE layers of an MoE model.
+
+  Raises ConfigError when an MoE model's dense layers do not all come before its MoE ones
+  (`stages` names the mesh.stage the error is for)."""
+  runs = model.layer_runs()
+  kinds = [sparse for sparse, _ in runs]
+  if kinds in ([False], [True], [False, True]):
+    return runs[-1][1]
+  moe = model.moe
+  field, value = (
+    ("model.moe.sparse_step", moe.sparse_step)
+    if moe.sparse_step != 1
+    else ("model.moe.dense_layers", list(moe.dense_layers))
+  )
+  layout = ", ".join(f"{'MoE' if sparse else 'dense'} x{n}" for sparse, n in runs)
+  _fail(
+    field,
+    value,
+    f"with mesh.stage={stages} the dense layers must all come before the MoE ones (the stages "
+    "split the MoE layers; the dense ones run before the pipeline): model.moe.sparse_step=1 and "
+    f"model.moe.dense_layers only among the first layers (or model.moe.first_k_dense); these "
+    f"layers run as {layout}",
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +893,11 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     if value not in typing.get_args(tp):
       _fail(field, value, f"expected {_describe(tp)}")
     return value
+  if origin is tuple:
+    (item, _) = typing.get_args(tp)  # tuple[X, ...]
+    if not isinstance(value, list | tuple):
+      _fail(field, value, f"expected a list of {_describe(item)}")
+    return tuple(_coerce(item, v, f"{field}[{i}]") for i, v in enumerate(value))
   if dataclasses.is_dataclass(tp):
     if isinstance(value, tp):
       return value
@@ -529,6 +926,11 @@ def _coerce(tp: Any, value: Any, field: str) -> Any:
     if not isinstance(value, str):
       _fail(field, value, "expected a string")
     return value
+  if origin is tuple:  # tuple[X, ...]: a YAML list
+    (item, _) = typing.get_args(tp)
+    if not isinstance(value, list | tuple):
+      _fail(field, value, f"expected a list of {_describe(item)}")
+    return tuple(_coerce(item, v, f"{field}[{i}]") for i, v in enumerate(value))
   raise TypeError(f"unsupported config field type {tp!r} for {field}")
 
 
@@ -569,7 +971,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides."""
+  """Loads a YAML preset (or the defaults when `path` is None) and applies overrides.
+
+  A preset that fine-tunes (train.init_from) takes its model from the source: see
+  `atlas_jax.sources.load_config`, which reads it.
+  """
+  return build(Config, read_config(path, overrides))
+
+
+def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+  """The plain data of a YAML preset with the overrides applied, before any check."""
   data: dict[str, Any] = {}
   if path is not None:
     path = Path(path)
@@ -584,7 +995,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     data = loaded
   apply_overrides(data, overrides)
-  return build(Config, data)
+  _migrate_serve(data)
+  return data
 
 
 def dump_config(cfg: Config) -> str:

@@ -17,6 +17,11 @@ Figures are the vendors' per-chip specifications (dense, no structured sparsity)
   (v4: 275 TFLOPS, 32 GiB, 1,228 GB/s; v5e: 197 TFLOPS, 16 GB, 819 GB/s; v5p: 459 TFLOPS,
   95 GB, 2,765 GB/s; v6e: 918 TFLOPS, 32 GB, 1,640 GB/s).
 * AMD MI300X: "AMD Instinct MI300X" datasheet (1,307.4 TFLOPS BF16 dense, 192 GB HBM3, 5.3 TB/s).
+
+Link bandwidth (what a tensor-parallel all-reduce moves per direction, per GPU) for the NVLink
+parts: half the datasheets' bidirectional NVLink figures (A100 SXM 600 GB/s, H100 and H200 SXM
+900 GB/s, B200 1.8 TB/s); unknown (None) for the others, whose serving plans then leave the
+all-reduce time out and say so.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Device:
   hbm_bytes: int  # device memory per chip
   hbm_bytes_per_s: float  # device memory bandwidth per chip
   aliases: tuple[str, ...] = ()  # other spellings, e.g. jax's device_kind
+  link_bytes_per_s: float | None = None  # interconnect bandwidth per direction per chip
 
 
 _GB = 10**9
@@ -39,12 +45,12 @@ _GIB = 2**30
 DEVICES: dict[str, Device] = {
   d.name: d
   for d in (
-    Device("A100", 312e12, 80 * _GB, 2039e9, ("A100-SXM", "A100-SXM4-80GB", "A100 80GB")),
-    Device("A100-40GB", 312e12, 40 * _GB, 1555e9, ("A100-SXM4-40GB",)),
-    Device("H100", 989e12, 80 * _GB, 3.35e12, ("H100-SXM", "H100 80GB HBM3", "H800")),
+    Device("A100", 312e12, 80 * _GB, 2039e9, ("A100-SXM", "A100-SXM4-80GB", "A100 80GB"), 300e9),
+    Device("A100-40GB", 312e12, 40 * _GB, 1555e9, ("A100-SXM4-40GB",), 300e9),
+    Device("H100", 989e12, 80 * _GB, 3.35e12, ("H100-SXM", "H100 80GB HBM3", "H800"), 450e9),
     Device("H100-PCIe", 756e12, 80 * _GB, 2.0e12, ("H100 PCIe",)),
-    Device("H200", 989e12, 141 * _GB, 4.8e12, ("H200-SXM", "NVIDIA H200")),
-    Device("B200", 2250e12, 180 * _GB, 8.0e12, ("NVIDIA B200",)),
+    Device("H200", 989e12, 141 * _GB, 4.8e12, ("H200-SXM", "NVIDIA H200"), 450e9),
+    Device("B200", 2250e12, 180 * _GB, 8.0e12, ("NVIDIA B200",), 900e9),
     Device("L4", 121e12, 24 * _GB, 300e9, ("NVIDIA L4",)),
     Device("MI300X", 1307.4e12, 192 * _GB, 5.3e12, ("AMD Instinct MI300X",)),
     Device("TPU v4", 275e12, 32 * _GIB, 1228e9, ("v4", "TPU-v4")),

@@ -39,7 +39,13 @@ from atlas_jax.config import Config, ModelConfig
 from atlas_jax.model import Transformer, build
 from atlas_jax.training import sharding as shd
 from atlas_jax.training.precision import training_model_config
-from atlas_jax.training.step import build_model, make_train_step, make_trainer, objective
+from atlas_jax.training.step import (
+  build_model,
+  make_train_step,
+  make_trainer,
+  objective,
+  split_trainable,
+)
 
 
 def _nbytes(tree) -> int:
@@ -84,9 +90,11 @@ def train_state_bytes(cfg: Config, mesh: Mesh | None = None) -> dict[str, int]:
   """Per-device bytes of parameters, gradients and optimizer state as the trainer shards them."""
   trainer = make_trainer(cfg, mesh=mesh)
   abstract = trainer.abstract_state()
+  trainable, _ = split_trainable(cfg, abstract.params)
   return {
     "params": shd.sharded_bytes(abstract.params, trainer.state_shardings.params),
-    "grads": shd.sharded_bytes(abstract.params, trainer.grad_shardings),
+    # What is differentiated: the Params, or with LoRA the adapters.
+    "grads": shd.sharded_bytes(trainable, trainer.grad_shardings),
     "opt_state": shd.sharded_bytes(abstract.opt_state, trainer.state_shardings.opt_state),
   }
 

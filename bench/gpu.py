@@ -92,6 +92,7 @@ def serving(smoke: bool) -> None:
   model = build(cfg, rngs=nnx.Rngs(0))
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {cfg}", flush=True)
   serve_bench.print_ratio_tables(model, batches, prompt_len, new_tokens, repeat=1, burst=8)
+  print_pool_from_memory(model)
 
   peer_batch = batches[min(1, len(batches) - 1)]
   ours = serve_bench.engine_vs_generate(
@@ -114,6 +115,24 @@ def serving(smoke: bool) -> None:
         print(f"| transformers ({name}) | {peer_batch} | failed: {type(e).__name__} | - |")
         continue
       print(f"| transformers ({name}) | {peer_batch} | {theirs:.0f} | {ours / theirs:.2f} |")
+
+
+def print_pool_from_memory(model) -> None:
+  """The pool serve.py's default engine sizes from this device's memory (where it reports it)."""
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  engine = Engine(model, EngineConfig())
+  s, c = engine.pool_size, engine.config
+  print("\n## the pool sized from device memory (serve.py's defaults)")
+  print("| memory | weights + in use | largest step | pool | blocks | tokens | max_num_seqs |")
+  print("|---|---|---|---|---|---|---|")
+  gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
+  print(
+    f"| {gib(s.memory)} | {gib(s.used)} | {gib(s.activations)} | {gib(s.pool_bytes)} | "
+    f"{c.n_blocks} | {c.n_blocks * c.block_size} | {c.max_num_seqs} |",
+    flush=True,
+  )
+  del engine
 
 
 def transformers_tok_s(folder, prompts, new_tokens: int, *, compiled: bool, smoke: bool) -> float:

@@ -69,11 +69,14 @@ def run_jax(preset: str, smoke: bool, warmup: int, steps: int) -> dict:
   import jax
   import train_step
 
-  from atlas_jax.training.metrics import flops_per_token, matmul_params, peak_memory_bytes
+  from atlas_jax.plan.compute import train_flops_per_token
+  from atlas_jax.training.metrics import matmul_params, peak_memory_bytes
 
   cfg = preset_config(preset, smoke)
   step, state = train_step.build(cfg)
-  flops_tok = flops_per_token(cfg.model, matmul_params(state.params), cfg.train.seq_len)
+  flops_tok = train_flops_per_token(
+    cfg.model, cfg.train.seq_len, n_matmul_params=matmul_params(state.params)
+  )
   batches = train_step.random_batches(cfg, warmup + steps)
   compile_s, seconds, metrics = train_step.run(step, state, batches, warmup)
   return {

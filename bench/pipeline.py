@@ -79,7 +79,7 @@ def busy_share(cfg: Config) -> float:
   def step(x, layer, rows):
     return nnx.merge(graphdef, layer)(x, rows[0])[0], None
 
-  run = jax.jit(lambda b, x: model.pipeline.run(step, x, b, rows)[1])
+  run = jax.jit(lambda b, x: model.pipeline.run(step, x, b, rows)[2])
   return float(np.asarray(run(blocks, jnp.zeros((B, T, D)))).mean())
 
 

@@ -18,10 +18,15 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    each step (O(n) vs O(n^2) work per sequence), as a table over n.
 4. start-up (`--only startup`): six parallel short requests on serve.py's default engine, cold
    (compiling as they go) and again, against an engine compiled at start-up (`Engine.warmup`).
+5. on a mesh (`--tensor-parallel-size N`, `--data-parallel-size M`): the engine's per-device
+   bytes (weights, a pool block, the pool) read off its arrays beside the planner's figures for
+   the same layout, and its offline tokens/s beside one device's. On fake CPU devices
+   (`--cpu-devices 8`) the bytes are real and the tokens/s are not evidence of anything.
 
     python bench/serve.py [--requests 64] [--rate 8] [--batch 8] [--config configs/tiny.yaml]
     python bench/serve.py --only ratio --batches 8,32,64 --prompt-len 128 --new-tokens 256
     python bench/serve.py --only startup
+    python bench/serve.py --cpu-devices 8 --tensor-parallel-size 4 --data-parallel-size 2
 
 On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """
@@ -32,8 +37,15 @@ import argparse
 import functools
 import os
 import platform
+import sys
 import tempfile
 import time
+
+if __name__ == "__main__" and "--cpu-devices" in sys.argv:  # before jax starts
+  _n = sys.argv[sys.argv.index("--cpu-devices") + 1]
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+  )
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +59,7 @@ from atlas_jax.config import load_config
 from atlas_jax.decoding.generate import generate
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.model.transformer import Transformer
+from atlas_jax.plan import memory
 from atlas_jax.serving.engine import Engine, EngineConfig
 
 
@@ -279,14 +292,7 @@ def startup(cfg, n_requests: int = 6) -> None:
     [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lengths] for _ in "ab"
   )
   params = SamplingParams(max_new_tokens=32)
-  config = EngineConfig(  # serve.py's defaults
-    n_blocks=8 * -(-cfg.max_seq_len // 16),
-    block_size=16,
-    max_num_seqs=8,
-    max_num_batched_tokens=512,
-    prefill_chunk=256,
-    max_model_len=cfg.max_seq_len,
-  )
+  config = EngineConfig()  # serve.py's defaults
 
   def timed(fn, *args):
     start = time.perf_counter()
@@ -308,6 +314,40 @@ def startup(cfg, n_requests: int = 6) -> None:
     t_next = timed(engine.generate, second, params)
     name = "compiled at start-up" if warm else "cold"
     print(f"| {name} | {warmup:.1f} | {t_first:.2f} | {t_next:.2f} |")
+    del engine  # its pool, sized from device memory, before the next one is sized
+
+
+def on_a_mesh(model: Transformer, tensor: int, data: int, *, batch: int, new_tokens: int) -> None:
+  """Prints per-device bytes measured on the engine's arrays and planned, for one device and
+  for data x tensor, and each engine's offline tokens/s on `batch` requests."""
+  cfg = model.cfg
+  c = jnp.dtype(cfg.dtype).itemsize
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(batch * data)]
+  params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+  print(f"\n## on a mesh: {len(jax.devices())} {jax.devices()[0].platform} devices")
+  print(
+    "| data x tensor | weights / device | planned | pool block / device | planned | "
+    "pool / device | blocks / replica | output tok/s |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for dp, tp in sorted({(1, 1), (data, tensor)}):
+    engine = Engine(
+      model,
+      EngineConfig(max_num_seqs=batch, data_parallel_size=dp, tensor_parallel_size=tp),
+    )
+    r = engine.runner
+    engine.generate(prompts[:2], params)  # compiles what the measured run needs
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    tok_s = len(prompts) * new_tokens / (time.perf_counter() - start)
+    weights = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
+    block = memory.serving_kv_bytes_per_token(cfg, tensor=tp, dtype_bytes=c) * 16
+    print(
+      f"| {dp} x {tp} | {r.weight_bytes:,} | {weights:,} | {r.block_bytes():,} | {block:,} | "
+      f"{r.pool_bytes:,} | {engine.config.n_blocks} | {tok_s:.0f} |"
+    )
+    del engine, r  # its pool, sized from device memory, before the next one is sized
 
 
 def main(argv=None) -> None:
@@ -330,6 +370,9 @@ def main(argv=None) -> None:
   p.add_argument("--repeat", type=int, default=3)
   p.add_argument("--burst", type=int, default=8, help="the engine's decode_burst")
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
+  p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+  p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+  p.add_argument("--cpu-devices", type=int, help="fake CPU devices (set before jax starts)")
   args = p.parse_args(argv)
 
   cfg = load_config(args.config, args.set).model
@@ -342,6 +385,14 @@ def main(argv=None) -> None:
   )
   if args.only == "startup":
     return startup(cfg)
+  if args.tensor_parallel_size * args.data_parallel_size > 1:
+    return on_a_mesh(
+      model,
+      args.tensor_parallel_size,
+      args.data_parallel_size,
+      batch=args.batch,
+      new_tokens=args.new_tokens,
+    )
   if args.only != "rest":
     batches = [int(b) for b in args.batches.split(",")]
     print_ratio_tables(model, batches, args.prompt_len, args.new_tokens, args.repeat, args.burst)

@@ -206,6 +206,18 @@ def test_train_names_a_bad_jsonl_line(tmp_path, capsys):
     (["--max-batch", "-2"], "--max-batch=-2 is not allowed: must be a positive integer"),
     (["--prefill-chunk", "48"], "--prefill-chunk=48 is not allowed: must be a power of two"),
     (["--port", "70000"], "--port=70000 is not allowed: must be in [1, 65535]"),
+    # The engine's flags are aliases of serve.engine's fields: one set of checks, named as given.
+    (
+      ["--tensor-parallel-size", "4", "-dp", "4"],
+      "--tensor-parallel-size=4 x -dp=4 needs 16 devices",
+    ),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is not allowed: must be a positive integer"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 is not allowed"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory=0.0 is not allowed: must be bytes per device"),
+    (
+      ["--max-num-seqs", "8", "--max-num-batched-tokens", "4"],
+      "--max-num-batched-tokens=4 is not allowed: must be >= --max-num-seqs=8",
+    ),
     (["--output", "{tmp}/missing/out.jsonl"], "the folder {tmp}/missing does not exist"),
     (["--output", "{tmp}"], "is a folder; give a file path"),
     (["--prompt", "ok \udcff"], "--prompt 2: the text cannot be encoded as UTF-8 (character 3"),
@@ -218,6 +230,37 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
   err = capsys.readouterr().err
   want = message.replace("{tmp}", str(tmp_path))
   assert want in err and err.startswith("error: --") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--set", "serve.engine.prefill_chunk=48"], "serve.engine.prefill_chunk=48 is not allowed"),
+    (["--set", "serve.engine.colour=red"], "serve.engine.colour is not a known field; allowed:"),
+    (["--set", "model.n_layers=2"], "--set model.n_layers=2 is not allowed: serve.py takes"),
+    (
+      ["--set", "serve.sampling.top_p=2"],
+      "--set serve.sampling.top_p=2: invalid value for 'top_p'",
+    ),
+  ],
+)
+def test_serve_set_fields_are_checked_by_name(tmp_path, capsys, argv, message):
+  assert serve.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", *argv]) == 2
+  err = capsys.readouterr().err
+  assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_set_and_flags_make_one_config():
+  args = serve.parse_args(
+    ["--checkpoint", "none", "--prompt", "x", "--set", "serve.engine.block_size=8", "-tp", "2"]
+  )
+  args.set += ["serve.limits.max_n=3", "serve.engine.max_num_seqs=5", "serve.sampling.top_k=7"]
+  args.max_num_seqs = 6  # the flag wins over --set
+  serve.fill_defaults(args)
+  config = serve.check_args(args)
+  assert (config.engine.block_size, config.engine.tensor_parallel_size) == (8, 2)
+  assert (config.engine.max_num_seqs, config.limits.max_n, config.sampling.top_k) == (6, 3, 7)
+  assert args.sources["top_k"] == "--set serve.sampling.top_k"
 
 
 def test_serve_rejects_a_context_past_the_model(run_dir, capsys):
@@ -254,8 +297,8 @@ def test_serve_prints_hf_load_errors_as_one_line(tmp_path, capsys, damage):
 def test_serve_samples_as_the_run_says_unless_told(run_dir):
   from atlas_jax.config import ServeConfig, load_config
 
-  run = load_config(run_dir / "config.yaml").serve
-  assert run.temperature != ServeConfig().temperature  # tiny.yaml samples; the default is greedy
+  run = load_config(run_dir / "config.yaml").serve.sampling
+  assert run.temperature != ServeConfig().sampling.temperature  # tiny.yaml samples; greedy default
   args = serve.parse_args(["--checkpoint", str(run_dir), "--prompt", "x"])
   serve.fill_defaults(args)
   assert (args.temperature, args.top_k, args.max_new_tokens) == (

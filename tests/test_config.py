@@ -55,7 +55,9 @@ def test_head_dim_defaults_to_d_model_over_heads():
     (["mesh.data=-1", "mesh.fsdp=-1"], ["mesh", "at most one axis"]),
     (["train.seq_len=1024"], ["train.seq_len=1024", "max_seq_len=512"]),
     (["train.b2=1.5"], ["train.b2=1.5", "[0, 1]"]),
-    (["serve.top_p=0"], ["serve.top_p=0", "(0, 1]"]),
+    (["serve.sampling.top_p=0"], ["serve.sampling.top_p=0", "(0, 1]"]),
+    (["serve.engine.prefill_chunk=48"], ["serve.engine.prefill_chunk=48", "power of two"]),
+    (["serve.engine.kv_cache_memory=-1"], ["serve.engine.kv_cache_memory=-1", "bytes"]),
     (["model.n_layers"], ["model.n_layers", "section.field=value"]),
   ],
 )

@@ -1,5 +1,7 @@
-"""Hugging Face parity for DeepSeek-V3-family folders: MLA layers, YaRN, MTP modules."""
+"""Hugging Face parity for dense DeepSeek-V3-family folders: MLA layers, YaRN, MTP modules (the
+mixture-of-experts ones are in tests/test_hf_moe.py)."""
 
+import dataclasses
 import json
 
 import jax
@@ -109,10 +111,11 @@ def test_mtp_modules_load_and_match_transformers_mtp_layer(tmp_path):
   from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
   J, L = 2, 2
-  ref = build_hf(tmp_path, rope_parameters=YARN)
+  # Dense MTP blocks too: their layer indices L + j < first_k_dense_replace (MoE ones are in
+  # tests/test_hf_moe.py).
+  ref = build_hf(tmp_path, rope_parameters=YARN, first_k_dense_replace=L + J)
   cfg = ref.config
-  # Dense MTP blocks: layer_idx 0 < first_k_dense_replace (transformers' MtpModel would use MoE).
-  layers = [MtpLayer(cfg, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, 0) for _ in range(J)]
+  layers = [MtpLayer(cfg, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, L + j) for j in range(J)]
   tensors = load_file(str(tmp_path / "model.safetensors"))
   for j, layer in enumerate(layers):
     randomise(layer, 0.2)
@@ -155,24 +158,35 @@ def test_mtp_modules_load_and_match_transformers_mtp_layer(tmp_path):
     np.testing.assert_allclose(np.asarray(main), ref(tt).logits.numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_mixture_of_experts_is_rejected(tmp_path):
-  (tmp_path / "config.json").write_text(
-    json.dumps(
-      {
-        "model_type": "deepseek_v3",
-        "num_hidden_layers": 4,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 8,
-        "vocab_size": V,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_attention_heads": 4,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 12,
-        "v_head_dim": 10,
-      }
-    )
+def test_dense_mla_model_with_mtp_exports_to_transformers(tmp_path):
+  """A deepseek-tiny-shaped model (dense MLA layers, one MTP module) saves as deepseek_v3:
+  transformers reads the trunk to our logits; we read the MTP module back too."""
+  from flax import nnx
+
+  from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
+  from atlas_jax.model import build
+
+  cfg = ModelConfig(
+    vocab_size=V,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=2,
+    ffn_dim=48,
+    init_std=0.1,
+    mla=MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+    mtp=MTPConfig(n_predict=1),
   )
-  with pytest.raises(hf.HFLoadError, match="mixture-of-experts.*first_k_dense_replace"):
-    hf.load(tmp_path)
+  model = build(cfg, rngs=nnx.Rngs(0))
+  hf.save(model, tmp_path)
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  toks = np.random.RandomState(3).randint(0, V, (2, 16))
+  with torch.no_grad():
+    want = back(torch.tensor(toks)).logits.numpy()
+  np.testing.assert_allclose(logits_of(model, toks), want, atol=1e-4, rtol=1e-4)
+  again = hf.load(tmp_path)
+  assert again.cfg == dataclasses.replace(cfg, init_std=again.cfg.init_std)
+  t = jnp.asarray(toks, jnp.int32)
+  np.testing.assert_array_equal(
+    np.asarray(again.forward_mtp(t)[1]), np.asarray(model.forward_mtp(t)[1])
+  )

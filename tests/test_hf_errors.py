@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from atlas_jax import hf, hf_deepseek
+from atlas_jax import hf
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.transformer import Transformer
 
@@ -148,11 +148,10 @@ DEEPSEEK = {
 def deepseek_folder(path, *, transpose=None, **config):
   """A deepseek_v3 folder holding a tensor of the right shape under every expected name."""
   hf_config = {**DEEPSEEK, **config}
-  cfg = hf_deepseek.config_from_hf(hf_config)
   rng = np.random.default_rng(0)
   tensors = {
     n: rng.normal(0, 0.1, shape).astype(np.float32)
-    for n, (shape, _) in hf_deepseek._shapes(cfg).items()
+    for n, shape in hf.tensor_shapes(hf_config).items()
   }
   if transpose:
     tensors[transpose] = np.ascontiguousarray(tensors[transpose].T)

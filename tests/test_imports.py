@@ -10,8 +10,6 @@ the curated public API that imports everything, is left out of the package graph
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).parents[1]
 SOURCES = {"atlas_jax": ROOT / "atlas_jax", "atlas_jax.kernels": ROOT / "kernels"}
 
@@ -117,22 +115,9 @@ def test_the_graph_sees_real_imports():
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# Two cycles that the serving and mixture-of-experts changes remove (generate and speculative
-# decoding meet in one drafter module; the Hugging Face import becomes a package of families).
-KNOWN = [
-  ["atlas_jax.decoding.generate", "atlas_jax.decoding.speculative"],
-  ["atlas_jax.hf", "atlas_jax.hf_deepseek"],
-]
-
-
 def test_no_module_imports_one_that_imports_it_back():
-  assert [c for c in cycles(graph()) if c not in KNOWN] == []
+  assert cycles(graph()) == []
 
 
 def test_no_package_imports_one_that_imports_it_back():
-  assert [c for c in cycles(package_graph(graph())) if c not in KNOWN] == []
-
-
-@pytest.mark.xfail(strict=True, reason="the two known cycles, until the changes that remove them")
-def test_the_known_cycles_are_gone():
-  assert cycles(graph()) == []
+  assert cycles(package_graph(graph())) == []

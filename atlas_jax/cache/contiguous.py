@@ -35,6 +35,14 @@ def write_rows(cache_LBS_: Array, layer: Array, new_BT_: Array, start_B: Array) 
   return cache_LBS_.at[layer, rows_BT, pos_BT].set(new_BT_.astype(cache_LBS_.dtype), mode="drop")
 
 
+def row_slots(positions_BT: Array, capacity: int) -> Array:
+  """i32[B, T] each position's slot in a [B * S] flattening of a row-major cache; -1 where
+  negative (padding)."""
+  B = positions_BT.shape[0]
+  rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
+  return jnp.where(positions_BT >= 0, rows_B1 * capacity + positions_BT, -1)
+
+
 def as_pages(cache_LBS_: Array) -> tuple[Array, Array]:
   """A stacked contiguous cache [L, B, S, ...] as a paged pool [L, B * S / Z, Z, ...] (a free
   reshape, Z the largest power of two up to 64 dividing S) and its block table i32[B, S / Z]."""
@@ -189,6 +197,9 @@ class KVCache:
     k, v = layers
     return self.replace(k=k, v=v, lengths=self.lengths + positions_BT.shape[1])
 
+  def slots(self, positions_BT: Array) -> Array:
+    return row_slots(positions_BT, self.capacity)
+
 
 @struct.dataclass
 class LatentCache:
@@ -233,3 +244,6 @@ class LatentCache:
   def advance(self, layers, positions_BT) -> LatentCache:
     (c,) = layers
     return self.replace(c=c, lengths=self.lengths + positions_BT.shape[1])
+
+  def slots(self, positions_BT: Array) -> Array:
+    return row_slots(positions_BT, self.capacity)

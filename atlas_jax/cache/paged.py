@@ -23,6 +23,13 @@ pool donated under `jit`, so in place) and attend through the paged kernels, whi
 in place through the block table: `kernels.paged_attention` for one KV decode token,
 `kernels.mla_decode` for one latent decode token. Several tokens per row (prefill chunks, padded)
 gather the pages densely and mask by position.
+
+On a device mesh (`PoolLayout`), a pool's pages are split over the `data` axis (each replica
+holds its own, and its rows' block tables name only them: global ids, replica r owning
+[r * P, (r + 1) * P) for P pages per replica) and a KV pool's kv heads over the `tensor` axis
+(an MLA latent pool is held whole by every tensor device: its one latent serves every head).
+Every write and read of a pool runs per shard (`jax.shard_map`) on the replica's own pages and
+the device's own heads, so no device ever gathers another's entries; the kernels are the same.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
 from atlas_jax.cache.protocol import added_tokens
@@ -137,6 +146,72 @@ def gather_pages(pool_PZ_: Array, block_table: Array, lengths: Array, *, layer=N
   return jnp.where(valid, dense_BS_, jnp.zeros((), pool_PZ_.dtype))
 
 
+# -- placement on a device mesh ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """Where a paged pool and the arrays of a call over it lie on a device mesh.
+
+  `rules` map logical axes to mesh axes (the serving rules table, `atlas_jax.serving.mesh`):
+  "batch" (a call's rows) and "pages" (a pool's blocks) to the data axis, "q_heads" and
+  "kv_heads" to the tensor axis, or not at all for a model whose heads every device holds.
+  """
+
+  mesh: Mesh
+  rules: tuple[tuple[str, str], ...]  # (logical axis, mesh axis) pairs; hashable, so static
+
+  def spec(self, *axes: str | None) -> P:
+    """The PartitionSpec of an array with these logical axes."""
+    rules = dict(self.rules)
+    return P(*(rules.get(a) if a else None for a in axes))
+
+  @property
+  def data(self) -> str | None:
+    return dict(self.rules).get("pages")
+
+  def shard(self, fn, in_specs, out_specs):
+    """`fn` run on every device's shards (no check of replication: the specs say it)."""
+    return jax.shard_map(
+      fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+def per_shard(layout: PoolLayout | None, fn, in_specs, out_specs):
+  """`fn` on every shard under `layout`, or `fn` itself without one (a single device)."""
+  return fn if layout is None else layout.shard(fn, in_specs, out_specs)
+
+
+def local_table(block_table_BM: Array, layout: PoolLayout | None, n_blocks: int) -> Array:
+  """Inside a shard: the block table's global ids as ids into this replica's own `n_blocks`
+  pages. Entries naming another replica's pages (padding past a row's blocks, never read) are
+  clamped into range."""
+  data = None if layout is None else layout.data
+  if data is None:
+    return block_table_BM
+  first = jax.lax.axis_index(data) * n_blocks
+  return jnp.clip(block_table_BM - first, 0, n_blocks - 1)
+
+
+def copy_pages(array_LP_: Array, src_c: Array, dst_c: Array, layout: PoolLayout | None) -> Array:
+  """Copies pages src -> dst (i32[c] global ids each) of a pool array [L, P, ...], in every L.
+
+  Per replica: each copies the pairs of its own pages (a copy-on-write never crosses replicas).
+  """
+
+  def local(a_LP_, src_c, dst_c):
+    n = a_LP_.shape[1]
+    if layout is not None and layout.data is not None:
+      first = jax.lax.axis_index(layout.data) * n
+      mine_c = (dst_c >= first) & (dst_c < first + n)
+      src_c = jnp.clip(src_c - first, 0, n - 1)
+      dst_c = jnp.where(mine_c, dst_c - first, n)  # out of range: dropped
+    return a_LP_.at[:, dst_c].set(a_LP_[:, src_c], mode="drop")
+
+  spec = None if layout is None else layout.spec(None, "pages", *(None,) * (array_LP_.ndim - 2))
+  return per_shard(layout, local, (spec, P(), P()), spec)(array_LP_, src_c, dst_c)
+
+
 # -- pools ---------------------------------------------------------------------------------------
 
 
@@ -147,6 +222,9 @@ class KVPool:
 
   k: Array  # [L, P, Z, K, H]
   v: Array  # [L, P, Z, K, H]
+
+  # Every array's logical axes, which the serving rules table maps to the mesh.
+  logical_axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")
 
   @classmethod
   def init(
@@ -172,8 +250,8 @@ class KVPool:
   def with_arrays(self, arrays) -> KVPool:
     return KVPool(*arrays)
 
-  def layer(self, storage, layer, block_table: Array, kv_lengths: Array) -> PagedKVLayer:
-    return PagedKVLayer(*storage, layer, block_table, kv_lengths)
+  def layer(self, storage, layer, block_table, kv_lengths, layout=None) -> PagedKVLayer:
+    return PagedKVLayer(*storage, layer, block_table, kv_lengths, layout)
 
 
 @jax.tree_util.register_dataclass
@@ -183,6 +261,9 @@ class LatentPool:
 
   c: Array  # [L, P, Z, C + R]
   rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
+
+  # One latent serves every head: no head axis, so every tensor device holds the whole pool.
+  logical_axes = ("layers", "pages", "page_slots", "kv_lora")
 
   @classmethod
   def init(
@@ -213,9 +294,9 @@ class LatentPool:
     (c,) = arrays
     return LatentPool(c, self.rope_dim)
 
-  def layer(self, storage, layer, block_table: Array, kv_lengths: Array) -> PagedLatentLayer:
+  def layer(self, storage, layer, block_table, kv_lengths, layout=None) -> PagedLatentLayer:
     (c,) = storage
-    return PagedLatentLayer(c, layer, block_table, kv_lengths, self.rope_dim)
+    return PagedLatentLayer(c, layer, block_table, kv_lengths, self.rope_dim, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -243,6 +324,10 @@ def pool_bytes_per_token(pool: KVPool | LatentPool) -> int:
 # -- the cache and its per-layer views -----------------------------------------------------------
 
 
+def _static(default=None):
+  return dataclasses.field(default=default, metadata=dict(static=True))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVLayer:
@@ -254,56 +339,99 @@ class PagedKVLayer:
   layer: Array  # i32[]
   block_table: Array  # i32[B, M]
   kv_lengths: Array  # i32[B] tokens held including the new ones
+  layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
 
   @property
   def storage(self) -> tuple[Array, Array]:
     return self.k, self.v
 
-  def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
-    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.k.shape[2])
-    return dataclasses.replace(
-      self,
-      k=write_slots(self.k, slots_BT, k_BTKH, layer=self.layer),
-      v=write_slots(self.v, slots_BT, v_BTKH, layer=self.layer),
+  def _specs(self):
+    """(pool, rows [B, ...] of rank n, per-head [B, T, heads, H]) specs under the layout."""
+    lay = self.layout
+    if lay is None:
+      return None, lambda n: None, lambda heads: None
+    return (
+      lay.spec(None, "pages", None, "kv_heads", None),
+      lambda n: lay.spec("batch", *(None,) * (n - 1)),
+      lambda heads: lay.spec("batch", None, heads, None),
     )
+
+  def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
+    layout = self.layout
+
+    def local(k, v, table_BM, positions_BT, k_BTKH, v_BTKH, layer):
+      table_BM = local_table(table_BM, layout, k.shape[1])
+      slots_BT = slot_mapping(table_BM, positions_BT, block_size=k.shape[2])
+      return (
+        write_slots(k, slots_BT, k_BTKH, layer=layer),
+        write_slots(v, slots_BT, v_BTKH, layer=layer),
+      )
+
+    pool, rows, heads = self._specs()
+    specs = (pool, pool, rows(2), rows(2), heads("kv_heads"), heads("kv_heads"), P())
+    k, v = per_shard(layout, local, specs, (pool, pool))(
+      self.k, self.v, self.block_table, positions_BT, k_BTKH, v_BTKH, self.layer
+    )
+    return dataclasses.replace(self, k=k, v=v)
 
   def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     dtype = q_BTNH.dtype
-    if q_BTNH.shape[1] == 1 and sliding_window is None:
-      # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
-      # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros. The
-      # query takes the pool's dtype, so the pool is never converted.
-      out_BNH = kernels.paged_attention(
-        q_BTNH[:, 0].astype(self.k.dtype),
-        self.k,
-        self.v,
-        self.block_table,
-        self.kv_lengths,
-        layer=self.layer,
+    layout = self.layout
+
+    def local(q_BTNH, k, v, table_BM, kv_lengths_B, positions_BT, layer):
+      table_BM = local_table(table_BM, layout, k.shape[1])
+      if q_BTNH.shape[1] == 1 and sliding_window is None:
+        # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
+        # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros. The
+        # query takes the pool's dtype, so the pool is never converted.
+        out_BNH = kernels.paged_attention(
+          q_BTNH[:, 0].astype(k.dtype),
+          k,
+          v,
+          table_BM,
+          kv_lengths_B,
+          layer=layer,
+          scale=scale,
+          implementation=implementation if implementation in ("pallas", "xla") else None,
+        )
+        return out_BNH[:, None].astype(dtype)
+      # Several tokens per row (prefill chunks, right-padded): gather the pages densely and mask
+      # by absolute position. Padding queries (position -1) are clamped; callers discard their
+      # rows.
+      k_BSKH = gather_pages(k, table_BM, kv_lengths_B, layer=layer)
+      v_BSKH = gather_pages(v, table_BM, kv_lengths_B, layer=layer)
+      return kernels.attention(
+        q_BTNH,
+        k_BSKH.astype(dtype),
+        v_BSKH.astype(dtype),
+        causal=True,
         scale=scale,
-        implementation=implementation if implementation in ("pallas", "xla") else None,
+        sliding_window=sliding_window,
+        q_positions=jnp.maximum(positions_BT, 0),
+        kv_lengths=kv_lengths_B,
+        implementation=implementation,
       )
-      return out_BNH[:, None].astype(dtype)
-    # Several tokens per row (prefill chunks, right-padded): gather the pages densely and mask by
-    # absolute position. Padding queries (position -1) are clamped; callers discard their rows.
-    k_BSKH, v_BSKH = self.read()
-    return kernels.attention(
-      q_BTNH,
-      k_BSKH.astype(dtype),
-      v_BSKH.astype(dtype),
-      causal=True,
-      scale=scale,
-      sliding_window=sliding_window,
-      q_positions=jnp.maximum(positions_BT, 0),
-      kv_lengths=self.kv_lengths,
-      implementation=implementation,
+
+    pool, rows, heads = self._specs()
+    specs = (heads("q_heads"), pool, pool, rows(2), rows(1), rows(2), P())
+    return per_shard(layout, local, specs, heads("q_heads"))(
+      q_BTNH, self.k, self.v, self.block_table, self.kv_lengths, positions_BT, self.layer
     )
 
   def read(self) -> tuple[Array, Array]:
-    table, lengths = self.block_table, self.kv_lengths
-    return (
-      gather_pages(self.k, table, lengths, layer=self.layer),
-      gather_pages(self.v, table, lengths, layer=self.layer),
+    layout = self.layout
+
+    def local(k, v, table_BM, lengths_B, layer):
+      table_BM = local_table(table_BM, layout, k.shape[1])
+      return (
+        gather_pages(k, table_BM, lengths_B, layer=layer),
+        gather_pages(v, table_BM, lengths_B, layer=layer),
+      )
+
+    pool, rows, heads = self._specs()
+    dense = heads("kv_heads")
+    return per_shard(layout, local, (pool, pool, rows(2), rows(1), P()), (dense, dense))(
+      self.k, self.v, self.block_table, self.kv_lengths, self.layer
     )
 
 
@@ -316,15 +444,37 @@ class PagedLatentLayer:
   layer: Array  # i32[]
   block_table: Array  # i32[B, M]
   kv_lengths: Array  # i32[B]
-  rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
+  rope_dim: int = _static(0)  # R
+  layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
 
   @property
   def storage(self) -> tuple[Array]:
     return (self.c,)
 
+  def _specs(self):
+    """(pool, rows [B, ...] of rank n, per-head queries [B, T, N, _]) specs under the layout."""
+    lay = self.layout
+    if lay is None:
+      return None, lambda n: None, None
+    return (
+      lay.spec(None, "pages", None, None),
+      lambda n: lay.spec("batch", *(None,) * (n - 1)),
+      lay.spec("batch", None, "q_heads", None),
+    )
+
   def write(self, positions_BT: Array, latent_BTY: Array) -> PagedLatentLayer:
-    slots_BT = slot_mapping(self.block_table, positions_BT, block_size=self.c.shape[2])
-    return dataclasses.replace(self, c=write_slots(self.c, slots_BT, latent_BTY, layer=self.layer))
+    layout = self.layout
+
+    def local(c, table_BM, positions_BT, latent_BTY, layer):
+      table_BM = local_table(table_BM, layout, c.shape[1])
+      slots_BT = slot_mapping(table_BM, positions_BT, block_size=c.shape[2])
+      return write_slots(c, slots_BT, latent_BTY, layer=layer)
+
+    pool, rows, _ = self._specs()
+    c = per_shard(layout, local, (pool, rows(2), rows(2), rows(3), P()), pool)(
+      self.c, self.block_table, positions_BT, latent_BTY, self.layer
+    )
+    return dataclasses.replace(self, c=c)
 
   def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
@@ -332,40 +482,61 @@ class PagedLatentLayer:
       raise ValueError("PagedLatentLayer.attend: MLA has no sliding window")
     dtype = q_BTNY.dtype
     C = self.c.shape[-1] - self.rope_dim
-    if q_BTNY.shape[1] == 1:
-      # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a load.
-      impl = implementation if implementation in ("pallas", "xla") else None
-      q_BTNE_c = q_BTNY.astype(self.c.dtype)
-      out_BTNC = mla_decode(
-        q_BTNE_c[..., :C],
-        q_BTNE_c[..., C:],
-        self.c,
-        self.kv_lengths,
+    layout = self.layout
+
+    def local(q_BTNY, c, table_BM, kv_lengths_B, positions_BT, layer):
+      table_BM = local_table(table_BM, layout, c.shape[1])
+      if q_BTNY.shape[1] == 1:
+        # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a
+        # load.
+        impl = implementation if implementation in ("pallas", "xla") else None
+        q_BTNE_c = q_BTNY.astype(c.dtype)
+        out_BTNC = mla_decode(
+          q_BTNE_c[..., :C],
+          q_BTNE_c[..., C:],
+          c,
+          kv_lengths_B,
+          scale=scale,
+          block_table=table_BM,
+          layer=layer,
+          implementation=impl,
+        )
+        return out_BTNC.astype(dtype)
+      # Absorbed MLA is multi-query attention with the latent as both key and value (one kv
+      # head): the first C dims of the output are the weighted latent sum. Padded rows need the
+      # positions, so several tokens per row take the dense path.
+      c_BSY = gather_pages(c, table_BM, kv_lengths_B, layer=layer)
+      c_BS1Y = c_BSY[:, :, None, :].astype(dtype)
+      out_BTNY = kernels.attention(
+        q_BTNY,
+        c_BS1Y,
+        c_BS1Y,
+        causal=True,
         scale=scale,
-        block_table=self.block_table,
-        layer=self.layer,
-        implementation=impl,
+        q_positions=jnp.maximum(positions_BT, 0),
+        kv_lengths=kv_lengths_B,
+        implementation=implementation,
       )
-      return out_BTNC.astype(dtype)
-    # Absorbed MLA is multi-query attention with the latent as both key and value (one kv head):
-    # the first C dims of the output are the weighted latent sum. Padded rows need the
-    # positions, so several tokens per row take the dense path.
-    (c_BSY,) = self.read()
-    c_BS1Y = c_BSY[:, :, None, :].astype(dtype)
-    out_BTNY = kernels.attention(
-      q_BTNY,
-      c_BS1Y,
-      c_BS1Y,
-      causal=True,
-      scale=scale,
-      q_positions=jnp.maximum(positions_BT, 0),
-      kv_lengths=self.kv_lengths,
-      implementation=implementation,
+      return out_BTNY[..., :C]
+
+    pool, rows, heads = self._specs()
+    specs = (heads, pool, rows(2), rows(1), rows(2), P())
+    return per_shard(layout, local, specs, heads)(
+      q_BTNY, self.c, self.block_table, self.kv_lengths, positions_BT, self.layer
     )
-    return out_BTNY[..., :C]
 
   def read(self) -> tuple[Array]:
-    return (gather_pages(self.c, self.block_table, self.kv_lengths, layer=self.layer),)
+    layout = self.layout
+
+    def local(c, table_BM, lengths_B, layer):
+      table_BM = local_table(table_BM, layout, c.shape[1])
+      return gather_pages(c, table_BM, lengths_B, layer=layer)
+
+    pool, rows, _ = self._specs()
+    dense = per_shard(layout, local, (pool, rows(2), rows(1), P()), rows(3))(
+      self.c, self.block_table, self.kv_lengths, self.layer
+    )
+    return (dense,)
 
 
 @jax.tree_util.register_dataclass
@@ -379,8 +550,9 @@ class PagedCache:
   """
 
   pool: KVPool | LatentPool
-  block_table: Array  # i32[B, M]; entries past a sequence's blocks are never read
+  block_table: Array  # i32[B, M] global block ids; entries past a sequence's blocks are never read
   lengths: Array  # i32[B] tokens held before this call
+  layout: PoolLayout | None = _static()  # the pool on a device mesh; None: one device
 
   @property
   def layers(self) -> tuple[Array, ...]:
@@ -388,9 +560,17 @@ class PagedCache:
 
   def layer(self, storage, layer, positions_BT):
     kv_lengths_B = self.lengths + added_tokens(positions_BT)
-    return self.pool.layer(storage, layer, self.block_table, kv_lengths_B)
+    return self.pool.layer(storage, layer, self.block_table, kv_lengths_B, self.layout)
 
   def advance(self, layers, positions_BT) -> PagedCache:
     return dataclasses.replace(
       self, pool=self.pool.with_arrays(layers), lengths=self.lengths + added_tokens(positions_BT)
     )
+
+  def replace(self, **fields) -> PagedCache:
+    return dataclasses.replace(self, **fields)
+
+  def slots(self, positions_BT: Array) -> Array:
+    """i32[B, T] each position's slot in a [P * Z] flattening of the pool; -1 where padding."""
+    Z = self.pool.arrays[0].shape[2]
+    return slot_mapping(self.block_table, positions_BT, block_size=Z)

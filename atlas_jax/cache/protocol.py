@@ -86,6 +86,16 @@ class Cache(Protocol):
     """The cache holding the scan's updated storage, with each row's length grown."""
     ...
 
+  def replace(self, **fields) -> Any:
+    """The cache with fields replaced (`lengths=`: a rollback, or a row's own start)."""
+    ...
+
+  def slots(self, positions_BT: Array) -> Array:
+    """i32[B, T] where each position's entry lives in a flattening of one layer's storage
+    ([B * S] rows of a contiguous cache, [P * Z] slots of a pool); -1 where padding. Side
+    stores kept beside the cache (an MTP drafter's hidden states) are indexed by it."""
+    ...
+
 
 def added_tokens(positions_BT: Array) -> Array:
   """i32[B]: tokens a call adds per row; negative positions mark padding."""

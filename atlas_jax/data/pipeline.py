@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from atlas_jax.config import DataConfig
+from atlas_jax.data import supervised
 from atlas_jax.data.corpus import iter_documents, source_files
 from atlas_jax.data.dataset import held_out, tokenize_corpus
 from atlas_jax.data.tokenizer import HFTokenizer, Tokenizer, bpe_size, load_tokenizer, train_bpe
@@ -48,10 +49,10 @@ def tokenizer_for(cfg: DataConfig, cache_dir: str | Path) -> Tokenizer:
   return tokenizer
 
 
-def _cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+def _cache_key(cfg: DataConfig, tokenizer: Tokenizer, template=None) -> str:
   """Which corpus, tokenised how: the folder of its token files. What the files hold right now
   is checked against the folder's manifest (see `token_files`)."""
-  spec = {
+  spec: dict = {
     "source": str(Path(cfg.source).absolute()) if cfg.source != "stdlib" else "stdlib",
     "tokenizer": cfg.tokenizer,
     # The tokenizer's own content: a retrained tokenizer.json at the same path tokenises anew.
@@ -60,6 +61,8 @@ def _cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     "eval_fraction": cfg.eval_fraction,
     "python": sys.version_info[:2],
   }
+  if cfg.format != "text":  # examples: how they are rendered too
+    spec.update(format=cfg.format, template=None if template is None else template.fingerprint())
   return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -79,17 +82,20 @@ def _file_stats(files: list[Path]) -> list[list]:
 
 
 def token_files(
-  cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path, *, log=None
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-  """{"train": (tokens, doc_starts), "eval": ...}, memory-mapped, tokenising on first use.
+  cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path, *, log=None, template=None
+) -> dict[str, tuple[np.ndarray, ...]]:
+  """{"train": (tokens, doc_starts), "eval": ...}, memory-mapped, tokenising on first use;
+  supervised examples (data.format chat / completion, chats rendered with `template`) add a
+  third array, the loss mask per token (`atlas_jax.data.supervised`).
 
   The token files are keyed by the source's content: a manifest records each source file's
   size and modification time and a hash of all of them. Unchanged sizes and times reuse the
   tokens without reading the source; otherwise the hash decides, so a changed file is
   tokenised again and a merely touched one is not. `log` (a print-like function) hears why.
   """
-  folder = Path(cache_dir) / _cache_key(cfg, tokenizer)
-  names = [f"{split}_{part}.npy" for split in ("train", "eval") for part in ("tokens", "starts")]
+  folder = Path(cache_dir) / _cache_key(cfg, tokenizer, template)
+  parts = ("tokens", "starts") if cfg.format == "text" else ("tokens", "starts", "mask")
+  names = [f"{split}_{part}.npy" for split in ("train", "eval") for part in parts]
   files = source_files(cfg.source)
   stats = _file_stats(files)
   manifest_path = folder / "source.json"
@@ -111,9 +117,16 @@ def token_files(
   if not fresh:
     folder.mkdir(parents=True, exist_ok=True)
     manifest_path.unlink(missing_ok=True)  # until the new token files are all in place
-    train, evals = tokenize_corpus(cfg.source, tokenizer, eval_fraction=cfg.eval_fraction)
+    if cfg.format == "text":
+      train, evals = tokenize_corpus(cfg.source, tokenizer, eval_fraction=cfg.eval_fraction)
+      arrays = lambda c: (c.tokens, c.doc_starts)
+    else:
+      train, evals = supervised.tokenize_examples(
+        cfg.source, cfg.format, tokenizer, template, eval_fraction=cfg.eval_fraction
+      )
+      arrays = lambda c: (c.tokens, c.starts, c.mask)
     for split, corpus in (("train", train), ("eval", evals)):
-      for part, array in (("tokens", corpus.tokens), ("starts", corpus.doc_starts)):
+      for part, array in zip(parts, arrays(corpus)):
         tmp = folder / f".{split}_{part}.{os.getpid()}.tmp.npy"
         np.save(tmp, array)
         tmp.replace(folder / f"{split}_{part}.npy")  # atomic: a killed run leaves no half file
@@ -122,10 +135,7 @@ def token_files(
     tmp.write_text(json.dumps({"sha256": digest or manifest["sha256"], "files": stats}))
     tmp.replace(manifest_path)
   return {
-    split: (
-      np.load(folder / f"{split}_tokens.npy", mmap_mode="r"),
-      np.load(folder / f"{split}_starts.npy", mmap_mode="r"),
-    )
+    split: tuple(np.load(folder / f"{split}_{part}.npy", mmap_mode="r") for part in parts)
     for split in ("train", "eval")
   }
 
@@ -168,18 +178,31 @@ def train_dataset(
   process_count: int = 1,
 ) -> grain.MapDataset:
   """Per-host batches: element i is this host's share of the global batch for step i."""
-  if batch_size % process_count:
-    raise ValueError(
-      f"train.batch_size={batch_size} must be divisible by the number of processes "
-      f"({process_count})"
-    )
   if len(tokens) < seq_len + 1:
     raise ValueError(
       f"the train split has {len(tokens)} tokens ({len(doc_starts)} documents), fewer than "
       f"train.seq_len + 1 = {seq_len + 1}: add documents, or lower train.seq_len or "
       "data.eval_fraction"
     )
-  ds = grain.MapDataset.source(PackedSequences(tokens, doc_starts, seq_len))
+  return batched_rows(
+    PackedSequences(tokens, doc_starts, seq_len),
+    batch_size=batch_size,
+    seed=seed,
+    process_index=process_index,
+    process_count=process_count,
+  )
+
+
+def batched_rows(
+  rows, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
+  """Per-host batches of random-access `rows` (dicts of arrays), shuffled anew every epoch."""
+  if batch_size % process_count:
+    raise ValueError(
+      f"train.batch_size={batch_size} must be divisible by the number of processes "
+      f"({process_count})"
+    )
+  ds = grain.MapDataset.source(rows)
   ds = ds.shuffle(seed=seed).repeat()  # shuffled before repeat: a new order every epoch
   ds = ds[process_index::process_count]
   return ds.batch(batch_size // process_count, drop_remainder=True)
@@ -213,8 +236,31 @@ def eval_batches(
   share of each: every process must take part in the sharded eval step."""
   if len(tokens) < seq_len + 1 or n_batches == 0:
     return []
-  ds = grain.MapDataset.source(PackedSequences(tokens, doc_starts, seq_len))
-  ds = ds.batch(batch_size, drop_remainder=True)
+  rows = PackedSequences(tokens, doc_starts, seq_len)
+  return _eval_batches(rows, batch_size, n_batches, process_index, process_count)
+
+
+def _eval_batches(rows, batch_size, n_batches, process_index, process_count, *, pad=False):
+  ds = grain.MapDataset.source(rows).batch(batch_size, drop_remainder=not pad)
   share = batch_size // process_count
   lo = process_index * share
-  return [{k: v[lo : lo + share] for k, v in ds[i].items()} for i in range(min(n_batches, len(ds)))]
+  out = []
+  for i in range(min(n_batches, len(ds))):
+    batch = ds[i]
+    short = batch_size - len(batch["tokens"])
+    if short:  # the last, partial batch: rows of padding whose loss does not count
+      batch = {
+        k: np.concatenate([v, np.repeat(v[-1:] * 0, short, axis=0)]) for k, v in batch.items()
+      }
+    out.append({k: v[lo : lo + share] for k, v in batch.items()})
+  return out
+
+
+def eval_example_batches(
+  rows, *, batch_size: int, n_batches: int, process_index: int = 0, process_count: int = 1
+) -> list[dict[str, np.ndarray]]:
+  """The eval batches of held-out example rows (`atlas_jax.data.supervised.PackedExamples`):
+  every row up to n_batches batches, the last batch filled with rows whose loss does not count."""
+  if n_batches == 0 or len(rows) == 0:
+    return []
+  return _eval_batches(rows, batch_size, n_batches, process_index, process_count, pad=True)

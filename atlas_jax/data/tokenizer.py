@@ -28,6 +28,13 @@ class Tokenizer(Protocol):
   def fingerprint(self) -> str: ...
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+  """A prompt's ids as serve.py encodes one: with the special tokens the tokenizer adds by
+  default (a Llama's BOS); an empty text is the BOS alone, where the tokenizer has one."""
+  ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+  return ids or ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else [])
+
+
 class ByteTokenizer:
   """UTF-8 bytes as ids 0..255, then <pad>, <bos>, <eos>. Lossless on any text. Runs trained
   on bytes never saw a BOS, so none is added; the special ids have no text."""

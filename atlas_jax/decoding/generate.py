@@ -7,6 +7,7 @@ right-padded; each row then decodes from its own length. The loop ends when ever
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from atlas_jax.decoding import batching, speculative
 from atlas_jax.decoding.sampling import (
   SamplingArrays,
   SamplingParams,
@@ -29,17 +31,18 @@ Array = jax.Array
 __all__ = ["SamplingParams", "generate"]
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-  """Rounds up to a power of two so a few compiled shapes serve every prompt length."""
-  return max(minimum, 1 << (n - 1).bit_length())
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeCarry:
+  """The decode loop's state between steps."""
 
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _prefill(graphdef, params, tokens_BT, cache, lengths_B):
-  model = nnx.merge(graphdef, params)
-  # Right padding: the next-token logits of row b sit at its last real token.
-  logits_B1V, cache = model(tokens_BT, cache=cache, logits_at_B=lengths_B - 1)
-  return logits_B1V[:, 0], cache.replace(lengths=lengths_B)
+  i: Array  # i32[] steps run: the index of the token each row draws next
+  cache: object  # every row's prompt and tokens so far
+  logits_BV: Array  # f32[B, V] the next-token logits
+  out_BO: Array  # i32[B, O] tokens drawn (O: max_new_tokens)
+  logp_BO: Array  # f32[B, O] their logprobs
+  counts_BV: Array  # i32[B, V] output token counts (penalties)
+  done_B: Array  # bool[B] rows that stopped
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=2)
@@ -51,73 +54,57 @@ def _decode_loop(
   seed_B,
   arrays: SamplingArrays,
   limits_B,
-  stop_BS,
+  stop_Bs,
   max_new_tokens,
   penalties,
   prompt_mask_BV,
 ):
-  """Samples up to max_new_tokens per row; a row stops on a token of its stop_BS row or its limit.
+  """Samples up to max_new_tokens per row; a row stops on a token of its stop_Bs row or its limit.
 
   Returns:
-    (i32[B, max_new_tokens] tokens, f32[B, max_new_tokens] their logprobs, steps run, cache).
+    (i32[B, O] tokens, f32[B, O] their logprobs, steps run, cache), O = max_new_tokens.
   """
   B, V = logits_BV.shape
-  out_BN = jnp.zeros((B, max_new_tokens), jnp.int32)
-  logp_BN = jnp.zeros((B, max_new_tokens), jnp.float32)
-  counts_BV = jnp.zeros((B, V), jnp.int32)
 
-  def cond(carry):
-    i, done_B = carry[0], carry[-1]
-    return (i < max_new_tokens) & ~jnp.all(done_B)
+  def cond(c: DecodeCarry):
+    return (c.i < max_new_tokens) & ~jnp.all(c.done_B)
 
-  def body(carry):
-    i, cache, logits_BV, out_BN, logp_BN, counts_BV, done_B = carry
+  def body(c: DecodeCarry):
     token_B, token_logp_B, _, _ = sample_rows(
-      logits_BV,
-      step_keys(seed_B, jnp.full((B,), i, jnp.int32)),
+      c.logits_BV,
+      step_keys(seed_B, jnp.full((B,), c.i, jnp.int32)),
       arrays,
-      counts_BV=counts_BV if penalties else None,
+      counts_BV=c.counts_BV if penalties else None,
       prompt_mask_BV=prompt_mask_BV if penalties else None,
     )
-    token_B = jnp.where(done_B, 0, token_B)
-    out_BN = out_BN.at[:, i].set(token_B)
-    logp_BN = logp_BN.at[:, i].set(token_logp_B)
+    token_B = jnp.where(c.done_B, 0, token_B)
+    counts_BV = c.counts_BV
     if penalties:
-      counts_BV = counts_BV.at[jnp.arange(B), token_B].add(jnp.where(done_B, 0, 1))
-    done_B = done_B | jnp.any(token_B[:, None] == stop_BS, axis=1) | (i + 1 >= limits_B)
+      counts_BV = counts_BV.at[jnp.arange(B), token_B].add(jnp.where(c.done_B, 0, 1))
+    done_B = c.done_B | jnp.any(token_B[:, None] == stop_Bs, axis=1) | (c.i + 1 >= limits_B)
     model = nnx.merge(graphdef, params)
-    logits_B1V, cache = model(token_B[:, None], cache=cache)
-    return i + 1, cache, logits_B1V[:, 0], out_BN, logp_BN, counts_BV, done_B
-
-  carry = (jnp.int32(0), cache, logits_BV, out_BN, logp_BN, counts_BV, jnp.zeros((B,), bool))
-  steps, cache, _, out_BN, logp_BN, _, _ = jax.lax.while_loop(cond, body, carry)
-  return out_BN, logp_BN, steps, cache
-
-
-def _stop_ids(params: SamplingParams, eos: tuple[int, ...]) -> list[int]:
-  ids = list(params.stop_token_ids)
-  if not params.ignore_eos:
-    ids += eos
-  return ids
-
-
-def token_lists(prompts) -> list[list[int]]:
-  """Prompts as lists of ints: from lists, or numpy / jax arrays (a 2-D array is one prompt per
-  row)."""
-  if isinstance(prompts, str | bytes):
-    raise ValueError("generate: prompts must be token id lists, not text (encode it first)")
-  if hasattr(prompts, "ndim") and prompts.ndim != 2:
-    raise ValueError(
-      f"generate: a prompts array must be 2-D [B, T], got shape {tuple(prompts.shape)} "
-      "(one prompt: pass [prompt])"
+    logits_B1V, cache = model(token_B[:, None], cache=c.cache)
+    return DecodeCarry(
+      i=c.i + 1,
+      cache=cache,
+      logits_BV=logits_B1V[:, 0],
+      out_BO=c.out_BO.at[:, c.i].set(token_B),
+      logp_BO=c.logp_BO.at[:, c.i].set(token_logp_B),
+      counts_BV=counts_BV,
+      done_B=done_B,
     )
-  out = []
-  for b, p in enumerate(prompts):
-    row = np.asarray(p)
-    if row.ndim != 1 or (row.size and not np.issubdtype(row.dtype, np.integer)):
-      raise ValueError(f"generate: prompt {b} is not a list of integer token ids")
-    out.append(row.astype(np.int64).tolist())
-  return out
+
+  carry = DecodeCarry(
+    i=jnp.int32(0),
+    cache=cache,
+    logits_BV=logits_BV,
+    out_BO=jnp.zeros((B, max_new_tokens), jnp.int32),
+    logp_BO=jnp.zeros((B, max_new_tokens), jnp.float32),
+    counts_BV=jnp.zeros((B, V), jnp.int32),
+    done_B=jnp.zeros((B,), bool),
+  )
+  c = jax.lax.while_loop(cond, body, carry)
+  return c.out_BO, c.logp_BO, c.i, c.cache
 
 
 def generate(
@@ -150,7 +137,7 @@ def generate(
   Returns:
     list of i32 token lists; with return_logprobs, (tokens, logprobs).
   """
-  prompts = token_lists(prompts)
+  prompts = batching.token_lists(prompts)
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
   B = len(prompts)
@@ -165,34 +152,27 @@ def generate(
       raise ValueError(f"generate: SamplingParams.{name} is served by the Engine")
   max_new = max(p.max_new_tokens for p in per_row)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
-  T = _bucket(int(lengths.max()))
-  capacity = T + _bucket(max_new)
+  T = batching.bucket(int(lengths.max()))
+  capacity = T + batching.bucket(max_new)
   if capacity > model.cfg.max_seq_len and int(lengths.max()) + max_new > model.cfg.max_seq_len:
     raise ValueError(
       f"generate: prompt length {int(lengths.max())} + max_new_tokens {max_new} exceeds the "
       f"model's max_seq_len={model.cfg.max_seq_len}"
     )
   vocab = model.cfg.vocab_size
-  tokens = np.zeros((B, T), np.int32)
   for b, p in enumerate(prompts):
     if min(p) < 0 or max(p) >= vocab:
       raise ValueError(f"generate: prompt {b} has token ids outside [0, {vocab})")
-    tokens[b, : len(p)] = p
+  tokens, _ = batching.pad_prompts(prompts)
 
   eos = eos_ids(eos_id)
-  stops = [_stop_ids(p, eos) for p in per_row]
-  stop_BS = np.full((B, max(1, max(len(s) for s in stops))), -1, np.int32)
-  for b, s in enumerate(stops):
-    stop_BS[b, : len(s)] = s
+  stops = [batching.stop_ids(p, eos) for p in per_row]
   penalties = any(p.uses_penalties for p in per_row)
   if draft is not None and not penalties:
-    from atlas_jax.decoding import speculative
-
-    speculative.check_draft(model, draft, num_speculative_tokens)
     out, logp, _ = speculative.speculative_generate(
       model, draft, prompts, per_row, stops=stops, k=num_speculative_tokens
     )
-    return _finish(out, logp, per_row, stops, return_logprobs)
+    return batching.cut_at_stops(out, logp, per_row, stops, return_logprobs)
   prompt_mask_BV = np.zeros((B, vocab), bool)
   if penalties:
     for b, p in enumerate(prompts):
@@ -200,8 +180,10 @@ def generate(
 
   graphdef, state = nnx.split(model)
   cache = model.init_cache(B, capacity)
-  logits_BV, cache = _prefill(graphdef, state, jnp.asarray(tokens), cache, jnp.asarray(lengths))
-  out_BN, logp_BN, _, _ = _decode_loop(
+  logits_BV, cache = batching.prefill(
+    graphdef, state, jnp.asarray(tokens), cache, jnp.asarray(lengths)
+  )
+  out_BO, logp_BO, _, _ = _decode_loop(
     graphdef,
     state,
     cache,
@@ -209,21 +191,11 @@ def generate(
     jnp.asarray([p.seed for p in per_row], jnp.int32),
     SamplingArrays.from_params(per_row),
     jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32),
-    jnp.asarray(stop_BS),
+    jnp.asarray(batching.stop_table(stops)),
     max_new,
     penalties,
     jnp.asarray(prompt_mask_BV) if penalties else None,
   )
-  return _finish(np.asarray(out_BN), np.asarray(logp_BN), per_row, stops, return_logprobs)
-
-
-def _finish(out, logp, per_row, stops, return_logprobs):
-  """Per-row token (and logprob) lists, each cut at its first stop token or its limit."""
-  results, logprobs = [], []
-  for b, p in enumerate(per_row):
-    row = out[b, : p.max_new_tokens].tolist()
-    hits = [i for i, t in enumerate(row) if t in stops[b]]
-    n = hits[0] + 1 if hits else len(row)
-    results.append(row[:n])
-    logprobs.append(logp[b, :n].tolist())
-  return (results, logprobs) if return_logprobs else results
+  return batching.cut_at_stops(
+    np.asarray(out_BO), np.asarray(logp_BO), per_row, stops, return_logprobs
+  )

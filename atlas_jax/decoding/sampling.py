@@ -411,8 +411,8 @@ def sample_rows(
     min_p_B=arrays.min_p,
   )
   token_logp_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
-  top_logp_BK, top_ids_BK = jax.lax.top_k(logp_BV, min(MAX_LOGPROBS, logp_BV.shape[-1]))
-  return token_B, token_logp_B, top_ids_BK.astype(jnp.int32), top_logp_BK
+  top_logp_Bk, top_ids_Bk = jax.lax.top_k(logp_BV, min(MAX_LOGPROBS, logp_BV.shape[-1]))
+  return token_B, token_logp_B, top_ids_Bk.astype(jnp.int32), top_logp_Bk
 
 
 def step_keys(seed_B: Array, step_B: Array) -> Array:

@@ -10,9 +10,10 @@ each is distributed exactly as the target's own next token (Leviathan et al. 202
 top-p, min-p) shape p and q identically (`sampling.probabilities`); a greedy row has one-hot p and
 q, so it accepts while the argmaxes agree and emits exactly the plain greedy tokens.
 
-Drafts: another model with the same vocabulary (its own contiguous cache, rolled back like the
-target's), or "mtp", the target's own multi-token-prediction heads (`atlas_jax.model.mtp`),
-which draft from the target's last hidden states with no second model.
+Drafts come from a drafter (`atlas_jax.decoding.drafters`): another model with the same
+vocabulary, or "mtp", the target's own multi-token-prediction heads. The round is written once
+here (`verify_drafts`, `round_tokens`) for `generate`'s static loop below and the serving
+engine's rounds (`atlas_jax.serving.steps`).
 
 Rejected positions are rolled back by resetting each cache's lengths: entries past a row's
 length are never read, and the next round overwrites them.
@@ -29,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from atlas_jax.decoding import batching
+from atlas_jax.decoding.drafters import DraftCache, Drafter, Window, hidden_store, make_drafter
 from atlas_jax.decoding.sampling import (
+  MAX_LOGPROBS,
   SamplingArrays,
   SamplingParams,
   mask_logits,
@@ -89,11 +93,6 @@ def verify(p_BJV: Array, q_BJV: Array, draft_BJ: Array, key_B: Array) -> tuple[A
   return a_B, next_B
 
 
-def draw(key_B: Array, probs_BV: Array) -> Array:
-  """i32[B]: one token per row from its distribution (the argmax of a one-hot, exactly)."""
-  return jax.vmap(jax.random.categorical)(key_B, jnp.log(probs_BV)).astype(jnp.int32)
-
-
 def round_keys(seed_B: Array, step_B: Array, n: int) -> Array:
   """[B, n] keys for the round whose first emitted token is the row's `step_B`-th."""
   base_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_B, step_B)
@@ -106,17 +105,6 @@ def probabilities_per_position(logits_BJV: Array, arrays: SamplingArrays) -> Arr
   B, J, V = logits_BJV.shape
   rep = jax.tree.map(lambda a: jnp.repeat(a, J, axis=0), arrays)
   return probabilities(logits_BJV.reshape(B * J, V), rep).reshape(B, J, V)
-
-
-def heads_drafts(logits_JBV: Array, keys_BK: Array, arrays: SamplingArrays):
-  """Drafts from J heads' next-token logits at once (MTP heads do not read each other's draws):
-  (i32[B, J] one draw from each head's distribution, with the round's keys; f32[B, J, V] those
-  distributions)."""
-  J = logits_JBV.shape[0]
-  q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
-  q_BJV = q_BJV.transpose(1, 0, 2)
-  draft_BJ = jnp.stack([draw(keys_BK[:, j], q_BJV[:, j]) for j in range(J)], axis=1)
-  return draft_BJ, q_BJV
 
 
 def round_tokens(
@@ -147,7 +135,51 @@ def round_tokens(
   return a_B, next_B, new_BT, jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
 
 
-# -- the round -----------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+  """What the target's pass over a round's [pending, d_1..d_k] gives."""
+
+  cache: object  # the target's cache, holding k + 1 more positions per row
+  accepted_B: Array  # i32[B] drafts accepted, a
+  new_BT: Array  # i32[B, k+1] the a accepted drafts, the token after them, then filler
+  logp_BTV: Array  # f32[B, k+1, V] the target's log-probabilities, unmasked (as reported)
+  window: Window  # the round's positions, for the drafter's `follow`
+
+
+def verify_drafts(
+  target, cache, pending_B, lengths_B, draft_BJ, q_BJV, key_B, arrays, *, hidden, allowed_BTW=None
+) -> Verified:
+  """The target over [pending, d_1..d_k] at positions lengths.., then the rejection sampler.
+
+  Args:
+    cache: the target's cache holding `lengths_B` tokens per row (-1: a padding row, which
+      writes nothing).
+    key_B: each row's key for the sampler (`round_keys(...)[:, k]`).
+    hidden: also keep the target's hidden states in the window (an MTP drafter follows them).
+    allowed_BTW: i32[B, k+1, W] allowed tokens at each position (guided rows), or None.
+  """
+  k = draft_BJ.shape[1]
+  valid_B = lengths_B >= 0
+  start_B = jnp.where(valid_B, lengths_B, 0)
+  positions_BT = jnp.where(valid_B[:, None], lengths_B[:, None] + jnp.arange(k + 1)[None, :], -1)
+  tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
+  logits_BTV, cache, *states = target(
+    tokens_BT, positions_BT=positions_BT, cache=cache.replace(lengths=start_B), return_hidden=hidden
+  )
+  a_B, _, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, key_B, arrays, allowed_BTW)
+  window = Window(tokens_BT, positions_BT, start_B, new_BT, a_B, states[0] if hidden else None)
+  return Verified(cache, a_B, new_BT, logp_BTV, window)
+
+
+def top_logprobs(logp_BTV: Array, tokens_BT: Array):
+  """(f32[B, T] each token's logprob, i32[B, T, 5] the top ids, f32[B, T, 5] their logprobs)."""
+  lp_BT = jnp.take_along_axis(logp_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+  top_lp_BTk, top_ids_BTk = jax.lax.top_k(logp_BTV, min(MAX_LOGPROBS, logp_BTV.shape[-1]))
+  return lp_BT, top_ids_BTk.astype(jnp.int32), top_lp_BTk
+
+
+# -- the static-batch loop -----------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,22 +198,22 @@ class SpeculativeStats:
     return self.emitted / max(self.row_rounds, 1)
 
 
-def _emit(out_BN, logp_BN, i_B, new_BJ, newlp_BJ, n_B):
+def _emit(out_BO, logp_BO, i_B, new_BJ, newlp_BJ, n_B):
   """Writes each row's first n_B[b] new tokens at its offset i_B[b]."""
   B, J = new_BJ.shape
   cols_BJ = i_B[:, None] + jnp.arange(J)[None, :]
-  cols_BJ = jnp.where(jnp.arange(J)[None, :] < n_B[:, None], cols_BJ, out_BN.shape[1])  # dropped
+  cols_BJ = jnp.where(jnp.arange(J)[None, :] < n_B[:, None], cols_BJ, out_BO.shape[1])  # dropped
   rows_BJ = jnp.broadcast_to(jnp.arange(B)[:, None], (B, J))
-  out_BN = out_BN.at[rows_BJ, cols_BJ].set(new_BJ, mode="drop")
-  logp_BN = logp_BN.at[rows_BJ, cols_BJ].set(newlp_BJ, mode="drop")
-  return out_BN, logp_BN
+  out_BO = out_BO.at[rows_BJ, cols_BJ].set(new_BJ, mode="drop")
+  logp_BO = logp_BO.at[rows_BJ, cols_BJ].set(newlp_BJ, mode="drop")
+  return out_BO, logp_BO
 
 
-def _cut(new_BJ, n_B, i_B, limits_B, stop_BS, done_B):
+def _cut(new_BJ, n_B, i_B, limits_B, stop_Bs, done_B):
   """Cuts each row's new tokens at its first stop token or its limit: (n_B, done_B)."""
   J = new_BJ.shape[1]
   j_1J = jnp.arange(J)[None, :]
-  is_stop_BJ = jnp.any(new_BJ[..., None] == stop_BS[:, None, :], axis=-1) & (j_1J < n_B[:, None])
+  is_stop_BJ = jnp.any(new_BJ[..., None] == stop_Bs[:, None, :], axis=-1) & (j_1J < n_B[:, None])
   first_stop_B = jnp.where(is_stop_BJ.any(1), jnp.argmax(is_stop_BJ, axis=1), J)
   n_B = jnp.minimum(n_B, first_stop_B + 1)
   n_B = jnp.minimum(n_B, limits_B - i_B)
@@ -190,226 +222,144 @@ def _cut(new_BJ, n_B, i_B, limits_B, stop_BS, done_B):
   return n_B, done_B
 
 
-def _settle(new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN):
-  """A round's emitted tokens (`round_tokens`), cut at stops and limits and written out:
-  (n_B, out_BN, logp_BN, done_B)."""
-  newlp_BT = jnp.take_along_axis(logp_BTV, new_BT[..., None], axis=-1)[..., 0]
-  n_B, done_B = _cut(new_BT, a_B + 1, i_B, limits_B, stop_BS, done_B)
-  out_BN, logp_BN = _emit(out_BN, logp_BN, i_B, new_BT, newlp_BT, n_B)
-  return n_B, out_BN, logp_BN, done_B
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundCarry:
+  """The static loop's state between rounds."""
+
+  rounds: Array  # i32[] rounds run
+  t_cache: object  # the target's cache: each row's prompt and emitted tokens but the pending one
+  dcache: DraftCache  # the drafter's, at the same lengths
+  pending_B: Array  # i32[B] each row's last emitted token, in no cache yet
+  i_B: Array  # i32[B] tokens emitted per row
+  out_BO: Array  # i32[B, O] emitted tokens (O: max_new + k + 1, past a row's end: dropped)
+  logp_BO: Array  # f32[B, O] their target logprobs
+  done_B: Array  # bool[B] rows that stopped
+  stats: Array  # i32[5] the SpeculativeStats counts
 
 
-def _round_stats(done_B, a_B, n_B, k):
-  """i32[5]: rounds, row rounds, emitted, drafted, accepted, for the rows live this round."""
-  live_B = ~done_B
-  n_live = jnp.sum(live_B)
-  accepted = jnp.sum(jnp.where(live_B, a_B, 0))
-  return jnp.stack([1, n_live, jnp.sum(n_B), k * n_live, accepted]).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 11, 12))
-def _draft_model_loop(
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _loop(
   t_graphdef,
-  d_graphdef,
+  drafter: Drafter,
+  max_new: int,
+  k: int,
   t_state,
-  d_state,
+  d_params,
   t_cache,
-  d_cache,
+  dcache,
   first_B,
   seed_B,
   arrays: SamplingArrays,
   limits_B,
-  stop_BS,
-  max_new: int,
-  k: int,
+  stop_Bs,
 ):
-  """Rounds of draft-then-verify until every row stops.
-
-  Both caches hold each row's prompt and emitted tokens except the pending (last) one.
+  """Rounds of propose-then-verify until every row stops.
 
   Returns:
     (i32[B, max_new] tokens, f32[B, max_new] target logprobs, i32[5] the SpeculativeStats
     counts).
   """
+  target = nnx.merge(t_graphdef, t_state)
   B = first_B.shape[0]
   width = max_new + k + 1
-  out_BN = jnp.zeros((B, width), jnp.int32).at[:, 0].set(first_B)
-  logp_BN = jnp.zeros((B, width), jnp.float32)
-  done_B = jnp.any(first_B[:, None] == stop_BS, axis=1) | (limits_B <= 1)
 
-  def cond(carry):
-    return ~jnp.all(carry[-2]) & (carry[0] < max_new)
+  def cond(c: RoundCarry):
+    return ~jnp.all(c.done_B) & (c.rounds < max_new)
 
-  def body(carry):
-    rounds, t_cache, d_cache, pending_B, i_B, out_BN, logp_BN, done_B, stats = carry
-    keys_BK = round_keys(seed_B, i_B, k + 1)
-    draft = nnx.merge(d_graphdef, d_state)
-    base_B = t_cache.lengths
-
-    def draft_step(carry, j):
-      d_cache, x_B = carry
-      logits_B1V, d_cache = draft(x_B[:, None], cache=d_cache)
-      q_BV = probabilities(logits_B1V[:, 0], arrays)
-      d_B = draw(keys_BK[:, j], q_BV)
-      return (d_cache, d_B), (d_B, q_BV)
-
-    # k + 1 draft steps: the last one only feeds d_k in, so the draft cache holds every draft.
-    (d_cache, _), (d_JB, q_JBV) = jax.lax.scan(draft_step, (d_cache, pending_B), jnp.arange(k + 1))
-    draft_BJ, q_BJV = d_JB[:k].T, q_JBV[:k].transpose(1, 0, 2)
-    target = nnx.merge(t_graphdef, t_state)
-    tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
-    logits_BTV, t_cache = target(tokens_BT, cache=t_cache)
-    a_B, next_B, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, keys_BK[:, k], arrays)
-    n_B, out_BN, logp_BN, done2_B = _settle(
-      new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
+  def body(c: RoundCarry):
+    keys_BT = round_keys(seed_B, c.i_B, k + 1)
+    base_B = c.t_cache.lengths
+    dcache, draft_BJ, q_BJV = drafter.propose(
+      d_params, target, c.dcache, c.pending_B, base_B, keys_BT, arrays, k
     )
+    v = verify_drafts(
+      target,
+      c.t_cache,
+      c.pending_B,
+      base_B,
+      draft_BJ,
+      q_BJV,
+      keys_BT[:, k],
+      arrays,
+      hidden=drafter.needs_hidden,
+    )
+    newlp_BT = jnp.take_along_axis(v.logp_BTV, v.new_BT[..., None], axis=-1)[..., 0]
+    n_B, done_B = _cut(v.new_BT, v.accepted_B + 1, c.i_B, limits_B, stop_Bs, c.done_B)
+    out_BO, logp_BO = _emit(c.out_BO, c.logp_BO, c.i_B, v.new_BT, newlp_BT, n_B)
+    dcache = drafter.follow(d_params, target, dcache, v.window, in_round=True)
     # Roll back both caches to the pending token and the accepted drafts; a finished row stays
     # where it was (its later rounds are discarded), so no cache ever runs past its capacity.
-    kept_B = jnp.where(~done_B, base_B + 1 + a_B, base_B)
-    t_cache, d_cache = t_cache.replace(lengths=kept_B), d_cache.replace(lengths=kept_B)
-    stats = stats + _round_stats(done_B, a_B, n_B, k)
-    return rounds + 1, t_cache, d_cache, next_B, i_B + n_B, out_BN, logp_BN, done2_B, stats
+    kept_B = jnp.where(~c.done_B, base_B + 1 + v.accepted_B, base_B)
+    live_B = ~c.done_B
+    n_live = jnp.sum(live_B)
+    accepted = jnp.sum(jnp.where(live_B, v.accepted_B, 0))
+    stats = jnp.stack([1, n_live, jnp.sum(n_B), k * n_live, accepted]).astype(jnp.int32)
+    next_B = jnp.take_along_axis(v.new_BT, v.accepted_B[:, None], axis=1)[:, 0]
+    return RoundCarry(
+      rounds=c.rounds + 1,
+      t_cache=v.cache.replace(lengths=kept_B),
+      dcache=dcache.at(kept_B),
+      pending_B=next_B,
+      i_B=c.i_B + n_B,
+      out_BO=out_BO,
+      logp_BO=logp_BO,
+      done_B=done_B,
+      stats=c.stats + stats,
+    )
 
-  i_B = jnp.ones((B,), jnp.int32)
-  stats = jnp.zeros((5,), jnp.int32)
-  carry = (0, t_cache, d_cache, first_B, i_B, out_BN, logp_BN, done_B, stats)
-  carry = jax.lax.while_loop(cond, body, carry)
-  return carry[5][:, :max_new], carry[6][:, :max_new], carry[-1]
-
-
-def _mtp_draft(model, m_cache, new_BT, hidden, positions_BT, a_B, keys_BK, arrays, k):
-  """The MTP heads over the round's window: drafts for the next round and the grown cache."""
-  final_BTD, trunk_BTD = hidden
-  logits_JBV, m_cache = model.mtp.draft(
-    m_cache,
-    next_tokens_BT=new_BT,
-    trunk_BTD=trunk_BTD,
-    final_BTD=final_BTD,
-    positions_BT=positions_BT,
-    at_B=a_B,
-    embed_VD=model.embed[...],
-    head_DV=model._head_DV(),
-    n_heads=k,  # heads past the k-th would draft tokens nobody verifies
+  carry = RoundCarry(
+    rounds=jnp.int32(0),
+    t_cache=t_cache,
+    dcache=dcache,
+    pending_B=first_B,
+    i_B=jnp.ones((B,), jnp.int32),
+    out_BO=jnp.zeros((B, width), jnp.int32).at[:, 0].set(first_B),
+    logp_BO=jnp.zeros((B, width), jnp.float32),
+    done_B=jnp.any(first_B[:, None] == stop_Bs, axis=1) | (limits_B <= 1),
+    stats=jnp.zeros((5,), jnp.int32),
   )
-  return *heads_drafts(logits_JBV, keys_BK, arrays), m_cache
+  carry = jax.lax.while_loop(cond, body, carry)
+  return carry.out_BO[:, :max_new], carry.logp_BO[:, :max_new], carry.stats
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8))
-def _mtp_prefill(graphdef, state, tokens_BT, lengths_B, t_cache, m_cache, seed_B, arrays, k):
-  """The prompt through the model and its MTP heads: (first token and its logprob, both caches,
-  the first round's drafts and their distributions)."""
-  model = nnx.merge(graphdef, state)
-  B, T = tokens_BT.shape
-  logits_BTV, t_cache, hidden = model(tokens_BT, cache=t_cache, return_hidden=True)
-  last_B = lengths_B - 1
-  logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4, 5))
+def _start(
+  t_graphdef,
+  drafter: Drafter,
+  t_state,
+  d_params,
+  t_cache,
+  dcache,
+  tokens_BT,
+  lengths_B,
+  seed_B,
+  arrays,
+):
+  """The prompts through the target, the first token drawn as plain decoding draws it, and the
+  drafter caught up: (first_B, its logprob, both caches at the prompts' lengths)."""
+  logits_BV, t_cache, *hidden = batching.prefill(
+    t_graphdef, t_state, tokens_BT, t_cache, lengths_B, drafter.needs_hidden
+  )
   first_B, first_lp_B, _, _ = sample_rows(
     logits_BV, step_keys(seed_B, jnp.zeros_like(seed_B)), arrays
   )
+  target = nnx.merge(t_graphdef, t_state)
+  B, T = tokens_BT.shape
+  last_B = lengths_B - 1
   # The token after each prompt position: the prompt shifted, then the first generated token.
   t_1T = jnp.arange(T)[None, :]
   next_BT = jnp.where(t_1T == last_B[:, None], first_B[:, None], jnp.roll(tokens_BT, -1, axis=1))
-  positions_BT = jnp.broadcast_to(t_1T, (B, T))
-  keys_BK = round_keys(seed_B, jnp.ones_like(seed_B), k + 1)
-  draft_BJ, q_BJV, m_cache = _mtp_draft(
-    model, m_cache, next_BT, hidden, positions_BT, last_B, keys_BK, arrays, k
+  window = Window(
+    tokens_BT=tokens_BT,
+    positions_BT=jnp.broadcast_to(t_1T, (B, T)),
+    lengths_B=jnp.zeros_like(lengths_B),
+    next_BT=next_BT,
+    at_B=last_B,
+    hidden=hidden[0] if hidden else None,
   )
-  t_cache, m_cache = t_cache.replace(lengths=lengths_B), m_cache.replace(lengths=lengths_B)
-  return first_B, first_lp_B, t_cache, m_cache, draft_BJ, q_BJV
-
-
-@functools.partial(jax.jit, static_argnums=(0, 10, 11))
-def _mtp_loop(
-  graphdef,
-  state,
-  t_cache,
-  m_cache,
-  first_B,
-  drafts_BJ,
-  q_BJV,
-  seed_B,
-  arrays: SamplingArrays,
-  limits_B,
-  max_new: int,
-  k: int,
-  stop_BS,
-):
-  """Self-speculation: each round verifies the MTP heads' drafts and, from the same pass's
-  hidden states, drafts the next round's."""
-  model = nnx.merge(graphdef, state)
-  B = first_B.shape[0]
-  width = max_new + k + 1
-  out_BN = jnp.zeros((B, width), jnp.int32).at[:, 0].set(first_B)
-  logp_BN = jnp.zeros((B, width), jnp.float32)
-  done_B = jnp.any(first_B[:, None] == stop_BS, axis=1) | (limits_B <= 1)
-
-  def cond(carry):
-    return ~jnp.all(carry[-2]) & (carry[0] < max_new)
-
-  def body(carry):
-    rounds, t_cache, m_cache, pending_B, draft_BJ, q_BJV, i_B, out_BN, logp_BN, done_B, stats = (
-      carry
-    )
-    keys_BK = round_keys(seed_B, i_B, k + 1)
-    base_B = t_cache.lengths
-    tokens_BT = jnp.concatenate([pending_B[:, None], draft_BJ], axis=1)
-    logits_BTV, t_cache, hidden = model(tokens_BT, cache=t_cache, return_hidden=True)
-    a_B, next_B, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, keys_BK[:, k], arrays)
-    n_B, out_BN, logp_BN, done2_B = _settle(
-      new_BT, a_B, logp_BTV, i_B, limits_B, stop_BS, done_B, out_BN, logp_BN
-    )
-    positions_BT = base_B[:, None] + jnp.arange(k + 1)[None, :]
-    next_keys_BK = round_keys(seed_B, i_B + n_B, k + 1)
-    draft_BJ, q_BJV, m_cache = _mtp_draft(
-      model, m_cache, new_BT, hidden, positions_BT, a_B, next_keys_BK, arrays, k
-    )
-    kept_B = jnp.where(~done_B, base_B + 1 + a_B, base_B)
-    t_cache, m_cache = t_cache.replace(lengths=kept_B), m_cache.replace(lengths=kept_B)
-    stats = stats + _round_stats(done_B, a_B, n_B, k)
-    return (
-      rounds + 1,
-      t_cache,
-      m_cache,
-      next_B,
-      draft_BJ,
-      q_BJV,
-      i_B + n_B,
-      out_BN,
-      logp_BN,
-      done2_B,
-      stats,
-    )
-
-  i_B = jnp.ones((B,), jnp.int32)
-  stats = jnp.zeros((5,), jnp.int32)
-  carry = (0, t_cache, m_cache, first_B, drafts_BJ, q_BJV, i_B, out_BN, logp_BN, done_B, stats)
-  carry = jax.lax.while_loop(cond, body, carry)
-  return carry[7][:, :max_new], carry[8][:, :max_new], carry[-1]
-
-
-def check_draft(model, draft, k: int) -> None:
-  """Raises ValueError naming the argument when a draft cannot serve `model`."""
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(f"num_speculative_tokens={k!r} must be a positive int")
-  if isinstance(draft, str):
-    if draft != "mtp":
-      raise ValueError(f"draft={draft!r}: expected a model or 'mtp'")
-    if model.mtp is None:
-      raise ValueError("draft='mtp': the model has no MTP heads (model.mtp is null)")
-    if k > model.mtp.n_draft_heads:
-      raise ValueError(
-        f"num_speculative_tokens={k} with draft='mtp' must be <= {model.mtp.n_draft_heads}: "
-        f"each {model.mtp.kind} MTP head drafts one token"
-        + (" (only the first sequential head drafts)" if model.mtp.kind == "sequential" else "")
-      )
-    return
-  if not hasattr(draft, "init_cache") or not hasattr(draft, "cfg"):
-    raise ValueError(f"draft must be a model (atlas_jax.model.Transformer) or 'mtp', got {draft!r}")
-  if draft.cfg.vocab_size != model.cfg.vocab_size:
-    raise ValueError(
-      f"draft vocab_size={draft.cfg.vocab_size} != the model's vocab_size="
-      f"{model.cfg.vocab_size}: speculation needs one vocabulary"
-    )
+  dcache = drafter.follow(d_params, target, dcache, window)
+  return first_B, first_lp_B, t_cache, dcache.at(lengths_B)
 
 
 def speculative_generate(
@@ -427,80 +377,48 @@ def speculative_generate(
     (i32[B, max_new] tokens, f32[B, max_new] their target logprobs, the statistics); row b's
     output ends at its first stop token or its max_new_tokens.
   """
-  from atlas_jax.decoding.generate import _bucket, _prefill
-
+  drafter = make_drafter(model, draft, k)
   B = len(prompts)
   max_new = max(p.max_new_tokens for p in per_row)
-  lengths = np.asarray([len(p) for p in prompts], np.int32)
-  T = _bucket(int(lengths.max()))
-  capacity = T + _bucket(max_new + k + 1)
-  tokens = np.zeros((B, T), np.int32)
-  for b, p in enumerate(prompts):
-    tokens[b, : len(p)] = p
-  stop_BS = np.full((B, max(1, max(len(s) for s in stops))), -1, np.int32)
-  for b, s in enumerate(stops):
-    stop_BS[b, : len(s)] = s
+  tokens_BT, lengths_B = batching.pad_prompts(prompts)
+  capacity = tokens_BT.shape[1] + batching.bucket(max_new + k + 1)
   arrays = SamplingArrays.from_params(per_row)
   seed_B = jnp.asarray([p.seed for p in per_row], jnp.int32)
-
-  limits_B = jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32)
   t_graphdef, t_state = nnx.split(model)
-  tokens_BT, lengths_B = jnp.asarray(tokens), jnp.asarray(lengths)
-  if isinstance(draft, str):  # "mtp": the model's own heads
-    m_cache = model.mtp.init_cache(model.cfg, B, capacity, jnp.dtype(model.cfg.dtype))
-    first_B, first_lp_B, t_cache, m_cache, drafts_BJ, q_BJV = _mtp_prefill(
-      t_graphdef,
-      t_state,
-      tokens_BT,
-      lengths_B,
-      model.init_cache(B, capacity),
-      m_cache,
-      seed_B,
-      arrays,
-      k,
-    )
-    out_BN, logp_BN, stats = _mtp_loop(
-      t_graphdef,
-      t_state,
-      t_cache,
-      m_cache,
-      first_B,
-      drafts_BJ,
-      q_BJV,
-      seed_B,
-      arrays,
-      limits_B,
-      max_new,
-      k,
-      jnp.asarray(stop_BS),
-    )
+  if isinstance(draft, str):  # "mtp": the model's own heads, and the hidden states they read
+    cfg = model.cfg
+    cache = model.mtp.init_cache(cfg, B, capacity, jnp.dtype(cfg.dtype), n_heads=k)
+    store = hidden_store(cfg, B, capacity, cfg.dtype)
+    dcache, d_params = DraftCache(cache, jnp.zeros(store.shape, store.dtype)), None
   else:
-    d_graphdef, d_state = nnx.split(draft)
-    t_logits_BV, t_cache = _prefill(
-      t_graphdef, t_state, tokens_BT, model.init_cache(B, capacity), lengths_B
-    )
-    _, d_cache = _prefill(d_graphdef, d_state, tokens_BT, draft.init_cache(B, capacity), lengths_B)
-    # The first token comes from the prefill, drawn exactly as plain decoding draws it.
-    first_B, first_lp_B, _, _ = _first_token(t_logits_BV, seed_B, arrays)
-    out_BN, logp_BN, stats = _draft_model_loop(
-      t_graphdef,
-      d_graphdef,
-      t_state,
-      d_state,
-      t_cache,
-      d_cache,
-      first_B,
-      seed_B,
-      arrays,
-      limits_B,
-      jnp.asarray(stop_BS),
-      max_new,
-      k,
-    )
-  logp_BN = logp_BN.at[:, 0].set(first_lp_B)
-  return np.asarray(out_BN), np.asarray(logp_BN), SpeculativeStats(*map(int, np.asarray(stats)))
-
-
-@jax.jit
-def _first_token(logits_BV, seed_B, arrays):
-  return sample_rows(logits_BV, step_keys(seed_B, jnp.zeros_like(seed_B)), arrays)
+    d_params = nnx.state(draft)
+    dcache = DraftCache(draft.init_cache(B, capacity))
+  first_B, first_lp_B, t_cache, dcache = _start(
+    t_graphdef,
+    drafter,
+    t_state,
+    d_params,
+    model.init_cache(B, capacity),
+    dcache,
+    jnp.asarray(tokens_BT),
+    jnp.asarray(lengths_B),
+    seed_B,
+    arrays,
+  )
+  out_BO, logp_BO, stats = _loop(
+    t_graphdef,
+    drafter,
+    max_new,
+    k,
+    t_state,
+    d_params,
+    t_cache,
+    dcache,
+    first_B,
+    seed_B,
+    arrays,
+    jnp.asarray([p.max_new_tokens for p in per_row], jnp.int32),
+    jnp.asarray(batching.stop_table(stops)),
+  )
+  logp_BO = logp_BO.at[:, 0].set(first_lp_B)
+  return np.asarray(out_BO), np.asarray(logp_BO), SpeculativeStats(*map(int, np.asarray(stats)))

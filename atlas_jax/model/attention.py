@@ -21,13 +21,21 @@ from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.layers import RMSNorm, normal, param, rms_norm
+from atlas_jax.model.lora import Adapters, adapter, plus
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
 
 Array = jax.Array
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    adapters: Adapters | None = None,
+  ):
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -48,11 +56,22 @@ class Attention(nnx.Module):
       self.bv = param(jnp.zeros((K, H), pdt), ("kv_heads", "head_dim"), decay=False)  # [K, H]
     else:
       self.bq = self.bk = self.bv = None
-    if cfg.qk_norm:
+    self.qk_norm_scope = cfg.qk_norm_scope  # static
+    if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
+      # OLMoE: one RMSNorm over all heads of q (of k), a scale per head and dim.
+      ones = lambda n, axis: param(jnp.ones((n, H), pdt), (axis, "head_dim"), decay=False)
+      self.q_norm, self.k_norm = ones(N, "q_heads"), ones(K, "kv_heads")  # [N, H], [K, H]
+    elif cfg.qk_norm:
       self.q_norm = RMSNorm(H, eps=cfg.norm_eps, axis="head_dim", param_dtype=pdt)
       self.k_norm = RMSNorm(H, eps=cfg.norm_eps, axis="head_dim", param_dtype=pdt)
     else:
       self.q_norm = self.k_norm = None
+    self.norm_eps = cfg.norm_eps
+    # LoRA adapters (None where not adapted): x -> [N, H] / [K, H], and [N, H] -> D.
+    self.wq_lora = adapter(adapters, "q_proj", self.wq, 1, rngs=rngs)
+    self.wk_lora = adapter(adapters, "k_proj", self.wk, 1, rngs=rngs)
+    self.wv_lora = adapter(adapters, "v_proj", self.wv, 1, rngs=rngs)
+    self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
     self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies built at trace time
     self.sliding_window = cfg.sliding_window
     self.implementation = implementation
@@ -87,19 +106,25 @@ class Attention(nnx.Module):
     dtype = x_BTD.dtype
     # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
     q_BTNH = checkpoint_name(
-      jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), "q_proj"
+      plus(jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
+      "q_proj",
     )
     k_BTKH = checkpoint_name(
-      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), "k_proj"
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
+      "k_proj",
     )
     v_BTKH = checkpoint_name(
-      jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), "v_proj"
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
+      "v_proj",
     )
     if self.bq is not None:
       q_BTNH += self.bq[...].astype(dtype)
       k_BTKH += self.bk[...].astype(dtype)
       v_BTKH += self.bv[...].astype(dtype)
-    if self.q_norm is not None:
+    if self.q_norm is not None and self.qk_norm_scope == "all_heads":
+      q_BTNH = _norm_all_heads(q_BTNH, self.q_norm[...], self.norm_eps)
+      k_BTKH = _norm_all_heads(k_BTKH, self.k_norm[...], self.norm_eps)
+    elif self.q_norm is not None:
       q_BTNH = rms_norm(q_BTNH, self.q_norm.scale[...], self.q_norm.eps)
       k_BTKH = rms_norm(k_BTKH, self.k_norm.scale[...], self.k_norm.eps)
     inv_freq = inverse_frequencies(*self.rope)
@@ -132,6 +157,15 @@ class Attention(nnx.Module):
       )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
-      jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), "o_proj"
+      plus(
+        jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), self.wo_lora, out_BTNH
+      ),
+      "o_proj",
     )
     return out_BTD, cache
+
+
+def _norm_all_heads(x_BT__: Array, scale__: Array, eps: float) -> Array:
+  """RMSNorm over the last two axes together ([B, T, heads, H] with a [heads, H] scale)."""
+  B, T, n, H = x_BT__.shape
+  return rms_norm(x_BT__.reshape(B, T, n * H), scale__.reshape(n * H), eps).reshape(B, T, n, H)

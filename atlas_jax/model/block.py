@@ -1,5 +1,6 @@
-"""One decoder block (pre-norm attention, then the SwiGLU MLP) and the attention it uses: GQA or
-MLA, as the config says. The trunk's layer scan and the MTP heads both build their blocks here."""
+"""One decoder block (pre-norm attention, then the feed-forward: a SwiGLU MLP or a mixture of
+experts) and the attention it uses: GQA or MLA, as the config says. The trunk's layer scan and
+the MTP heads both build their blocks here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from flax import nnx
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
 from atlas_jax.model.layers import MLP, RMSNorm
+from atlas_jax.model.lora import Adapters
 from atlas_jax.model.mla import MLA
+from atlas_jax.model.moe import MoE, RouterStats
 
 
 def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
@@ -20,26 +23,50 @@ def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
 
 
 class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); the feed-forward is a mixture of
+  experts when `sparse` (`ModelConfig.sparse_layers`), else the dense SwiGLU MLP."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, implementation: str | None = None):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+    sparse: bool = False,
+    adapters: Adapters | None = None,
+  ):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.attn = attention_class(cfg)(cfg, rngs=rngs, implementation=implementation)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-    self.mlp = MLP(
-      cfg.d_model,
-      cfg.ffn_dim,
-      init_std=cfg.init_std,
-      out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
-      rngs=rngs,
-      param_dtype=pdt,
+    self.attn = attention_class(cfg)(
+      cfg, rngs=rngs, implementation=implementation, adapters=adapters
     )
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    if sparse:  # LoRA adapts no expert: `atlas_jax.model.lora.resolve` refuses MLP targets
+      self.mlp = MoE(cfg, rngs=rngs)
+    else:
+      self.mlp = MLP(
+        cfg.d_model,
+        cfg.ffn_dim,
+        init_std=cfg.init_std,
+        out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers),
+        rngs=rngs,
+        param_dtype=pdt,
+        adapters=adapters,
+      )
 
-  def __call__(self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None):
+  def __call__(
+    self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None
+  ) -> tuple[jnp.ndarray, object, RouterStats | None]:
+    """(x [B, T, D], the updated layer cache or None, the router's stats or None when dense)."""
     h_BTD, cache = self.attn(
       self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
     )
     x_BTD = x_BTD + h_BTD
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return x_BTD, cache
+    stats = None
+    if isinstance(self.mlp, MoE):
+      # A cached call (generation, serving) is always dropless: a token's output never depends
+      # on the rest of its batch.
+      h_BTD, stats = self.mlp(self.mlp_norm(x_BTD), dropless=cache is not None)
+    else:
+      h_BTD = self.mlp(self.mlp_norm(x_BTD))
+    return x_BTD + h_BTD, cache, stats

@@ -15,6 +15,7 @@ layout is declared where it is created and never inferred from its name. The nam
   mtp_in     2D, the concatenated input of a DeepSeek MTP module's projection
   layers     L: the stacking axis of the layer scan (split into pipeline stages)
   mtp_heads  J: the stacking axis of the multi-token-prediction heads
+  lora       A, a LoRA adapter's rank (`atlas_jax.model.lora`), never split
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+
+from atlas_jax.model.lora import adapter, plus
 
 Array = jax.Array
 
@@ -68,11 +71,16 @@ class MLP(nnx.Module):
     out_std: float,
     rngs,
     param_dtype=jnp.float32,
+    adapters=None,
   ):
     D, F = d_model, ffn_dim
     self.w_gate = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_up = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_down = param(normal(rngs, (F, D), out_std, param_dtype), ("mlp", "embed"))  # [F, D]
+    # LoRA adapters (`atlas_jax.model.lora`), None where not adapted.
+    self.w_gate_lora = adapter(adapters, "gate_proj", self.w_gate, 1, rngs=rngs)
+    self.w_up_lora = adapter(adapters, "up_proj", self.w_up, 1, rngs=rngs)
+    self.w_down_lora = adapter(adapters, "down_proj", self.w_down, 1, rngs=rngs)
 
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
@@ -80,8 +88,14 @@ class MLP(nnx.Module):
     # Flattened to 2-D matmuls: XLA's CPU backend fuses the SwiGLU product into a [B, T, F]
     # dot_general and falls off its fast GEMM path, making the backward pass ~3x slower.
     x_MD = x_BTD.reshape(B * T, D)
-    gate_MF = checkpoint_name(x_MD @ self.w_gate[...].astype(dtype), "mlp_gate")
-    up_MF = checkpoint_name(x_MD @ self.w_up[...].astype(dtype), "mlp_up")
+    gate_MF = checkpoint_name(
+      plus(x_MD @ self.w_gate[...].astype(dtype), self.w_gate_lora, x_MD), "mlp_gate"
+    )
+    up_MF = checkpoint_name(
+      plus(x_MD @ self.w_up[...].astype(dtype), self.w_up_lora, x_MD), "mlp_up"
+    )
     h_MF = jax.nn.silu(gate_MF) * up_MF
-    out_MD = checkpoint_name(h_MF @ self.w_down[...].astype(dtype), "mlp_down")
+    out_MD = checkpoint_name(
+      plus(h_MF @ self.w_down[...].astype(dtype), self.w_down_lora, h_MF), "mlp_down"
+    )
     return out_MD.reshape(B, T, D)

@@ -21,7 +21,7 @@ Two paths compute the same attention:
   each decode step reads C + R numbers per cached token.
 
 RoPE uses the rotate-half layout; Hugging Face's interleaved DeepSeek weights are permuted at
-import (`atlas_jax.hf_deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
+import (`atlas_jax.hf.deepseek`). The softmax scale is (Hn + R) ** -0.5, times YaRN's
 mscale(factor, mscale_all_dim) ** 2 when YaRN scaling is set, and YaRN's attention factor
 multiplies the rotated rope parts, as in DeepSeek's reference code.
 """
@@ -41,6 +41,7 @@ from atlas_jax.cache.paged import LatentPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.layers import RMSNorm, normal, param, rms_norm
+from atlas_jax.model.lora import Adapters, adapted, adapter, plus
 from atlas_jax.model.rope import (
   apply_rope,
   inverse_frequencies,
@@ -79,6 +80,7 @@ class MLA(nnx.Module):
     rngs: nnx.Rngs,
     implementation: str | None = None,
     absorb_max_tokens: int = 16,
+    adapters: Adapters | None = None,
   ):
     m = cfg.mla
     D, N = cfg.d_model, cfg.n_heads
@@ -105,6 +107,15 @@ class MLA(nnx.Module):
     out_std = std / math.sqrt(2 * cfg.n_layers)
     # [N, Hv, D]
     self.wo = param(normal(rngs, (N, Hv, D), out_std, pdt), ("q_heads", "head_dim", "embed"))
+    # LoRA adapters (None where not adapted); kv_b_proj is W_UK and W_UV, an adapter each.
+    full_q = self.wq is not None
+    self.wq_lora = adapter(adapters, "q_proj", self.wq, 1, rngs=rngs) if full_q else None
+    self.wq_a_lora = None if full_q else adapter(adapters, "q_a_proj", self.wq_a, 1, rngs=rngs)
+    self.wq_b_lora = None if full_q else adapter(adapters, "q_b_proj", self.wq_b, 1, rngs=rngs)
+    self.wkv_a_lora = adapter(adapters, "kv_a_proj", self.wkv_a, 1, rngs=rngs)
+    self.wk_b_lora = adapter(adapters, "kv_b_proj", self.wk_b, 1, rngs=rngs)
+    self.wv_b_lora = adapter(adapters, "kv_b_proj", self.wv_b, 1, rngs=rngs)
+    self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
     self.dims = (C, R, Hn, Hv)  # static
     self.cfg = cfg
     self.implementation = implementation
@@ -132,17 +143,18 @@ class MLA(nnx.Module):
     # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
       q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
+      q_BTNH = plus(q_BTNH, self.wq_lora, x_BTD)
     else:
-      cq_BTA = checkpoint_name(
-        jnp.einsum("BTD,DA->BTA", x_BTD, self.wq_a[...].astype(dtype)), "q_lora_proj"
-      )
-      q_BTNH = jnp.einsum("BTA,ANH->BTNH", self.q_norm(cq_BTA), self.wq_b[...].astype(dtype))
+      cq_BTA = jnp.einsum("BTD,DA->BTA", x_BTD, self.wq_a[...].astype(dtype))
+      cq_BTA = checkpoint_name(plus(cq_BTA, self.wq_a_lora, x_BTD), "q_lora_proj")
+      cq_BTA = self.q_norm(cq_BTA)
+      q_BTNH = jnp.einsum("BTA,ANH->BTNH", cq_BTA, self.wq_b[...].astype(dtype))
+      q_BTNH = plus(q_BTNH, self.wq_b_lora, cq_BTA)
     q_BTNH = checkpoint_name(q_BTNH, "q_proj")
     q_nope_BTNh, q_rope_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTY = checkpoint_name(
-      jnp.einsum("BTD,DY->BTY", x_BTD, self.wkv_a[...].astype(dtype)), "kv_lora_proj"
-    )
+    kv_BTY = jnp.einsum("BTD,DY->BTY", x_BTD, self.wkv_a[...].astype(dtype))
+    kv_BTY = checkpoint_name(plus(kv_BTY, self.wkv_a_lora, x_BTD), "kv_lora_proj")
     c_BTC = rms_norm(kv_BTY[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
     k_rope_BTR = self._rope(kv_BTY[:, :, None, C:], positions_BT)[:, :, 0]
     return q_nope_BTNh, q_rope_BTNR, jnp.concatenate([c_BTC, k_rope_BTR], axis=-1)
@@ -156,12 +168,10 @@ class MLA(nnx.Module):
     dtype = q_nope_BTNh.dtype
     N = q_nope_BTNh.shape[2]
     c_BSC, k_rope_BSR = latent_BSY[..., :C], latent_BSY[..., C:]
-    k_nope_BSNh = checkpoint_name(
-      jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype)), "k_proj"
-    )
-    v_BSNv = checkpoint_name(
-      jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype)), "v_proj"
-    )
+    k_nope_BSNh = jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype))
+    k_nope_BSNh = checkpoint_name(plus(k_nope_BSNh, self.wk_b_lora, c_BSC), "k_proj")
+    v_BSNv = jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype))
+    v_BSNv = checkpoint_name(plus(v_BSNv, self.wv_b_lora, c_BSC), "v_proj")
     k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
     q_BTNH = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
     k_BSNH = jnp.concatenate([k_nope_BSNh, k_rope_BSNR], axis=-1)
@@ -186,10 +196,14 @@ class MLA(nnx.Module):
     """Attends over the cached latents with W_UK folded into the query: [B, T, N, Hv]."""
     _, _, scale = mla_rope(self.cfg)
     dtype = q_nope_BTNh.dtype
-    q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, self.wk_b[...].astype(dtype))
+    # W_UK and W_UV are folded into the query and the output, so their adapters are folded into
+    # them first (the update as a [C, N, H] weight: small beside the cache this path reads).
+    w_uk_CNh = adapted(self.wk_b, self.wk_b_lora).astype(dtype)
+    w_uv_CNv = adapted(self.wv_b, self.wv_b_lora).astype(dtype)
+    q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, w_uk_CNh)
     q_BTNY = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
     o_lat_BTNC = cache.attend(q_BTNY, positions_BT, scale=scale, implementation=self.implementation)
-    return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, self.wv_b[...].astype(dtype))
+    return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, w_uv_CNv)
 
   def __call__(
     self,
@@ -238,7 +252,6 @@ class MLA(nnx.Module):
           kv_lengths=cache.kv_lengths,
         )
     out_BTNv = checkpoint_name(out_BTNv, "attn_out")
-    out_BTD = checkpoint_name(
-      jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype)), "o_proj"
-    )
+    out_BTD = jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype))
+    out_BTD = checkpoint_name(plus(out_BTD, self.wo_lora, out_BTNv), "o_proj")
     return out_BTD, cache

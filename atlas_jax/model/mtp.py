@@ -31,7 +31,8 @@ from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.scan import stacked
 
 Array = jax.Array
-# A block: (x [B, T, D], positions i32[B, T], segment_ids=None) -> (x [B, T, D], None).
+# A block: (x [B, T, D], positions i32[B, T], segment_ids=, cache=) -> (x [B, T, D], cache,
+# router stats or None); the heads keep no router stats.
 BlockFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
@@ -54,7 +55,7 @@ class SequentialHead(nnx.Module):
     updated layer cache or None)."""
     both = jnp.concatenate([self.enorm(emb_BTD), self.hnorm(h_BTD)], axis=-1)  # [B, T, 2D]
     x_BTD = both @ self.eh_proj[...].astype(both.dtype)
-    x_BTD, cache = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
+    x_BTD, cache, _ = self.block(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
     out_BTD = self.norm(x_BTD)
     # Hugging Face's MtpModel chains the normalised output into the next depth.
     return out_BTD, out_BTD, cache
@@ -69,7 +70,9 @@ class ParallelHead(nnx.Module):
 
   def __call__(self, trunk_BTD, positions_BT, segment_ids_BT, cache=None):
     """(the head's normalised output [B, T, D], the updated layer cache or None)."""
-    x_BTD, cache = self.block(trunk_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache)
+    x_BTD, cache, _ = self.block(
+      trunk_BTD, positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
+    )
     return self.norm(x_BTD), cache
 
 
@@ -146,11 +149,18 @@ class MTPHeads(nnx.Module):
     sequential head would read embeddings of tokens not yet verified)."""
     return self.n_predict if self.kind == "parallel" else 1
 
-  def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype):
-    """A contiguous cache for the drafting heads' blocks: one "layer" per head."""
+  def init_cache(
+    self, cfg: ModelConfig, batch: int, max_len: int, dtype, n_heads: int | None = None
+  ):
+    """A contiguous cache for the drafting heads' blocks: one "layer" per head, for the first
+    `n_heads` (default all)."""
     attn = attention_class(cfg)
     return attn.cache_type.init(
-      n_layers=self.n_draft_heads, batch=batch, max_len=max_len, dtype=dtype, **attn.cache_dims(cfg)
+      n_layers=self.n_draft_heads if n_heads is None else n_heads,
+      batch=batch,
+      max_len=max_len,
+      dtype=dtype,
+      **attn.cache_dims(cfg),
     )
 
   def init_pool(

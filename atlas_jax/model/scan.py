@@ -21,8 +21,8 @@ import jax
 from flax import nnx
 
 POLICIES = ("none", "full", "every_k", "selective")
-# Names tagged in atlas_jax/model/attention.py, mla.py and layers.py: every matmul output and
-# the attention output (whose recomputation would rerun the attention kernel).
+# Names tagged in atlas_jax/model/attention.py, mla.py, layers.py and moe.py: every matmul output
+# and the attention output (whose recomputation would rerun the attention kernel).
 MATMUL_NAMES = (
   "q_lora_proj",  # MLA: the query bottleneck
   "kv_lora_proj",  # MLA: the latent and rope key, before the latent norm
@@ -34,6 +34,9 @@ MATMUL_NAMES = (
   "mlp_gate",
   "mlp_up",
   "mlp_down",
+  "expert_gate",  # the routed experts' matmuls (atlas_jax/model/moe.py)
+  "expert_up",
+  "expert_down",
 )
 
 
@@ -101,17 +104,19 @@ def stacked(
 ) -> nnx.Module:
   """One module whose parameters carry a leading [n] axis, initialised independently per copy.
 
-  Each parameter's logical axes gain that leading axis, named `axis` ("layers" for the trunk's
-  blocks, which pipeline stages split), so the sharding rules see it.
+  Each variable's logical axes (parameters', and any other variable that declares them) gain
+  that leading axis, named `axis` ("layers" for the stack pipeline stages split), so the
+  sharding rules see it.
   """
   keys = jax.random.split(rngs.params(), n)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
   state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys)
 
   def add_layer_axis(v):
-    if not isinstance(v, nnx.Param):
+    axes = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
+    if axes is None:
       return v
-    return v.replace(logical_axes=(axis, *v.get_metadata()["logical_axes"]))
+    return v.replace(logical_axes=(axis, *axes))
 
   state = jax.tree.map(add_layer_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)

@@ -1,16 +1,31 @@
 """The decoder-only transformer for every supported family.
 
-One model: Llama-style GQA attention (Llama, Mistral, Qwen2, Qwen3) or DeepSeek's Multi-head Latent
-Attention (`cfg.mla`), SwiGLU MLPs, and optional multi-token-prediction heads (`cfg.mtp`). The
+One model: Llama-style GQA attention (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2/3-MoE, OLMoE)
+or DeepSeek's Multi-head Latent Attention (`cfg.mla`), SwiGLU MLPs or mixture-of-experts layers
+(`cfg.moe`, `atlas_jax.model.moe`), and optional multi-token-prediction heads (`cfg.mtp`). The
 attention class is chosen once from the config; everything else is shared.
 
-Layers are stored stacked (every block parameter has a leading [L] axis) and run under one
-`jax.lax.scan` (`atlas_jax.model.scan`), with the training-time remat policy applied to it, or,
-in training, by a pipeline of stages that runs the same blocks (`pipeline`). The
-model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
+Layers are stored stacked (every block parameter has a leading [L] axis) and run under
+`jax.lax.scan` (`atlas_jax.model.scan`), with the training-time remat policy applied to it. A
+model whose layers are not all alike (DeepSeek's dense first layers, then MoE ones; Qwen-MoE's
+`mlp_only_layers`) keeps one stack per kind, `blocks` (the MoE layers, or every layer of a dense
+model) and `dense_blocks` (the dense layers of an MoE model, else None), and runs its layers as
+`runs`: maximal runs of consecutive identical layers, in order, each a scan over a contiguous
+slice of one stack (`ModelConfig.layer_runs`). Every cache keeps one layer axis for all L layers
+in layer order, so each run reads and writes its own layers' slots and the cache protocol is the
+same whatever the runs.
+
+In training, a pipeline of stages (`pipeline`) can run the `blocks` stack instead of its scan:
+the stages split that stack's stacked `layers` axis. An MoE model's dense layers must then all
+come first (`atlas_jax.config.check_pipeline`, as DeepSeek's `first_k_dense_replace` has them);
+their stack's axis is `dense_layers`, which no stage splits, and they run before the pipeline
+with the rows split over every batch axis, `stage` included (the pipeline then gathers their
+output over the stages, as it gathers the token ids when it starts at the embedding). Stages cut
+at arbitrary points of interleaved runs would each run a different program, which one SPMD
+pipeline cannot.
+
+The model builds its own caches (`init_cache`, `init_pool`), and takes any cache that follows
 `atlas_jax.cache.protocol`, so callers never branch on the family or the cache kind.
-Mixture-of-experts layers are not implemented: every layer is dense (DeepSeek's
-first_k_dense_replace >= n_layers).
 """
 
 from __future__ import annotations
@@ -19,14 +34,16 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import LoRAConfig, ModelConfig
+from atlas_jax.model import lora as lora_lib
 from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import RMSNorm, normal, param
+from atlas_jax.model.moe import RouterStats
 from atlas_jax.model.mtp import MTPHeads
 from atlas_jax.model.scan import scan_layers, stacked
 
@@ -49,10 +66,12 @@ class Transformer(nnx.Module):
     implementation: attention implementation for `atlas_jax.kernels` (None: best available).
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
     unroll_layers: unroll the layer scan (FLOP measurement only).
-    pipeline: runs the uncached layer stack instead of one scan, called as
+    lora: LoRA adapters on every block's targeted projections (`atlas_jax.model.lora`).
+    pipeline: runs the uncached `blocks` stack instead of its scan, called as
       `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with
-      `step(carry, layer_state, rows)`, and lays out the token ids the embedding reads
-      (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
+      `step(carry, layer_state, rows) -> (carry, router stats or None)` and returning (carry,
+      each layer's stats on each of its U micro-batches, [L, U, ...], or None), and lays out the
+      token ids the embedding reads (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
       (`atlas_jax.training.pipeline.Pipeline`). None: one scan.
   """
 
@@ -65,26 +84,50 @@ class Transformer(nnx.Module):
     remat: str = "none",
     remat_every: int | None = None,
     unroll_layers: bool = False,
+    lora: LoRAConfig | None = None,
     pipeline: Callable | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
+    adapters = lora_lib.resolve(cfg, lora)
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.remat = (remat, remat_every, unroll_layers)  # static
     self.pipeline = pipeline  # static
 
-    def make_block(r: nnx.Rngs) -> Block:
-      return Block(cfg, rngs=r, implementation=implementation)
+    def block_factory(sparse: bool):
+      return lambda r: Block(
+        cfg, rngs=r, implementation=implementation, sparse=sparse, adapters=adapters
+      )
 
     self.embed = param(normal(rngs, (V, D), cfg.init_std, pdt), ("vocab", "embed"))  # [V, D]
-    self.blocks = stacked(make_block, cfg.n_layers, rngs)  # every parameter [L, ...]
+    sparse_L = cfg.sparse_layers()
+    main = any(sparse_L)  # the kind `blocks` holds: MoE layers when there are any
+    n_dense = sparse_L.count(False)
+    # Every parameter [L_kind, ...]: the layers of that kind, in layer order.
+    self.blocks = stacked(block_factory(main), sparse_L.count(main), rngs)
+    # The dense layers' stack has its own axis name: pipeline stages split only `blocks`.
+    self.dense_blocks = (
+      stacked(block_factory(False), n_dense, rngs, axis="dense_layers")
+      if main and n_dense
+      else None
+    )
+    # Static: (stack name, first index in the stack, layers, first layer) per run.
+    stacks, runs, first = layer_stacks(cfg), [], 0
+    for _, n in cfg.layer_runs():
+      runs.append((*stacks[first], n, first))
+      first += n
+    self.runs = tuple(runs)
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
     self.lm_head = (
       None
       if cfg.tie_embeddings
       else param(normal(rngs, (D, V), cfg.init_std, pdt), ("embed", "vocab"))  # [D, V]
     )
-    self.mtp = None if cfg.mtp is None else MTPHeads(cfg, make_block, rngs=rngs)  # [J, ...]
+    # MTP modules count on past the trunk's layers (DeepSeek-V3's is an MoE layer).
+    mtp_sparse = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
+    self.mtp = (
+      None if cfg.mtp is None else MTPHeads(cfg, block_factory(mtp_sparse), rngs=rngs)
+    )  # [J, ...]
 
   # -- caches ------------------------------------------------------------------------------------
 
@@ -143,60 +186,93 @@ class Transformer(nnx.Module):
     head_DV = self._head_DV().astype(h_BTD.dtype)
     return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
 
+  def _runs(self):
+    """(graphdef, the run's slice of its stack's state, first layer) per run, in order."""
+    stacks = {"blocks": nnx.split(self.blocks)}
+    if self.dense_blocks is not None:
+      stacks["dense_blocks"] = nnx.split(self.dense_blocks)
+    for name, start, n, first in self.runs:
+      graphdef, state = stacks[name]
+      if n != jax.tree.leaves(state)[0].shape[0]:
+        state = jax.tree.map(lambda a, start=start, n=n: a[start : start + n], state)
+      yield graphdef, state, first
+
   def _trunk(self, tokens_BT, positions_BT, segment_ids_BT, cache, *, keep_trunk=False):
-    """Runs the layers: (input to the last block or None, final normalised hidden, new cache).
+    """Runs the layers: (input to the last block or None, final normalised hidden, new cache,
+    router stats of the MoE layers stacked [L_moe, ...] in `blocks` order, or None).
 
     `keep_trunk` carries each block's input through the scan, for the parallel MTP heads.
     """
     dtype = jnp.dtype(self.cfg.dtype)
-    if self.pipeline is not None:  # the first stage embeds every row (`pipeline.gather`)
+    pipelined = self.pipeline is not None and cache is None
+    if pipelined and self.runs[0][0] == "blocks":
+      # The pipeline starts at the embedding: every stage embeds all of its data shard's rows,
+      # which the first stage needs (`pipeline.gather`). After dense layers, the pipeline
+      # gathers their output instead.
       tokens_BT = self.pipeline.gather(tokens_BT)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
-    graphdef, block_state = nnx.split(self.blocks)
-    if cache is not None:
-      x_BTD, trunk_BTD, cache = self._cached_layers(
-        graphdef, block_state, x_BTD, positions_BT, cache, keep_trunk=keep_trunk
-      )
-      return trunk_BTD, self.final_norm(x_BTD), cache
+    trunk_BTD = x_BTD if keep_trunk else None
+    storage = None if cache is None else cache.layers
+    stats = []
+    for (name, *_), (graphdef, state, first) in zip(self.runs, self._runs(), strict=True):
+      if cache is None:
+        (x_BTD, trunk_BTD), ys = self._uncached_run(
+          graphdef,
+          state,
+          (x_BTD, trunk_BTD),
+          positions_BT,
+          segment_ids_BT,
+          keep_trunk,
+          pipelined=pipelined and name == "blocks",
+        )
+      else:
+        (x_BTD, trunk_BTD, storage), ys = self._cached_run(
+          graphdef, state, first, (x_BTD, trunk_BTD, storage), positions_BT, cache, keep_trunk
+        )
+      if ys is not None:
+        stats.append(ys)
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
+    new_cache = None if cache is None else cache.advance(storage, positions_BT)
+    return trunk_BTD, self.final_norm(x_BTD), new_cache, stats
+
+  def _uncached_run(
+    self, graphdef, state, carry, positions_BT, segment_ids_BT, keep_trunk, *, pipelined=False
+  ):
+    """One run's layer scan without a cache, or the pipeline's stages when `pipelined`:
+    ((x, the last block's input or None), router stats [L_run, ...] or None)."""
 
     # Positions and segment ids go in as `rows`, so a pipeline can hand each block its
     # micro-batch's.
     def step(carry, state, rows):
       positions_BT, segment_ids_BT = rows
-      x_BTD = carry[0] if keep_trunk else carry
-      y_BTD, _ = nnx.merge(graphdef, state)(x_BTD, positions_BT, segment_ids_BT=segment_ids_BT)
-      return ((y_BTD, x_BTD) if keep_trunk else y_BTD), None
+      x_BTD, _ = carry
+      y_BTD, _, stats = nnx.merge(graphdef, state)(
+        x_BTD, positions_BT, segment_ids_BT=segment_ids_BT
+      )
+      return (y_BTD, x_BTD if keep_trunk else None), stats
 
     policy, every, unroll = self.remat
-    carry = (x_BTD, x_BTD) if keep_trunk else x_BTD
     rows = (positions_BT, segment_ids_BT)
     remat = dict(policy=policy, every=every, unroll=unroll)
-    if self.pipeline is None:
-      carry, _ = scan_layers(lambda c, st: step(c, st, rows), carry, block_state, **remat)
-    else:
-      carry = self.pipeline(step, carry, block_state, rows, **remat)
-    x_BTD, trunk_BTD = carry if keep_trunk else (carry, None)
-    return trunk_BTD, self.final_norm(x_BTD), None
+    if not pipelined:
+      return scan_layers(lambda c, st: step(c, st, rows), carry, state, **remat)
+    carry, stats_LU = self.pipeline(step, carry, state, rows, **remat)
+    # Each layer ran once per pipeline micro-batch: [L, U, ...] stats, merged per layer.
+    return carry, None if stats_LU is None else stats_LU.merge_calls()
 
-  def _cached_layers(self, graphdef, block_state, x_BTD, positions_BT, cache: Cache, keep_trunk):
-    """The layer scan over a cache: its storage is carried whole, each layer writing and reading
-    its own slice in place (`atlas_jax.cache.protocol`).
-
-    Returns (x [B, T, D], the last block's input [B, T, D] when `keep_trunk` else None, cache).
-    """
+  def _cached_run(self, graphdef, state, first, carry, positions_BT, cache: Cache, keep_trunk):
+    """One run's layer scan over a cache: its storage is carried whole, each layer writing and
+    reading its own slice in place (`atlas_jax.cache.protocol`)."""
 
     def step(carry, layer):
-      x_BTD, trunk_BTD, storage = carry
+      x_BTD, _, storage = carry
       state, index = layer
       view = cache.layer(storage, index, positions_BT)
-      y_BTD, view = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
-      return (y_BTD, x_BTD if keep_trunk else None, view.storage), None
+      y_BTD, view, stats = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
+      return (y_BTD, x_BTD if keep_trunk else None, view.storage), stats
 
-    L = self.cfg.n_layers
-    xs = (block_state, jnp.arange(L, dtype=jnp.int32))
-    carry = (x_BTD, x_BTD if keep_trunk else None, cache.layers)
-    (x_BTD, trunk_BTD, storage), _ = jax.lax.scan(step, carry, xs)
-    return x_BTD, trunk_BTD, cache.advance(storage, positions_BT)
+    n = jax.tree.leaves(state)[0].shape[0]
+    return jax.lax.scan(step, carry, (state, first + jnp.arange(n, dtype=jnp.int32)))
 
   def __call__(
     self,
@@ -228,7 +304,7 @@ class Transformer(nnx.Module):
     """
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT, cache)
-    trunk_BTD, h_BTD, new_cache = self._trunk(
+    trunk_BTD, h_BTD, new_cache, _ = self._trunk(
       tokens_BT, positions_BT, segment_ids_BT, cache, keep_trunk=return_hidden
     )
     hidden = (h_BTD, trunk_BTD)
@@ -240,6 +316,41 @@ class Transformer(nnx.Module):
     out += (hidden,) if return_hidden else ()
     return out[0] if len(out) == 1 else out
 
+  def forward_train(
+    self,
+    tokens_BT: Array,
+    *,
+    positions_BT: Array | None = None,
+    segment_ids_BT: Array | None = None,
+    hidden: bool = False,
+  ) -> TrainOutputs:
+    """Everything a training objective reads, from one pass: the next-token logits, the MTP
+    heads' logits when the model has heads, the MoE layers' router stats when it has any.
+
+    MTP head j (1-based) at position t predicts token t + 1 + j. With `hidden`, the normalised
+    hidden states before the shared head instead of logits ([B, T, D], [J, B, T, D]), for a loss
+    that applies the head itself (`output_head`).
+    """
+    if positions_BT is None:
+      positions_BT = default_positions(tokens_BT, None)
+    # Parallel heads read the input of the last block; sequential ones the final hidden state.
+    keep_trunk = self.mtp is not None and self.mtp.kind == "parallel"
+    trunk_BTD, h_BTD, _, stats = self._trunk(
+      tokens_BT, positions_BT, segment_ids_BT, None, keep_trunk=keep_trunk
+    )
+    mtp_JBT_ = None
+    if self.mtp is not None:
+      mtp_JBT_ = self.mtp(
+        tokens_BT=tokens_BT,
+        trunk_BTD=trunk_BTD,
+        final_BTD=h_BTD,
+        positions_BT=positions_BT,
+        segment_ids_BT=segment_ids_BT,
+        embed_VD=self.embed[...],
+        head_DV=None if hidden else self._head_DV(),
+      )
+    return TrainOutputs(h_BTD if hidden else self._logits(h_BTD), mtp_JBT_, stats)
+
   def forward_mtp(
     self,
     tokens_BT: Array,
@@ -248,31 +359,36 @@ class Transformer(nnx.Module):
     segment_ids_BT: Array | None = None,
     hidden: bool = False,
   ) -> tuple[Array, Array]:
-    """(next-token logits f32[B, T, V], MTP logits f32[J, B, T, V]) for training.
-
-    MTP head j (1-based) at position t predicts token t + 1 + j. With `hidden`, the normalised
-    hidden states before the shared head instead: ([B, T, D], [J, B, T, D]), for a loss that
-    applies the head itself (`output_head`).
-    """
+    """(next-token logits f32[B, T, V], MTP logits f32[J, B, T, V]): `forward_train`'s two
+    outputs (with `hidden`, the hidden states [B, T, D], [J, B, T, D])."""
     if self.mtp is None:
       raise ValueError("forward_mtp: the model has no MTP heads (model.mtp is null)")
-    if positions_BT is None:
-      positions_BT = default_positions(tokens_BT, None)
-    # Parallel heads read the input of the last block; sequential ones the final hidden state.
-    keep_trunk = self.mtp.kind == "parallel"
-    trunk_BTD, h_BTD, _ = self._trunk(
-      tokens_BT, positions_BT, segment_ids_BT, None, keep_trunk=keep_trunk
+    out = self.forward_train(
+      tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, hidden=hidden
     )
-    mtp_JBTV = self.mtp(
-      tokens_BT=tokens_BT,
-      trunk_BTD=trunk_BTD,
-      final_BTD=h_BTD,
-      positions_BT=positions_BT,
-      segment_ids_BT=segment_ids_BT,
-      embed_VD=self.embed[...],
-      head_DV=None if hidden else self._head_DV(),
-    )
-    return (h_BTD, mtp_JBTV) if hidden else (self._logits(h_BTD), mtp_JBTV)
+    return out.main, out.mtp
+
+
+@struct.dataclass
+class TrainOutputs:
+  """`Transformer.forward_train`'s result."""
+
+  main: Array  # f32[B, T, V] next-token logits, or [B, T, D] final hidden states
+  mtp: Array | None  # f32[J, B, T, V] MTP logits, or [J, B, T, D]; None without heads
+  router: RouterStats | None  # every field with a leading [L_moe] axis; None when dense
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+  """(stack, index in it) of each layer: "blocks" holds the MoE layers (every layer of a dense
+  model), "dense_blocks" the dense layers of a model that also has MoE ones."""
+  sparse_L = cfg.sparse_layers()
+  main = any(sparse_L)
+  seen = {True: 0, False: 0}
+  out = []
+  for sparse in sparse_L:
+    out.append(("blocks" if sparse == main else "dense_blocks", seen[sparse]))
+    seen[sparse] += 1
+  return tuple(out)
 
 
 def build(cfg: ModelConfig, *, rngs: nnx.Rngs, **kwargs) -> Transformer:

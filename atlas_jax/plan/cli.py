@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from atlas_jax.config import Config, ConfigError, ModelConfig, load_config
+from atlas_jax.config import Config, ConfigError, ModelConfig
 from atlas_jax.devices import DEVICES
 from atlas_jax.plan import memory
 from atlas_jax.plan.models import REFERENCE_MODELS, get_reference
@@ -38,7 +38,9 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
   """The model behind `--config`: a YAML preset, a Hugging Face folder, or a known model name."""
   path = Path(spec)
   if path.is_file() and path.suffix in (".yaml", ".yml"):
-    cfg = load_config(path, overrides)
+    from atlas_jax import sources  # a fine-tuning preset's model is its train.init_from's
+
+    cfg = sources.load_config(path, overrides)
     return Source(path.stem, cfg.model, cfg)
   if overrides:
     raise ValueError(f"--set {overrides[0]!r}: overrides apply to YAML presets only")
@@ -54,11 +56,7 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
     try:
       return Source(path.name, hf.load_config(path), None)
     except hf.HFLoadError as e:
-      hint = ""
-      if "mixture-of-experts" in str(e):
-        names = [n for n in REFERENCE_MODELS if n.startswith("deepseek")]
-        hint = f"; for DeepSeek's attention and KV cache use --config {' / '.join(names)}"
-      raise ValueError(f"--config={spec!r}: {e}{hint}") from e
+      raise ValueError(f"--config={spec!r}: {e}") from e
   ref = get_reference(spec)
   if ref is not None:
     return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
@@ -76,6 +74,8 @@ def preset_defaults(source: Source, devices: int) -> dict:
   t = cfg.train
   stage = cfg.mesh.stage if cfg.mesh.stage > 0 and devices % cfg.mesh.stage == 0 else 1
   tensor = cfg.mesh.tensor if (devices // stage) % cfg.mesh.tensor == 0 else 1
+  ways = devices // stage // tensor
+  expert = cfg.mesh.expert if cfg.mesh.expert > 0 and ways % cfg.mesh.expert == 0 else 1
   strategy = {"fsdp": "zero3"}.get(t.sharding, t.sharding)
   pipeline = {"pipeline": 1, "microbatches": 1, "repeats": 1}
   if stage > 1:
@@ -93,9 +93,11 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "remat_every": t.remat_every,
     "strategy": strategy,
     "tensor": tensor,
+    "expert": expert,
     "grad_accum": t.grad_accum,
     "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
+    **({} if t.lora is None else {"lora_rank": t.lora.rank, "lora_targets": t.lora.targets}),
   }
 
 
@@ -112,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=8, help="devices to train on (default 8)")
   p.add_argument("--strategy", choices=memory.STRATEGIES, help="sharding strategy")
   p.add_argument("--tensor", type=int, help="tensor-parallel ways combined with the strategy")
+  p.add_argument("--expert", type=int, help="expert-parallel ways (mixture-of-experts models)")
   p.add_argument("--remat", choices=memory.REMAT_POLICIES, help="activation checkpointing")
   p.add_argument("--remat-every", type=int, help="k for --remat every_k")
   p.add_argument("--precision", choices=PRECISIONS, help="compute precision (default bf16)")
@@ -127,6 +130,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
   p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
   p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
+  p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank only (0: all)")
+  p.add_argument(
+    "--lora-targets", help="comma-separated LoRA targets (default: the preset's, or attn,mlp)"
+  )
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print every figure as JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -142,9 +149,12 @@ def build_plan(args: argparse.Namespace) -> dict:
       fields[name] = getattr(args, name)
   if args.pipeline is not None and args.pipeline != fields.get("pipeline"):
     fields.update(microbatches=1, repeats=1)  # the preset's belong to its own stage count
-  for name in ("attention", "grad_accum", "loss_chunk", "pipeline", "microbatches", "repeats"):
+  names = ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank")
+  for name in (*names, "pipeline", "microbatches", "repeats"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
+  if args.lora_targets is not None:
+    fields["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(","))
   if args.tokens is not None:
     fields["tokens"] = int(args.tokens)
   fields.update(device=args.device, mfu=args.mfu, block_size=args.block_size)

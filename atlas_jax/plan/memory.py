@@ -6,8 +6,11 @@ State. The trainer keeps float32 master weights whatever the compute precision, 
 step counters: 4 + 4 + 8 = 16 bytes per parameter. (The ZeRO paper's 16 bytes for mixed-precision
 Adam split differently, 2 + 2 + 12: fp16 weights and gradients beside fp32 master weights and
 moments; here the low-precision weight copies are made at use, and counted with the activations.)
-Each strategy splits some of it over the `fsdp` mesh axis, and tensor parallelism splits heads,
-FFN columns and the vocabulary over `tensor`:
+Each strategy splits some of it over the `fsdp` mesh axis, tensor parallelism splits heads,
+FFN columns (an expert's too) and the vocabulary over `tensor`, and expert parallelism splits the
+routed experts over `expert` (whatever the strategy; the ways come out of the data-parallel
+devices, as in `atlas_jax.training.sharding`). DeepSeek-V3's router biases are parameters here
+(saved, 4 bytes each) with no gradient and no optimizer state:
 
   strategy   parameters  gradients  optimizer state
   dp         replicated  replicated replicated
@@ -16,8 +19,12 @@ FFN columns and the vocabulary over `tensor`:
   zero3      sharded     sharded    sharded
   tensor     every device is a tensor-parallel shard (mesh.tensor = devices), nothing over fsdp
 
-Pipeline stages (mesh.stage) split the stacked-layer axis under every strategy. A dimension the
-mesh axis does not divide stays replicated, as in `atlas_jax.training.sharding`.
+Pipeline stages (mesh.stage) split the stacked-layer axis under every strategy (of an MoE model,
+the MoE layers' stack; its dense layers' is whole on every stage). A dimension the mesh axis does
+not divide stays replicated, as in `atlas_jax.training.sharding`.
+
+With LoRA (train.lora) the base weights are held as they are, the adapters beside them, and only
+the adapters have gradients and AdamW moments: 4 bytes per frozen parameter, 16 per adapter one.
 
 Activations. What the train step's forward pass saves for its backward pass (the residuals of
 `jax.vjp`), counted tensor by tensor from the model code: per layer and token under `none`,
@@ -37,6 +44,9 @@ the head. Multi-token-prediction heads run outside the remat policy and always k
 residuals. A pipelined step (`activation_bytes(schedule=...)`) keeps, on each stage, its layers'
 residuals for every one of the schedule's iterations (one micro-batch each). `tests/plan` checks
 these against the real train step's residuals (per device, for the pipelined step).
+Mixture-of-experts layers are an estimate, not checked: the dense MLP's terms replaced by k
+experts' (each token's k copies, their SwiGLU, the float32 router logits and probabilities) plus
+the shared experts'.
 """
 
 from __future__ import annotations
@@ -44,9 +54,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.model.scan import default_every
-from atlas_jax.plan.params import ParamSpec, block, inventory, mtp_head
+from atlas_jax.plan.params import ParamSpec, block, inventory, lora_adapters, mtp_head
 from atlas_jax.schedule import Schedule
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor")
@@ -54,8 +64,10 @@ REMAT_POLICIES = ("none", "full", "every_k", "selective")
 ATTENTION_IMPLS = ("flash", "xla")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # compute dtype bytes
 
-# Logical axis -> mesh axis. Tensor parallelism as in atlas_jax.training.sharding.TENSOR_RULES.
-TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "vocab")
+# Logical axis -> mesh axis. Tensor parallelism as in atlas_jax.training.sharding.TENSOR_RULES,
+# expert parallelism as in its EXPERT_RULES.
+TENSOR_AXES = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")
+EXPERT_AXES = ("experts",)
 # ZeRO splits the model width and MLA's low-rank bottlenecks (as training.sharding.FSDP_RULES).
 FSDP_AXES = ("embed", "q_lora", "kv_lora")
 # Pipeline stages split the stacked-layer axis (as training.sharding.STAGE_RULES).
@@ -69,39 +81,52 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def mesh_for(strategy: str, devices: int, tensor: int = 1, stage: int = 1) -> dict[str, int]:
-  """(data, fsdp, stage, tensor) sizes a strategy uses on `devices` devices, `stage` of them
-  pipeline stages (`tensor` then takes what the stages leave)."""
+def mesh_for(
+  strategy: str, devices: int, tensor: int = 1, stage: int = 1, expert: int = 1
+) -> dict[str, int]:
+  """(data, fsdp, expert, stage, tensor) sizes a strategy uses on `devices` devices, `stage` of
+  them pipeline stages (`tensor` then takes what the stages leave, `expert` what tensor leaves)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"--strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
   _check_int("devices", devices)
   _check_int("tensor", tensor)
   _check_int("pipeline", stage)
+  _check_int("expert", expert)
   if devices % stage:
     raise ValueError(f"--pipeline={stage} must divide --devices={devices}")
   per_stage = devices // stage
   if strategy == "tensor":
-    return {"data": 1, "fsdp": 1, "stage": stage, "tensor": per_stage}
+    if expert != 1:
+      raise ValueError(f"--expert={expert} needs a strategy other than tensor (every device TP)")
+    return {"data": 1, "fsdp": 1, "expert": 1, "stage": stage, "tensor": per_stage}
   if per_stage % tensor:
     raise ValueError(
       f"--tensor={tensor} must divide --devices={devices}"
       + (f" / --pipeline={stage}" if stage > 1 else "")
     )
-  rest = per_stage // tensor
+  if (per_stage // tensor) % expert:
+    raise ValueError(
+      f"--expert={expert} must divide --devices / --tensor"
+      + (" / --pipeline" if stage > 1 else "")
+      + f" = {per_stage // tensor} (the data-parallel devices the experts are split over)"
+    )
+  rest = per_stage // tensor // expert
   if strategy == "dp":
-    return {"data": rest, "fsdp": 1, "stage": stage, "tensor": tensor}
-  return {"data": 1, "fsdp": rest, "stage": stage, "tensor": tensor}
+    return {"data": rest, "fsdp": 1, "expert": expert, "stage": stage, "tensor": tensor}
+  return {"data": 1, "fsdp": rest, "expert": expert, "stage": stage, "tensor": tensor}
 
 
-def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, stage: int = 1) -> int:
-  """Elements of `spec` one device holds when split over fsdp, tensor and stage ways (1: not
-  split).
+def shard_elements(
+  spec: ParamSpec, *, fsdp: int, tensor: int, stage: int = 1, expert: int = 1
+) -> int:
+  """Elements of `spec` one device holds when split over fsdp, tensor, stage and expert ways (1:
+  not split).
 
   As `atlas_jax.training.sharding.spec_for`: dimensions in order, each mesh axis splits the first
   dimension it divides among those whose logical axis maps to it; the rest stay replicated.
   Pipeline stages split the stacked-layer axis ("layers").
   """
-  sizes = {"fsdp": fsdp, "tensor": tensor, "stage": stage}
+  sizes = {"fsdp": fsdp, "tensor": tensor, "stage": stage, "expert": expert}
   shape, used = list(spec.shape), set()
   for i, axis in enumerate(spec.axes):
     mesh_axis = (
@@ -111,6 +136,8 @@ def shard_elements(spec: ParamSpec, *, fsdp: int, tensor: int, stage: int = 1) -
       if axis in FSDP_AXES
       else "stage"
       if axis == STAGE_AXIS
+      else "expert"
+      if axis in EXPERT_AXES
       else None
     )
     if mesh_axis is None or mesh_axis in used or sizes[mesh_axis] == 1:
@@ -130,6 +157,7 @@ class StateBytes:
   params: int
   grads: int
   opt_state: int
+  experts: int = 0  # of `params`, the routed experts' weights (split over the expert axis)
 
   @property
   def total(self) -> int:
@@ -143,24 +171,40 @@ def state_bytes(
   devices: int,
   tensor: int = 1,
   stage: int = 1,
+  expert: int = 1,
   master_bytes: int = 4,
+  lora: tuple[int, frozenset[str]] | None = None,
 ) -> StateBytes:
   """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments);
-  `stage` pipeline stages split the layer stack under every strategy."""
-  mesh = mesh_for(strategy, devices, tensor, stage)
-  zero = _ZERO[strategy]
-  specs = inventory(cfg)
+  `stage` pipeline stages split the layer stack under every strategy, `expert` ways the routed
+  experts.
 
-  def per_device(sharded: bool) -> int:
+  `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
+  gradients and optimizer state.
+  """
+  mesh = mesh_for(strategy, devices, tensor, stage, expert)
+  zero = _ZERO[strategy]
+  base = inventory(cfg)
+  adapters = [] if lora is None else lora_adapters(cfg, *lora)
+  trained = base if lora is None else adapters
+
+  def per_device(
+    specs: list[ParamSpec], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
+  ) -> int:
     ways = dict(fsdp=mesh["fsdp"] if sharded else 1, tensor=mesh["tensor"], stage=mesh["stage"])
-    return master_bytes * sum(shard_elements(p, **ways) for p in specs)
+    return master_bytes * sum(
+      shard_elements(p, **ways, expert=mesh["expert"])
+      for p in specs
+      if (p.trainable or not trainable_only) and only(p)
+    )
 
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(zero >= 3),
-    grads=per_device(zero >= 2),
-    opt_state=2 * per_device(zero >= 1) + _ADAM_COUNTERS,
+    params=per_device(base + adapters, zero >= 3, trainable_only=False),
+    grads=per_device(trained, zero >= 2),
+    opt_state=2 * per_device(trained, zero >= 1) + _ADAM_COUNTERS,
+    experts=per_device(base, zero >= 3, only=lambda p: p.is_routed_expert),
   )
 
 
@@ -188,18 +232,42 @@ def _split(n: int, tensor: int) -> float:
   return n / tensor if tensor > 1 and n % tensor == 0 else n
 
 
-def _layer_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: int) -> float:
+def _ffn_tokens(cfg: ModelConfig, c: int, tp: int, sparse: bool) -> float:
+  """Bytes a block's feed-forward saves per token: the dense SwiGLU's, or (an estimate) an MoE
+  layer's: k copies of the token and k experts' SwiGLU, the float32 router logits and
+  probabilities and the k weights, plus the shared experts' SwiGLU."""
+  if not sparse:
+    return 6 * _split(cfg.ffn_dim, tp) * c
+  m, D = cfg.moe, cfg.d_model
+  k, E = m.top_k, m.n_experts
+  out = k * (D * c + 6 * _split(m.expert_ffn_dim, tp) * c) + 8 * E + 8 * k
+  return out + (6 * _split(m.shared_ffn_dim, tp) * c + D * c if m.shared_ffn_dim else 0)
+
+
+def _ffn_kept(cfg: ModelConfig, tp: int, sparse: bool) -> float:
+  """Elements per token the selective policy keeps of a feed-forward's matmul outputs: a SwiGLU
+  keeps its gate and up (F each) and down (D) outputs; an MoE layer k experts' and the shared."""
+  swiglu = lambda F: cfg.d_model + 2 * _split(F, tp)
+  if not sparse:
+    return swiglu(cfg.ffn_dim)
+  m = cfg.moe
+  return m.top_k * swiglu(m.expert_ffn_dim) + (swiglu(m.shared_ffn_dim) if m.shared_ffn_dim else 0)
+
+
+def _layer_tokens(
+  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, sparse: bool = False
+) -> float:
   """Bytes one block saves per token without remat (see the module docstring)."""
-  D, F, N = cfg.d_model, _split(cfg.ffn_dim, tp), _split(cfg.n_heads, tp)
+  D, N = cfg.d_model, _split(cfg.n_heads, tp)
   n_norms = 2
-  out = 4 * D * c + 16 * D + 6 * F * c
+  out = 4 * D * c + 16 * D + _ffn_tokens(cfg, c, tp, sparse)
   if cfg.mla is None:
     K, H = _split(cfg.n_kv_heads, tp), cfg.head_dim
     if attention == "xla":
       out += 2 * N * H * c + K * H * (c + 4) + 8 * N * S + 8 * N
     else:
       out += 3 * N * H * c + 2 * K * H * c + 4 * N
-    if cfg.qk_norm:  # Qwen3's RMSNorm over each q and k head: f32 input and output, scalars
+    if cfg.qk_norm:  # RMSNorm over each q and k head (Qwen3; OLMoE: all heads, an estimate)
       out += (N + K) * (H * (8 + c) + 8)
   else:
     m = cfg.mla
@@ -278,7 +346,8 @@ def _mtp_tokens(
     return 0.0
   D, V, R = cfg.d_model, _split(cfg.vocab_size, tp), _rope_dim(cfg)
   # Its block (whose input is a new array here), logits and loss.
-  head = _layer_tokens(cfg, c, S, attention, tp) + D * c + _loss_tokens(V, chunked)
+  sparse = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
+  head = _layer_tokens(cfg, c, S, attention, tp, sparse) + D * c + _loss_tokens(V, chunked)
   if cfg.mtp.kind == "sequential":
     # enorm, hnorm and the output norm; the [2D] concatenation; RoPE at positions t + j; the
     # shifted tokens' embedding indices.
@@ -298,23 +367,31 @@ def _mtp_position_tokens(cfg: ModelConfig, c: int, S: int, attention: str, tp: i
   return out + (2 * _rope_dim(cfg) * c if cfg.mtp.kind == "parallel" else 0)
 
 
-def _selective_tokens(cfg: ModelConfig, tp: int) -> float:
+def _selective_tokens(cfg: ModelConfig, tp: int, sparse: bool = False) -> float:
   """Elements per token and block the selective policy keeps: the named matmul outputs."""
+  kept = cfg.d_model + _ffn_kept(cfg, tp, sparse)  # o_proj; the feed-forward's matmuls
   if cfg.mla is None:
-    kept = 2 * cfg.d_model + 2 * _split(cfg.ffn_dim, tp)
     return kept + 2 * cfg.head_dim * (_split(cfg.n_heads, tp) + _split(cfg.n_kv_heads, tp))
   m, N = cfg.mla, _split(cfg.n_heads, tp)
-  kept = 2 * cfg.d_model + 2 * _split(cfg.ffn_dim, tp)  # o_proj, MLP gate, up and down
   # q, the latent and rope key, K's and V's up-projections, the attention output
   kept += N * m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim
   return kept + N * (m.qk_nope_head_dim + 2 * m.v_head_dim) + (m.q_lora_rank or 0)
 
 
 def _blocks(
-  cfg: ModelConfig, policy: str, layers: int, M: int, per_layer: float, c: int, tp: int, k: int
+  cfg: ModelConfig,
+  policy: str,
+  layers: int,
+  M: int,
+  per_layer: float,
+  c: int,
+  tp: int,
+  k: int,
+  sparse: bool = False,
 ) -> tuple[float, float]:
   """(saved, recomputed at a time) of `layers` block applications on M tokens; `per_layer`:
-  one block's residuals without remat (what `full` recomputes); k: every_k's group."""
+  one block's residuals without remat (what `full` recomputes); k: every_k's group; `sparse`:
+  MoE blocks."""
   D = cfg.d_model
   if policy == "none":
     return layers * per_layer, 0.0
@@ -322,7 +399,7 @@ def _blocks(
     return layers * D * c * M, per_layer
   if policy == "every_k":
     return (layers // k) * D * c * M, k * per_layer
-  kept = _selective_tokens(cfg, tp) * c * M
+  kept = _selective_tokens(cfg, tp, sparse) * c * M
   return layers * kept, max(per_layer - kept, 0.0)
 
 
@@ -380,18 +457,14 @@ def activation_bytes(
   args = (cfg, policy, batch, seq_len, compute_bytes, attention, remat_every, tensor)
   if schedule is not None and schedule.stages > 1:
     return _pipelined(*args, master_bytes, loss_chunk, schedule)
-  L, c, M, tp = cfg.n_layers, compute_bytes, batch * seq_len, tensor
+  c, M, tp = compute_bytes, batch * seq_len, tensor
   S = seq_len
-  layer_specs = block(cfg)
-  per_layer = _layer_tokens(cfg, c, S, attention, tp) * M
-  per_layer += _layer_fixed(layer_specs, c, master_bytes, tp)
   chunked = loss_chunk > 0
   glob = (4 + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))) * M
   glob += _after_blocks(cfg, c, S, attention, tp, chunked, M, master_bytes)
-  k = default_every(L) if remat_every is None else remat_every
-  if policy == "every_k" and L % k:
-    raise ValueError(f"--remat-every={k} must divide the model's n_layers={L}")
-  saved, recompute = _blocks(cfg, policy, L, M, per_layer, c, tp, k)
+  saved, recompute, per_layer = _runs(
+    cfg, cfg.layer_runs(), policy, M, c, S, attention, tp, master_bytes, remat_every
+  )
   return ActivationBytes(
     policy=policy,
     saved=int(round(saved + glob)),
@@ -399,6 +472,30 @@ def activation_bytes(
     per_layer_none=int(round(per_layer)),
     outside_blocks=int(round(glob)),
   )
+
+
+def _per_layer(
+  cfg: ModelConfig, sparse: bool, M: int, c: int, S: int, attention: str, tp: int, master: int
+) -> float:
+  """One block's residuals on M tokens without remat (dense or MoE)."""
+  per_token = _layer_tokens(cfg, c, S, attention, tp, sparse) * M
+  return per_token + _layer_fixed(block(cfg, sparse), c, master, tp)
+
+
+def _runs(cfg, runs, policy, M, c, S, attention, tp, master, remat_every):
+  """(saved, recomputed at a time, the largest block's residuals) of runs of identical layers
+  ((sparse, layers), ...), each its own layer scan (`atlas_jax.model.transformer`) on M
+  tokens."""
+  saved, recompute, largest = 0.0, 0.0, 0.0
+  for sparse, n in runs:
+    per_layer = _per_layer(cfg, sparse, M, c, S, attention, tp, master)
+    k = default_every(n) if remat_every is None else remat_every
+    if policy == "every_k" and n % k:
+      where = f"the model's n_layers={n}" if n == cfg.n_layers else f"each run of {n} layers"
+      raise ValueError(f"--remat-every={k} must divide {where}")
+    s, r = _blocks(cfg, policy, n, M, per_layer, c, tp, k, sparse)
+    saved, recompute, largest = saved + s, max(recompute, r), max(largest, per_layer)
+  return saved, recompute, largest
 
 
 def _pipelined(
@@ -423,12 +520,20 @@ def _pipelined(
   backward pass; with the micro-batch's positions (or, without remat, its RoPE tables and mask).
   Without remat the circular schedule also keeps each iteration's slice of the weights. Every
   stage embeds its shard's rows (their token ids are kept); the final norm, head, loss and MTP
-  heads run on batch / p rows (stages split the batch there).
+  heads run on batch / p rows (stages split the batch there). An MoE model's stages split its
+  MoE layers; its dense layers, first, run before the pipeline on batch / p rows (an estimate:
+  the gather of their output over the stages is left out).
   """
-  p, U, r, L = schedule.stages, schedule.microbatches, schedule.repeats, cfg.n_layers
+  p, U, r = schedule.stages, schedule.microbatches, schedule.repeats
+  try:
+    L = pipelined_layers(cfg, stages=p)
+  except ValueError as e:
+    raise ValueError(f"--pipeline={p}: {e}") from None
+  sparse = any(cfg.sparse_layers())  # the pipelined stack is the MoE layers'
   if L % (p * r) or batch % U or batch % p:
+    what = "n_layers" if L == cfg.n_layers else "the MoE layers"
     raise ValueError(
-      f"n_layers={L} must divide by --pipeline x --repeats = {p} x {r}, and the {batch} rows "
+      f"{what}={L} must divide by --pipeline x --repeats = {p} x {r}, and the {batch} rows "
       f"of a data-parallel shard by --microbatches={U} and by --pipeline={p}"
     )
   T = seq_len
@@ -437,9 +542,9 @@ def _pipelined(
   k = default_every(per_stage) if remat_every is None else remat_every
   if policy == "every_k" and per_stage % k:
     raise ValueError(f"--remat-every={k} must divide the {per_stage} layers a stage runs at a time")
-  specs = block(cfg)
-  per_layer = _layer_tokens(cfg, c, T, attention, tp) * Mb
-  blocks, recompute = _blocks(cfg, policy, per_stage, Mb, per_layer, c, tp, k)
+  specs = block(cfg, sparse)
+  per_layer = _layer_tokens(cfg, c, T, attention, tp, sparse) * Mb
+  blocks, recompute = _blocks(cfg, policy, per_stage, Mb, per_layer, c, tp, k, sparse)
   saved = iterations * blocks
   if policy == "none":
     # The norm scales' broadcasts, once per layer of the stage; the weights' compute-dtype casts:
@@ -458,6 +563,12 @@ def _pipelined(
   # stage, for all of the shard's rows).
   outside += (4 + (1 - 1 / p) * _mtp_position_tokens(cfg, c, T, attention, tp)) * batch * T
   outside += _after_blocks(cfg, c, T, attention, tp, loss_chunk > 0, batch // p * T, master_bytes)
+  if L != cfg.n_layers:  # the dense layers before the pipeline
+    dense = [(False, cfg.n_layers - L)]
+    d_saved, d_recompute, _ = _runs(
+      cfg, dense, policy, batch // p * T, c, T, attention, tp, master_bytes, remat_every
+    )
+    outside, recompute = outside + d_saved, max(recompute, d_recompute)
   return ActivationBytes(
     policy=policy,
     saved=int(round(saved + outside)),
@@ -465,3 +576,38 @@ def _pipelined(
     per_layer_none=int(round(per_layer)),
     outside_blocks=int(round(outside)),
   )
+
+
+# ------------------------------------------------------------------------------------------------
+# Serving on a (data, tensor) mesh: every replica holds the weights and its own pool pages
+
+
+def served_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
+  """The config as served over `tensor` devices: a GQA model's kv heads repeated up to the tensor
+  size when fewer (`atlas_jax.serving.mesh.repeat_kv_heads`)."""
+  if cfg.mla is None and cfg.n_kv_heads < tensor:
+    return dataclasses.replace(cfg, n_kv_heads=tensor)
+  return cfg
+
+
+def serving_weight_bytes(
+  cfg: ModelConfig, *, tensor: int, dtype_bytes: int, attention_only: bool = False
+) -> int:
+  """Weight bytes each device holds when served over `tensor` devices (the serving rules split
+  heads, the FFN and the vocabulary as training's tensor rules do); `attention_only`: the
+  attention layers' alone (the trunk's, MTP heads' excluded)."""
+  specs = inventory(served_config(cfg, tensor))
+  if attention_only:
+    specs = [p for p in specs if p.path.startswith("blocks/attn/")]
+  return dtype_bytes * sum(shard_elements(p, fsdp=1, tensor=tensor) for p in specs)
+
+
+def serving_kv_bytes_per_token(cfg: ModelConfig, *, tensor: int, dtype_bytes: int) -> int:
+  """Pool bytes one token takes on each device of its replica: a KV pool's kv heads split over
+  the tensor axis (repeated up to it when fewer); an MLA latent held whole by every device."""
+  L = cfg.n_layers
+  if cfg.mla is not None:
+    m = cfg.mla
+    return L * (m.kv_lora_rank + m.qk_rope_head_dim) * dtype_bytes
+  K = served_config(cfg, tensor).n_kv_heads
+  return 2 * L * (K // tensor if K % tensor == 0 else K) * cfg.head_dim * dtype_bytes

@@ -5,9 +5,16 @@ leading [L] axis, multi-token-prediction heads a leading [J] axis), each with th
 names that sharding rules map onto mesh axes. Counting, sharding and FLOP figures all start here.
 
 Logical axes are the ones the model declares on each parameter (`atlas_jax.model.layers.param`):
-vocab, embed (D), q_heads (N), kv_heads (K), head_dim, mlp (F), q_lora (Q), kv_lora (C; also the
-C + R latent projection's output), mtp_in (2D, the MTP projection's input), and the stacking
-axis layers (L, or J for the MTP heads). `tests/plan` checks them against the real ones.
+vocab, embed (D), q_heads (N), kv_heads (K), head_dim, mlp (F), q_lora (A), kv_lora (C; also the
+C + R latent projection's output), mtp_in (2D, the MTP projection's input), experts (E) and
+expert_mlp (an expert's F), and the stacking axis layers (L, or J for the MTP heads). A model with
+dense and mixture-of-experts layers stacks each kind apart (`blocks`, `dense_blocks`, as
+`atlas_jax.model.transformer` does). `tests/plan` checks them against the real ones.
+
+Mixture of experts: a token runs its k routed experts of E, so of each MoE layer's routed-expert
+parameters only k / E are active per token; the router, the shared experts and everything
+outside the experts are always active. `ParamCounts.active` is what one token uses, the figure
+published as "active parameters" (DeepSeek-V3: 37B of 671B).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class ParamSpec:
   path: str  # "blocks/attn/wq", as in the model's state
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]  # one logical axis name per dimension
+  trainable: bool = True  # False: a variable outside the gradient (DeepSeek-V3's router bias)
 
   @property
   def size(self) -> int:
@@ -30,7 +38,12 @@ class ParamSpec:
 
   @property
   def is_norm(self) -> bool:
-    return self.path.endswith("/scale")
+    return self.path.endswith(("/scale", "attn/q_norm", "attn/k_norm"))
+
+  @property
+  def is_routed_expert(self) -> bool:
+    """One of the routed experts' weights ([.., E, ...]), of which a token uses k / E."""
+    return "experts" in self.axes and self.path.rsplit("/", 1)[-1] in ("w_gate", "w_up", "w_down")
 
 
 def _attention(cfg: ModelConfig) -> list[ParamSpec]:
@@ -48,7 +61,12 @@ def _attention(cfg: ModelConfig) -> list[ParamSpec]:
         ParamSpec("bk", (K, H), ("kv_heads", "head_dim")),
         ParamSpec("bv", (K, H), ("kv_heads", "head_dim")),
       ]
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
+      out += [
+        ParamSpec("q_norm", (N, H), ("q_heads", "head_dim")),
+        ParamSpec("k_norm", (K, H), ("kv_heads", "head_dim")),
+      ]
+    elif cfg.qk_norm:
       out += [
         ParamSpec("q_norm/scale", (H,), ("head_dim",)),
         ParamSpec("k_norm/scale", (H,), ("head_dim",)),
@@ -74,28 +92,58 @@ def _attention(cfg: ModelConfig) -> list[ParamSpec]:
   ]
 
 
-def block(cfg: ModelConfig) -> list[ParamSpec]:
-  """One transformer block's parameters (no leading layer axis)."""
+def _swiglu(prefix: str, D: int, F: int) -> list[ParamSpec]:
+  return [
+    ParamSpec(f"{prefix}/w_gate", (D, F), ("embed", "mlp")),
+    ParamSpec(f"{prefix}/w_up", (D, F), ("embed", "mlp")),
+    ParamSpec(f"{prefix}/w_down", (F, D), ("mlp", "embed")),
+  ]
+
+
+def _experts(cfg: ModelConfig) -> list[ParamSpec]:
+  """An MoE layer's router, routed experts and shared experts (`atlas_jax.model.moe.MoE`)."""
+  m, D = cfg.moe, cfg.d_model
+  E, F = m.n_experts, m.expert_ffn_dim
+  out = [ParamSpec("mlp/router", (D, E), ("embed", "experts"))]
+  if m.topk_method == "noaux_tc":
+    out.append(ParamSpec("mlp/score_bias", (E,), ("experts",), trainable=False))
+  out += [
+    ParamSpec("mlp/w_gate", (E, D, F), ("experts", "embed", "expert_mlp")),
+    ParamSpec("mlp/w_up", (E, D, F), ("experts", "embed", "expert_mlp")),
+    ParamSpec("mlp/w_down", (E, F, D), ("experts", "expert_mlp", "embed")),
+  ]
+  if m.shared_ffn_dim:
+    out += _swiglu("mlp/shared", D, m.shared_ffn_dim)
+  if m.shared_expert_gate:
+    out.append(ParamSpec("mlp/shared_gate", (D,), ("embed",)))
+  return out
+
+
+def block(cfg: ModelConfig, sparse: bool = False) -> list[ParamSpec]:
+  """One transformer block's parameters (no leading layer axis); `sparse`: an MoE layer."""
   D, F = cfg.d_model, cfg.ffn_dim
   attn = [dataclasses.replace(p, path=f"attn/{p.path}") for p in _attention(cfg)]
   return [
     ParamSpec("attn_norm/scale", (D,), ("embed",)),
     *attn,
     ParamSpec("mlp_norm/scale", (D,), ("embed",)),
-    ParamSpec("mlp/w_gate", (D, F), ("embed", "mlp")),
-    ParamSpec("mlp/w_up", (D, F), ("embed", "mlp")),
-    ParamSpec("mlp/w_down", (F, D), ("mlp", "embed")),
+    *(_experts(cfg) if sparse else _swiglu("mlp", D, F)),
   ]
 
 
 def _stack(prefix: str, axis: str, n: int, specs: list[ParamSpec]) -> list[ParamSpec]:
-  return [ParamSpec(f"{prefix}/{p.path}", (n, *p.shape), (axis, *p.axes)) for p in specs]
+  return [
+    dataclasses.replace(p, path=f"{prefix}/{p.path}", shape=(n, *p.shape), axes=(axis, *p.axes))
+    for p in specs
+  ]
 
 
 def mtp_head(cfg: ModelConfig) -> list[ParamSpec]:
-  """One multi-token-prediction head's parameters (no leading [J] axis)."""
+  """One multi-token-prediction head's parameters (no leading [J] axis); its block is of the
+  kind layer n_layers would be (DeepSeek-V3's is an MoE layer)."""
   D = cfg.d_model
-  inner = [dataclasses.replace(p, path=f"block/{p.path}") for p in block(cfg)]
+  sparse = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
+  inner = [dataclasses.replace(p, path=f"block/{p.path}") for p in block(cfg, sparse)]
   norm = ParamSpec("norm/scale", (D,), ("embed",))
   if cfg.mtp.kind == "parallel":
     return [*inner, norm]
@@ -112,7 +160,11 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   """All parameters of the model `atlas_jax.model.build(cfg)` creates."""
   V, D = cfg.vocab_size, cfg.d_model
   specs = [ParamSpec("embed", (V, D), ("vocab", "embed"))]
-  specs += _stack("blocks", "layers", cfg.n_layers, block(cfg))
+  sparse_L = cfg.sparse_layers()
+  main = any(sparse_L)  # `blocks` holds the MoE layers when there are any
+  specs += _stack("blocks", "layers", sparse_L.count(main), block(cfg, main))
+  if main and not all(sparse_L):
+    specs += _stack("dense_blocks", "dense_layers", sparse_L.count(False), block(cfg))
   specs.append(ParamSpec("final_norm/scale", (D,), ("embed",)))
   if not cfg.tie_embeddings:
     specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
@@ -121,21 +173,68 @@ def inventory(cfg: ModelConfig) -> list[ParamSpec]:
   return specs
 
 
+# LoRA targets -> the weights they adapt and how many leading dims are the input
+# (`atlas_jax.model.lora`: `a` [*in, A] with the weight's input axes, `b` [A, *out]).
+_LORA_WEIGHTS = {
+  "q_proj": (("attn/wq", 1),),
+  "k_proj": (("attn/wk", 1),),
+  "v_proj": (("attn/wv", 1),),
+  "o_proj": (("attn/wo", 2),),
+  "q_a_proj": (("attn/wq_a", 1),),
+  "q_b_proj": (("attn/wq_b", 1),),
+  "kv_a_proj": (("attn/wkv_a", 1),),
+  "kv_b_proj": (("attn/wk_b", 1), ("attn/wv_b", 1)),
+  "gate_proj": (("mlp/w_gate", 1),),
+  "up_proj": (("mlp/w_up", 1),),
+  "down_proj": (("mlp/w_down", 1),),
+}
+
+
+_BLOCK_STACKS = ("blocks/", "dense_blocks/", "mtp/heads/block/")
+
+
+def lora_adapters(cfg: ModelConfig, rank: int, targets: frozenset[str]) -> list[ParamSpec]:
+  """The adapters of every adapted projection of every block stack (the trunk's and the MTP
+  heads'), for resolved target names (`atlas_jax.model.lora.resolve`)."""
+  wanted = {path: n_in for t in sorted(targets) for path, n_in in _LORA_WEIGHTS[t]}
+  specs = []
+  for w in inventory(cfg):
+    stack = next((s for s in _BLOCK_STACKS if w.path.startswith(s)), None)
+    if stack is None or w.path.removeprefix(stack) not in wanted or w.is_routed_expert:
+      continue
+    n = 1 + wanted[w.path.removeprefix(stack)]  # the stacked axis, then the weight's input dims
+    L = (w.shape[0],), (w.axes[0],)
+    specs += [
+      ParamSpec(f"{w.path}_lora/a", (*w.shape[:n], rank), (*w.axes[:n], "lora")),
+      ParamSpec(f"{w.path}_lora/b", (*L[0], rank, *w.shape[n:]), (*L[1], "lora", *w.axes[n:])),
+    ]
+  return specs
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
-  total: int  # everything the model holds
+  total: int  # every parameter the model trains (the router biases, not trained, left out)
   embed: int  # the input embedding table (a gather, no matmul)
   lm_head: int  # the output projection (the embedding table itself when tied)
   tied: bool  # the embedding table doubles as the output head
   blocks: int  # the L transformer blocks
-  per_layer: int  # one block
+  per_layer: int  # one block (the mean, when dense and MoE layers differ)
   mtp: int  # multi-token-prediction heads (training only; 0 without)
   norms: int  # RMSNorm scales (elementwise, no matmul)
+  experts: int = 0  # the trunk's routed-expert weights (MoE layers)
+  experts_active: int = 0  # of them, what one token runs: k / E
+  mtp_experts: int = 0  # the MTP heads' routed-expert weights
+  mtp_experts_active: int = 0
 
   @property
   def inference(self) -> int:
     """What plain decoding uses: everything but the MTP heads."""
     return self.total - self.mtp
+
+  @property
+  def active(self) -> int:
+    """What one token uses in plain decoding: `inference` with only k of E routed experts."""
+    return self.inference - self.experts + self.experts_active
 
   @property
   def matmul(self) -> int:
@@ -146,12 +245,26 @@ class ParamCounts:
     """
     return self.inference - (0 if self.tied else self.embed)
 
+  @property
+  def matmul_active(self) -> int:
+    """`matmul` with only the routed experts a token runs: the N of 6N for MoE models."""
+    return self.matmul - self.experts + self.experts_active
+
+  @property
+  def mtp_active(self) -> int:
+    return self.mtp - self.mtp_experts + self.mtp_experts_active
+
 
 def counts(cfg: ModelConfig) -> ParamCounts:
-  specs = inventory(cfg)
+  specs = [p for p in inventory(cfg) if p.trainable]
   group = lambda prefix: sum(p.size for p in specs if p.path.startswith(prefix))
+  routed = lambda mtp: sum(
+    p.size for p in specs if p.is_routed_expert and p.path.startswith("mtp/") == mtp
+  )
+  share = 0 if cfg.moe is None else cfg.moe.top_k / cfg.moe.n_experts
   V, D = cfg.vocab_size, cfg.d_model
-  blocks = group("blocks/")
+  blocks = group("blocks/") + group("dense_blocks/")
+  experts, mtp_experts = routed(False), routed(True)
   return ParamCounts(
     total=sum(p.size for p in specs),
     embed=V * D,
@@ -161,4 +274,8 @@ def counts(cfg: ModelConfig) -> ParamCounts:
     per_layer=blocks // cfg.n_layers,
     mtp=group("mtp/"),
     norms=sum(p.size for p in specs if p.is_norm and not p.path.startswith("mtp/")),
+    experts=experts,
+    experts_active=round(experts * share),
+    mtp_experts=mtp_experts,
+    mtp_experts_active=round(mtp_experts * share),
   )

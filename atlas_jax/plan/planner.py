@@ -14,15 +14,19 @@ import dataclasses
 import math
 from typing import Any
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import LORA_TARGETS, LoRAConfig, ModelConfig, pipelined_layers
 from atlas_jax.devices import get_device
+from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
-from atlas_jax.plan.params import counts
+from atlas_jax.plan.params import counts, lora_adapters
 from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
+# The share of each device's memory a serving plan gives weights and pool (vLLM's default
+# gpu_memory_utilization; the largest step's activations are not counted here).
+SERVING_MEMORY_UTILIZATION = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,7 @@ class PlanInputs:
   devices: int = 8
   strategy: str = "zero3"  # the strategy the summary and activations use
   tensor: int = 1  # tensor-parallel ways combined with dp / zero1-3
+  expert: int = 1  # expert-parallel ways (MoE models), out of the data-parallel devices
   remat: str = "full"
   remat_every: int | None = None
   precision: str = "bf16"  # compute dtype: activations, KV cache and served weights
@@ -47,9 +52,13 @@ class PlanInputs:
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
+  # LoRA (train.lora): adapters of this rank on these projections, the only trained parameters;
+  # 0: every parameter trains.
+  lora_rank: int = 0
+  lora_targets: tuple[str, ...] = ("attn", "mlp")
 
   def __post_init__(self):
-    names = ("seq_len", "batch", "devices", "tensor", "grad_accum", "block_size")
+    names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
     for name in (*names, "pipeline", "microbatches", "repeats"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,6 +93,14 @@ class PlanInputs:
       raise ValueError(f"--tokens={self.tokens!r} must be >= 1")
     if self.devices % self.tensor:
       raise ValueError(f"--tensor={self.tensor} must divide --devices={self.devices}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"--lora-rank={self.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown or not self.lora_targets:
+      raise ValueError(
+        f"--lora-targets={','.join(self.lora_targets)!r} is not allowed: each one of "
+        f"{', '.join(LORA_TARGETS)}"
+      )
     if self.pipeline == 1:
       for name in ("microbatches", "repeats"):
         if getattr(self, name) != 1:
@@ -96,7 +113,8 @@ class PlanInputs:
         f"--microbatches={self.microbatches} must be >= --pipeline={self.pipeline} with "
         f"--repeats={self.repeats} > 1 (the circular schedule)"
       )
-    memory.mesh_for(self.strategy, self.devices, self.tensor, self.pipeline)  # raises if not
+    # raises if not
+    memory.mesh_for(self.strategy, self.devices, self.tensor, self.pipeline, self.expert)
 
   def micro_batch(self, strategy: str) -> int:
     """Sequences one data-parallel shard runs per accumulation step under `strategy` (rounded
@@ -104,9 +122,15 @@ class PlanInputs:
     return -(-self.batch // self._per_step(strategy)[0])
 
   def _per_step(self, strategy: str) -> tuple[int, int]:
-    mesh = memory.mesh_for(strategy, self.devices, self.tensor, self.pipeline)
-    replicas = mesh["data"] * mesh["fsdp"]
+    mesh = memory.mesh_for(
+      strategy, self.devices, self.tensor, self.pipeline, self._expert(strategy)
+    )
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     return replicas * self.grad_accum, replicas
+
+  def _expert(self, strategy: str) -> int:
+    """Expert-parallel ways under `strategy` (the tensor strategy has none)."""
+    return 1 if strategy == "tensor" else self.expert
 
   def batch_constraint(self, strategy: str) -> str | None:
     """Why the batch does not split as the trainer splits it under `strategy`; None if it does.
@@ -197,6 +221,16 @@ def _model_summary(cfg: ModelConfig) -> dict[str, Any]:
     )
   if cfg.mtp is not None:
     out.update(mtp_kind=cfg.mtp.kind, mtp_heads=cfg.mtp.n_predict)
+  if cfg.moe is not None:
+    m = cfg.moe
+    out.update(
+      n_experts=m.n_experts,
+      top_k=m.top_k,
+      expert_ffn_dim=m.expert_ffn_dim,
+      shared_ffn_dim=m.shared_ffn_dim,
+      moe_layers=sum(cfg.sparse_layers()),
+      router=f"{m.scoring} {m.topk_method}",
+    )
   return out
 
 
@@ -230,11 +264,16 @@ def make_plan(
     "alternatives": alternatives,
   }
 
-  if cfg.n_layers % (inputs.pipeline * inputs.repeats):
-    raise ValueError(
-      f"--pipeline={inputs.pipeline} x --repeats={inputs.repeats} must divide the model's "
-      f"n_layers={cfg.n_layers}"
-    )
+  if inputs.pipeline > 1:
+    try:  # the layers the stages split: all of them, or an MoE model's MoE layers
+      staged = pipelined_layers(cfg, stages=inputs.pipeline)
+    except ValueError as e:
+      raise ValueError(f"--pipeline={inputs.pipeline}: {e}") from None
+    if staged % (inputs.pipeline * inputs.repeats):
+      what = f"n_layers={cfg.n_layers}" if staged == cfg.n_layers else f"{staged} MoE layers"
+      raise ValueError(
+        f"--pipeline={inputs.pipeline} x --repeats={inputs.repeats} must divide the model's {what}"
+      )
 
   def activations_of(policy: str, micro: int, tensor: int) -> memory.ActivationBytes:
     common = dict(
@@ -251,6 +290,11 @@ def make_plan(
 
   # Training memory per device, every strategy at the selected remat policy. The state does not
   # depend on the batch; the activations need the batch to split as the trainer splits it.
+  lora = None
+  if inputs.lora_rank:
+    adapters = resolve(cfg, LoRAConfig(rank=inputs.lora_rank, targets=inputs.lora_targets))
+    lora = (adapters.rank, adapters.targets)
+  trainable = pc.total if lora is None else sum(p.size for p in lora_adapters(cfg, *lora))
   strategies = []
   for strategy in memory.STRATEGIES:
     st = memory.state_bytes(
@@ -259,6 +303,8 @@ def make_plan(
       devices=inputs.devices,
       tensor=inputs.tensor,
       stage=inputs.pipeline,
+      expert=inputs._expert(strategy),
+      lora=lora,
     )
     micro, constraint = inputs.micro_batch(strategy), inputs.batch_constraint(strategy)
     row = {
@@ -268,7 +314,10 @@ def make_plan(
       "params": st.params,
       "grads": st.grads,
       "opt_state": st.opt_state,
+      "expert_params": st.experts,
       "state": st.total,
+      # Training state per model parameter on this device (16 unsharded without LoRA).
+      "bytes_per_param": st.total / pc.total,
       "activations_saved": None,
       "activations_peak": None,
       "total": None,
@@ -304,14 +353,14 @@ def make_plan(
 
   # Compute: FLOPs per token, time to train, Chinchilla.
   flops_tok = compute.train_flops_per_token(cfg, T)
-  chinchilla = compute.chinchilla_tokens(pc.inference)
+  chinchilla = compute.chinchilla_tokens(pc.inference)  # Chinchilla counted dense models
   tokens = chinchilla if inputs.tokens is None else inputs.tokens
   seconds = compute.train_seconds(
     tokens, flops_tok, devices=inputs.devices, peak_flops=dev.peak_bf16_flops, mfu=inputs.mfu
   )
   comp = {
     "flops_per_token": flops_tok,
-    "flops_per_token_6n": 6.0 * (pc.matmul + pc.mtp),
+    "flops_per_token_6n": 6.0 * (pc.matmul_active + pc.mtp_active),
     "attention_flops_per_token": 3 * compute.attention_flops_per_token(cfg, T),
     "tokens": tokens,
     "chinchilla_tokens": chinchilla,
@@ -340,7 +389,8 @@ def make_plan(
     pipe["constraint"] = selected["constraint"]
     comp["seconds_with_bubble"] = seconds / (1 - inputs.schedule.bubble)
 
-  # Decode ceiling: one device, and the whole group with tensor parallelism.
+  # Decode ceiling: one device, and the whole group with tensor parallelism. An MoE step reads
+  # only the experts its batch reaches.
   weight_bytes = pc.matmul * c
   decode_flops = compute.decode_flops_per_token(cfg, T)
   decode = {"weight_bytes": weight_bytes, "cache_bytes_per_sequence": per_token * T}
@@ -348,7 +398,7 @@ def make_plan(
     for batch in sorted({1, B}):
       bound = compute.decode_bound(
         batch=batch,
-        weight_bytes=weight_bytes,
+        weight_bytes=round(compute.decode_weight_params(cfg, batch) * c),
         cache_bytes_per_seq=per_token * T,
         flops_per_token=decode_flops,
         bandwidth=n * dev.hbm_bytes_per_s,
@@ -363,6 +413,57 @@ def make_plan(
         "memory_bound": bound.memory_bound,
       }
 
+  # Serving over data x tensor devices: per-device memory and the decode ceiling.
+  tp, dp = inputs.tensor, inputs.devices // inputs.tensor
+  weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
+  kv_dev = memory.serving_kv_bytes_per_token(cfg, tensor=tp, dtype_bytes=c)
+  pool_dev = max(0, int(SERVING_MEMORY_UTILIZATION * dev.hbm_bytes) - weights_dev)
+  serving = {
+    "tensor": tp,
+    "data": dp,
+    "kv_heads_served": None if cfg.mla is not None else memory.served_config(cfg, tp).n_kv_heads,
+    "weight_bytes_per_device": weights_dev,
+    "attention_weight_bytes_per_device": memory.serving_weight_bytes(
+      cfg, tensor=tp, dtype_bytes=c, attention_only=True
+    ),
+    "kv_bytes_per_token_per_device": kv_dev,
+    "memory_utilization": SERVING_MEMORY_UTILIZATION,
+    "pool_bytes_per_device": pool_dev,
+    "pool_tokens_per_replica": pool_dev // kv_dev,
+    "sequences_per_replica": pool_dev // (kv_dev * T),
+    "bounds": [],
+  }
+  for batch in sorted({dp, max(B, dp)}):  # one sequence per replica, and the batch
+    bound = compute.serving_decode_bound(
+      cfg,
+      tensor=tp,
+      data=dp,
+      batch=batch,
+      context=T,
+      dtype_bytes=c,
+      bandwidth=dev.hbm_bytes_per_s,
+      peak_flops=dev.peak_bf16_flops,
+      link_bandwidth=dev.link_bytes_per_s,
+    )
+    serving["bounds"].append(
+      {
+        "batch": batch,
+        "bytes_per_step_per_device": bound.bytes_per_step,
+        "all_reduce_bytes_per_device": bound.all_reduce_bytes,
+        "all_gather_bytes_per_device": bound.all_gather_bytes,
+        "seconds_per_step": batch / bound.tokens_per_s,
+        "network_seconds": bound.network_seconds,
+        "tokens_per_s": bound.tokens_per_s,
+      }
+    )
+
+  if cfg.moe is not None:
+    notes = (
+      *notes,
+      "mixture-of-experts layers: activation bytes are an estimate (k experts' SwiGLU in the "
+      "dense formula), not checked against the train step; decode reads the experts a batch "
+      "reaches under uniform routing",
+    )
   return {
     "name": name,
     "notes": list(notes),
@@ -382,13 +483,22 @@ def make_plan(
       "per_layer": pc.per_layer,
       "mtp": pc.mtp,
       "matmul": pc.matmul,
+      "matmul_active": pc.matmul_active,
+      "experts": pc.experts,
+      "active": pc.active,
       "inference": pc.inference,
       "inference_bytes": pc.inference * c,
     },
     "kv_cache": kv,
-    "training": {"selected": inputs.strategy, "strategies": strategies},
+    "training": {
+      "selected": inputs.strategy,
+      "strategies": strategies,
+      "trainable_params": trainable,
+      "lora_rank": inputs.lora_rank,
+    },
     "activations": activations,
     "pipeline": pipe,
     "compute": comp,
     "decode": decode,
+    "serving": serving,
   }

@@ -99,12 +99,20 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   out = [
     f"{plan['name']}: {m['attention']}, {m['n_layers']} layers, d_model {m['d_model']}, "
     f"{heads}, ffn {m['ffn_dim']}, vocab {m['vocab_size']}"
+    + (
+      f", {m['moe_layers']} MoE layers of {m['n_experts']} experts (top {m['top_k']}, "
+      f"{m['router']}) of ffn {m['expert_ffn_dim']}"
+      + (f" + shared {m['shared_ffn_dim']}" if m["shared_ffn_dim"] else "")
+      if "n_experts" in m
+      else ""
+    )
     + (f", {m['mtp_heads']} MTP head(s)" if "mtp_heads" in m else ""),
     f"plan: seq_len {T}, batch {inp['batch']}, {inp['devices']} x {dev['name']} "
     f"({dev['peak_bf16_flops'] / 1e12:g} TFLOP/s bf16, {fmt_bytes(dev['hbm_bytes'])}, "
     f"{fmt_bytes(dev['hbm_bytes_per_s'])}/s), precision {inp['precision']}, "
     f"remat {inp['remat']}, strategy {inp['strategy']}"
     + (f" x tensor {inp['tensor']}" if inp["tensor"] > 1 else "")
+    + (f" x expert {inp['expert']}" if inp["expert"] > 1 else "")
     + (f" x pipeline {inp['pipeline']}" if inp["pipeline"] > 1 else "")
     + f", {inp['attention']} attention",
   ]
@@ -121,8 +129,14 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     ("blocks", f"{p['blocks']:,}", fmt_count(p["blocks"])),
     ("per layer", f"{p['per_layer']:,}", fmt_count(p["per_layer"])),
     ("MTP heads", f"{p['mtp']:,}", fmt_count(p["mtp"])),
-    ("in matmuls (the N of 6N)", f"{p['matmul']:,}", fmt_count(p["matmul"])),
+    ("in matmuls", f"{p['matmul']:,}", fmt_count(p["matmul"])),
   ]
+  if p["experts"]:
+    rows += [
+      ("routed experts", f"{p['experts']:,}", fmt_count(p["experts"])),
+      ("active per token", f"{p['active']:,}", fmt_count(p["active"])),
+      ("active in matmuls (the N of 6N)", f"{p['matmul_active']:,}", fmt_count(p["matmul_active"])),
+    ]
   body = table(("parameters", "count", ""), rows, markdown=markdown)
   out.append(_section("Parameters", body, markdown=markdown))
 
@@ -171,9 +185,10 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     rows.append(
       (
         s["strategy"] + (" *" if s["strategy"] == plan["training"]["selected"] else ""),
-        f"{mesh['data']}x{mesh['fsdp']}x{mesh['stage']}x{mesh['tensor']}",
+        f"{mesh['data']}x{mesh['fsdp']}x{mesh['expert']}x{mesh['stage']}x{mesh['tensor']}",
         s["micro_batch"] if split else "n/a",
-        fmt_bytes(s["params"]),
+        fmt_bytes(s["params"])
+        + (f" ({fmt_bytes(s['expert_params'])} experts)" if s["expert_params"] else ""),
         fmt_bytes(s["grads"]),
         fmt_bytes(s["opt_state"]),
         fmt_bytes(s["activations_peak"]) if split else "n/a",
@@ -184,7 +199,7 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   body = table(
     (
       "strategy",
-      "mesh d x f x p x t",
+      "mesh d x f x e x p x t",
       "micro-batch",
       "params",
       "grads",
@@ -201,6 +216,14 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     "sharding; activations at their peak (saved + one block recomputed)"
   )
   body += "".join(f"\nn/a: {c}" for c in constraints)
+  tr = plan["training"]
+  if tr.get("lora_rank"):
+    sel = next(s for s in tr["strategies"] if s["strategy"] == tr["selected"])
+    body += (
+      f"\nLoRA rank {tr['lora_rank']}: {tr['trainable_params']:,} trainable parameters (adapters), "
+      "gradients and Adam moments for them only: "
+      f"{sel['bytes_per_param']:.2f} bytes per model parameter on a device ({tr['selected']})"
+    )
   out.append(_section("Training memory per device", body, markdown=markdown))
 
   sel = next(s for s in plan["training"]["strategies"] if s["strategy"] == inp["strategy"])
@@ -254,8 +277,42 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     markdown=markdown,
   )
   body += (
-    f"\n\nweights {fmt_bytes(d['weight_bytes'])} (read once per step), cache "
+    f"\n\nweights {fmt_bytes(d['weight_bytes'])} (read once per step; of a mixture of experts, "
+    "the experts the batch reaches), cache "
     f"{fmt_bytes(d['cache_bytes_per_sequence'])} per sequence at {T} tokens"
   )
   out.append(_section("Decode ceiling", body, markdown=markdown))
+
+  sv = plan["serving"]
+  heads = "" if sv["kv_heads_served"] is None else f", kv heads served {sv['kv_heads_served']}"
+  rows = [
+    ("weights per device", fmt_bytes(sv["weight_bytes_per_device"])),
+    ("of which attention", fmt_bytes(sv["attention_weight_bytes_per_device"])),
+    ("cache per token per device", fmt_bytes(sv["kv_bytes_per_token_per_device"])),
+    (
+      f"pool per device ({sv['memory_utilization']:.0%} of {dev['name']} less weights)",
+      fmt_bytes(sv["pool_bytes_per_device"]),
+    ),
+    (
+      "tokens held per replica",
+      f"{sv['pool_tokens_per_replica']:,} ({sv['sequences_per_replica']:,} sequences at {T})",
+    ),
+  ]
+  for bnd in sv["bounds"]:
+    net = bnd["network_seconds"]
+    rows.append(
+      (
+        f"decode, batch {bnd['batch']}: bytes per device per step, all-reduce + logits' "
+        "all-gather, tokens/s",
+        f"{fmt_bytes(bnd['bytes_per_step_per_device'])}, "
+        f"{fmt_bytes(bnd['all_reduce_bytes_per_device'])} + "
+        f"{fmt_bytes(bnd['all_gather_bytes_per_device'])}"
+        + ("" if net is None else f" ({fmt_seconds(net)})")
+        + f", {bnd['tokens_per_s']:,.0f}",
+      )
+    )
+  title = f"Serving on {sv['data']} x {sv['tensor']} (data x tensor){heads}"
+  out.append(
+    _section(title, table(("serving", "per device"), rows, markdown=markdown), markdown=markdown)
+  )
   return "\n".join(out)

@@ -162,6 +162,18 @@ class ChatTemplate:
       text = cut if text[at:].startswith(_CONTINUE_TAG) else cut.rstrip()
     return text
 
+  def adds_special_tokens(self, text: str, tokenizer, add: bool | None = None) -> bool:
+    """Whether rendered `text` is encoded with the tokenizer's special tokens (its BOS), as
+    transformers encodes a chat: `add` where given, else only for the plain transcript (a
+    template writes its own BOS), and never a second BOS."""
+    add = self.plain if add is None else add
+    bos = getattr(tokenizer, "bos_token", None)
+    return add and not (bos and text.startswith(bos))
+
+  def fingerprint(self) -> str:
+    """What decides the rendered text: the template and the special tokens it reads."""
+    return json.dumps([self.plain, self.source, sorted(self.special_tokens.items())])
+
   def _render(self, messages, add_generation_prompt: bool, variables: dict) -> str:
     return self._template.render(
       messages=messages, add_generation_prompt=add_generation_prompt, **variables

@@ -18,13 +18,20 @@ with `do_sample: true` (without it, transformers decodes greedily).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from atlas_jax import hf
-from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer
+from atlas_jax.hf.tokenizer import eos_ids, load_tokenizer, read_json, token_text
 from atlas_jax.serving.chat import ChatTemplate
+
+__all__ = [
+  "chat_template",
+  "checkpoint_dtype",
+  "eos_ids",
+  "generation_defaults",
+  "load_tokenizer",
+  "read_json",
+]
 
 # Special tokens a chat template may read, as transformers passes them.
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
@@ -37,65 +44,6 @@ GENERATION_FIELDS = {
   "repetition_penalty": "repetition_penalty",
   "max_new_tokens": "max_tokens",
 }
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-  """A JSON object file, or None when there is none; ValueError naming it when malformed."""
-  if not path.is_file():
-    return None
-  try:
-    data = json.loads(path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path}: not valid JSON ({e})") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-  return data
-
-
-def _token_text(value) -> str | None:
-  """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
-  if isinstance(value, dict):
-    value = value.get("content")
-  return value if isinstance(value, str) else None
-
-
-def _ids(value, where: str) -> tuple[int, ...] | None:
-  """An `eos_token_id` field: an id or a list of ids (None: absent)."""
-  if value is None:
-    return None
-  ids = value if isinstance(value, list) else [value]
-  if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-    raise ValueError(f"{where}={value!r} is not allowed: must be a token id or a list of them")
-  return tuple(ids)
-
-
-def eos_ids(folder: Path, tokenizer_config: dict | None, token_to_id) -> tuple[int, ...] | None:
-  """The folder's eos ids in transformers' order of precedence (None: no file names any)."""
-  for name in ("generation_config.json", "config.json"):
-    data = read_json(folder / name) or {}
-    ids = _ids(data.get("eos_token_id"), f"{folder / name} eos_token_id")
-    if ids is not None:
-      return ids
-  eos = _token_text((tokenizer_config or {}).get("eos_token"))
-  if eos is not None and token_to_id(eos) is not None:
-    return (token_to_id(eos),)
-  return None
-
-
-def load_tokenizer(folder: str | Path, vocab_size: int):
-  """The tokenizer of a Hugging Face folder, with its special tokens as its files declare them
-  (a byte-level model of 259 tokens without tokenizer.json: `ByteTokenizer`)."""
-  folder = Path(folder)
-  if not (folder / "tokenizer.json").is_file():
-    if vocab_size != ByteTokenizer.vocab_size:
-      raise ValueError(f"{folder}: no tokenizer.json beside the weights")
-    return ByteTokenizer()
-  raw = hf.load_tokenizer(folder)
-  settings = read_json(folder / "tokenizer_config.json")
-  names = {}
-  if settings is not None:  # it declares them: an absent or null token is none
-    names = {k: _token_text(settings.get(f"{k}_token")) or "" for k in ("bos", "eos", "pad")}
-  return HFTokenizer(raw, **names, eos_ids=eos_ids(folder, settings, raw.token_to_id))
 
 
 def chat_template(folder: str | Path, tokenizer, override: str | None = None):
@@ -129,7 +77,7 @@ def chat_template(folder: str | Path, tokenizer, override: str | None = None):
     if not isinstance(source, str):
       return None
   if config is not None:  # the special tokens transformers hands a template
-    special = {k: t for k in TEMPLATE_TOKENS if (t := _token_text(config.get(k)))}
+    special = {k: t for k in TEMPLATE_TOKENS if (t := token_text(config.get(k)))}
   else:  # a run's own tokenizer
     special = {k: v for k in ("bos_token", "eos_token") if (v := getattr(tokenizer, k, None))}
   return ChatTemplate(source, special_tokens=special, where=where)

@@ -54,6 +54,8 @@ from pydantic import (
 )
 from starlette.exceptions import HTTPException
 
+from atlas_jax.config import SamplingDefaults, ServerLimits
+from atlas_jax.data.tokenizer import encode_prompt
 from atlas_jax.decoding.guided import Grammar, GrammarCompiler, GuidedDecodingError
 from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
@@ -62,13 +64,18 @@ from atlas_jax.serving.engine import Engine, RequestError, RequestOutput
 from atlas_jax.serving.metrics import ServingMetrics
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-  max_prompt_tokens: int | None = None  # default: the engine's context length
-  max_tokens: int | None = None  # the most `max_tokens` may ask for; default: the context length
-  max_n: int = 4
-  max_body_bytes: int = 1 << 20
-  default_max_tokens: int = 64  # without `max_tokens`: this, or what the context leaves if less
+def sampling_defaults(sampling: SamplingDefaults | None = None) -> SamplingParams:
+  """The SamplingParams of `serve.sampling` (default: its defaults)."""
+  s = SamplingDefaults() if sampling is None else sampling
+  return SamplingParams(
+    max_new_tokens=s.max_new_tokens,
+    temperature=s.temperature,
+    top_k=max(0, s.top_k),  # -1 is off, as in the API
+    top_p=s.top_p,
+    min_p=s.min_p,
+    repetition_penalty=s.repetition_penalty,
+    seed=s.seed,
+  )
 
 
 class APIError(Exception):
@@ -226,7 +233,7 @@ class EngineRunner:
 
   def gauges(self) -> dict[str, Any]:
     with self._lock:
-      s = self.engine.allocator.stats()
+      s = self.engine.kv_stats()
       return dict(
         running=self.engine.n_running,
         waiting=self.engine.n_waiting,
@@ -505,7 +512,7 @@ def build_app(
   tokenizer,
   model_name: str | Sequence[str],
   chat_template: ChatTemplate | None = None,
-  limits: ServerLimits = ServerLimits(),
+  limits: ServerLimits | None = None,
   api_key: str | None = None,
   default_params: SamplingParams | None = None,
   guided: GrammarCompiler | None = None,
@@ -518,8 +525,10 @@ def build_app(
     model_name: the served model's name, or several (aliases); a request's `model` must be one.
     chat_template: renders messages to a prompt (default: a plain "role: content" transcript
       ending in "assistant:").
+    limits: what a request may ask for (`serve.limits`).
     default_params: the sampling defaults of requests that do not set a field (the seed aside:
-      a request without one draws a fresh one).
+      a request without one draws a fresh one); default: `serve.sampling`'s defaults. Without
+      `max_tokens`, a request gets its `max_new_tokens`, or what the context leaves if less.
     guided: compiles guided-decoding constraints over the model's tokenizer (without it, they are
       refused with a 400).
   """
@@ -527,10 +536,11 @@ def build_app(
   names = [model_name] if isinstance(model_name, str) else list(model_name)
   engine = runner.engine
   vocab_size, context = engine.model_config.vocab_size, engine.max_model_len
+  limits = ServerLimits() if limits is None else limits
   max_prompt_tokens = limits.max_prompt_tokens or context
   max_tokens_limit = limits.max_tokens or context
   template = chat_template or PlainChatTemplate()
-  defaults = default_params or SamplingParams()
+  defaults = default_params or sampling_defaults()
   created = int(time.time())
   encode = lambda text, add: tokenizer.encode(text, add_special_tokens=add)
   token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
@@ -573,8 +583,7 @@ def build_app(
       log.warning("request fields ignored: %s", ", ".join(ignored))
 
   def prompt_ids(text: str, add_special_tokens: bool) -> list[int]:
-    """A prompt's ids; an empty text is the BOS alone, where the tokenizer has one."""
-    return encode(text, add_special_tokens) or ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else [])
+    return encode_prompt(tokenizer, text, add_special_tokens)
 
   def chat_ids(messages: list[ChatMessage], fields: _ChatFields, add: bool | None) -> list[int]:
     """A chat's prompt ids: the template's text encoded as transformers encodes it."""
@@ -590,11 +599,7 @@ def build_app(
       raise APIError(400, str(e), e.field) from None
     except ValueError as e:
       raise APIError(400, f"the chat's text: {e}", "messages") from None
-    # The template writes its own BOS; the plain transcript has none (encode as a prompt).
-    add = template.plain if add is None else add
-    if add and tokenizer.bos_token and text.startswith(tokenizer.bos_token):
-      add = False  # never a second BOS
-    return prompt_ids(text, add)
+    return prompt_ids(text, template.adds_special_tokens(text, tokenizer, add))
 
   async def grammar_of(body: RequestFields) -> Grammar | None:
     """The request's compiled constraint, or None; a 400 naming the field when it is bad."""
@@ -624,7 +629,7 @@ def build_app(
       )
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
-      return max(1, min(limits.default_max_tokens, max_tokens_limit, context - n_prompt))
+      return max(1, min(defaults.max_new_tokens, max_tokens_limit, context - n_prompt))
     if max_tokens > max_tokens_limit:
       raise APIError(
         400, f"max_tokens={max_tokens} exceeds the limit {max_tokens_limit}", "max_tokens"

@@ -28,8 +28,9 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
-from atlas_jax.model import build
+from atlas_jax.model import build, lora
 from atlas_jax.training.pipeline import reorder_layers
+from atlas_jax.training.precision import training_model_config
 from atlas_jax.training.sharding import AXES
 
 T = TypeVar("T")
@@ -163,30 +164,36 @@ def is_checkpoint(directory: str | Path) -> bool:
   return (Path(directory) / "config.yaml").is_file()
 
 
-def load_model(
-  directory: str | Path, *, step: int | None = None, implementation: str | None = None
-) -> tuple[nnx.Module, Config, Tokenizer]:
-  """The trained model (latest step by default), its config and its tokenizer, for inference.
+def abstract_params(cfg: Config, *, implementation: str | None = None):
+  """(graphdef, abstract params) of a run's model as its checkpoints store it: float32 master
+  weights, with the run's LoRA adapters."""
+  model = nnx.eval_shape(
+    lambda: build(
+      training_model_config(cfg.model, cfg.train.precision),
+      rngs=nnx.Rngs(0),
+      implementation=implementation,
+      lora=cfg.train.lora,
+    )
+  )
+  return nnx.split(model)
 
-  The model computes in the config's model.dtype with the float32 master weights cast to it.
+
+def restore_params(
+  directory: str | Path, abstract: Any, shardings: Any, *, step: int | None = None
+):
+  """The parameters of a run's newest intact step (or `step`), read straight into `shardings`
+  (a tree like `abstract`, an nnx.State, which a run stored in a circular pipeline's layer order
+  is filled in with to move its layers back), in depth order; the optimizer state is not read.
+
+  Raises:
+    ValueError for a directory with no step; CheckpointError when none can be restored.
   """
   directory = Path(directory)
-  if not is_checkpoint(directory):
-    raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
-  cfg = load_config(directory / "config.yaml")
   mngr = manager(directory)
-  graphdef, abstract = nnx.split(
-    nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
-  )
-  # Only the parameters subtree of the train state is read (no optimizer state), onto one device.
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = {
-    "params": jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
-    )
-  }
+  leaf = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  target = {"params": jax.tree.map(leaf, abstract, shardings)}
   restore_args = jax.tree.map(
-    lambda x: ocp.ArrayRestoreArgs(sharding=device, dtype=x.dtype), target
+    lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target
   )
 
   def load(step: int):
@@ -212,15 +219,52 @@ def load_model(
   warn = lambda message: print(message, file=sys.stderr)
   _, restored, _ = newest_intact(steps, load, fallback=step is None, warn=warn)
   params = restored["state"]["params"]
-  nnx.replace_by_pure_dict(
-    abstract, nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-  )
-  # A circular pipeline's run stores its layers stage by stage: back to depth order.
+  params = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   layout = tuple(restored["meta"].get("layer_layout", (1, 1)))
-  abstract = reorder_layers(abstract, layout, (1, 1))
+  if layout[1] == 1:  # stored in depth order
+    return params
+  # A circular pipeline's run stores its layers stage by stage: back to depth order.
+  nnx.replace_by_pure_dict(abstract, params)
+  return nnx.to_pure_dict(reorder_layers(abstract, layout, (1, 1)))
+
+
+def load_trained(
+  directory: str | Path, *, step: int | None = None, implementation: str | None = None
+) -> tuple[nnx.Module, Config]:
+  """The model as trained (float32 master weights, LoRA adapters kept apart) and its config,
+  from the newest intact step (or `step`), on one device."""
+  directory = Path(directory)
+  if not is_checkpoint(directory):
+    raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
+  cfg = load_config(directory / "config.yaml")
+  graphdef, abstract = abstract_params(cfg, implementation=implementation)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  shardings = jax.tree.map(lambda _: device, abstract)
+  nnx.replace_by_pure_dict(abstract, restore_params(directory, abstract, shardings, step=step))
+  return nnx.merge(graphdef, abstract), cfg
+
+
+def load_model(
+  directory: str | Path, *, step: int | None = None, implementation: str | None = None
+) -> tuple[nnx.Module, Config, Tokenizer]:
+  """The trained model (latest step by default), its config and its tokenizer, for inference.
+
+  The model computes in the config's model.dtype with the float32 master weights cast to it; a
+  LoRA run's adapters are merged into the weights they adapt.
+  """
+  directory = Path(directory)
+  trained, cfg = load_trained(directory, step=step, implementation=implementation)
+  model = nnx.eval_shape(lambda: build(cfg.model, rngs=nnx.Rngs(0), implementation=implementation))
+  graphdef, state = nnx.split(model)
+  params = lora.merged_params(trained)  # the parameters alone where there is no adapter
+  # The inference model's own parameter dtype (the master weights are float32).
+  cast = lambda x, want: jax.numpy.asarray(x, want.dtype)
+  nnx.replace_by_pure_dict(state, jax.tree.map(cast, params, nnx.to_pure_dict(state)))
+  # The run's own BPE, or bytes; a fine-tune of a Hugging Face folder keeps that folder's
+  # tokenizer files too, whose special tokens `atlas_jax.sources.tokenizer` reads.
   tok_file = directory / "tokenizer.json"
   tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
-  return nnx.merge(graphdef, abstract), cfg, tokenizer
+  return nnx.merge(graphdef, state), cfg, tokenizer
 
 
 def single_device_mesh() -> Mesh:

@@ -13,29 +13,25 @@ import json
 from pathlib import Path
 
 import jax
+from flax import nnx
 
-from atlas_jax.config import ModelConfig
 from atlas_jax.devices import DEVICES, match_device_kind
-from atlas_jax.plan.compute import train_flops_per_token
 
 # Dense bf16 peak TFLOP/s per device, from the planner's device table (sources there).
 PEAK_TFLOPS = {d.name: d.peak_bf16_flops / 1e12 for d in DEVICES.values()}
 
 
 def matmul_params(params) -> int:
-  """Parameters that take part in matmuls per token: all but the embedding table (a gather).
+  """Parameters that take part in matmuls per token: all but the embedding table (a gather),
+  every routed expert counted (`flops_per_token` keeps only the k of E a token runs).
 
-  With tied embeddings the table is also the output head, so it stays in.
+  With tied embeddings the table is also the output head, so it stays in. Variables that are
+  not parameters (the routers' selection biases) are left out.
   """
-  total = sum(x.size for x in jax.tree.leaves(params))
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  leaves = jax.tree.leaves(params, is_leaf=is_variable)
+  total = sum(x.size for x in leaves if not is_variable(x) or isinstance(x, nnx.Param))
   return total if params.get("lm_head") is None else total - params["embed"][...].size
-
-
-def flops_per_token(
-  cfg: ModelConfig, n_matmul_params: int, seq_len: int, *, causal: bool = True
-) -> float:
-  """Training FLOPs per token (`atlas_jax.plan.compute.train_flops_per_token`)."""
-  return train_flops_per_token(cfg, seq_len, causal=causal, n_matmul_params=n_matmul_params)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float | None:

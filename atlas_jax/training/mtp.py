@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from atlas_jax.training.experts import router_terms
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 
 Array = jax.Array
@@ -34,11 +35,18 @@ def shifted_targets(
 
 
 def loss_fn(
-  graphdef: nnx.GraphDef, params, batch: dict[str, Array], *, loss_chunk: int = 0
+  graphdef: nnx.GraphDef,
+  params,
+  batch: dict[str, Array],
+  *,
+  loss_chunk: int = 0,
+  moe_aux_loss: float = 0.0,
+  moe_z_loss: float = 0.0,
 ) -> tuple[Array, dict]:
   """MTP loss on batch["tokens"] i32[B, T + 1]; aux has loss_main and loss_mtp_{j} per head.
 
   `loss_chunk` > 0: every head's cross-entropy is the chunked one (no [B, T, V] logits).
+  Mixture-of-experts models add the trunk routers' losses (`atlas_jax.training.experts`).
   """
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
@@ -48,12 +56,13 @@ def loss_fn(
   model = nnx.merge(graphdef, params)
   # Logits [B, T, V] and [J, B, T, V], or with `loss_chunk` the hidden states [.., D] that the
   # chunked loss projects itself.
-  out, mtp_J = model.forward_mtp(
+  outputs = model.forward_train(
     inputs_BT,
     positions_BT=batch.get("positions"),
     segment_ids_BT=segment_ids_BT,
     hidden=bool(loss_chunk),
   )
+  out, mtp_J = outputs.main, outputs.mtp
   if loss_chunk:
     head = model.output_head()
     ce = lambda h_BTD, t_BT, m_BT: chunked_cross_entropy(
@@ -70,4 +79,5 @@ def loss_fn(
     aux[f"loss_mtp_{j}"] = loss_j
     head_losses.append(loss_j)
   weight = model.cfg.mtp.loss_weight
-  return main + weight * jnp.mean(jnp.stack(head_losses)), aux
+  routers, router_aux = router_terms(outputs.router, aux_loss=moe_aux_loss, z_loss=moe_z_loss)
+  return main + weight * jnp.mean(jnp.stack(head_losses)) + routers, {**aux, **router_aux}

@@ -26,6 +26,11 @@ last stage's outputs are scattered back over the stages (reduce-scatter), so the
 the head, the loss and the MTP heads split the batch over `stage` as well as (data, fsdp) and
 are not repeated on every stage.
 
+A layer may also report something of its rows (an MoE layer's router stats, for the balance
+losses and the selection-bias update): each stage records it per layer and micro-batch where it
+did real work, and the program returns every layer's, [L, U, ...] in the stored layer order, for
+the model to merge over the micro-batches.
+
 Circular stages own non-contiguous layers, so the trainer keeps the stacked layers in the run's
 order (`layer_order`: stage-major, each stage's rows one contiguous block, as the `layers` ->
 `stage` sharding rule splits them); checkpoints record the order they were saved in and
@@ -108,7 +113,8 @@ class Pipeline:
   schedule: Schedule
 
   def __call__(self, step: Callable, carry, xs, rows, **kwargs):
-    return self.run(step, carry, xs, rows, **kwargs)[0]
+    """(carry, per-layer outputs) of `run`."""
+    return self.run(step, carry, xs, rows, **kwargs)[:2]
 
   def gather(self, x_B: Array) -> Array:
     """Rows split over the data axes only (gathered over `stage`): the token ids the embedding
@@ -128,11 +134,12 @@ class Pipeline:
     policy: str = "none",
     every: int | None = None,
     unroll: bool = False,
-  ) -> tuple[Any, Array]:
+  ) -> tuple[Any, Any, Array]:
     """All L layers over the batch, stage by stage.
 
     Args:
-      step: (carry, one layer's slice of xs, rows) -> (carry, None): one block on some rows.
+      step: (carry, one layer's slice of xs, rows) -> (carry, y): one block on some rows; y is
+        what the layer reports of them (a pytree of arrays, e.g. its router's stats, or None).
       carry: what flows from layer to layer, a pytree of [B, T, D] arrays.
       xs: the stacked block parameters, every leaf [L, ...], rows in `layer_order`.
       rows: per-row inputs every block reads, a pytree of [B, ...] arrays (positions, segment
@@ -140,8 +147,9 @@ class Pipeline:
       policy, every, unroll: the remat policy of each stage's layer scan (`scan_layers`).
 
     Returns:
-      (carry after the L layers, split over BATCH_AXES; busy bool[p, I]: whether stage s did
-      real work at iteration i).
+      (carry after the L layers, split over BATCH_AXES; ys, every leaf [L, U, ...]: each layer's
+      y on each micro-batch, rows in `layer_order` like xs (None when step's y is); busy
+      bool[p, I]: whether stage s did real work at iteration i).
     """
     B, dtype = jax.tree.leaves(carry)[0].shape[0], jax.tree.leaves(carry)[0].dtype
     remat = dict(policy=policy, every=every, unroll=unroll)
@@ -153,17 +161,17 @@ class Pipeline:
       functools.partial(self._stages, step, dtype=dtype, **remat),
       mesh=self.mesh,
       in_specs=(P(), P("stage"), P()),
-      out_specs=(P(None, "stage"), P("stage")),
+      out_specs=(P(None, "stage"), P("stage"), P("stage")),
       axis_names={"stage"},
       check_vma=False,
     )
     carry = jax.tree.map(lambda x: self.gather(x).astype(jnp.float32), carry)
-    out, busy_pI = stages(carry, xs, jax.tree.map(self.gather, rows))
+    out, ys, busy_pI = stages(carry, xs, jax.tree.map(self.gather, rows))
     batch = NamedSharding(self.mesh, P(BATCH_AXES))
     out = jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x.reshape(B, *x.shape[3:]), batch), out
     )
-    return out, busy_pI
+    return out, ys, busy_pI
 
   def _stages(self, step, carry, xs, rows, *, dtype, policy, every, unroll):
     """One stage's program (inside shard_map): carry (float32, computed in `dtype`) and rows
@@ -201,28 +209,44 @@ class Pipeline:
     # than keeping a copy per iteration (without remat that copy is kept).
     remat = dict(policy=policy, every=every, unroll=unroll)
 
+    per = jax.tree.leaves(xs)[0].shape[1 if r > 1 else 0]  # layers per stage and repeat
+
     def stage(x, rep, rows_u):
+      """(y, the layers' outputs [per, ...])."""
       if r == 1:
-        return scan_layers(lambda c, layer: step(c, layer, rows_u), x, xs, **remat)[0]
+        return scan_layers(lambda c, layer: step(c, layer, rows_u), x, xs, **remat)
       block = lambda c, j: step(c, jax.tree.map(lambda a: a[rep, j], xs), rows_u)
-      return scan_layers(block, x, jnp.arange(jax.tree.leaves(xs)[0].shape[1]), **remat)[0]
+      return scan_layers(block, x, jnp.arange(per), **remat)
+
+    # Each layer's outputs per micro-batch, [r, per, U, ...]: written where the stage was busy.
+    x0 = jax.tree.map(lambda buf: get(buf, 0), io)
+    ys_shape = jax.eval_shape(lambda: stage(x0, 0, jax.tree.map(lambda a: get(a, 0), rows))[1])
+    ys = jax.tree.map(lambda a: jnp.zeros((r, per, U, *a.shape[1:]), a.dtype), ys_shape)
+
+    def record(buf, y, rep, u, busy):
+      at = (rep, 0, u) + (0,) * (buf.ndim - 3)
+      old = jax.lax.dynamic_slice(buf, at, (1, per, 1, *buf.shape[3:]))
+      y = jnp.where(busy, y[None, :, None], old)
+      return jax.lax.dynamic_update_slice(buf, y, at)
 
     def iteration(loop, i):
-      io, received = loop
+      io, received, ys = loop
       # What the last stage finished at iteration i - 1, on its way to another repeat.
       u_back, rep_back, busy_back = sched.work(i - 1, p - 1)
       back = first & busy_back & (rep_back < r - 1)
       io = jax.tree.map(lambda buf, x: put(buf, u_back, x, back), io, received)
       u, rep, busy = sched.work(i, s)
       x = jax.tree.map(lambda buf, x: micro(jnp.where(first, get(buf, u), x)), io, received)
-      y = stage(x, rep, jax.tree.map(lambda a: micro(get(a, u)), rows))
+      y, ys_i = stage(x, rep, jax.tree.map(lambda a: micro(get(a, u)), rows))
+      ys = jax.tree.map(lambda buf, y: record(buf, y, rep, u, busy), ys, ys_i)
       done = last & busy & (rep == r - 1)
       io = jax.tree.map(lambda buf, y: put(buf, u, y, done), io, y)
       sent = jax.tree.map(lambda a: jax.lax.ppermute(a, "stage", ring), y)
-      return (io, sent), busy
+      return (io, sent, ys), busy
 
     received = jax.tree.map(lambda a: jnp.zeros_like(a[0]), io)
-    (io, _), busy_I = jax.lax.scan(iteration, (io, received), jnp.arange(sched.iterations))
+    loop = (io, received, ys)
+    (io, _, ys), busy_I = jax.lax.scan(iteration, loop, jnp.arange(sched.iterations))
 
     # The last stage's outputs, back in row order and as [n, p, b'] blocks (BATCH_AXES's layout:
     # stage last), zero on the other stages, so the reduce-scatter over `stage` hands each stage
@@ -234,7 +258,9 @@ class Pipeline:
       x = (x * last.astype(x.dtype)).reshape(n, p, -1, *x.shape[1:])
       return _f32(lambda y: jax.lax.psum_scatter(y, "stage", scatter_dimension=1, tiled=True), x)
 
-    return jax.tree.map(scatter, io), busy_I[None]
+    # [r, per, U, ...] -> rows (g per + j) of this stage's block of `layer_order`.
+    ys = jax.tree.map(lambda a: a.reshape(r * per, *a.shape[2:]), ys)
+    return jax.tree.map(scatter, io), ys, busy_I[None]
 
 
 def _f32(collective: Callable, x: Array) -> Array:

@@ -6,10 +6,13 @@ logical names to mesh axes; nothing is matched by parameter name, and a paramete
 axes is an error when the trainer is built, never a silent replication.
 
 Mesh axes, in device order: `data` (pure replication of state; batch split), `fsdp` (batch split;
-ZeRO shards state here), `stage` (pipeline parallelism: the stacked-layer axis is split into
-contiguous stages; outside the pipelined layers the batch is split here too, see
-`atlas_jax.training.pipeline`), `tensor` (Megatron-style tensor parallelism: heads and FFN
-columns/rows, vocab). Tensor is last, so it stays within a host's devices.
+ZeRO shards state here), `expert` (expert parallelism: the routed experts of mixture-of-experts
+layers are split here, and the batch too, so outside the experts it acts as `data`; the tokens
+reach their experts inside `atlas_jax.model.moe.expert_parallel`), `stage` (pipeline parallelism:
+the stacked-layer axis is split into contiguous stages; outside the pipelined layers the batch is
+split here too, see `atlas_jax.training.pipeline`), `tensor` (Megatron-style tensor parallelism:
+heads and FFN columns/rows, each expert's hidden width, vocab). Tensor is last, so it stays
+within a host's devices.
 
 Strategies (train.sharding), each a statement about which state is split over `fsdp`:
 
@@ -19,8 +22,10 @@ Strategies (train.sharding), each a statement about which state is split over `f
   zero2      replicated   sharded     sharded           (gradients reduce-scattered)
   zero3/fsdp sharded      sharded     sharded           (parameters gathered per layer)
 
-Tensor parallelism applies whenever mesh.tensor > 1, and pipeline stages whenever mesh.stage > 1;
-both combine with any of them. A dimension that
+Tensor and expert parallelism apply whenever mesh.tensor > 1 or mesh.expert > 1, and pipeline
+stages whenever mesh.stage > 1; all combine with any of them (an expert's weights: experts over
+`expert`, width over `tensor`, model dim over `fsdp` under ZeRO-3, the MoE layers over `stage`).
+A dimension that
 the mesh axis does not divide stays replicated (e.g. a 259-token vocab over 2 devices), and a mesh
 axis shards at most one dimension of a parameter (the first whose logical axis maps to it).
 """
@@ -38,13 +43,21 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "stage", "tensor")
+AXES = ("data", "fsdp", "expert", "stage", "tensor")
 # `stage` last: a pipeline gathers a data-parallel shard's rows from its stages (one block each).
-BATCH_AXES = ("data", "fsdp", "stage")
+BATCH_AXES = ("data", "fsdp", "expert", "stage")
 
-# Tensor parallelism splits heads, the FFN width and the vocabulary; ZeRO-3 splits the model width
-# and MLA's low-rank bottlenecks (the dims of those projections that carry no head axis).
-TENSOR_RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+# Tensor parallelism splits heads, the FFN width (an expert's too) and the vocabulary; expert
+# parallelism splits the experts; ZeRO-3 splits the model width and MLA's low-rank bottlenecks
+# (the dims of those projections that carry no head axis).
+TENSOR_RULES = {
+  "q_heads": "tensor",
+  "kv_heads": "tensor",
+  "mlp": "tensor",
+  "expert_mlp": "tensor",
+  "vocab": "tensor",
+}
+EXPERT_RULES = {"experts": "expert"}
 FSDP_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp"}
 # Pipeline stages own contiguous slices of the stacked layers, whatever the strategy.
 STAGE_RULES = {"layers": "stage"}
@@ -52,8 +65,8 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, stage, tensor) mesh over all devices; one -1 axis takes what the others
-  leave."""
+  """A (data, fsdp, expert, stage, tensor) mesh over all devices; one -1 axis takes what the
+  others leave."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = {axis: getattr(cfg, axis) for axis in AXES}
   known = math.prod(s for s in sizes.values() if s != -1)
@@ -135,11 +148,12 @@ def tree_shardings(tree, mesh: Mesh, rules: dict[str, str]):
 
 
 def strategy_rules(strategy: str) -> dict[str, dict[str, str]]:
-  """Rules for params, grads and optimizer state under a ZeRO strategy (TP always applies)."""
+  """Rules for params, grads and optimizer state under a ZeRO strategy (TP and EP always
+  apply)."""
   if strategy not in STRATEGIES:
     raise ConfigError(f"train.sharding={strategy!r} is not one of {STRATEGIES}")
   zero = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
-  model_parallel = {**STAGE_RULES, **TENSOR_RULES}
+  model_parallel = {**STAGE_RULES, **TENSOR_RULES, **EXPERT_RULES}
   sharded = {**model_parallel, **FSDP_RULES}
   return {
     "params": sharded if zero >= 3 else model_parallel,

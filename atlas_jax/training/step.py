@@ -2,9 +2,17 @@
 
 One function covers every configuration: gradient accumulation over micro-batches (a `lax.scan`
 inside the step), precision policies (float32 master weights, bf16/fp16 compute, dynamic loss
-scaling for fp16), remat policies (in the model's layer scan), ZeRO/TP sharding (the jit's
-in/out shardings plus a constraint on the gradients), and pipeline stages (the model's layers run
-by `atlas_jax.training.pipeline`, each accumulation micro-batch split again into the pipeline's).
+scaling for fp16), remat policies (in the model's layer scan), ZeRO/TP/EP sharding (the jit's
+in/out shardings plus a constraint on the gradients; the mesh is in context while the model is
+traced, so mixture-of-experts layers run their experts expert-parallel), pipeline stages (the
+model's layers run by `atlas_jax.training.pipeline`, each accumulation micro-batch split again
+into the pipeline's), and mixture-of-experts load balancing (`atlas_jax.training.experts`: the aux
+and z losses in the objective, the selection-bias update after the optimizer's).
+
+The gradient and the optimizer see only what trains (`split_trainable`): the model's
+`nnx.Param`s, or with LoRA (train.lora) the adapters alone. The rest (the routers' selection
+biases; with LoRA the frozen base weights) is carried in `TrainState.params` beside them, passed
+through the step untouched, and saved with them.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ from jax.sharding import Mesh
 
 from atlas_jax.config import Config, check_pipeline
 from atlas_jax.model import Transformer, build
+from atlas_jax.model.lora import LoRAParam
 from atlas_jax.schedule import Schedule
 from atlas_jax.training import pipeline
 from atlas_jax.training import sharding as shd
+from atlas_jax.training.experts import COUNTS, load_metrics, router_terms, update_router_bias
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from atlas_jax.training.precision import LossScale, all_finite, training_model_config
@@ -34,8 +44,9 @@ Array = jax.Array
 
 @struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the model's Params (float32 master weights)
-  opt_state: Any  # optax state for `params`
+  params: Any  # nnx.State of the model: its Params (float32 master weights; adapters included)
+  # and other variables
+  opt_state: Any  # optax state for what trains (`split_trainable`)
   step: Array  # i32[] steps run (skipped ones included: the data position)
   first_nonfinite: (
     Array  # i32[] first step (1-based) whose loss or gradients were not finite; 0: none
@@ -54,16 +65,35 @@ def build_model(
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
+    lora=cfg.train.lora,
     pipeline=pipe,
   )
 
 
-def init_state(cfg: Config, optimizer: optax.GradientTransformation, key: Array) -> TrainState:
-  """A fresh training state: the model initialised from `key`, the optimizer's zero state."""
+def split_trainable(cfg: Config, params: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(what the gradient and the optimizer see, the rest): the model's Params, or with LoRA its
+  adapters alone. The rest holds every other variable (the routers' selection biases) and, with
+  LoRA, the frozen base weights."""
+  return nnx.split_state(params, LoRAParam if cfg.train.lora is not None else nnx.Param, ...)
+
+
+def init_state(
+  cfg: Config, optimizer: optax.GradientTransformation, key: Array, base: Any = None
+) -> TrainState:
+  """A fresh training state: the model initialised from `key`, the optimizer's zero state.
+
+  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones (whose
+  draws XLA then drops as dead code); adapters are drawn from `key`.
+  """
   params = nnx.state(build_model(cfg, key))
+  if base is not None:
+    adapters, rest = nnx.split_state(params, LoRAParam, ...)
+    nnx.replace_by_pure_dict(rest, base)
+    params = nnx.merge_state(adapters, rest)
   scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
   zero = jnp.zeros((), jnp.int32)
-  return TrainState(params, optimizer.init(params), zero, zero, scale)
+  trainable, _ = split_trainable(cfg, params)
+  return TrainState(params, optimizer.init(trainable), zero, zero, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +109,21 @@ class Trainer:
   # (stages, repeats) the stacked layers are stored for (`pipeline.layer_order`); (1, 1): depth.
   layout: pipeline.Layout = (1, 1)
 
-  def init(self, key: Array) -> TrainState:
+  def init(self, key: Array, base: Any = None) -> TrainState:
     """Initialises model and optimizer under jit straight into their shardings (the same model
-    whatever the mesh: drawn in depth order, then stored in this run's layer order)."""
+    whatever the mesh: drawn in depth order, then stored in this run's layer order).
 
-    def init(key):
-      state = init_state(self.cfg, self.optimizer, key)
+    `base`: pretrained weights in depth order (a pure dict of arrays already laid out in their
+    shardings, `atlas_jax.hf.init_from`), donated: the state takes their buffers.
+    """
+
+    def init(key, base=None):
+      state = init_state(self.cfg, self.optimizer, key, base)
       return pipeline.reorder_layers(state, (1, 1), self.layout)
 
-    return jax.jit(init, out_shardings=self.state_shardings)(key)
+    if base is None:
+      return jax.jit(init, out_shardings=self.state_shardings)(key)
+    return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=1)(key, base)
 
   def abstract_state(self) -> TrainState:
     return jax.eval_shape(
@@ -132,7 +168,8 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     if abstract.loss_scale is None
     else jax.tree.map(lambda _: rep, abstract.loss_scale),
   )
-  grad_shardings = shd.tree_shardings(abstract.params, mesh, rules["grads"])
+  trainable, _ = split_trainable(cfg, abstract.params)
+  grad_shardings = shd.tree_shardings(trainable, mesh, rules["grads"])
   return Trainer(cfg, graphdef, optimizer, mesh, state_shardings, grad_shardings, layout)
 
 
@@ -143,8 +180,11 @@ def loss_fn(
   *,
   z_loss: float = 0.0,
   loss_chunk: int = 0,
+  moe_aux_loss: float = 0.0,
+  moe_z_loss: float = 0.0,
 ) -> tuple[Array, dict]:
-  """Cross-entropy of the model on batch["tokens"] i32[B, T + 1] (inputs and shifted targets).
+  """Cross-entropy of the model on batch["tokens"] i32[B, T + 1] (inputs and shifted targets),
+  plus the routers' balance and z losses for mixture-of-experts models.
 
   Optional batch entries, all [B, T] for the inputs: "positions", "segment_ids", "loss_mask".
   `loss_chunk` > 0: the chunked cross-entropy over that many positions at a time (the LM head
@@ -153,40 +193,50 @@ def loss_fn(
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
   model = nnx.merge(graphdef, params)
-  kwargs = dict(positions_BT=batch.get("positions"), segment_ids_BT=batch.get("segment_ids"))
+  out = model.forward_train(
+    inputs_BT,
+    positions_BT=batch.get("positions"),
+    segment_ids_BT=batch.get("segment_ids"),
+    hidden=bool(loss_chunk),
+  )
   mask_BT = batch.get("loss_mask")
   if loss_chunk:
-    h_BTD = model.hidden_states(inputs_BT, **kwargs)
-    return chunked_cross_entropy(
-      h_BTD, targets_BT, mask_BT, chunk=loss_chunk, z_loss=z_loss, **model.output_head()
+    loss, aux = chunked_cross_entropy(
+      out.main, targets_BT, mask_BT, chunk=loss_chunk, z_loss=z_loss, **model.output_head()
     )
-  logits_BTV = model(inputs_BT, **kwargs)
-  return cross_entropy(logits_BTV, targets_BT, mask_BT, z_loss=z_loss)
+  else:
+    loss, aux = cross_entropy(out.main, targets_BT, mask_BT, z_loss=z_loss)
+  routers, router_aux = router_terms(out.router, aux_loss=moe_aux_loss, z_loss=moe_z_loss)
+  return loss + routers, {**aux, **router_aux}
 
 
 def objective(cfg: Config) -> Callable:
   """(graphdef, params, batch) -> (loss, aux): next-token cross-entropy, plus the multi-token
-  prediction heads' losses when the model has them."""
+  prediction heads' losses when the model has them, plus the routers' losses when it has
+  mixture-of-experts layers."""
   chunk = cfg.train.loss_chunk
+  moe = dict(moe_aux_loss=cfg.train.moe_aux_loss, moe_z_loss=cfg.train.moe_z_loss)
   if cfg.model.mtp is not None:
     from atlas_jax.training import mtp
 
-    return functools.partial(mtp.loss_fn, loss_chunk=chunk)
-  return functools.partial(loss_fn, z_loss=cfg.train.z_loss, loss_chunk=chunk)
+    return functools.partial(mtp.loss_fn, loss_chunk=chunk, **moe)
+  return functools.partial(loss_fn, z_loss=cfg.train.z_loss, loss_chunk=chunk, **moe)
 
 
 def _accumulated_grads(trainer: Trainer, params, batch, scale):
-  """Mean loss and float32 gradients over train.grad_accum micro-batches (a scan, not a loop)."""
+  """Mean loss and float32 gradients of what trains (`split_trainable`; the rest are constants)
+  over train.grad_accum micro-batches (a scan, not a loop)."""
   cfg = trainer.cfg.train
   A = cfg.grad_accum
-  compute_loss = objective(trainer.cfg)
+  compute_loss = _in_mesh(trainer, objective(trainer.cfg))
+  trainable, frozen = split_trainable(trainer.cfg, params)
 
   def micro(batch_m):
-    def scaled_loss(params):
-      loss, aux = compute_loss(trainer.graphdef, params, batch_m)
+    def scaled_loss(trainable):
+      loss, aux = compute_loss(trainer.graphdef, nnx.merge_state(trainable, frozen), batch_m)
       return loss * scale, (loss, aux)
 
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(trainable)
     return grads, loss, aux
 
   if A == 1:
@@ -205,6 +255,16 @@ def _accumulated_grads(trainer: Trainer, params, batch, scale):
   return jax.tree.map(lambda x: x / A, (grads, loss, aux))
 
 
+def _in_mesh(trainer: Trainer, fn: Callable) -> Callable:
+  """`fn` traced with the trainer's mesh in context (what `atlas_jax.model.moe` reads)."""
+
+  def in_mesh(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return in_mesh
+
+
 def make_train_step(trainer: Trainer) -> Callable:
   """The jitted step; `state` is donated, so its buffers are reused for the new state."""
   cfg = trainer.cfg.train
@@ -221,13 +281,24 @@ def make_train_step(trainer: Trainer) -> Callable:
     # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
+      trainable, frozen = split_trainable(trainer.cfg, state.params)
+      updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+      new = optax.apply_updates(trainable, updates)
+      new_frozen = frozen
+      counts_LE = aux.pop(COUNTS, None)
+      if counts_LE is not None:
+        aux.update(load_metrics(counts_LE, aux["moe_dropped"]))
+      if counts_LE is not None and cfg.lora is None:  # LoRA: the base model, biases too, frozen
+        # Outside the gradient: the selection biases step towards the load this step saw.
+        new_frozen = update_router_bias(frozen, counts_LE, cfg.moe_bias_update_rate)
       # A non-finite step never touches parameters or optimizer state: fp16 overflow and
       # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
       skip = ~finite
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      new, opt_state = keep(new, trainable), keep(opt_state, state.opt_state)
+      if new_frozen is not frozen:
+        new_frozen = keep(new_frozen, frozen)
+      params = nnx.merge_state(new, new_frozen)
     loss_scale = None if state.loss_scale is None else state.loss_scale.update(finite)
     metrics = {
       **aux,
@@ -260,7 +331,7 @@ def make_train_step(trainer: Trainer) -> Callable:
 
 def make_eval_step(trainer: Trainer) -> Callable:
   """(params, batch) -> f32[] the next-token cross-entropy (MTP heads and z-loss left out)."""
-  compute_loss = objective(trainer.cfg)
+  compute_loss = _in_mesh(trainer, objective(trainer.cfg))
 
   def eval_step(params, batch):
     return compute_loss(trainer.graphdef, params, batch)[1]["ce"]

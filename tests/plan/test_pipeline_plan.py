@@ -2,12 +2,14 @@
 device against the stage-sharded train state, activations against the residuals the compiled
 pipelined step keeps per device, ppermute bytes and iterations against the compiled program."""
 
+import dataclasses
+
 import jax
 import pytest
 
 from atlas_jax import measure
 from atlas_jax.config import load_config
-from atlas_jax.plan import memory
+from atlas_jax.plan import memory, models
 from atlas_jax.plan import pipeline as pipeline_plan
 from atlas_jax.plan.planner import PlanInputs, make_plan
 from atlas_jax.schedule import Schedule
@@ -64,6 +66,61 @@ def test_state_bytes_per_device_match_the_stage_sharded_train_state(strategy, te
     real["grads"],
     real["opt_state"],
   )
+
+
+@pytest.mark.parametrize(
+  "name, strategy, tensor, extra",
+  [
+    # A dense first layer (whole on every stage), then 4 MoE layers split over the stages.
+    ("moe-v2-lite", "zero3", 1, ["model.n_layers=5"]),
+    # Every layer MoE (8 of them), the experts' width over tensor as well.
+    ("moe-olmoe", "zero1", 2, []),
+  ],
+)
+def test_moe_state_bytes_per_device_match_the_stage_and_expert_sharded_train_state(
+  name, strategy, tensor, extra
+):
+  mesh = memory.mesh_for(strategy, 8, tensor, 2, 2)
+  cfg = test_planner.config(
+    name,
+    *extra,
+    *(f"mesh.{axis}={size}" for axis, size in mesh.items()),
+    f"train.sharding={strategy}",
+    "train.batch_size=16",
+    "train.pipeline_microbatches=2",
+  )
+  real = measure.train_state_bytes(cfg, shd.make_mesh(cfg.mesh))
+  plan = memory.state_bytes(
+    cfg.model, strategy=strategy, devices=8, tensor=tensor, stage=2, expert=2
+  )
+  assert (plan.params, plan.grads, plan.opt_state) == (
+    real["params"],
+    real["grads"],
+    real["opt_state"],
+  )
+
+
+def test_a_moe_plan_pipelines_its_moe_layers():
+  """DeepSeek-V3 on 2048 GPUs, 16 stages x 8 expert ways: its 58 MoE layers do not split over 16
+  stages (the 3 dense ones run before them), the 64 of a 67-layer variant do; Qwen2-MoE's dense
+  layer after MoE ones cannot be pipelined at all."""
+  v3 = models.get_reference("deepseek-v3").model
+  with pytest.raises(ValueError, match=r"--pipeline=16 x --repeats=1 must divide the model's 58"):
+    make_plan(v3, PlanInputs(devices=2048, batch=2048, pipeline=16, expert=8, seq_len=256))
+  v3_64 = dataclasses.replace(v3, n_layers=67)
+  inputs = PlanInputs(devices=2048, batch=4096, pipeline=16, microbatches=16, expert=8, seq_len=256)
+  plan = make_plan(v3_64, inputs)
+  zero3 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero3")
+  assert zero3["mesh"] == {"data": 1, "fsdp": 16, "expert": 8, "stage": 16, "tensor": 1}
+  assert zero3["constraint"] is None and zero3["activations_peak"] > 0
+  # float32 experts of 4 MoE layers per stage and of the MTP layer (whole on every stage), each
+  # split over 8 expert x 16 fsdp ways.
+  E, D, F = v3.moe.n_experts, v3.d_model, v3.moe.expert_ffn_dim
+  assert zero3["expert_params"] == 4 * (4 + 1) * 3 * E * D * F // (8 * 16)
+  assert plan["pipeline"]["iterations"] == 16 + 16 - 1
+  qwen = test_planner.config("moe-qwen2").model
+  with pytest.raises(ValueError, match=r"--pipeline=2: model.moe.dense_layers=\[2\] is not"):
+    make_plan(qwen, PlanInputs(devices=8, batch=16, pipeline=2, microbatches=2))
 
 
 # (overrides, devices): stages alone or beside data-parallel replicas, so that each residual's
@@ -156,7 +213,7 @@ def test_the_plan_reports_the_schedule_bubble_and_step_time():
   assert pp["bubble"] == pytest.approx(3 / 19)
   assert pp["step_seconds"] == pytest.approx(pp["step_seconds_without_bubble"] * 19 / 16)
   zero3 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero3")
-  assert zero3["mesh"] == {"data": 1, "fsdp": 2, "stage": 4, "tensor": 8}
+  assert zero3["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "stage": 4, "tensor": 8}
   # 32 rows over 2 replicas: 16 per shard, 16 micro-batches of 1 row, 4096 x 8192 bf16 each,
   # 19 iterations forward and back.
   assert pp["ppermute_bytes_per_step"] == 2 * 19 * 4096 * 8192 * 2

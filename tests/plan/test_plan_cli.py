@@ -43,7 +43,7 @@ def test_preset_json_takes_the_presets_training_shape(capsys):
   assert all(isinstance(x, int | float) for x in numbers(plan))
   zero1 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero1")
   assert zero1["micro_batch"] == 8
-  assert zero1["mesh"] == {"data": 1, "fsdp": 4, "stage": 1, "tensor": 1}
+  assert zero1["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "stage": 1, "tensor": 1}
   assert plan["pipeline"] is None
 
 
@@ -141,13 +141,22 @@ def test_folder_without_config_json(tmp_path, capsys):
   assert rc == 2 and "has no config.json" in err
 
 
-def test_mixture_of_experts_folder_points_at_the_known_shapes(tmp_path, capsys):
-  hf_config = hf.config_to_hf(REFERENCE_MODELS["llama-2-7b"].model)
-  hf_config.update(model_type="deepseek_v3", first_k_dense_replace=3, n_routed_experts=256)
-  hf_config.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+def test_mixture_of_experts_folder_plans_its_active_parameters(tmp_path, capsys):
+  """A DeepSeek-V3 config.json plans like the known shape: total and active parameters, the
+  experts split over --expert."""
+  from atlas_jax.plan.params import counts
+
+  hf_config = hf.config_to_hf(REFERENCE_MODELS["deepseek-v3"].model)
   (tmp_path / "config.json").write_text(json.dumps(hf_config))
-  rc, _, err = run(capsys, "--config", str(tmp_path))
-  assert rc == 2 and "mixture-of-experts" in err and "--config deepseek-v2-lite" in err
+  rc, out, _ = run(capsys, "--config", str(tmp_path), "--devices", "64", "--expert", "8", "--json")
+  assert rc == 0
+  plan = json.loads(out)
+  pc = counts(REFERENCE_MODELS["deepseek-v3"].model)
+  # The folder has no MTP weights to count, so the trunk is what is planned.
+  assert plan["params"]["inference"] == pc.inference and plan["params"]["active"] == pc.active
+  assert plan["training"]["strategies"][0]["mesh"]["expert"] == 8
+  rc, out, _ = run(capsys, "--config", str(tmp_path), "--devices", "64", "--expert", "8")
+  assert rc == 0 and "active per token" in out and "256 experts (top 8, sigmoid noaux_tc)" in out
 
 
 def test_bad_choice_is_argparse_error(capsys):
@@ -189,6 +198,6 @@ def test_pipeline_flags(capsys):
   assert (pp["stages"], pp["microbatches"], pp["repeats"], pp["schedule"]) == (4, 8, 2, "circular")
   assert pp["iterations"] == 19 and pp["bubble"] == pytest.approx(3 / 19)
   zero3 = next(s for s in plan["training"]["strategies"] if s["strategy"] == "zero3")
-  assert zero3["mesh"] == {"data": 1, "fsdp": 2, "stage": 4, "tensor": 2}
+  assert zero3["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "stage": 4, "tensor": 2}
   rc, out, _ = run(capsys, *argv[:-1], "--pipeline", "4", "--microbatches", "8")
   assert rc == 0 and "4 stages x 8 micro-batches (GPipe)" in out and "bubble" in out

@@ -13,6 +13,7 @@ from flax import nnx
 
 from atlas_jax import measure
 from atlas_jax.config import Config, load_config
+from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory, params
 from atlas_jax.plan.planner import PlanInputs, make_plan, model_kv_bytes_per_token
 from atlas_jax.training import sharding as shd
@@ -58,6 +59,37 @@ MODELS = {
     "deepseek-tiny",
     [*ODD_MLA, "model.mtp.kind=parallel", "model.mtp.n_predict=2"],
   ),
+  # Mixture of experts: DeepSeek-V2-Lite's layout; V3's router bias, an MoE MTP head and a dense
+  # prefix; Qwen2-MoE's gated shared expert and a dense layer mid-stack; OLMoE's all-heads norm.
+  "moe-v2-lite": ("deepseek-v2-lite-tiny", []),
+  "moe-v3-mtp": (
+    "deepseek-v2-lite-tiny",
+    [
+      "model.moe.scoring=sigmoid",
+      "model.moe.topk_method=noaux_tc",
+      "model.moe.n_group=2",
+      "model.moe.topk_group=1",
+      "model.mtp={kind: sequential, n_predict: 1}",
+    ],
+  ),
+  "moe-qwen2": (
+    "tiny",
+    [
+      *ODD,
+      "model.qkv_bias=true",
+      "model.moe={n_experts: 6, top_k: 2, expert_ffn_dim: 14, shared_ffn_dim: 22,"
+      " shared_expert_gate: true, dense_layers: [2]}",
+    ],
+  ),
+  "moe-olmoe": (
+    "tiny",
+    [
+      *ODD,
+      "model.qk_norm=true",
+      "model.qk_norm_scope=all_heads",
+      "model.moe={n_experts: 4, top_k: 1, expert_ffn_dim: 14}",
+    ],
+  ),
 }
 
 
@@ -72,12 +104,25 @@ def test_parameter_counts_match_the_initialised_model(name):
   real = measure.param_counts(cfg)
   planned = params.counts(cfg)
   assert planned.total == real["total"]
-  assert planned.blocks == real["blocks"]
+  assert planned.blocks == real["blocks"] + real.get("dense_blocks", 0)
   assert planned.embed == real["embed"]
   assert (0 if planned.tied else planned.lm_head) == real.get("lm_head", 0)
   assert planned.mtp == real.get("mtp", 0)
+  # Routed experts: every [.., E, ...] expert weight of the real model, a token using k / E.
+  flat = jax.tree_util.tree_leaves_with_path(
+    nnx.state(measure.abstract_model(cfg), nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
+  routed = sum(
+    v.size
+    for path, v in flat
+    if "experts" in shd.logical_axes_of(v) and str(path[-1].key) in ("w_gate", "w_up", "w_down")
+  )
+  assert planned.experts + planned.mtp_experts == routed
+  if cfg.moe is not None:
+    k, E = cfg.moe.top_k, cfg.moe.n_experts
+    assert planned.active == planned.inference - planned.experts + planned.experts * k // E
   # Every parameter's shape, not just the sum.
-  shapes = sorted(p.shape for p in params.inventory(cfg))
+  shapes = sorted(p.shape for p in params.inventory(cfg) if p.trainable)
   real_params = nnx.state(measure.abstract_model(cfg), nnx.Param)
   assert shapes == sorted(tuple(x.shape) for x in jax.tree.leaves(real_params))
 
@@ -87,7 +132,7 @@ def test_logical_axes_are_the_ones_the_model_declares(name):
   """The planner shards what the trainer shards: same shapes and logical axes per parameter."""
   cfg = config(name).model
   planned = sorted((p.shape, p.axes) for p in params.inventory(cfg))
-  state = nnx.state(measure.abstract_model(cfg), nnx.Param)
+  state = nnx.state(measure.abstract_model(cfg))  # the router biases too
   leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   real = sorted((tuple(v.shape), shd.logical_axes_of(v)) for v in leaves)
   assert planned == real
@@ -159,31 +204,68 @@ STRATEGY_CASES = [
   ("mla-no-q-lora", "zero2", 1),
   ("mla-parallel-mtp", "tensor", 1),
 ]
+# Expert parallelism: the experts split over `expert`, with ZeRO and tensor parallelism.
+EXPERT_CASES = [
+  ("moe-v2-lite", "dp", 1, 8),
+  ("moe-v3-mtp", "zero3", 2, 2),  # the router bias: saved, no gradient, no Adam moments
+  ("moe-qwen2", "zero1", 1, 2),  # 6 experts do not split 4 ways: replicated, as the trainer does
+  ("moe-olmoe", "zero2", 2, 4),
+]
 
 
-def _trainer_config(name: str, strategy: str, tensor: int) -> Config:
-  mesh = memory.mesh_for(strategy, 8, tensor)
+def _trainer_config(name: str, strategy: str, tensor: int, expert: int = 1) -> Config:
+  mesh = memory.mesh_for(strategy, 8, tensor, expert=expert)
   sharding = "dp" if strategy == "tensor" else strategy
   return config(
     name,
     f"mesh.data={mesh['data']}",
     f"mesh.fsdp={mesh['fsdp']}",
+    f"mesh.expert={mesh['expert']}",
     f"mesh.tensor={mesh['tensor']}",
     f"train.sharding={sharding}",
     "train.precision=bf16",
   )
 
 
-@pytest.mark.parametrize("name,strategy,tensor", STRATEGY_CASES)
-def test_state_bytes_per_device_match_the_sharded_train_state(name, strategy, tensor):
-  cfg = _trainer_config(name, strategy, tensor)
+@pytest.mark.parametrize(
+  "name,strategy,tensor,expert", [(*c, 1) for c in STRATEGY_CASES] + EXPERT_CASES
+)
+def test_state_bytes_per_device_match_the_sharded_train_state(name, strategy, tensor, expert):
+  cfg = _trainer_config(name, strategy, tensor, expert)
   real = measure.train_state_bytes(cfg, shd.make_mesh(cfg.mesh))
-  plan = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor)
+  plan = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor, expert=expert)
   assert (plan.params, plan.grads, plan.opt_state) == (
     real["params"],
     real["grads"],
     real["opt_state"],
   )
+
+
+@pytest.mark.parametrize(
+  "name,strategy,tensor", [("tiny", "zero3", 2), ("deepseek-tiny", "zero2", 1)]
+)
+def test_lora_state_bytes_match_the_sharded_train_state(name, strategy, tensor):
+  """With LoRA the planner counts the base weights as parameters only, and the adapters (split
+  as the weights they adapt) with gradients and Adam moments, as the trainer holds them."""
+  mesh = memory.mesh_for(strategy, 8, tensor)
+  cfg = config(
+    name,
+    f"mesh.fsdp={mesh['fsdp']}",
+    f"mesh.tensor={tensor}",
+    f"train.sharding={strategy}",
+    "train.lora={rank: 4, targets: [attn, mlp]}",
+  )
+  real = measure.train_state_bytes(cfg, shd.make_mesh(cfg.mesh))
+  adapters = resolve(cfg.model, cfg.train.lora)
+  lora = (adapters.rank, adapters.targets)
+  plan = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor, lora=lora)
+  assert (plan.params, plan.grads, plan.opt_state) == (
+    real["params"],
+    real["grads"],
+    real["opt_state"],
+  )
+  full = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor)
+  assert plan.grads < full.grads / 4 and plan.params > full.params
 
 
 def test_state_bytes_of_a_8b_model_on_8_devices_by_eval_shape():

@@ -7,7 +7,7 @@ import pytest
 
 from atlas_jax import measure
 from atlas_jax.config import Config, TrainConfig
-from atlas_jax.plan import memory
+from atlas_jax.plan import memory, params
 from atlas_jax.plan.models import REFERENCE_MODELS
 from atlas_jax.plan.planner import PlanInputs, make_plan
 from atlas_jax.training.checkpoint import single_device_mesh
@@ -118,3 +118,47 @@ def test_decode_ceiling_is_bytes_over_bandwidth():
   assert d["bytes_per_step"] == weights + 1_342_177_280
   assert d["tokens_per_s"] == pytest.approx(3.35e12 / d["bytes_per_step"])
   assert d["memory_bound"]
+
+
+# Published total and active parameters (billions, as released), with the digit they are given
+# to. DeepSeek counts the activated parameters without the embedding table (the planner's
+# `matmul_active`; DeepSeek-V2-Lite's 2.4B is 2.45B with it left out, 2.66B with it); Mistral
+# and Qwen count it (`active`).
+PUBLISHED_MOE = {
+  "deepseek-v2-lite": (15.7, 0.1, 2.4, 0.1, "matmul_active"),
+  "deepseek-v2": (236, 1, 21, 1, "matmul_active"),
+  "deepseek-v3": (671, 1, 37, 1, "matmul_active"),
+  "mixtral-8x7b": (46.7, 0.1, 12.9, 0.1, "active"),
+  "qwen3-30b-a3b": (30.5, 0.1, 3.3, 0.1, "active"),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MOE))
+def test_mixture_of_experts_total_and_active_parameters(name):
+  """The planner's counts within the published figures' last digit, and exactly the real
+  modules' at full size (`jax.eval_shape`: no memory allocated)."""
+  total, total_digit, active, active_digit, kind = PUBLISHED_MOE[name]
+  cfg = REFERENCE_MODELS[name].model
+  pc = params.counts(cfg)
+  assert abs(pc.inference / 1e9 - total) <= total_digit, pc.inference  # DeepSeek-V3: no MTP
+  assert abs(getattr(pc, kind) / 1e9 - active) <= active_digit, getattr(pc, kind)
+  real = measure.param_counts(cfg)
+  assert pc.total == real["total"] and pc.mtp == real.get("mtp", 0)
+  # FLOPs per token follow the active experts: 6 x the active matmul parameters (no MTP here).
+  p = plan(name, precision="bf16")
+  assert p["compute"]["flops_per_token_6n"] == 6 * (pc.matmul_active + pc.mtp_active)
+  assert p["params"]["active"] == pc.active < pc.total / 3
+
+
+def test_deepseek_v3_expert_memory_per_device_under_the_expert_axis():
+  """ZeRO-1 on 64 devices, 8-way expert parallel: each device keeps 1/8 of the 58 + 1 (MTP) MoE
+  layers' 256 routed experts (32 each) in float32, and of their routers and biases; the rest of
+  the parameters whole."""
+  cfg = REFERENCE_MODELS["deepseek-v3"].model
+  st = memory.state_bytes(cfg, strategy="zero1", devices=64, expert=8)
+  pc = params.counts(cfg)
+  assert st.mesh == {"data": 1, "fsdp": 8, "expert": 8, "stage": 1, "tensor": 1}
+  assert st.experts == 4 * (pc.experts + pc.mtp_experts) // 8
+  routers = 59 * 7168 * 256
+  whole = pc.total - pc.experts - pc.mtp_experts - routers
+  assert st.params == 4 * whole + st.experts + 4 * (routers + 59 * 256) // 8

@@ -337,14 +337,14 @@ def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
   for name in ("forward_sample", "decode_burst"):
     program = getattr(engine.programs, name)
 
-    def spy(states, pools, tokens, *args, program=program):
-      rows.append(tokens.shape[0])
-      return program(states, pools, tokens, *args)
+    def spy(states, pools, x, *args, program=program):
+      rows.append(x.tokens_BT.shape[0])
+      return program(states, pools, x, *args)
 
     engine.programs = dataclasses.replace(engine.programs, **{name: spy})
   assert engine.generate(prompts, params) == want
   assert rows and set(rows) == {8}  # 3 requests, then fewer: always 8 rows
-  with pytest.raises(ValueError, match="min_batch_bucket=3 must be a power of two"):
+  with pytest.raises(ValueError, match="min_batch_bucket=3 is not allowed: must be a power of two"):
     dataclasses.replace(CONFIGS["roomy"], min_batch_bucket=3)
 
 

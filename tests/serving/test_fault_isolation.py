@@ -23,16 +23,16 @@ def poison(engine, mode: str):
   original = engine.programs
   calls = []
 
-  def guard(program, seed_arg, burst):
-    def call(state, pool, *args):
-      seeds = np.asarray(args[seed_arg])
+  def guard(program, burst):
+    def call(state, pool, x, *args):
+      seeds = np.asarray(x.seed_B)
       calls.append(len(seeds))
       if POISON_SEED not in seeds.tolist():
-        return program(state, pool, *args)
+        return program(state, pool, x, *args)
       if mode == "on-device":
         if not burst:
-          return program(state, pool, *args)
-        pool, *outs = program(state, pool, *args)
+          return program(state, pool, x, *args)
+        pool, *outs = program(state, pool, x, *args)
         for x in jax.tree.leaves((pool, outs)):
           x.delete()  # as if the burst had failed on the device
         return (pool, *outs)
@@ -45,8 +45,8 @@ def poison(engine, mode: str):
 
   engine.programs = dataclasses.replace(
     original,
-    forward_sample=guard(original.forward_sample, 5, burst=False),
-    decode_burst=guard(original.decode_burst, 3, burst=True),
+    forward_sample=guard(original.forward_sample, burst=False),
+    decode_burst=guard(original.decode_burst, burst=True),
   )
   return calls
 

@@ -194,3 +194,18 @@ def test_dtype_auto_is_the_checkpoints_and_float32_on_cpu(folders, tmp_path, cap
   assert "not the checkpoint's bfloat16: its matmuls are slow on a CPU" in caplog.text
   assert serve.resolve_dtype("bfloat16", str(folder)) == "bfloat16"
   assert serve.resolve_dtype("auto", str(folders["qwen"]["path"])) == "float32"
+
+
+def test_tensor_parallel_serving_answers_as_transformers(folders):
+  """serve.py --tensor-parallel-size 4 over a Qwen2 folder (2 kv heads with biases, repeated to
+  4): greedy completions over HTTP are transformers' tokens."""
+  f = folders["qwen"]
+  args = serve.parse_args(["--checkpoint", str(f["path"]), "--port", "1", *FLAGS, "-tp", "4"])
+  engine, tokenizer, template, _ = serve.prepare(args)
+  assert (engine.runner.tensor, engine.model_config.n_kv_heads) == (4, 4)
+  app, runner = serve.build_server(args, engine, tokenizer, template)
+  with serving_app(app, runner) as url:
+    for text in PROMPTS:
+      want = f["tok"](text).input_ids
+      r = post(url, "/v1/completions", {"prompt": text, "max_tokens": 16, "temperature": 0})
+      check_choice(f, r["choices"][0], r["usage"], hf_greedy(f, want))

@@ -210,14 +210,14 @@ def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
   original = engine.programs
   calls = []
 
-  def guard(program, seed_arg, step_arg, n_draws):
-    def call(state, pool, *args):
-      seeds, steps = np.asarray(args[seed_arg]).tolist(), np.asarray(args[step_arg]).tolist()
+  def guard(program, n_draws):
+    def call(state, pool, x, *args):
+      seeds, steps = np.asarray(x.seed_B).tolist(), np.asarray(x.step_B).tolist()
       calls.append(seeds)
       # The fault: any call in which the row with seed 13 draws its second token or later.
       if any(seed == 13 and i + n_draws > 1 for seed, i in zip(seeds, steps)):
         raise OverflowError("injected fault")
-      return program(state, pool, *args)
+      return program(state, pool, x, *args)
 
     return call
 
@@ -227,8 +227,8 @@ def test_a_request_failing_in_the_engine_fails_alone(server, monkeypatch):
     "programs",
     dataclasses.replace(
       original,
-      forward_sample=guard(original.forward_sample, 5, 6, 1),
-      decode_burst=guard(original.decode_burst, 3, 4, K),
+      forward_sample=guard(original.forward_sample, 1),
+      decode_burst=guard(original.decode_burst, K),
     ),
   )
 

@@ -47,7 +47,8 @@ def test_big_presets_fit_per_device(preset, devices, max_gib):
   abstract mesh: nothing is allocated and no real devices are needed."""
   cfg = load_config(ROOT / "configs" / f"{preset}.yaml", ["train.sharding=zero3"])
   tensor = cfg.mesh.tensor
-  mesh = AbstractMesh((1, devices // tensor, 1, tensor), shd.AXES)
+  sizes = {"fsdp": devices // tensor, "tensor": tensor}
+  mesh = AbstractMesh(tuple(sizes.get(axis, 1) for axis in shd.AXES), shd.AXES)
   trainer = make_trainer(cfg, mesh=mesh)
   abstract = trainer.abstract_state()
   n = sum(x.size for x in jax.tree.leaves(abstract.params))

@@ -30,6 +30,7 @@ MODELS = {
   "mla_mtp": [*MLA, "model.mtp.kind=sequential", "model.mtp.n_predict=1"],
   # Parallel MTP heads read the last block's input: a second activation through the stages.
   "llama_parallel_mtp": ["model.mtp.kind=parallel", "model.mtp.n_predict=2", "train.z_loss=1e-3"],
+  "base": [],  # the MoE cases bring their own layers
 }
 STAGE2_FSDP2_TENSOR2 = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]
 # (model, pipeline and training overrides): GPipe and circular, with remat, grad accumulation,
@@ -78,6 +79,17 @@ CASES = {
       "train.pipeline_microbatches=4",
       "train.remat=selective",
       "train.loss_chunk=8",
+    ],
+  ),
+  # LoRA: the adapters' gradients (b's; a's are zero while b is) through the stages.
+  "lora_circular_zero3": (
+    "llama",
+    [
+      *STAGE2_FSDP2_TENSOR2,
+      "train.sharding=zero3",
+      "train.lora={rank: 4}",
+      "train.pipeline_microbatches=4",
+      "train.pipeline_repeats=2",
     ],
   ),
   "parallel_mtp_circular": (
@@ -180,7 +192,7 @@ def test_the_compiled_step_runs_the_schedules_iterations(p, U, r):
   def step(x, layer, rows):
     return nnx.merge(graphdef, layer)(x, rows[0])[0], None
 
-  _, busy_pI = jax.jit(lambda b, x: model.pipeline.run(step, x, b, rows))(blocks, x_BTD)
+  _, _, busy_pI = jax.jit(lambda b, x: model.pipeline.run(step, x, b, rows))(blocks, x_BTD)
   busy_pI = np.asarray(busy_pI)
   assert busy_pI.shape == (p, U * r + p - 1)
   np.testing.assert_array_equal(busy_pI.T, Schedule(p, U, r).table() != -1)
@@ -332,6 +344,118 @@ def test_checkpoints_resume_across_meshes_bitwise(tmp_path, saved, resumed):
 def test_bad_pipelines_are_named_at_load(overrides, message):
   with pytest.raises(ConfigError, match=message):
     load_config(None, [*TINY, *overrides])
+
+
+# Mixture-of-experts models through the stages: the stages split the MoE layers; DeepSeek's
+# dense first layers run before the pipeline. Dropless routers, so the pipeline's micro-batches
+# see what the whole batch does, and the merged router stats equal one call's.
+MOE_V3 = (
+  "model.moe={n_experts: 8, top_k: 2, expert_ffn_dim: 16, first_k_dense: 1, shared_ffn_dim: 16,"
+  " scoring: sigmoid, topk_method: noaux_tc, n_group: 4, topk_group: 2,"
+  " routed_scaling_factor: 2.5}"
+)
+MOE_MIXTRAL = "model.moe={n_experts: 4, top_k: 2, expert_ffn_dim: 32}"
+MOE_CASES = {
+  # MLA + V3 router, 1 dense + 4 MoE layers: 2 MoE layers per stage, experts over 2 devices.
+  "v3_dense_first_gpipe_expert2": (
+    [*MLA, MOE_V3, "model.n_layers=5"],
+    ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "train.pipeline_microbatches=2"],
+  ),
+  # Every layer MoE, circular: each stage holds two groups of one layer, selective remat, ZeRO-3
+  # with the experts' width over tensor.
+  "mixtral_circular_tensor_zero3": (
+    [MOE_MIXTRAL, "train.remat=selective", "train.sharding=zero3"],
+    [
+      "mesh.stage=2",
+      "mesh.expert=2",
+      "mesh.tensor=2",
+      "mesh.fsdp=1",
+      "train.pipeline_microbatches=2",
+      "train.pipeline_repeats=2",
+    ],
+  ),
+}
+
+
+def moe_loss_and_grads(cfg, batch, mesh=None):
+  """(loss, aux with the router's per-layer counts in depth order, gradients in depth order,
+  the parameters as the trainer holds them)."""
+  trainer = make_trainer(cfg, mesh=mesh)
+  state = trainer.init(jax.random.key(0))
+  grads, loss, aux = jax.jit(lambda p, b: _accumulated_grads(trainer, p, b, jnp.float32(1.0)))(
+    state.params, batch
+  )
+  grads = pipeline.reorder_layers(grads, trainer.layout, (1, 1))
+  aux = jax.device_get(aux)
+  n_moe = aux["moe_counts"].shape[0]
+  depth = np.argsort(pipeline.layer_order(n_moe, trainer.layout))
+  aux["moe_counts"] = aux["moe_counts"][depth]
+  return float(loss), aux, jax.device_get(nnx.to_pure_dict(grads)), state.params
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_pipelines_equal_the_unpipelined_step(case):
+  """Loss (with the balance and z losses), each MoE layer's expert counts and every gradient
+  (routers and experts included) of the pipelined step equal the single-device step's."""
+  model, piped = MOE_CASES[case]
+  (batch,) = batches(1, batch=B)
+  want = moe_loss_and_grads(config("base", *model), batch, mesh=single_device_mesh())
+  got = moe_loss_and_grads(config("base", *model, *piped), batch)
+  assert got[0] == pytest.approx(want[0], rel=1e-5)
+  for key in ("ce", "moe_balance_loss", "moe_z_loss", "moe_dropped"):
+    assert float(got[1][key]) == pytest.approx(float(want[1][key]), rel=1e-5, abs=1e-7), key
+  np.testing.assert_array_equal(got[1]["moe_counts"], want[1]["moe_counts"])
+  assert float(want[1]["moe_balance_loss"]) > 1.0  # the routers are not balanced: a real test
+  assert_relative(got[2], want[2])
+  # The stages split the MoE layers' stack; a dense first layer is whole on every stage.
+  params = got[3]
+  assert params["blocks"]["mlp"]["w_gate"][...].sharding.spec[0] == "stage"
+  if "dense_blocks" in params:
+    for leaf in jax.tree.leaves(params["dense_blocks"]):
+      assert "stage" not in jax.tree.leaves(leaf.sharding.spec)
+
+
+def test_a_moe_train_step_through_the_stages_moves_the_selection_bias():
+  """The train step of a pipelined DeepSeek-V3-routed model: finite, and the selection biases
+  (stored stage by stage) step by the rate towards balance, as on one device."""
+  model, piped = MOE_CASES["v3_dense_first_gpipe_expert2"]
+  common = [*model, "train.moe_bias_update_rate=0.01"]
+  (batch,) = batches(1, batch=B)
+  biases = []
+  for overrides, mesh in (([], single_device_mesh()), (piped, None)):
+    trainer = make_trainer(config("base", *common, *overrides), mesh=mesh)
+    state, metrics = make_train_step(trainer)(trainer.init(jax.random.key(0)), batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert float(metrics["moe_load_max"]) > 1.0
+    biases.append(np.asarray(state.params["blocks"]["mlp"]["score_bias"][...]))
+  np.testing.assert_array_equal(biases[1], biases[0])
+  assert set(np.unique(np.abs(biases[0]))) <= {0.0, np.float32(0.01)}
+  assert np.abs(biases[0]).sum() > 0
+
+
+@pytest.mark.parametrize(
+  "moe, message",
+  [
+    (
+      "model.moe={n_experts: 4, top_k: 2, expert_ffn_dim: 16, sparse_step: 2}",
+      r"model.moe.sparse_step=2 is not allowed: with mesh.stage=2 the dense layers must all come "
+      r"before the MoE ones .* these layers run as dense x1, MoE x1, dense x1, MoE x1",
+    ),
+    (
+      "model.moe={n_experts: 4, top_k: 2, expert_ffn_dim: 16, dense_layers: [3]}",
+      r"model.moe.dense_layers=\[3\] is not allowed: with mesh.stage=2 .* MoE x3, dense x1",
+    ),
+    (
+      "model.moe={n_experts: 4, top_k: 2, expert_ffn_dim: 16, first_k_dense: 1}",
+      r"model.n_layers=4 is not allowed: leaves 3 MoE layers after the 1 dense ones, and the "
+      r"pipeline stages split the MoE layers: their count must be divisible by mesh.stage x "
+      r"train.pipeline_repeats = 2 x 1",
+    ),
+  ],
+)
+def test_moe_layouts_a_pipeline_cannot_split_are_named(moe, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, [*TINY, moe, "mesh.stage=2"])
 
 
 def test_a_batch_the_pipeline_cannot_split_is_named():

@@ -1,0 +1,186 @@
+"""Hugging Face import and export, one module per family.
+
+    model = atlas_jax.hf.load("path/to/folder")          # config.json + *.safetensors
+    logits_BTV = model(tokens_BT)                          # matches transformers' logits
+    tokenizer = atlas_jax.hf.load_tokenizer("path/to/folder")
+    atlas_jax.hf.save(model, "path/to/out")              # transformers loads it back
+
+Families (model_type -> module): llama, mistral, qwen2, qwen3 (`llama`); mixtral (`mixtral`);
+qwen2_moe, qwen3_moe (`qwen_moe`); olmoe (`olmoe`); deepseek_v2, deepseek_v3 (`deepseek`). Each
+maps config.json onto a `ModelConfig` (`config_from_hf`), describes its stored tensors
+(`spec`, a table `atlas_jax.hf.weights` reads both ways) and writes config.json back
+(`config_to_hf`); the checks every family needs (config fields, tensor names and shapes, the
+model's own shapes) are written once, in `common` and `weights`. Weights are read with safetensors
+straight into jax arrays (single file or sharded with an index), converted from torch's
+[out, in] layouts into ours, and stacked over layers.
+
+Beside the families, for fine-tuning: `init_from` (a folder's or a run's weights placed shard by
+shard into a run's parameter shardings, train.init_from), `export` (a train.py run as a folder of
+any family `save` writes, LoRA adapters merged or kept apart for PEFT; the CLI
+`python -m atlas_jax.hf export`) and `tokenizer` (a folder's tokenizer with the special tokens
+its files declare, and a run's).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safetensors.numpy import save_file
+
+from atlas_jax.config import ModelConfig
+from atlas_jax.hf import deepseek, llama, mixtral, olmoe, qwen_moe
+from atlas_jax.hf.common import REQUIRED, HFLoadError, field, read_json
+from atlas_jax.hf.weights import (
+  build_model,
+  check_tensor_shapes,
+  params_from_tensors,
+  read_safetensors,
+  tensor_names,
+  tensors_from_params,
+)
+from atlas_jax.model import Transformer
+
+FAMILIES = {
+  t: module for module in (llama, mixtral, qwen_moe, olmoe, deepseek) for t in module.MODEL_TYPES
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+__all__ = [
+  "FAMILIES",
+  "REQUIRED",
+  "SUPPORTED_MODEL_TYPES",
+  "HFLoadError",
+  "build_model",
+  "check_tensor_shapes",
+  "config_from_hf",
+  "config_to_hf",
+  "field",
+  "folder_config",
+  "load",
+  "load_config",
+  "load_tokenizer",
+  "read_safetensors",
+  "save",
+  "tensor_names",
+  "tensor_shapes",
+]
+
+
+def _family(hf: Mapping[str, Any]):
+  model_type = hf.get("model_type")
+  if model_type not in FAMILIES:
+    raise HFLoadError(
+      f"model_type={model_type!r} (architectures={hf.get('architectures')}) is not supported; "
+      f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+  return FAMILIES[model_type]
+
+
+def config_from_hf(
+  hf: Mapping[str, Any], *, dtype: str = "float32", names: set[str] | None = None
+) -> ModelConfig:
+  """Maps a transformers config.json dict onto a ModelConfig, rejecting what we cannot run.
+
+  `names`: the checkpoint's tensor names, where they decide the config (DeepSeek's stored MTP
+  modules); None reads config.json alone.
+  """
+  return _family(hf).config_from_hf(hf, dtype=dtype, names=names)
+
+
+def load_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig of a folder's config.json (no weights read)."""
+  return config_from_hf(read_json(Path(path) / "config.json"), dtype=dtype)
+
+
+def folder_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig `load` gives a folder, from config.json and the safetensors headers alone
+  (the stored names decide DeepSeek's MTP heads); no weight is read."""
+  hf_config = read_json(Path(path) / "config.json")
+  config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the files
+  return config_from_hf(hf_config, dtype=dtype, names=tensor_names(path))
+
+
+def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[str, tuple]:
+  """Every tensor a checkpoint with this config.json holds -> its shape (torch's layout)."""
+  family = _family(hf)
+  cfg = family.config_from_hf(hf, names=names)
+  return {n: shape for n, (shape, _) in family.spec(cfg, hf, names).shapes().items()}
+
+
+def load(
+  path: str | Path, *, dtype: str = "float32", implementation: str | None = None
+) -> Transformer:
+  """Loads a Hugging Face folder (config.json + *.safetensors) into a Transformer.
+
+  Args:
+    path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub).
+    dtype: parameter and compute dtype, "float32", "bfloat16" or "float16" (routers stay
+      float32).
+    implementation: attention implementation passed to `atlas_jax.kernels.attention`.
+
+  Returns:
+    The model; its ModelConfig is `model.cfg`.
+  """
+  folder = Path(path)
+  if not folder.is_dir():
+    raise HFLoadError(f"{folder} is not a folder")
+  hf_config = read_json(folder / "config.json")
+  family = _family(hf_config)
+  family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
+  tensors = read_safetensors(folder)
+  names = set(tensors)
+  cfg = family.config_from_hf(hf_config, dtype=dtype, names=names)
+  params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg)
+  return build_model(cfg, params, implementation=implementation)
+
+
+def load_tokenizer(path: str | Path):
+  """The `tokenizers.Tokenizer` saved beside the weights as tokenizer.json."""
+  from tokenizers import Tokenizer
+
+  file = Path(path) / "tokenizer.json"
+  if not file.is_file():
+    raise HFLoadError(f"{Path(path)}: no tokenizer.json")
+  try:
+    return Tokenizer.from_file(str(file))
+  except Exception as e:  # the tokenizers library raises a bare Exception
+    raise HFLoadError(f"{file}: not a readable tokenizer ({e})") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: our model -> a folder transformers can load.
+
+# Tried in order: the first family whose `model_type(cfg)` names a model type writes the folder.
+_EXPORTERS = (deepseek, olmoe, qwen_moe, mixtral, llama)
+
+
+def _exporter(cfg: ModelConfig):
+  for module in _EXPORTERS:
+    kind = module.model_type(cfg)
+    if kind is not None:
+      return module, kind
+  raise HFLoadError(
+    "no Hugging Face family holds this model config (supported: "
+    f"{', '.join(SUPPORTED_MODEL_TYPES)}): {cfg}"
+  )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The config.json of the family that holds `cfg`."""
+  return _exporter(cfg)[0].config_to_hf(cfg)
+
+
+def save(model: Transformer, path: str | Path) -> None:
+  """Writes config.json and model.safetensors in Hugging Face's layout (round-trips with load and
+  with transformers): the experts per expert, as the published checkpoints store them."""
+  cfg = model.cfg
+  family, _ = _exporter(cfg)
+  hf_config = family.config_to_hf(cfg)
+  tensors = tensors_from_params(model, family.spec(cfg, hf_config, None))
+  folder = Path(path)
+  folder.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(hf_config, indent=2))

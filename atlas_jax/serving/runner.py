@@ -1,0 +1,449 @@
+"""The model runner: owns the device mesh, the placed weights, the pools and the jitted programs,
+and executes a step's rows from one `StepInputs` pytree.
+
+The scheduler hands it rows (`Row`: a request, the tokens it computes, where they start, its
+blocks); the runner lays them out (each data-parallel replica's rows in its own slice of the
+batch, padded to a bucket), builds the step's inputs once for every program, runs the program
+and reads back what was drawn. It knows nothing of queues or allocators.
+
+On one device (no mesh) the weights and pools stay where the model put them and the programs
+are the plain single-device ones. On a mesh (`atlas_jax.serving.mesh`), weights are placed by
+their logical axes, a KV pool's kv heads split over the tensor axis (repeated up to it when
+fewer), an MLA latent pool held whole per replica, and every pool's pages split over the data
+axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from atlas_jax.decoding.drafters import Drafter, hidden_store
+from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams
+from atlas_jax.serving import mesh as placement
+from atlas_jax.serving import steps
+from atlas_jax.serving.requests import Request
+from atlas_jax.serving.steps import StepInputs
+
+Array = jax.Array
+log = logging.getLogger("atlas_jax.serving")
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def padding_inputs(B: int, T: int, M: int) -> StepInputs:
+  """Inputs of B padding rows (length -1: nothing is written or read), T tokens, M columns."""
+  zeros = lambda *shape: np.zeros(shape, np.int32)
+  return StepInputs(
+    tokens_BT=zeros(B, T),
+    positions_BT=np.full((B, T), -1, np.int32),
+    block_table_BM=zeros(B, M),
+    lengths_B=np.full((B,), -1, np.int32),
+    last_B=zeros(B),
+    seed_B=zeros(B),
+    step_B=zeros(B),
+    sampling=SamplingArrays.from_params([], pad_to=B),
+  )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Row:
+  """One request's part in a step."""
+
+  req: Request
+  n: int  # tokens computed for it (a prompt chunk; 1: the pending token of a decode step)
+  start: int  # its tokens in the pool before the step (the first new token's position)
+  step: int  # the index of the first token the step draws for it
+  blocks: tuple[int, ...]  # its blocks' global ids, reserved ones included
+
+
+@dataclasses.dataclass
+class Drawn:
+  """A dispatched burst or round: its rows, and its draws, on the device until read."""
+
+  rows: list[Row]
+  slot: np.ndarray  # i32[n rows] each row's index in the step's batch
+  prompt_mask_BV: Array | None  # bool[B, V] (penalties), for a burst chained on this one
+  tok_IB: Array  # i32[I, B] draws per iteration (a round: its k + 1 positions)
+  lp_IB: Array  # f32[I, B]
+  top_ids_IBk: Array  # i32[I, B, 5]
+  top_lp_IBk: Array  # f32[I, B, 5]
+  counts_BV: Array | None  # i32[B, V] output token counts after the burst (penalties)
+  n_draws: np.ndarray | None = None  # i32[n rows] real draws per row (a round), else all I
+
+
+class ModelRunner:
+  """Runs the model's programs over the pools.
+
+  Args:
+    model: the served Transformer (already repeated to the tensor size where needed).
+    draft: the draft model, or None ("mtp" drafts with the model's own heads: `drafter`).
+    drafter: the drafter for `draft`, or None.
+    mesh: a serving mesh (`placement.serving_mesh`), or None for one device.
+    block_size: Z.
+    max_blocks: M at most, the block-table columns of the longest context.
+    min_batch_bucket: rows per replica are padded to a power of two, at least this many.
+  """
+
+  def __init__(
+    self,
+    model,
+    *,
+    draft,
+    drafter: Drafter | None,
+    mesh: Mesh | None,
+    block_size: int,
+    max_blocks: int,
+    min_batch_bucket: int,
+  ):
+    cfg = model.cfg
+    self.model_config = cfg
+    self.mesh = mesh
+    self.n_replicas, self.tensor = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
+    self.block_size, self.max_blocks = block_size, max_blocks
+    self.min_batch_bucket = min_batch_bucket
+    # Block tables narrower than 64 tokens would only add compiled shapes.
+    self.min_blocks = pow2(-(-64 // block_size))
+    self.model, self.draft, self.drafter = model, draft, drafter
+    self.rules = placement.model_rules(cfg, self.tensor)
+    self.layout = placement.layout(mesh, self.rules)
+    graphdef, state = nnx.split(model)
+    self.graphdef = graphdef
+    d_params, self.d_rules, self.d_layout = None, None, None
+    if draft is not None:
+      self.d_rules = placement.model_rules(draft.cfg, self.tensor)
+      if mesh is not None and self.d_rules is not placement.SERVING_RULES:
+        log.info(
+          "draft: %d query heads, %d kv heads: held whole by each of the %d tensor devices",
+          draft.cfg.n_heads,
+          draft.cfg.n_kv_heads,
+          self.tensor,
+        )
+      self.d_layout = placement.layout(mesh, self.d_rules)
+      d_params = placement.place_state(nnx.state(draft), mesh, self.d_rules)
+    self.states = (placement.place_state(state, mesh, self.rules), d_params)
+    self.pools = None
+    self.programs: steps.Programs | None = None
+
+  # -- memory ------------------------------------------------------------------------------------
+
+  @property
+  def weight_bytes(self) -> int:
+    """Weight bytes on the most loaded device (the draft's included)."""
+    return placement.bytes_per_device(self.states)
+
+  def pool_spec(self, n_blocks: int):
+    """The pools' shapes for `n_blocks` blocks per replica (nothing allocated)."""
+    P, Z, cfg = n_blocks * self.n_replicas, self.block_size, self.model_config
+    target = jax.eval_shape(lambda: self.model.init_pool(P, Z))
+    draft = None
+    if self.drafter is not None and self.drafter.needs_hidden:
+      heads = jax.eval_shape(
+        lambda: self.model.mtp.init_pool(
+          cfg, P, Z, jnp.dtype(cfg.dtype), n_heads=self.drafter.n_heads
+        )
+      )
+      # The heads' pool, and the trunk's hidden states (final, last-block input) per slot.
+      draft = (heads, hidden_store(cfg, P, Z, cfg.dtype))
+    elif self.draft is not None:
+      draft = jax.eval_shape(lambda: self.draft.init_pool(P, Z))
+    return target, draft
+
+  def pool_shardings(self, spec):
+    """NamedShardings of the pools (None on one device)."""
+    if self.mesh is None:
+      return None
+    target, draft = spec
+    d_rules = self.rules if self.drafter is not None and self.drafter.needs_hidden else self.d_rules
+    return (
+      placement.pool_shardings(target, self.mesh, self.rules),
+      None if draft is None else placement.pool_shardings(draft, self.mesh, d_rules),
+    )
+
+  def block_bytes(self) -> int:
+    """Bytes one block of every pool takes on one device (per shard: heads split over tensor
+    count 1 / tensor of their bytes)."""
+    spec = self.pool_spec(1)
+    leaves = jax.tree.leaves(spec)
+    if self.mesh is None:
+      return sum(x.size * x.dtype.itemsize for x in leaves)
+    shardings = jax.tree.leaves(
+      self.pool_shardings(spec), is_leaf=lambda s: isinstance(s, NamedSharding)
+    )
+    return sum(placement.shard_bytes(x, s) for x, s in zip(leaves, shardings))
+
+  def allocate(self, n_blocks: int) -> None:
+    """Zeroed pools of `n_blocks` blocks per replica, made in place on their devices."""
+    spec = self.pool_spec(n_blocks)
+    shardings = self.pool_shardings(spec)
+    self._pool_spec = (spec, shardings)
+    self.programs = steps.programs(
+      self.graphdef, self.drafter, self.layout, self.d_layout, steps.sharding_key(shardings)
+    )
+    self.pools = self._zeros()
+
+  def _zeros(self):
+    spec, shardings = self._pool_spec
+    if shardings is None:
+      return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
+    return jax.tree.map(lambda x, s: jnp.zeros(x.shape, x.dtype, device=s), spec, shardings)
+
+  @property
+  def pool_bytes(self) -> int:
+    """Pool bytes on the most loaded device."""
+    return placement.bytes_per_device(self.pools)
+
+  def step_bytes(self, b: int, T: int) -> int:
+    """Per-device temporaries of a mixed step of `b` rows per replica and T tokens over a block
+    table as wide as the context, read from its compiled program (nothing runs or is kept)."""
+    B, M = b * self.n_replicas, self.max_blocks
+    spec = self.pool_spec(M)
+    shardings = self.pool_shardings(spec)
+    rows = None if self.mesh is None else NamedSharding(self.mesh, self.layout.spec("batch"))
+    abstract = lambda shape, dtype, s=rows: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+    if shardings is not None:
+      spec = jax.tree.map(lambda x, s: abstract(x.shape, x.dtype, s), spec, shardings)
+    x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_inputs(B, T, M))
+    progs = steps.programs(
+      self.graphdef, self.drafter, self.layout, self.d_layout, steps.sharding_key(shardings)
+    )
+    compiled = progs.forward_sample.lower(self.states, spec, x).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+  def pool_lost(self) -> bool:
+    """Whether a failed call took the donated pools with it."""
+    return any(x.is_deleted() for x in jax.tree.leaves(self.pools))
+
+  def reset_pools(self) -> None:
+    """Fresh zeroed pools (after a failure lost them)."""
+    self.pools = self._zeros()
+
+  # -- the batch ---------------------------------------------------------------------------------
+
+  def bucket(self, n_rows: int) -> int:
+    """The padded row count per replica of a step with `n_rows` rows on its busiest replica."""
+    return pow2(n_rows, self.min_batch_bucket)
+
+  def place(self, rows: Sequence[Row]) -> tuple[int, np.ndarray]:
+    """(B, each row's index in the batch): replica r's rows fill its slice [r * b, (r + 1) * b),
+    b the bucket of the busiest replica's count, in the order given."""
+    count = [0] * self.n_replicas
+    local = []
+    for row in rows:
+      local.append(count[row.req.replica])
+      count[row.req.replica] += 1
+    b = self.bucket(max(count))
+    slot = np.asarray([r.req.replica * b + j for r, j in zip(rows, local)], np.int32)
+    return b * self.n_replicas, slot
+
+  def _table(self, rows: Sequence[Row], slot, B) -> np.ndarray:
+    """i32[B, M]: the rows' blocks, M the longest row's block count rounded up to a power of
+    two, so attention work follows the real lengths."""
+    M = max(1, max(len(r.blocks) for r in rows))
+    M = min(pow2(M, self.min_blocks), self.max_blocks)
+    table = np.zeros((B, M), np.int32)
+    for row, b in zip(rows, slot):
+      table[b, : len(row.blocks)] = row.blocks[:M]
+    return table
+
+  def inputs(
+    self,
+    rows: Sequence[Row],
+    T: int,
+    *,
+    penalties: bool,
+    allowed: bool = True,
+  ) -> tuple[StepInputs, np.ndarray]:
+    """(the step's inputs for these rows, each row's batch index), on the host. Padding rows
+    have length -1; `allowed` puts each guided row's mask (and a row in its min_tokens its
+    suppressed stops) in the sampling arrays."""
+    B, slot = self.place(rows)
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    lengths = np.full((B,), -1, np.int32)
+    last = np.zeros((B,), np.int32)
+    seeds = np.zeros((B,), np.int32)
+    step = np.zeros((B,), np.int32)
+    params = [SamplingParams()] * B
+    for row, b in zip(rows, slot):
+      req, n = row.req, row.n
+      known = req.tokens[row.start : row.start + n]  # a chained burst's are on the device
+      tokens[b, : len(known)] = known
+      positions[b, :n] = np.arange(row.start, row.start + n)
+      lengths[b] = row.start
+      last[b] = n - 1
+      seeds[b] = req.params.seed
+      step[b] = row.step
+      params[b] = req.params
+    counts = prompt_mask = None
+    if penalties:
+      V = self.model_config.vocab_size
+      counts = np.zeros((B, V), np.int32)
+      prompt_mask = np.zeros((B, V), bool)
+      for row, b in zip(rows, slot):
+        np.add.at(counts[b], np.asarray(row.req.output, np.int64), 1)
+        prompt_mask[b, row.req.prompt] = True
+    bits = self._allowed_bits(rows, slot, B) if allowed else None
+    x = StepInputs(
+      tokens_BT=tokens,
+      positions_BT=positions,
+      block_table_BM=self._table(rows, slot, B),
+      lengths_B=lengths,
+      last_B=last,
+      seed_B=seeds,
+      step_B=step,
+      sampling=SamplingArrays.from_params(params, allowed_bits=bits),
+      counts_BV=counts,
+      prompt_mask_BV=prompt_mask,
+    )
+    return x, slot
+
+  def _allowed_bits(self, rows: Sequence[Row], slot, B) -> np.ndarray | None:
+    """i32[B, W] packed allowed tokens: guided rows' from their matchers, without the stop ids
+    for rows in their min_tokens, all set for the others; None when no row needs a mask."""
+    if all(r.req.matcher is None and not r.req.suppressing_stops for r in rows):
+      return None
+    V = self.model_config.vocab_size
+    bits = np.full((B, -(-V // 32)), -1, np.int32)
+    for row, b in zip(rows, slot):
+      req = row.req
+      if req.matcher is not None:
+        bits[b] = req.matcher.allowed_bits()
+      if req.suppressing_stops:
+        words = bits[b].view(np.uint32)
+        for t in req.stop_ids:
+          if t < V:
+            words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+    return bits
+
+  def draft_masks(self, rows: Sequence[Row], slot, drafts_BJ: np.ndarray) -> np.ndarray:
+    """i32[B, k+1, W]: a guided row's allowed tokens at its pending token and after each of its
+    drafts, from its matcher advanced along the drafts and rolled back; all set for the other
+    rows, and past a draft the grammar refuses (the target rejects it there, so the positions
+    after it are never read)."""
+    B, k = drafts_BJ.shape
+    masks = np.full((B, k + 1, -(-self.model_config.vocab_size // 32)), -1, np.int32)
+    for row, b in zip(rows, slot):
+      m = row.req.matcher
+      if m is None:
+        continue
+      masks[b, 0] = m.allowed_bits()
+      n = 0
+      while n < k and m.accepts(drafts_BJ[b, n]):
+        m.advance(drafts_BJ[b, n])
+        n += 1
+        masks[b, n] = m.allowed_bits()
+      m.rollback(n)
+    return masks
+
+  def on_devices(self, x: StepInputs) -> StepInputs:
+    """The inputs with every row-leading array split over the data axis (on a mesh)."""
+    if self.layout is None:
+      return x
+    rows = NamedSharding(self.mesh, self.layout.spec("batch"))
+    return jax.device_put(x, jax.tree.map(lambda _: rows, x))
+
+  # -- programs ----------------------------------------------------------------------------------
+
+  def forward(self, rows: Sequence[Row], T: int | None, prefill_chunk: int) -> dict:
+    """One mixed call over `rows` (T None: the rows' longest chunk, bucketed); returns {request
+    id: (token, logprob, top ids, top logprobs)}."""
+    if T is None:
+      T = min(pow2(max(r.n for r in rows), 16), prefill_chunk)
+    penalties = any(r.req.params.uses_penalties for r in rows)
+    x, slot = self.inputs(rows, T, penalties=penalties)
+    self.pools, *outs = self.programs.forward_sample(self.states, self.pools, self.on_devices(x))
+    tok, lp, top_ids, top_lp = map(np.asarray, outs)
+    return {
+      row.req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b]) for row, b in zip(rows, slot)
+    }
+
+  def burst(self, rows: Sequence[Row], n_steps: int, chained: Drawn | None = None) -> Drawn:
+    """Dispatches `n_steps` decode iterations of `rows` (not waiting for them). Chained on a
+    burst the host has not read, each row's pending token (and penalty counts) is taken from
+    that burst's last draws on the device."""
+    penalties = any(r.req.params.uses_penalties for r in rows)
+    x, slot = self.inputs(rows, 1, penalties=penalties and chained is None, allowed=False)
+    prompt_mask = x.prompt_mask_BV
+    if chained is not None:
+      prev = {id(r.req): b for r, b in zip(chained.rows, chained.slot)}
+      index = np.zeros((x.tokens_BT.shape[0],), np.int32)
+      index[slot] = [prev[id(r.req)] for r in rows]
+      # On the device: the host has not seen these yet.
+      tokens_BT = chained.tok_IB[-1][index][:, None]
+      counts, prompt_mask = None, None
+      if chained.counts_BV is not None:
+        counts, prompt_mask = chained.counts_BV[index], chained.prompt_mask_BV[index]
+      x = dataclasses.replace(x, tokens_BT=tokens_BT, counts_BV=counts, prompt_mask_BV=prompt_mask)
+    self.pools, *outs = self.programs.decode_burst(
+      self.states, self.pools, self.on_devices(x), n_steps
+    )
+    return Drawn(list(rows), slot, prompt_mask, *outs)
+
+  def speculate(self, rows: Sequence[Row], k: int) -> Drawn:
+    """One speculative round over `rows`, settled at once (guided rows: drafted, masked on the
+    host along their drafts, then verified)."""
+    x, slot = self.inputs(rows, 1, penalties=False)
+    x_dev = self.on_devices(x)
+    progs = self.programs
+    if x.sampling.allowed_bits is None:
+      self.pools, *outs, accepted_B = progs.speculative_round(self.states, self.pools, x_dev, k)
+    else:  # guided rows: the target's masks at each draft follow the drafts before it
+      self.pools, draft_BJ, q_BJV = progs.speculative_draft(self.states, self.pools, x_dev, k)
+      masks = self.draft_masks(rows, slot, np.asarray(draft_BJ))
+      self.pools, *outs, accepted_B = progs.speculative_verify(
+        self.states, self.pools, x_dev, draft_BJ, q_BJV, masks
+      )
+    accepted = np.asarray(accepted_B)[slot]
+    return Drawn(list(rows), slot, None, *outs, counts_BV=None, n_draws=accepted + 1)
+
+  def copy(self, pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: blocks src -> dst (global ids) copied on the device, in every pool."""
+    if pairs:
+      # Padded to a power of two by repeating the last pair (an idempotent copy).
+      pairs = pairs + pairs[-1:] * (pow2(len(pairs)) - len(pairs))
+      src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+      self.pools = self.programs.copy_blocks(self.pools, src, dst)
+
+  def prompt_logprobs(self, prompt: list[int], max_len: int):
+    """(f32[T] logprob of each next token, i32[T, 5] top ids, f32[T, 5] top logprobs) of one
+    prompt, from one pass of the model over it (right padding: causal attention keeps it out of
+    the real positions)."""
+    n = len(prompt)
+    T = max(n, min(pow2(n, 16), max_len))
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :n] = prompt
+    return map(np.asarray, self.programs.prompt_logprobs(self.states[0], tokens))
+
+  def warmup(
+    self, shapes, prefill_chunk: int, progress: Callable[[int, int, str], None] | None = None
+  ):
+    """Compiles (and runs once, on padding rows that write nothing) every (program, rows per
+    replica, tokens) shape, with the narrowest block table."""
+    M = min(self.min_blocks, self.max_blocks)
+    for i, (kind, b, T) in enumerate(shapes):
+      if progress is not None:
+        progress(i + 1, len(shapes), f"{kind} B={b} T={T}")
+      x = padding_inputs(b * self.n_replicas, T if kind == "prefill" else 1, M)
+      x = self.on_devices(x)
+      progs = self.programs
+      if kind in ("prefill", "decode"):
+        self.pools, *outs = progs.forward_sample(self.states, self.pools, x)
+      elif kind == "burst":
+        # Twice: fed from the host, then from the device (a chained burst's pending tokens are
+        # the last one's draws, which the program sees as placed on the device).
+        for _ in range(2):
+          self.pools, *outs = progs.decode_burst(self.states, self.pools, x, T)
+          x = dataclasses.replace(x, tokens_BT=outs[0][T - 1][:, None])
+      else:
+        self.pools, *outs = progs.speculative_round(self.states, self.pools, x, T - 1)
+      jax.block_until_ready(outs)
