@@ -578,6 +578,10 @@ class EngineConfig:
   prefill_chunk: int = 256  # most prompt tokens one request computes per step (a power of two)
   max_model_len: int | None = None  # default: the model's max_seq_len
   enable_prefix_caching: bool = True
+  # Naive pre-allocation, PagedAttention's baseline: every admitted request reserves blocks for a
+  # whole max_model_len up front, so at most n_blocks // (max_model_len / block_size) run at once
+  # (per replica), none shares a block (no prefix caching) and none is preempted.
+  preallocate: bool = False
   decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
   # Whether bursts run while a streamed request runs. Off (the default), a streamed request's
   # tokens leave one by one as they are drawn, as vLLM streams; on, they leave `decode_burst` at

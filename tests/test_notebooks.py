@@ -21,6 +21,7 @@ EXPECTED = [
   "04_mla",
   "05_speculative_decoding",
   "06_training_memory",
+  "07_scaling_laws",
 ]
 
 

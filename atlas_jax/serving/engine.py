@@ -319,6 +319,9 @@ class Engine:
     """The start-up lines: the mesh, weights and pool per device, the pool, the largest batch."""
     c, s, r = self.config, self.pool_size, self.runner
     tokens = c.n_blocks * c.block_size
+    note = "" if seqs_given else " (what the pool holds at a typical length)"
+    if c.preallocate:
+      note = " (pre-allocated: each request reserves a whole context)"
     memory = ""
     if s.memory is not None:
       memory = (
@@ -343,7 +346,7 @@ class Engine:
       s.block_bytes,
       s.how,
       c.max_num_seqs,
-      "" if seqs_given else " (what the pool holds at a typical length)",
+      note,
     )
 
   def warmup_shapes(self) -> tuple[list[tuple[str, int, int]], list[str]]:

@@ -130,12 +130,28 @@ def default_max_num_seqs(n_blocks: int, block_size: int, max_model_len: int) -> 
   return max(1, min(MAX_DEFAULT_SEQS, n_blocks * block_size // typical))
 
 
+def reserved_seats(n_blocks: int, block_size: int, max_model_len: int) -> int:
+  """The requests a pool of `n_blocks` runs at once when each reserves a whole context."""
+  return n_blocks // -(-max_model_len // block_size)
+
+
 def resolve(config: EngineConfig, n_blocks: int, max_model_len: int, k: int) -> EngineConfig:
   """`config` with every field the engine sizes filled in."""
   seqs = config.max_num_seqs
   if seqs is None:  # what the pool holds, within a token budget that was given
     seqs = default_max_num_seqs(n_blocks, config.block_size, max_model_len)
     seqs = min(seqs, config.max_num_batched_tokens or seqs)
+  if config.preallocate:
+    # The reservations are the admission rule: a seat is a whole context's blocks.
+    seats = reserved_seats(n_blocks, config.block_size, max_model_len)
+    if seats < 1:
+      raise ConfigError(
+        f"serve.engine.preallocate=True reserves {max_model_len} tokens per request, more than "
+        f"the pool's {n_blocks} blocks of {config.block_size} tokens hold: give the pool more "
+        "blocks or shorten serve.engine.max_model_len"
+      )
+    seqs = seats if config.max_num_seqs is None else min(config.max_num_seqs, seats)
+    config = dataclasses.replace(config, enable_prefix_caching=False)
   budget = config.max_num_batched_tokens or max(DEFAULT_BATCHED_TOKENS, seqs)
   return dataclasses.replace(
     config,
