@@ -14,13 +14,30 @@ import pytest
 import uvicorn
 from flax import nnx
 
-from atlas_jax.config import MLAConfig, ModelConfig
+from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig
 from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig
 from atlas_jax.serving.server import EngineRunner, build_app
 
 TINY = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=128)
+# Experts for tiny MoE models: Mixtral-like (GQA; softmax top-2) and DeepSeek-V3-like (MLA;
+# sigmoid scores, noaux_tc group-limited top-k, a shared expert, a dense first layer).
+MOE = {
+  "gqa": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24),
+  "mla": MoEConfig(
+    n_experts=8,
+    top_k=2,
+    expert_ffn_dim=24,
+    scoring="sigmoid",
+    topk_method="noaux_tc",
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    shared_ffn_dim=24,
+    first_k_dense=1,
+  ),
+}
 
 
 @pytest.fixture(scope="package")

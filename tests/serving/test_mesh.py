@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from atlas_jax.config import ConfigError, MLAConfig, ModelConfig, MTPConfig
 from atlas_jax.data.tokenizer import ByteTokenizer
 from atlas_jax.decoding import SamplingParams
 from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
 from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig
+
+from .conftest import MOE
 
 SHAPE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=8, ffn_dim=64, max_seq_len=128)
 # 16 blocks of 4 tokens per replica for 4 running requests of up to ~50 tokens: preemption;
@@ -31,29 +33,11 @@ CONFIG = EngineConfig(
 )
 
 
-# Mixtral-like (softmax top-2) and DeepSeek-V3-like (sigmoid noaux_tc, a shared expert, a dense
-# first layer): every expert's FFN split over the tensor axis like the dense MLP.
-MOE = {
-  "moe": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24),
-  "moe_mla": MoEConfig(
-    n_experts=8,
-    top_k=2,
-    expert_ffn_dim=24,
-    scoring="sigmoid",
-    topk_method="noaux_tc",
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    shared_ffn_dim=24,
-    first_k_dense=1,
-  ),
-}
-
-
 def model_of(kind: str, **kw):
-  if kind in MOE:
+  if kind in ("moe", "moe_mla"):  # every expert's FFN split over the tensor axis
     mla = MLAConfig(16, 8, 8, 8) if kind == "moe_mla" else None
-    cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, mla=mla, moe=MOE[kind], **kw)
+    moe = MOE["mla" if mla else "gqa"]
+    cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, mla=mla, moe=moe, **kw)
     return build(cfg, rngs=nnx.Rngs(0))
   if kind == "gqa":  # K=2 < 4 and 8: kv heads repeated up to the tensor size
     cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, **kw)

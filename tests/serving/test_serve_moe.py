@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 
 from atlas_jax import hf
-from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig
 
-from .conftest import TINY, serving
+from .conftest import MOE, TINY, serving
 from .test_engine import CONFIGS, serve, workload
 from .test_engine_speculative import ROOMY, greedy_workload, run
 from .test_serve_mla import word_tokenizer
@@ -80,23 +80,10 @@ def moe_config(*, mla: bool, mtp: MTPConfig | None = None) -> ModelConfig:
   """A tiny MoE model over the engine tests' vocabulary: DeepSeek-V3-like (MLA, sigmoid
   noaux_tc router, a dense first layer, a shared expert) or Mixtral-like (GQA, softmax top-2)."""
   if mla:
-    moe = MoEConfig(
-      n_experts=8,
-      top_k=2,
-      expert_ffn_dim=24,
-      scoring="sigmoid",
-      topk_method="noaux_tc",
-      n_group=4,
-      topk_group=2,
-      routed_scaling_factor=2.5,
-      shared_ffn_dim=24,
-      first_k_dense=1,
-    )
     return ModelConfig(
-      **TINY, n_kv_heads=4, init_std=0.3, mla=MLAConfig(16, 8, 8, 8, 12), moe=moe, mtp=mtp
+      **TINY, n_kv_heads=4, init_std=0.3, mla=MLAConfig(16, 8, 8, 8, 12), moe=MOE["mla"], mtp=mtp
     )
-  moe = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24)
-  return ModelConfig(**TINY, n_kv_heads=2, init_std=0.3, moe=moe, mtp=mtp)
+  return ModelConfig(**TINY, n_kv_heads=2, init_std=0.3, moe=MOE["gqa"], mtp=mtp)
 
 
 @pytest.fixture(scope="module", params=["mla", "gqa"])
