@@ -36,6 +36,7 @@ KERNEL_TABLES = (
 )
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_kernel_sections_smoke():
   """The kernel sections and the profile; the serving and training ones, which run PyTorch
   peers, are in the slow run below."""

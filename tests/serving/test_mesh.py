@@ -86,14 +86,13 @@ def reference():
 
 
 MESHES = [(1, 2), (1, 4), (1, 8), (2, 4), (8, 1)]
-# The default run: a tensor mesh that repeats kv heads, data x tensor, and MLA under both; the
-# whole sweep with -m slow.
+# The default run: a tensor mesh that repeats kv heads, data x tensor, MLA under both, and
+# DeepSeek-style experts split over the tensor axis; the whole sweep with -m slow.
 FAST = {
   ("gqa", (1, 4)),
   ("gqa", (2, 4)),
   ("mla_qlora", (2, 4)),
-  ("moe", (1, 4)),
-  ("moe_mla", (2, 4)),
+  ("moe_mla", (1, 4)),
 }
 CASES = [
   pytest.param(
@@ -208,6 +207,7 @@ def test_draft_model_speculation_under_tensor_4(draft_pair):
   assert all(a.shape[3] == 4 for a in jax.tree.leaves(engine.pools[1]))
 
 
+@pytest.mark.slow
 def test_mtp_speculation_under_tensor_4():
   model = model_of("mla_qlora", mtp=MTPConfig("sequential", 1))
   config = dataclasses.replace(SPEC, num_speculative_tokens=1)

@@ -56,6 +56,7 @@ def deepseek_run(tmp_path_factory):
   return tmp / "ckpt"
 
 
+@pytest.mark.slow  # MLA folders and models are served in the fast suite
 def test_trained_deepseek_run_serves_what_generate_gives(deepseek_run, tmp_path):
   prompts = ["def g1", "return", "x"]
   out = tmp_path / "out.jsonl"

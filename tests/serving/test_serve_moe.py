@@ -86,7 +86,7 @@ def moe_config(*, mla: bool, mtp: MTPConfig | None = None) -> ModelConfig:
   return ModelConfig(**TINY, n_kv_heads=2, init_std=0.3, moe=MOE["gqa"], mtp=mtp)
 
 
-@pytest.fixture(scope="module", params=["mla", "gqa"])
+@pytest.fixture(scope="module", params=["mla", pytest.param("gqa", marks=pytest.mark.slow)])
 def moe_model(request):
   model = build(moe_config(mla=request.param == "mla"), rngs=nnx.Rngs(2))
   if model.cfg.mla is not None:  # a selection bias that changes choices
@@ -112,6 +112,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(moe_model):
   assert engine.allocator.stats().prefix_hit_tokens == 4 * (7 + 5)
 
 
+@pytest.mark.slow  # speculation through experts; dense and MLA speculation run in the fast suite
 def test_speculation_keeps_the_greedy_tokens():
   """MTP self-speculation (DeepSeek-V3's layout: the MTP head's block is an MoE layer too), and
   the model as its own draft, whose greedy drafts are all accepted: the target verifies several
@@ -151,6 +152,7 @@ def test_guided_decoding_on_an_moe_model():
     assert tok.decode([t for t in tokens if t != tok.eos_id]) in choices
 
 
+@pytest.mark.slow  # expert-parallel training is tested fast in tests/training/test_moe_training.py
 def test_deepseek_v2_lite_tiny_trains_expert_parallel_and_serves(tmp_path):
   """train.py on the deepseek-v2-lite-tiny preset with its experts split 4 ways over the 8
   devices, then serve.py on the run: the tokens `generate` gives."""

@@ -265,6 +265,7 @@ def deepseek_run(tmp_path_factory):
   return root
 
 
+@pytest.mark.slow  # DeepSeek export parity runs fast in tests/test_hf_moe.py
 def test_an_exported_deepseek_style_fine_tune_loads_in_transformers(deepseek_run, tmp_path):
   run, out = deepseek_run / "run", tmp_path / "hf"
   trained, _ = checkpoint.load_trained(run)

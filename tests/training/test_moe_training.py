@@ -46,7 +46,9 @@ def one_device():
   return run(tiny_config(MOE), mesh=single_device_mesh())
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("data2") else n for n in MESHES]
+)
 def test_expert_parallel_steps_equal_one_device(name, one_device):
   want, want_state, _ = one_device
   got, state, _ = run(tiny_config(MOE, *MESHES[name]))

@@ -263,7 +263,8 @@ MESHES = {
 
 
 @pytest.mark.parametrize(
-  "saved, resumed", [("circular", "unpipelined"), ("unpipelined", "circular")]
+  "saved, resumed",
+  [pytest.param("circular", "unpipelined", marks=pytest.mark.slow), ("unpipelined", "circular")],
 )
 def test_checkpoints_resume_across_meshes_bitwise(tmp_path, saved, resumed):
   data = batches(2, batch=B)
@@ -393,7 +394,9 @@ def moe_loss_and_grads(cfg, batch, mesh=None):
   return float(loss), aux, jax.device_get(nnx.to_pure_dict(grads)), state.params
 
 
-@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize(
+  "case", [pytest.param(c, marks=pytest.mark.slow) if "circular" in c else c for c in MOE_CASES]
+)
 def test_moe_pipelines_equal_the_unpipelined_step(case):
   """Loss (with the balance and z losses), each MoE layer's expert counts and every gradient
   (routers and experts included) of the pipelined step equal the single-device step's."""
@@ -415,6 +418,7 @@ def test_moe_pipelines_equal_the_unpipelined_step(case):
       assert "stage" not in jax.tree.leaves(leaf.sharding.spec)
 
 
+@pytest.mark.slow
 def test_a_moe_train_step_through_the_stages_moves_the_selection_bias():
   """The train step of a pipelined DeepSeek-V3-routed model: finite, and the selection biases
   (stored stage by stage) step by the rate towards balance, as on one device."""
@@ -487,6 +491,7 @@ def test_bf16_and_the_pallas_kernel_through_the_stages():
   assert_relative(got[2], want[2], tol=5e-2, floor=1e-2 * largest)
 
 
+@pytest.mark.slow
 def test_fp16_overflow_and_the_nan_policy_through_the_stages():
   """A loss scale that overflows fp16 skips the step and halves the scale; a non-finite
   parameter (on_nan=stop) skips the update and records the step, as without stages."""

@@ -51,7 +51,10 @@ def assert_same_curve(got_dir, want_dir):
   "pipeline",
   [
     ["train.pipeline_microbatches=4"],
-    ["train.pipeline_microbatches=2", "train.pipeline_repeats=2", "train.sharding=zero3"],
+    pytest.param(
+      ["train.pipeline_microbatches=2", "train.pipeline_repeats=2", "train.sharding=zero3"],
+      marks=pytest.mark.slow,
+    ),
   ],
   ids=["gpipe", "circular_zero3"],
 )
@@ -78,6 +81,7 @@ def test_stages_on_two_hosts_follow_one_host(tmp_path, corpus, fsdp8):
   assert_same_curve(run_dir, fsdp8)
 
 
+@pytest.mark.slow  # resume across meshes is tested bitwise in test_pipeline.py
 def test_a_circular_run_resumes_unpipelined_on_the_same_curve(tmp_path, corpus, fsdp8):
   """Three steps on stage 2 x fsdp 2 x tensor 2 (circular, its layers stored stage by stage),
   then the same run directory resumed on fsdp 8 without stages: the fsdp 8 run's curve."""

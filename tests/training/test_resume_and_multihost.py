@@ -16,6 +16,7 @@ def corpus(tmp_path_factory):
   return write_corpus(tmp_path_factory.mktemp("data") / "corpus.jsonl")
 
 
+@pytest.mark.slow  # a resume after SIGINT runs in the fast suite
 def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
   full = tmp_path / "full"
   subprocess.run(train_cmd(full, corpus), env=env(1), check=True, capture_output=True)
@@ -37,7 +38,9 @@ def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
   assert got == want  # bit for bit: same state, same batches, same program
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+  "signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
+)
 def test_an_interrupted_run_saves_and_the_rerun_continues_exactly(tmp_path, corpus, signum):
   """No periodic checkpoints: the one the rerun resumes from is the interrupted step's."""
   # Long enough that the signal lands mid-run, with no periodic checkpoints.
