@@ -216,6 +216,7 @@ def test_mtp_speculation_under_tensor_4():
   assert got == want and engine.n_spec_rounds > 0 and engine.n_accepted > 0
 
 
+@pytest.mark.slow  # speculation under tensor 4 runs in the default suite
 def test_guided_requests_under_tensor_4(draft_pair):
   """Greedy and sampled guided requests, plain and speculating, as on one device."""
   tok = ByteTokenizer()
