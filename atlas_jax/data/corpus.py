@@ -88,15 +88,19 @@ def iter_jsonl(path: Path, field: str = "text") -> Iterator[tuple[str, str]]:
     ValueError naming the file, the line and what is wrong with it.
   """
   for i, record in iter_json_objects(path):
-    where = f"{path}:{i}"
-    if field not in record:
-      raise ValueError(f"{where}: the object has no {field!r} field (fields: {sorted(record)})")
-    value = record[field]
-    if not isinstance(value, str):
-      raise ValueError(
-        f"{where}: field {field!r} must be a string, got {type(value).__name__} {value!r:.40}"
-      )
-    yield f"{Path(path).name}:{i}", value
+    yield f"{Path(path).name}:{i}", string_field(record, field, f"{path}:{i}")
+
+
+def string_field(record: dict, key: str, where: str) -> str:
+  """record[key], or a ValueError at `where` (file:line) when it is missing or not a string."""
+  if key not in record:
+    raise ValueError(f"{where}: the object has no {key!r} field (fields: {sorted(record)})")
+  value = record[key]
+  if not isinstance(value, str):
+    raise ValueError(
+      f"{where}: field {key!r} must be a string, got {type(value).__name__} {value!r:.40}"
+    )
+  return value
 
 
 def iter_documents(source: str = "stdlib") -> Iterator[tuple[str, str]]:

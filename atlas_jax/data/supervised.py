@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from atlas_jax.data.corpus import iter_json_objects
+from atlas_jax.data.corpus import iter_json_objects, string_field
 from atlas_jax.data.dataset import held_out
 from atlas_jax.data.tokenizer import Tokenizer, encode_prompt
 
@@ -62,17 +62,6 @@ class Examples:
     tokens = np.concatenate([np.asarray(t, np.int32) for t, _ in examples])
     mask = np.concatenate([np.asarray(m, np.uint8) for _, m in examples])
     return cls(tokens, mask, starts)
-
-
-def _string(record: dict, key: str, where: str) -> str:
-  if key not in record:
-    raise ValueError(f"{where}: the object has no {key!r} field (fields: {sorted(record)})")
-  value = record[key]
-  if not isinstance(value, str):
-    raise ValueError(
-      f"{where}: field {key!r} must be a string, got {type(value).__name__} {value!r:.40}"
-    )
-  return value
 
 
 def _messages(record: dict, where: str) -> list[dict[str, Any]]:
@@ -169,7 +158,10 @@ def read_examples(source: str | Path, fmt: str, tokenizer: Tokenizer, template=N
   for line, record in iter_json_objects(path):
     where = f"{path}:{line}"
     if fmt == "completion":
-      prompt, completion = _string(record, "prompt", where), _string(record, "completion", where)
+      prompt, completion = (
+        string_field(record, "prompt", where),
+        string_field(record, "completion", where),
+      )
       ids, mask = encode_completion(tokenizer, prompt, completion)
     else:
       ids, mask = encode_chat(tokenizer, template, _messages(record, where), where)
