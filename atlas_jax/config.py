@@ -474,6 +474,10 @@ class TrainConfig:
   precision: Literal["fp32", "bf16", "fp16"] = "fp32"
   remat: Literal["none", "full", "every_k", "selective"] = "none"
   remat_every: int | None = None  # k for every_k; default round(sqrt(n_layers))
+  # Run the layers as one `jax.lax.scan` (compile time flat in depth) or unrolled (one copy of
+  # the block per layer: no stacked residuals to zero, write and slice, which measured ~10%
+  # faster steps on CPU at 4 layers; compile time grows with depth).
+  scan_layers: bool = True
   sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
   on_nan: Literal["stop", "skip"] = "stop"
   # A damaged newest checkpoint: resume from the newest intact step (set aside as <step>.corrupt)

@@ -32,6 +32,8 @@ from collections import defaultdict
 CLASSES = (
   "matmul",
   "attention",
+  "kv cache write",
+  "sampling",
   "elementwise",
   "reduction",
   "loss",
@@ -40,8 +42,10 @@ CLASSES = (
   "data movement",
 )
 
-# Named scopes the model, the loss and the train step put around their ops.
+# Named scopes the model, the loss and the train step put around their ops; the caches around
+# their writes and the sampler around its draw.
 ATTENTION_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE = "attention_core", "loss", "optimizer"
+CACHE_WRITE_SCOPE, SAMPLING_SCOPE = "kv_cache_write", "sampling"
 
 _DTYPE_BYTES = {
   "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -234,6 +238,10 @@ class _Walker:
       return "attention"
     if op in ("dot", "convolution") or target in _GEMM_TARGETS:
       return "matmul"
+    if _in_scope(CACHE_WRITE_SCOPE, name):
+      return "kv cache write"
+    if _in_scope(SAMPLING_SCOPE, name):
+      return "sampling"
     if _in_scope(OPTIMIZER_SCOPE, name):
       return "optimizer"
     if _in_scope(LOSS_SCOPE, name):

@@ -2,7 +2,9 @@
 
 Implementations (all share the masking semantics documented in `kernels.reference`):
 
-* "xla": the pure-jnp reference (`attention_reference`), which XLA fuses; runs everywhere.
+* "xla": pure jnp, which XLA fuses; runs everywhere. Causal self-attention in its default
+  alignment (T == S, no query positions, no kv lengths) runs in query blocks that skip the
+  masked triangle (`kernels.blocked`); every other call is the reference (`attention_reference`).
 * "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory, every mask.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only, a subset of
   the masks (`cudnn_unsupported`).
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from . import flash_attention as flash
+from .blocked import blocked_causal_attention
 from .reference import attention_reference, check_attention_inputs
 
 Array = jax.Array
@@ -213,6 +216,16 @@ def attention(
     )
 
   if implementation == "xla":
+    if causal and q.shape[1] == k.shape[1] and q_positions is None and kv_lengths is None:
+      return blocked_causal_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sliding_window=sliding_window,
+      )
     return attention_reference(q, k, v, scale=scale, **masking)
 
   if implementation == "pallas":

@@ -370,6 +370,7 @@ def probabilities(logits_BV: Array, arrays: SamplingArrays) -> Array:
   return jnp.where(arrays.temperature[:, None] > 0, probs_BV, greedy_BV)
 
 
+@jax.named_scope("sampling")  # named for step profiles (bench/step_profile.py)
 def sample_rows(
   logits_BV: Array,
   key_B: Array,

@@ -148,13 +148,15 @@ class Attention(nnx.Module):
           implementation=self.implementation,
         )
     else:
-      cache = cache.write(positions_BT, k_BTKH, v_BTKH)
-      out_BTNH = cache.attend(
-        q_BTNH,
-        positions_BT,
-        sliding_window=self.sliding_window,
-        implementation=self.implementation,
-      )
+      with jax.named_scope("kv_cache_write"):
+        cache = cache.write(positions_BT, k_BTKH, v_BTKH)
+      with jax.named_scope("attention_core"):
+        out_BTNH = cache.attend(
+          q_BTNH,
+          positions_BT,
+          sliding_window=self.sliding_window,
+          implementation=self.implementation,
+        )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
       plus(

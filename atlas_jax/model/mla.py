@@ -238,7 +238,8 @@ class MLA(nnx.Module):
         kv_segment_ids=segment_ids_BT,
       )
     else:
-      cache = cache.write(positions_BT, latent_BTY)
+      with jax.named_scope("kv_cache_write"):  # named for step profiles
+        cache = cache.write(positions_BT, latent_BTY)
       if T <= self.absorb_max_tokens:
         out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, cache, positions_BT)
       else:

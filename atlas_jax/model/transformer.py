@@ -65,7 +65,8 @@ class Transformer(nnx.Module):
     rngs: parameter initialisation.
     implementation: attention implementation for `atlas_jax.kernels` (None: best available).
     remat, remat_every: training-time activation checkpointing (`atlas_jax.model.scan`).
-    unroll_layers: unroll the layer scan (FLOP measurement only).
+    unroll_layers: unroll the layer scan (`train.scan_layers: false`; XLA's cost analysis also
+      counts an unrolled stack whole, where it prices a loop body once).
     lora: LoRA adapters on every block's targeted projections (`atlas_jax.model.lora`).
     pipeline: runs the uncached `blocks` stack instead of its scan, called as
       `pipeline(step, carry, block_state, rows, policy=, every=, unroll=)` with

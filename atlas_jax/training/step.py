@@ -65,6 +65,7 @@ def build_model(
     implementation=cfg.attention.implementation,
     remat=cfg.train.remat,
     remat_every=cfg.train.remat_every,
+    unroll_layers=not cfg.train.scan_layers,
     lora=cfg.train.lora,
     pipeline=pipe,
   )
