@@ -558,6 +558,9 @@ def _power_of_two(where: str, value: int) -> None:
     _fail(where, value, "must be a power of two")
 
 
+WARMUP_LEVELS = ("none", "default", "all")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """serve.engine: the paged pool, the scheduler's limits, speculation and the device mesh.
@@ -603,9 +606,16 @@ class EngineConfig:
   min_batch_bucket: int = 1
   tensor_parallel_size: int = 1  # devices per replica: heads, FFN and vocabulary split over them
   data_parallel_size: int = 1  # replicas, each with its own requests and pages of the pool
+  # Which step shapes `Engine.warmup` compiles at start-up (`Engine.warmup_shapes` lists them):
+  # "none"; "default": every decode, burst and speculative shape and every batch of fresh
+  # prompts; "all": also prefills over a context already in the pool (a prompt's chunks past
+  # `prefill_chunk`, a prompt after a cached prefix).
+  warmup: str = "default"
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"
+    if self.warmup not in WARMUP_LEVELS:
+      _fail(where("warmup"), self.warmup, f"must be one of {', '.join(WARMUP_LEVELS)}")
     for name in (
       "n_blocks",
       "block_size",

@@ -13,6 +13,8 @@ os.environ["XLA_FLAGS"] = (
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# serve.py's persistent compilation cache would write to the user's cache folder: off in tests.
+os.environ["ATLAS_JAX_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 

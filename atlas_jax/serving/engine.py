@@ -75,9 +75,11 @@ one) and a KV pool's kv heads over the tensor axis; attention over the pools run
 pool is sized from device memory unless `n_blocks` is given (`atlas_jax.serving.sizing`), and
 the batch from the pool unless `max_num_seqs` is; the start-up log says what each came to.
 
-`warmup()` compiles the step shapes a server meets first (decode steps and bursts at every batch
-bucket, prefill chunks), so that the first requests do not pay for compilation; it names the
-shapes it leaves to first use. Each finished request is logged on one line (logger
+`warmup()` compiles the step shapes a server meets (`warmup_shapes`: by default every decode step,
+burst and speculative round at every batch bucket and block-table width, and every batch of fresh
+prompts at every chunk bucket; `config.warmup="all"` adds prefills over a context already in the
+pool), so that requests do not pay for compilation; it names the variants it leaves to first
+use. Each finished request is logged on one line (logger
 `atlas_jax.serving`, INFO): its id, prompt and output tokens, time to first token, total time and
 finish reason.
 
@@ -98,7 +100,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator
-from atlas_jax.config import ConfigError, EngineConfig
+from atlas_jax.config import WARMUP_LEVELS, ConfigError, EngineConfig
 from atlas_jax.decoding.drafters import make_drafter
 from atlas_jax.decoding.sampling import SamplingParams, eos_ids
 from atlas_jax.model.transformer import Transformer
@@ -234,6 +236,8 @@ class Engine:
     self._inflight: Drawn | None = None  # a dispatched burst the host has not read yet
     self._aborts: list[RequestId] = []
     self._abort_lock = threading.Lock()
+    self._inbox: list[list[Request]] = []  # `enqueue`d groups, added at the next step's start
+    self._inbox_lock = threading.Lock()
     self._arrivals = 0
     self.n_steps = 0
     self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
@@ -294,7 +298,10 @@ class Engine:
 
   @property
   def n_waiting(self) -> int:
-    return self.scheduler.n_waiting
+    """Requests not yet admitted: the scheduler's queue and the inbox (`enqueue`)."""
+    with self._inbox_lock:
+      inbox = sum(map(len, self._inbox))
+    return self.scheduler.n_waiting + inbox
 
   def kv_stats(self) -> AllocatorStats:
     """Every replica's allocator statistics, summed."""
@@ -305,7 +312,9 @@ class Engine:
     return self.scheduler.usage()
 
   def has_unfinished(self) -> bool:
-    return bool(self.scheduler.has_work() or self._aborts or self._inflight is not None)
+    return bool(
+      self.scheduler.has_work() or self._aborts or self._inbox or self._inflight is not None
+    )
 
   # -- start-up ----------------------------------------------------------------------------------
 
@@ -349,37 +358,64 @@ class Engine:
       note,
     )
 
-  def warmup_shapes(self) -> tuple[list[tuple[str, int, int]], list[str]]:
-    """(the step shapes `warmup` compiles, as (program, rows B per replica, tokens T), what it
-    leaves to first use): decode steps and bursts at every batch bucket, one prompt's prefill at
-    every chunk bucket and short prompts' (T <= 32) at every batch bucket; all with the narrowest
-    block table."""
-    c = self.config
-    buckets = sorted({self.runner.bucket(n) for n in range(1, c.max_num_seqs + 1)})
-    chunks = sorted({min(pow2(n, 16), c.prefill_chunk) for n in range(2, c.prefill_chunk + 1)})
-    shapes = [("prefill", B, T) for B in buckets for T in chunks if B == 1 or T <= 32]
-    shapes += [("decode", B, 1) for B in buckets]
-    if c.decode_burst >= 2:
-      shapes += [("burst", B, c.decode_burst) for B in buckets]
-    if self.draft is not None:
-      k = c.num_speculative_tokens
-      shapes += [("speculate", B, k + 1) for B in buckets if B <= pow2(c.speculative_max_batch)]
-    Z, M = c.block_size, min(self.runner.min_blocks, self.runner.max_blocks)
-    deferred = [
-      f"block tables past {M * Z} tokens (one more shape per doubling of a context)",
-      "prefill batches of more than one prompt past 32 tokens",
-      "penalties, logit bias, guided masks, min_tokens and prompt logprobs",
-    ]
-    return shapes, deferred
+  def warmup_shapes(
+    self, level: str | None = None
+  ) -> tuple[list[tuple[str, int, int, int]], list[str]]:
+    """(the step shapes `warmup` compiles at `level`, as (program, rows B per replica, tokens T,
+    block-table columns M); what it leaves to first use). Level (default: `config.warmup`):
 
-  def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+    - "none": nothing.
+    - "default": decode steps, bursts and speculative rounds at every batch bucket and every
+      block-table width (a context grows through them all); prefills at every batch bucket and
+      chunk bucket T over the narrowest table holding T tokens (prompts computed whole from
+      position 0, one or many per step).
+    - "all": also prefills over every wider table: a prompt's chunks past `prefill_chunk`, and a
+      prompt after a cached prefix, which start past position 0.
+
+    Penalties, logit bias, guided masks, min_tokens, prompt logprobs and the block copies of
+    n > 1 completions are left to first use at every level: each is one more variant of a shape.
+    """
+    level = self.config.warmup if level is None else level
+    if level not in WARMUP_LEVELS:
+      raise ConfigError(
+        f"warmup level {level!r} is not allowed: must be one of {', '.join(WARMUP_LEVELS)}"
+      )
+    c, r = self.config, self.runner
+    always = ["penalties, logit bias, guided masks, min_tokens, prompt logprobs, n > 1 copies"]
+    if level == "none":
+      return [], ["every step shape", *always]
+    buckets = sorted({r.bucket(n) for n in range(1, c.max_num_seqs + 1)})
+    chunks = sorted({min(pow2(n, 16), c.prefill_chunk) for n in range(2, c.prefill_chunk + 1)})
+    widths = r.widths()
+    fresh = lambda T: r.width(-(-T // c.block_size))  # T tokens from position 0
+    shapes = [
+      ("prefill", B, T, M)
+      for B in buckets
+      for T in chunks
+      for M in widths
+      if M == fresh(T) or (level == "all" and M > fresh(T))
+    ]
+    shapes += [("decode", B, 1, M) for B in buckets for M in widths]
+    if c.decode_burst >= 2:
+      shapes += [("burst", B, c.decode_burst, M) for B in buckets for M in widths]
+    if self.draft is not None:
+      k, most = c.num_speculative_tokens, pow2(c.speculative_max_batch)
+      shapes += [("speculate", B, k + 1, M) for B in buckets if B <= most for M in widths]
+    if level == "default":
+      always.insert(0, "prefills over a context already in the pool (warmup=all compiles them)")
+    return shapes, always
+
+  def warmup(
+    self, progress: Callable[[int, int, str], None] | None = None, level: str | None = None
+  ) -> None:
     """Compiles (and runs once, on padding rows that write nothing) every shape of
-    `warmup_shapes`, so the first requests of those shapes do not wait for XLA.
+    `warmup_shapes(level)`, so no request of those shapes waits for XLA.
 
     Args:
-      progress: called before each shape with (index, total, "prefill B=4 T=32").
+      progress: called before each shape with (index, total, "prefill B=4 T=32 M=4").
+      level: "none", "default" or "all" (default: `config.warmup`).
     """
-    self.runner.warmup(self.warmup_shapes()[0], self.config.prefill_chunk, progress)
+    self.runner.warmup(self.warmup_shapes(level)[0], progress)
 
   # -- requests ----------------------------------------------------------------------------------
 
@@ -432,14 +468,65 @@ class Engine:
     Raises:
       RequestError: as `add_request`, for any of them; or ids and params of different lengths.
     """
+    self._check_group(request_ids, params, stream)
+    reqs = [self._make(rid, prompt, p, stream) for rid, p in zip(request_ids, params)]
+    self.scheduler.add_group(reqs)
+
+  @staticmethod
+  def _check_group(request_ids, params, stream) -> None:
     if len(request_ids) != len(params) or not request_ids:
       raise RequestError(
         f"add_requests: {len(request_ids)} request ids for {len(params)} SamplingParams"
       )
     if len(set(request_ids)) != len(request_ids):
       raise RequestError(f"add_requests: duplicate request ids in {list(request_ids)!r}")
-    reqs = [self._make(rid, prompt, p, stream) for rid, p in zip(request_ids, params)]
-    self.scheduler.add_group(reqs)
+    if not isinstance(stream, bool):
+      raise RequestError(f"stream={stream!r} is not allowed: must be true or false", "stream")
+
+  def enqueue(
+    self,
+    groups: Sequence[tuple[Sequence[RequestId], Sequence[int], Sequence[SamplingParams]]],
+    *,
+    stream: bool = False,
+  ) -> None:
+    """`add_requests` for each (request ids, prompt, params) group, from any thread: checked
+    here, in the caller's thread, and added by the thread that steps at the start of its next
+    step, so the caller never waits for a step in progress. All or nothing, as `add_requests`.
+
+    Raises:
+      RequestError: as `add_requests`, for any group (prefixed "prompt k: " when there are
+        several); or an id already queued or running.
+    """
+    made = []
+    with self._inbox_lock:
+      queued = {req.id for group in self._inbox for req in group}
+    for k, (request_ids, prompt, params) in enumerate(groups):
+      try:
+        self._check_group(request_ids, params, stream)
+        for rid in request_ids:
+          if rid in queued or rid in self.scheduler.requests:
+            raise RequestError(f"request {rid!r} already exists")
+          queued.add(rid)
+        # Its arrival index (the scheduler's order) is given when the stepping thread adds it.
+        group = [self.intake.make(rid, prompt, p, -1) for rid, p in zip(request_ids, params)]
+      except RequestError as e:
+        if len(groups) > 1:
+          raise RequestError(f"prompt {k}: {e}", e.field) from None
+        raise
+      for req in group:
+        req.stream = stream
+      made.append(group)
+    with self._inbox_lock:
+      self._inbox += made
+
+  def _take_inbox(self) -> None:
+    with self._inbox_lock:
+      groups, self._inbox = self._inbox, []
+    for group in groups:
+      for req in group:
+        req.arrival = self._arrivals
+        self._arrivals += 1
+      self.scheduler.add_group(group)
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""
@@ -485,6 +572,7 @@ class Engine:
     return outputs
 
   def _step(self) -> list[RequestOutput]:
+    self._take_inbox()  # first: an abort of an enqueued request finds it
     outputs = self._process_aborts()
     try:
       if self._inflight is not None:

@@ -114,6 +114,9 @@ class ModelRunner:
     # Block tables narrower than 64 tokens would only add compiled shapes.
     self.min_blocks = pow2(-(-64 // block_size))
     self.model, self.draft, self.drafter = model, draft, drafter
+    # Every (program, rows B per replica, tokens T, block-table columns M) a call has run: the
+    # shapes warm-up must cover (a program compiles once per shape; see `Engine.warmup_shapes`).
+    self.shapes_met: set[tuple[str, int, int, int]] = set()
     self.rules = placement.model_rules(cfg, self.tensor)
     self.layout = placement.layout(mesh, self.rules)
     graphdef, state = nnx.split(model)
@@ -245,11 +248,23 @@ class ModelRunner:
     slot = np.asarray([r.req.replica * b + j for r, j in zip(rows, local)], np.int32)
     return b * self.n_replicas, slot
 
+  def width(self, n_blocks: int) -> int:
+    """M, the block-table columns of a call whose longest row holds `n_blocks` blocks: a power
+    of two, at least `min_blocks`, at most `max_blocks`."""
+    return min(pow2(max(1, n_blocks), self.min_blocks), self.max_blocks)
+
+  def widths(self) -> list[int]:
+    """Every M a call can have."""
+    return sorted({self.width(m) for m in range(1, self.max_blocks + 1)})
+
+  def _met(self, program: str, x: StepInputs, T: int) -> None:
+    B, M = x.block_table_BM.shape
+    self.shapes_met.add((program, B // self.n_replicas, T, M))
+
   def _table(self, rows: Sequence[Row], slot, B) -> np.ndarray:
     """i32[B, M]: the rows' blocks, M the longest row's block count rounded up to a power of
     two, so attention work follows the real lengths."""
-    M = max(1, max(len(r.blocks) for r in rows))
-    M = min(pow2(M, self.min_blocks), self.max_blocks)
+    M = self.width(max(len(r.blocks) for r in rows))
     table = np.zeros((B, M), np.int32)
     for row, b in zip(rows, slot):
       table[b, : len(row.blocks)] = row.blocks[:M]
@@ -361,6 +376,7 @@ class ModelRunner:
       T = min(pow2(max(r.n for r in rows), 16), prefill_chunk)
     penalties = any(r.req.params.uses_penalties for r in rows)
     x, slot = self.inputs(rows, T, penalties=penalties)
+    self._met("prefill" if T > 1 else "decode", x, T)
     self.pools, *outs = self.programs.forward_sample(self.states, self.pools, self.on_devices(x))
     tok, lp, top_ids, top_lp = map(np.asarray, outs)
     return {
@@ -373,6 +389,7 @@ class ModelRunner:
     that burst's last draws on the device."""
     penalties = any(r.req.params.uses_penalties for r in rows)
     x, slot = self.inputs(rows, 1, penalties=penalties and chained is None, allowed=False)
+    self._met("burst", x, n_steps)
     prompt_mask = x.prompt_mask_BV
     if chained is not None:
       prev = {id(r.req): b for r, b in zip(chained.rows, chained.slot)}
@@ -393,6 +410,7 @@ class ModelRunner:
     """One speculative round over `rows`, settled at once (guided rows: drafted, masked on the
     host along their drafts, then verified)."""
     x, slot = self.inputs(rows, 1, penalties=False)
+    self._met("speculate", x, k + 1)
     x_dev = self.on_devices(x)
     progs = self.programs
     if x.sampling.allowed_bits is None:
@@ -424,15 +442,12 @@ class ModelRunner:
     tokens[0, :n] = prompt
     return map(np.asarray, self.programs.prompt_logprobs(self.states[0], tokens))
 
-  def warmup(
-    self, shapes, prefill_chunk: int, progress: Callable[[int, int, str], None] | None = None
-  ):
+  def warmup(self, shapes, progress: Callable[[int, int, str], None] | None = None):
     """Compiles (and runs once, on padding rows that write nothing) every (program, rows per
-    replica, tokens) shape, with the narrowest block table."""
-    M = min(self.min_blocks, self.max_blocks)
-    for i, (kind, b, T) in enumerate(shapes):
+    replica B, tokens T, block-table columns M) shape."""
+    for i, (kind, b, T, M) in enumerate(shapes):
       if progress is not None:
-        progress(i + 1, len(shapes), f"{kind} B={b} T={T}")
+        progress(i + 1, len(shapes), f"{kind} B={b} T={T} M={M}")
       x = padding_inputs(b * self.n_replicas, T if kind == "prefill" else 1, M)
       x = self.on_devices(x)
       progs = self.programs

@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn).
 
 The engine runs in one background thread that steps while there is work; request handlers on the
-event loop submit requests and read their outputs from per-request asyncio queues, filled from
-the engine thread with `call_soon_threadsafe`. A client that disconnects mid-stream aborts its
+event loop submit requests (checked at once, a bad one a 400; queued in the engine's inbox without
+waiting for the step in progress) and read their outputs from per-request asyncio queues, filled
+from the engine thread with `call_soon_threadsafe`. A client that disconnects mid-stream aborts its
 request, which frees its blocks.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream as server-sent events ending
@@ -181,16 +182,24 @@ class _Stream:
 
 
 class EngineRunner:
-  """Drives an Engine from a background thread for asyncio callers."""
+  """Drives an Engine from a background thread for asyncio callers.
+
+  The engine thread alone steps the engine, holding no lock the event loop waits on: a
+  submission is checked in the caller's thread and put in the engine's inbox
+  (`Engine.enqueue`), which the engine thread drains at the start of its next step, so an
+  arrival returns to the event loop at once even while a long step runs. Gauges other than the
+  request counts are a snapshot the engine thread takes after each step.
+  """
 
   def __init__(self, engine: Engine, metrics: ServingMetrics | None = None):
     self.engine = engine
     self.metrics = metrics or ServingMetrics()
-    self._lock = threading.Lock()
     self._wake = threading.Event()
     self._streams: dict[str, _Stream] = {}
+    self._streams_lock = threading.Lock()  # held for dict updates only, never across a step
     self._stop = False
     self.error: BaseException | None = None
+    self._gauges = self._read_gauges()
     self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
     self._thread.start()
 
@@ -205,29 +214,29 @@ class EngineRunner:
   ) -> list[tuple[str, asyncio.Queue]]:
     """Queues each (prompt, n params) group: n completions of the prompt, computed once and
     sharing its blocks. All groups or none: a RequestError for any leaves nothing queued.
-    `stream`: the client reads each token as it is drawn (`Engine.add_request`)."""
+    `stream`: the client reads each token as it is drawn (`Engine.add_request`). Never waits
+    for the step in progress."""
     loop = asyncio.get_running_loop()
     now = time.perf_counter()
     subs: list[tuple[str, asyncio.Queue]] = []
     streams: dict[str, _Stream] = {}
-    with self._lock:  # the engine thread steps under it: nothing queued here has run yet
-      try:
-        for k, (prompt, params) in enumerate(groups):
-          rids = [uuid.uuid4().hex for _ in params]
-          try:
-            self.engine.add_requests(rids, prompt, params, stream=stream)
-          except RequestError as e:
-            if len(groups) > 1:
-              raise RequestError(f"prompt {k}: {e}", e.field) from None
-            raise
-          for rid in rids:
-            streams[rid] = _Stream(asyncio.Queue(), loop, now, len(prompt))
-            subs.append((rid, streams[rid].queue))
-      except RequestError:
-        for rid in streams:
-          self.engine.abort(rid)
-        raise
+    batch = []
+    for prompt, params in groups:
+      rids = [uuid.uuid4().hex for _ in params]
+      batch.append((rids, prompt, params))
+      for rid in rids:
+        streams[rid] = _Stream(asyncio.Queue(), loop, now, len(prompt))
+        subs.append((rid, streams[rid].queue))
+    # Registered first: once enqueued, the engine thread may step them before this returns.
+    with self._streams_lock:
       self._streams.update(streams)
+    try:
+      self.engine.enqueue(batch, stream=stream)
+    except RequestError:
+      with self._streams_lock:
+        for rid in streams:
+          self._streams.pop(rid, None)
+      raise
     self._wake.set()
     return subs
 
@@ -241,19 +250,22 @@ class EngineRunner:
     self._thread.join(timeout=10)
 
   def gauges(self) -> dict[str, Any]:
-    with self._lock:
-      s = self.engine.kv_stats()
-      return dict(
-        running=self.engine.n_running,
-        waiting=self.engine.n_waiting,
-        kv_usage=self.engine.kv_usage(),
-        preemptions=self.engine.n_preemptions,
-        prefix_queries=s.prefix_query_tokens,
-        prefix_hits=s.prefix_hit_tokens,
-        drafted=self.engine.n_drafted,
-        accepted=self.engine.n_accepted,
-        acceptance_length=self.engine.mean_acceptance_length,
-      )
+    """The engine's gauges: the request counts now, the rest as the last step left them."""
+    return {**self._gauges, "running": self.engine.n_running, "waiting": self.engine.n_waiting}
+
+  def _read_gauges(self) -> dict[str, Any]:
+    s = self.engine.kv_stats()
+    return dict(
+      running=self.engine.n_running,
+      waiting=self.engine.n_waiting,
+      kv_usage=self.engine.kv_usage(),
+      preemptions=self.engine.n_preemptions,
+      prefix_queries=s.prefix_query_tokens,
+      prefix_hits=s.prefix_hit_tokens,
+      drafted=self.engine.n_drafted,
+      accepted=self.engine.n_accepted,
+      acceptance_length=self.engine.mean_acceptance_length,
+    )
 
   def _loop(self) -> None:
     while not self._stop:
@@ -262,19 +274,23 @@ class EngineRunner:
         self._wake.clear()
         continue
       try:
-        with self._lock:
-          outputs = self.engine.step()
+        outputs = self.engine.step()
       except BaseException as e:  # keep serving: fail the in-flight requests, not the server
         self.error = e
-        with self._lock:
-          for rid in list(self._streams):
-            self.engine.abort(rid)
-          outputs = self.engine.step()
-          for out in outputs:
-            out.error = f"engine error: {e}"
+        with self._streams_lock:
+          rids = list(self._streams)
+        for rid in rids:
+          self.engine.abort(rid)
+        outputs = self.engine.step()
+        for out in outputs:
+          out.error = f"engine error: {e}"
+      self._gauges = self._read_gauges()
       now = time.perf_counter()
       for out in outputs:
-        stream = self._streams.get(out.request_id)
+        with self._streams_lock:
+          stream = self._streams.get(out.request_id)
+          if stream is not None and out.finished:
+            del self._streams[out.request_id]
         if stream is None:
           continue
         if out.new_token_ids:
@@ -286,7 +302,6 @@ class EngineRunner:
           stream.last = now
           stream.n_out += len(out.new_token_ids)
         if out.finished:
-          del self._streams[out.request_id]
           self.metrics.e2e.observe(now - stream.arrival)
           self.metrics.finished(out.finish_reason or "stop", stream.n_prompt, stream.n_out)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

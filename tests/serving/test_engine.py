@@ -348,30 +348,64 @@ def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
     dataclasses.replace(CONFIGS["roomy"], min_batch_bucket=3)
 
 
-def test_warmup_compiles_what_short_requests_need(tiny_model):
-  # A model of its own: its step programs share no compiled shapes with other tests'.
-  model = build(ModelConfig(**{**TINY, "vocab_size": 43}, n_kv_heads=2), rngs=nnx.Rngs(5))
-  config = EngineConfig(
-    n_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk=16
-  )
-  engine = Engine(model, config)
+WARM = EngineConfig(
+  n_blocks=96, block_size=4, max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_burst=4
+)
+
+
+def test_warmup_levels_list_every_shape():
+  model = build(ModelConfig(**{**TINY, "vocab_size": 44}, n_kv_heads=2), rngs=nnx.Rngs(6))
+  engine = Engine(model, WARM)
+  assert engine.runner.widths() == [16, 32, 34]  # 64 tokens, doublings, context + k + 1
   shapes, deferred = engine.warmup_shapes()
-  assert shapes == [("prefill", 1, 16), ("prefill", 2, 16), ("decode", 1, 1), ("decode", 2, 1)] + [
-    ("burst", 1, 8),
-    ("burst", 2, 8),
-  ]
-  assert deferred[0].startswith("block tables past 64 tokens")
+  widths = (16, 32, 34)
+  assert shapes[:4] == [("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
+  assert shapes[4:10] == [("decode", B, 1, M) for B in (1, 2) for M in widths]
+  assert shapes[10:] == [("burst", B, 4, M) for B in (1, 2) for M in widths]
+  assert deferred[0].startswith("prefills over a context already in the pool")
+  every, _ = engine.warmup_shapes("all")
+  prefills = [("prefill", B, T, M) for B in (1, 2) for T in (16, 32) for M in widths]
+  assert every == prefills + shapes[4:]
+  assert engine.warmup_shapes("none") == ([], ["every step shape", *deferred[1:]])
+  allowed = "must be one of none, default, all"
+  with pytest.raises(ValueError, match=f"serve.engine.warmup='some' is not allowed: {allowed}"):
+    dataclasses.replace(WARM, warmup="some")
+
+
+@pytest.mark.parametrize(
+  "burst, last, n_compiled",
+  [
+    (1, "10/10 decode B=2 T=1 M=34", (10, 0)),
+    # each burst twice: fed from the host, and chained on the device
+    pytest.param(4, "16/16 burst B=2 T=4 M=34", (10, 12), marks=pytest.mark.slow),
+  ],
+)
+def test_after_warmup_nothing_compiles(burst, last, n_compiled):
+  # A model of its own: its step programs share no compiled shapes with other tests'.
+  model = build(ModelConfig(**{**TINY, "vocab_size": 42 + burst}, n_kv_heads=2), rngs=nnx.Rngs(5))
+  engine = Engine(model, dataclasses.replace(WARM, decode_burst=burst))
+  shapes, _ = engine.warmup_shapes()
   progs = engine.programs
   compiled = lambda: (progs.forward_sample._cache_size(), progs.decode_burst._cache_size())
   assert compiled() == (0, 0)
   seen = []
   engine.warmup(lambda i, n, shape: seen.append(f"{i}/{n} {shape}"))
-  assert seen[0] == "1/6 prefill B=1 T=16" and seen[-1] == "6/6 burst B=2 T=8"
-  assert compiled() == (4, 4)  # a burst fed from the host, and one chained on the device
-  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # together, then decoding within 64 tokens
-  got = engine.generate(prompts, SamplingParams(max_new_tokens=30))
-  assert compiled() == (4, 4)  # nothing compiled on the way
-  assert got == generate(model, prompts, SamplingParams(max_new_tokens=30))  # the pool intact
+  assert seen[0] == f"1/{len(shapes)} prefill B=1 T=16 M=16" and seen[-1] == last
+  assert compiled() == n_compiled
+  # Short and chunk-long prompts, alone and together, streamed (decode steps) and not (bursts),
+  # each with a context through every block-table width to the end of the context.
+  short, long = [1, 2, 3], [4, 5, 6, 7, 8] * 5
+  for stream in (False, True):
+    for group in ([short, short[::-1]], [long], [short], [long[::-1], [9, 9]]):
+      for i, p in enumerate(group):
+        whole = SamplingParams(max_new_tokens=128 - len(p))
+        engine.add_request((stream, len(engine.runner.shapes_met), i), p, whole, stream=stream)
+      while engine.has_unfinished():
+        engine.step()
+  # Met: all but decode steps over the widest table, which holds a burst's draws past the end of
+  # a context (a decode step reserves its own token only).
+  assert engine.runner.shapes_met == set(shapes) - {("decode", B, 1, 34) for B in (1, 2)}
+  assert compiled() == n_compiled  # and nothing compiled on the way
 
 
 def test_several_eos_ids_each_stop(tiny_model):
