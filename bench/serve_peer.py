@@ -82,7 +82,12 @@ class PeerProcess:
       cwd=Path(job["folder"]).parent,  # not the repository (its kernels/ shadows vLLM's import)
       start_new_session=True,
     )
-    self._reply()  # {"ready": true} once the engine is built
+    try:
+      self._reply()  # {"ready": true} once the engine is built
+    except BaseException:
+      serve_http.stop(self.proc)
+      os.unlink(self.job_file.name)
+      raise
 
   def _reply(self) -> dict:
     for line in self.proc.stdout:
