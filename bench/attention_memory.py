@@ -4,8 +4,9 @@ The temporary bytes XLA allocates for one forward + backward of causal attention
 (`compiled.memory_analysis().temp_size_in_bytes`: every buffer that is neither an argument nor an
 output), for the pure-jnp reference ("xla", which materialises the [B, N, T, S] probabilities and
 keeps them for the backward pass; the "xla" path runs causal self-attention in query blocks,
-`kernels.blocked`, whose scores are about (n + 1) / 2n of these for n blocks) and for the Pallas FlashAttention ("pallas": blocks of keys with
-an online softmax, the backward recomputing probabilities from the saved log-sum-exp). Nothing
+`kernels.blocked`, whose scores are about (n + 1) / 2n of these for n blocks) and for the Pallas
+FlashAttention ("pallas": blocks of keys with an online softmax, the backward recomputing
+probabilities from the saved log-sum-exp). Nothing
 runs: each program is only lowered and compiled, so the long sequences cost no memory here. On a
 CPU the Pallas kernel lowers in interpret mode, a loop over the same grid and block buffers.
 

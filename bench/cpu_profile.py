@@ -279,7 +279,7 @@ def serving_runs(path: str, args):
       # every step sees the same context length.
       with torch.no_grad():
         out = peer(state["next"], past_key_values=state["cache"], use_cache=True)
-        state["cache"].crop(n)
+        state["cache"].crop(-1)  # drop the token just appended
         return out.logits[:, -1].argmax(-1)
   else:
 

@@ -223,6 +223,82 @@ def paged_attention_pallas(
   return out_BTNH[:, 0] if decode else out_BTNH
 
 
+# Keys per iteration of the XLA path: measured on 2 CPU cores at batch 32, GQA 8/4 heads of 64,
+# 16-token pages, 32 keys per iteration ran 1.7x (full table) to 2.3x (half-full table) faster
+# than the dense gather; 64 and more ran slower.
+XLA_KEYS_PER_STEP = 32
+
+
+def paged_attention_xla(
+  q: Array,
+  pool_k: Array,
+  pool_v: Array,
+  block_table: Array,
+  lengths: Array,
+  *,
+  layer: Array | None = None,
+  scale: float | None = None,
+  keys_per_step: int = XLA_KEYS_PER_STEP,
+) -> Array:
+  """Paged attention in plain jnp for XLA backends, with `paged_attention_reference`'s semantics.
+
+  A loop over the table, a few pages at a time, for as many steps as the longest sequence
+  needs (not the table's width): each step gathers its pages of every sequence, small enough to
+  stay in cache, scores them and folds them into an online softmax (the flash-decoding
+  recurrence). The work follows the tokens held, where the reference gathers and scores every
+  slot of every row's table.
+  """
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
+  decode = q.ndim == 3
+  q_BTNH = q[:, None] if decode else q
+  B, T, N, H = q_BTNH.shape
+  Z, K = pool_k.shape[-3], pool_k.shape[-2]
+  G = N // K
+  scale = H**-0.5 if scale is None else scale
+  pages = max(1, keys_per_step // Z)
+  C = pages * Z
+  M = block_table.shape[1]
+  n_max = -(-M // pages)
+  if n_max * pages != M:  # whole steps: the added columns are past every length, never seen
+    block_table = jnp.pad(block_table, ((0, 0), (0, n_max * pages - M)))
+  lengths = lengths.astype(jnp.int32)
+  q_BKTGH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).astype(jnp.float32)
+  q_BKTGH = q_BKTGH * jnp.float32(scale)
+  qpos_BT = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+  def pages_of(pool, ids_BP):
+    return (pool[ids_BP] if layer is None else pool[layer, ids_BP]).reshape(B, C, K, H)
+
+  def body(i, carry):
+    m_BKTG, l_BKTG, acc_BKTGH = carry
+    ids_BP = jax.lax.dynamic_slice_in_dim(block_table, i * pages, pages, axis=1)
+    kpos_C = i * C + jnp.arange(C, dtype=jnp.int32)
+    k_BCKH = pages_of(pool_k, ids_BP)
+    # Slots past a length may hold anything, NaN included: zero them (0 * NaN = NaN).
+    held_BC = kpos_C[None, :] < lengths[:, None]
+    v_BCKH = jnp.where(held_BC[:, :, None, None], pages_of(pool_v, ids_BP), 0).astype(jnp.float32)
+    s_BKTGC = jnp.einsum("BKTGH,BCKH->BKTGC", q_BKTGH, k_BCKH, preferred_element_type=jnp.float32)
+    visible_BTC = kpos_C[None, None, :] <= qpos_BT[:, :, None]  # causal; hides the unheld tail
+    s_BKTGC = jnp.where(visible_BTC[:, None, :, None, :], s_BKTGC, -jnp.inf)
+    m_new = jnp.maximum(m_BKTG, jnp.max(s_BKTGC, axis=-1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet stay at 0
+    p_BKTGC = jnp.exp(s_BKTGC - shift[..., None])
+    alpha = jnp.exp(m_BKTG - shift)
+    acc_BKTGH = acc_BKTGH * alpha[..., None] + jnp.einsum("BKTGC,BCKH->BKTGH", p_BKTGC, v_BCKH)
+    return m_new, l_BKTG * alpha + jnp.sum(p_BKTGC, axis=-1), acc_BKTGH
+
+  steps = jnp.clip(-(-jnp.max(lengths) // C), 0, n_max)
+  init = (
+    jnp.full((B, K, T, G), -jnp.inf, jnp.float32),
+    jnp.zeros((B, K, T, G), jnp.float32),
+    jnp.zeros((B, K, T, G, H), jnp.float32),
+  )
+  _, l_BKTG, acc_BKTGH = jax.lax.fori_loop(0, steps, body, init)
+  out_BKTGH = acc_BKTGH / jnp.where(l_BKTG > 0, l_BKTG, 1.0)[..., None]  # no key seen: zeros
+  out_BTNH = out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
+  return out_BTNH[:, 0] if decode else out_BTNH
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
 def paged_attention_reference(
   q: Array,
@@ -282,9 +358,9 @@ def paged_attention(
     lengths: i32[B] tokens held per sequence, the T new ones included (<= max_blocks * Z).
     layer: i32[] the layer to read from stacked pools, or None.
     scale: softmax scale, default H ** -0.5.
-    implementation: "pallas" (the kernel), "xla" (the reference) or None: the kernel on GPU, the
-      reference elsewhere (the kernel keeps a kv head's whole pool slice addressable, which suits
-      GPU memory, not TPU VMEM).
+    implementation: "pallas" (the kernel), "xla" (`paged_attention_xla`, jnp) or None: the
+      kernel on GPU, jnp elsewhere (the kernel keeps a kv head's whole pool slice addressable,
+      which suits GPU memory, not TPU VMEM).
     interpret: run the kernel in interpret mode (default: on CPU).
     num_splits: KV splits per sequence (flash decoding); None picks them from the grid size and
       the table's capacity (`kernels.flash_decoding.choose_num_splits`).
@@ -300,9 +376,7 @@ def paged_attention(
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation == "xla":
-    return paged_attention_reference(
-      q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale
-    )
+    return paged_attention_xla(q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return paged_attention_pallas(

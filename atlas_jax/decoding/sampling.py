@@ -303,9 +303,14 @@ def sample(
   """
   logits_BV = logits_BV.astype(jnp.float32)
   greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  kept_BV = _filtered(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B)
-  sampled_B = jax.vmap(jax.random.categorical)(key_B, kept_BV).astype(jnp.int32)
-  return jnp.where(temperature_B > 0, sampled_B, greedy_B)
+
+  def draw():
+    kept_BV = _filtered(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B)
+    sampled_B = jax.vmap(jax.random.categorical)(key_B, kept_BV).astype(jnp.int32)
+    return jnp.where(temperature_B > 0, sampled_B, greedy_B)
+
+  # A batch of greedy rows skips the filters and the [B, V] random draw altogether.
+  return jax.lax.cond(jnp.any(temperature_B > 0), draw, lambda: greedy_B)
 
 
 # Top-k alone, with every k at most this, finds the k-th logit with `lax.top_k` instead of a sort.

@@ -8,7 +8,7 @@ import pytest
 
 from atlas_jax.cache.paged import slot_mapping, write_slots
 from atlas_jax.kernels import attention_reference, paged_attention, paged_attention_reference
-from atlas_jax.kernels.paged_attention import paged_attention_pallas
+from atlas_jax.kernels.paged_attention import paged_attention_pallas, paged_attention_xla
 
 LENGTHS = (0, 1, 3, 255, 256, 257, 1023)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -119,6 +119,25 @@ class PagedAttentionTest:
 
 class TestPagedAttentionInterpret(PagedAttentionTest):
   INTERPRET = True
+
+
+class TestPagedAttentionXLA(PagedAttentionTest):
+  """The jnp loop over pages (the "xla" implementation), with the same NaN-filled pools."""
+
+  def run_kernel(self, *args, **kwargs):
+    return paged_attention_xla(*args, **kwargs)
+
+
+@pytest.mark.parametrize("keys_per_step", [1, 8, 24, 40, 2048])
+def test_xla_loop_steps_of_any_width_match_the_reference(keys_per_step):
+  """Steps of one page up to the whole table, and widths that do not divide the table (its
+  last step padded with columns past every length)."""
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(0, 1, 9, 40, 63), T=2, N=4, K=2, H=8, Z=8, dtype=jnp.float32, seed=3
+  )
+  out = paged_attention_xla(q_BTNH, pool_k, pool_v, table, lengths, keys_per_step=keys_per_step)
+  chex.assert_tree_all_finite(out)
+  chex.assert_trees_all_close(out, dense_expected(q_BTNH, dense, lengths), atol=1e-5, rtol=1e-5)
 
 
 def _inputs(B=2, T=None, N=4, K=2, H=8, P=6, Z=8, max_blocks=3, dtype=jnp.float32):
