@@ -8,7 +8,7 @@ per call when none is named); caches call the decode kernels `paged_attention` a
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation
 from .flash_attention import flash_attention
-from .paged_attention import paged_attention, paged_attention_reference
+from .paged_attention import paged_attention, paged_attention_reference, paged_attention_xla
 from .reference import attention_mask, attention_reference
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
   "flash_attention",
   "paged_attention",
   "paged_attention_reference",
+  "paged_attention_xla",
 ]

@@ -238,7 +238,8 @@ def paged_attention_xla(
   *,
   layer: Array | None = None,
   scale: float | None = None,
-  keys_per_step: int = XLA_KEYS_PER_STEP,
+  q_positions: Array | None = None,
+  keys_per_step: int | None = None,
 ) -> Array:
   """Paged attention in plain jnp for XLA backends, with `paged_attention_reference`'s semantics.
 
@@ -247,6 +248,11 @@ def paged_attention_xla(
   stay in cache, scores them and folds them into an online softmax (the flash-decoding
   recurrence). The work follows the tokens held, where the reference gathers and scores every
   slot of every row's table.
+
+  Beyond the reference: `q_positions` i32[B, T] places the queries explicitly (a right-padded
+  prefill chunk; each query sees the keys at or before its position), instead of the last T
+  positions. `keys_per_step` defaults to `XLA_KEYS_PER_STEP` for a few queries per row and to
+  4x that for prompt chunks, whose queries amortise a step's bookkeeping.
   """
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
   decode = q.ndim == 3
@@ -255,6 +261,8 @@ def paged_attention_xla(
   Z, K = pool_k.shape[-3], pool_k.shape[-2]
   G = N // K
   scale = H**-0.5 if scale is None else scale
+  if keys_per_step is None:
+    keys_per_step = XLA_KEYS_PER_STEP * (1 if T * G <= 16 else 4)
   pages = max(1, keys_per_step // Z)
   C = pages * Z
   M = block_table.shape[1]
@@ -264,7 +272,10 @@ def paged_attention_xla(
   lengths = lengths.astype(jnp.int32)
   q_BKTGH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).astype(jnp.float32)
   q_BKTGH = q_BKTGH * jnp.float32(scale)
-  qpos_BT = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  if q_positions is None:
+    qpos_BT = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+  else:
+    qpos_BT = jnp.minimum(q_positions.astype(jnp.int32), lengths[:, None] - 1)
 
   def pages_of(pool, ids_BP):
     return (pool[ids_BP] if layer is None else pool[layer, ids_BP]).reshape(B, C, K, H)

@@ -395,9 +395,24 @@ class PagedKVLayer:
           implementation=implementation if implementation in ("pallas", "xla") else None,
         )
         return out_BNH[:, None].astype(dtype)
-      # Several tokens per row (prefill chunks, right-padded): gather the pages densely and mask
-      # by absolute position. Padding queries (position -1) are clamped; callers discard their
-      # rows.
+      if sliding_window is None and (
+        implementation == "xla" or (implementation is None and jax.default_backend() == "cpu")
+      ):
+        # Several tokens per row on XLA's CPU backend: the paged loop, queries at their
+        # positions (padding, -1, sees nothing; callers discard those rows).
+        return kernels.paged_attention_xla(
+          q_BTNH.astype(k.dtype),
+          k,
+          v,
+          table_BM,
+          kv_lengths_B,
+          layer=layer,
+          scale=scale,
+          q_positions=positions_BT,
+        ).astype(dtype)
+      # Several tokens per row (prefill chunks, right-padded) elsewhere: gather the pages densely
+      # and mask by absolute position, for the attention kernels. Padding queries (position -1)
+      # are clamped; callers discard their rows.
       k_BSKH = gather_pages(k, table_BM, kv_lengths_B, layer=layer)
       v_BSKH = gather_pages(v, table_BM, kv_lengths_B, layer=layer)
       return kernels.attention(
