@@ -121,3 +121,84 @@ def stacked(
 
   state = jax.tree.map(add_layer_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)
+
+
+# -- layers held one array each ------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class Unstacked:
+  """A stacked [L, ...] parameter held as L arrays, one per layer (`unstack_layers`).
+
+  In a layer scan each layer's weights are a dynamic slice of the stack, which XLA's CPU backend
+  copies out before the matmul: every decode step would write and read the weights twice. A
+  served model holds its stacks unstacked, and the model runs such a stack as a loop of layers
+  indexing this tuple, which copies nothing. An int index gives that layer's array; a slice, a
+  run of layers, still unstacked; `...`, itself.
+  """
+
+  def __init__(self, arrays):
+    self.arrays = tuple(arrays)
+
+  def __getitem__(self, index):
+    if index is Ellipsis:  # `variable[...]`: the value itself
+      return self
+    if isinstance(index, slice):
+      return Unstacked(self.arrays[index])
+    return self.arrays[index]
+
+  def __len__(self) -> int:
+    return len(self.arrays)
+
+  def tree_flatten(self):
+    return self.arrays, None
+
+  @classmethod
+  def tree_unflatten(cls, _, arrays):
+    return cls(arrays)
+
+
+def is_unstacked_leaf(x) -> bool:
+  return isinstance(x, Unstacked)
+
+
+def layer_count(state) -> int:
+  """L of a stack's state, stacked or unstacked."""
+  leaf = jax.tree.leaves(state, is_leaf=is_unstacked_leaf)[0]
+  return len(leaf) if isinstance(leaf, Unstacked) else leaf.shape[0]
+
+
+def is_unstacked(state) -> bool:
+  return any(map(is_unstacked_leaf, jax.tree.leaves(state, is_leaf=is_unstacked_leaf)))
+
+
+def run_unstacked(step: Callable, carry, state, extra=None):
+  """What `jax.lax.scan(step, carry, (state, extra))` computes, for an unstacked state: a loop
+  of layers, each given its own arrays (and `extra[i]`); the ys stacked on a leading [L] axis."""
+  ys = []
+  for i in range(layer_count(state)):
+    layer = jax.tree.map(lambda u, i=i: u[i], state, is_leaf=is_unstacked_leaf)
+    carry, y = step(carry, layer if extra is None else (layer, extra[i]))
+    ys.append(y)
+  if all(y is None for y in ys):
+    return carry, None
+  return carry, jax.tree.map(lambda *a: jax.numpy.stack(a), *ys)
+
+
+def unstack_layers(state, mesh=None, stacks=("blocks", "dense_blocks")):
+  """A model state (`nnx.state(model)`) with its layer stacks' parameters unstacked: each layer
+  a separate array, placed as the stack was (its sharding less the leading axis)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def split(x):
+    sharding = getattr(x, "sharding", None)
+    if mesh is None or not isinstance(sharding, NamedSharding):
+      return Unstacked(x[i] for i in range(x.shape[0]))
+    out = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    take = jax.jit(lambda a, i: a[i], out_shardings=out)
+    return Unstacked(take(x, i) for i in range(x.shape[0]))
+
+  for name in stacks:
+    if name in state:
+      state[name] = jax.tree.map(split, state[name])
+  return state

@@ -45,7 +45,14 @@ from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
 from atlas_jax.model.mtp import MTPHeads
-from atlas_jax.model.scan import scan_layers, stacked
+from atlas_jax.model.scan import (
+  is_unstacked,
+  is_unstacked_leaf,
+  layer_count,
+  run_unstacked,
+  scan_layers,
+  stacked,
+)
 
 Array = jax.Array
 
@@ -194,8 +201,10 @@ class Transformer(nnx.Module):
       stacks["dense_blocks"] = nnx.split(self.dense_blocks)
     for name, start, n, first in self.runs:
       graphdef, state = stacks[name]
-      if n != jax.tree.leaves(state)[0].shape[0]:
-        state = jax.tree.map(lambda a, start=start, n=n: a[start : start + n], state)
+      if n != layer_count(state):
+        state = jax.tree.map(
+          lambda a, start=start, n=n: a[start : start + n], state, is_leaf=is_unstacked_leaf
+        )
       yield graphdef, state, first
 
   def _trunk(self, tokens_BT, positions_BT, segment_ids_BT, cache, *, keep_trunk=False):
@@ -255,6 +264,8 @@ class Transformer(nnx.Module):
     policy, every, unroll = self.remat
     rows = (positions_BT, segment_ids_BT)
     remat = dict(policy=policy, every=every, unroll=unroll)
+    if is_unstacked(state):  # a served model's layers, one array each: a loop, no slices
+      return run_unstacked(lambda c, st: step(c, st, rows), carry, state)
     if not pipelined:
       return scan_layers(lambda c, st: step(c, st, rows), carry, state, **remat)
     carry, stats_LU = self.pipeline(step, carry, state, rows, **remat)
@@ -272,7 +283,12 @@ class Transformer(nnx.Module):
       y_BTD, view, stats = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
       return (y_BTD, x_BTD if keep_trunk else None, view.storage), stats
 
-    n = jax.tree.leaves(state)[0].shape[0]
+    n = layer_count(state)
+    if is_unstacked(state):  # a served model's layers, one array each (`unstack_layers`)
+      # The layer index stays opaque to XLA: a constant one would turn the pool's per-layer
+      # gather into a copy of the whole layer's pool, then a gather from it.
+      index = lambda i: jax.lax.optimization_barrier(jnp.int32(first + i))
+      return run_unstacked(step, carry, state, [index(i) for i in range(n)])
     return jax.lax.scan(step, carry, (state, first + jnp.arange(n, dtype=jnp.int32)))
 
   def __call__(

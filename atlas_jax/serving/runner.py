@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from atlas_jax.decoding.drafters import Drafter, hidden_store
 from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams
+from atlas_jax.model.scan import unstack_layers
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import steps
 from atlas_jax.serving.requests import Request
@@ -132,8 +133,10 @@ class ModelRunner:
           self.tensor,
         )
       self.d_layout = placement.layout(mesh, self.d_rules)
-      d_params = placement.place_state(nnx.state(draft), mesh, self.d_rules)
-    self.states = (placement.place_state(state, mesh, self.rules), d_params)
+      d_params = unstack_layers(placement.place_state(nnx.state(draft), mesh, self.d_rules), mesh)
+    # Layer stacks held one array per layer: a layer scan's per-layer slices of the weights are
+    # copies on XLA's CPU backend (written and read again every step); these are not.
+    self.states = (unstack_layers(placement.place_state(state, mesh, self.rules), mesh), d_params)
     self.pools = None
     self.programs: steps.Programs | None = None
 

@@ -116,8 +116,10 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
   if model.cfg.moe is not None:  # each device holds 1/tp of every expert
     mlp = engine.runner.states[0]["blocks"]["mlp"]
     for name in ("w_gate", "w_up", "w_down"):
-      w = mlp[name][...]  # [L, E, D, F] or [L, E, F, D]
-      assert w.addressable_shards[0].data.size == w.size // tp, name
+      layers = mlp[name][...]  # held one array per layer (`unstack_layers`): [E, D, F] each
+      assert len(layers) == sum(model.cfg.sparse_layers()), name
+      for w in layers.arrays:
+        assert w.addressable_shards[0].data.size == w.size // tp, name
   s = engine.kv_stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == 16 * dp
   if dp <= 2:  # 8 replicas hold the 6 requests without preempting or sharing a prefix
