@@ -283,8 +283,18 @@ def make_train_step(trainer: Trainer) -> Callable:
     with jax.named_scope("optimizer"):
       finite = all_finite(grads) & jnp.isfinite(loss)
       trainable, frozen = split_trainable(trainer.cfg, state.params)
-      updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-      new = optax.apply_updates(trainable, updates)
+
+      def update(trainable, opt_state):
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+      # A non-finite step never touches parameters or optimizer state: fp16 overflow and
+      # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
+      # A branch, not a select per leaf after the update: the update then runs in place in the
+      # donated buffers, where the select needed every old moment copied aside first.
+      new, opt_state = jax.lax.cond(
+        finite, update, lambda *state: state, trainable, state.opt_state
+      )
       new_frozen = frozen
       counts_LE = aux.pop(COUNTS, None)
       if counts_LE is not None:
@@ -292,11 +302,8 @@ def make_train_step(trainer: Trainer) -> Callable:
       if counts_LE is not None and cfg.lora is None:  # LoRA: the base model, biases too, frozen
         # Outside the gradient: the selection biases step towards the load this step saw.
         new_frozen = update_router_bias(frozen, counts_LE, cfg.moe_bias_update_rate)
-      # A non-finite step never touches parameters or optimizer state: fp16 overflow and
-      # on_nan=skip carry on; on_nan=stop has the host stop at `first_nonfinite`, state intact.
       skip = ~finite
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
-      new, opt_state = keep(new, trainable), keep(opt_state, state.opt_state)
       if new_frozen is not frozen:
         new_frozen = keep(new_frozen, frozen)
       params = nnx.merge_state(new, new_frozen)
