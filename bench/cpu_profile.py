@@ -51,8 +51,10 @@ import jax
 import numpy as np
 import step_profile
 
-# Thunk-executor bookkeeping events: containers of the thunks, not work of their own.
+# Thunk-executor bookkeeping events: containers of the thunks, not work of their own; and the
+# control-flow thunks (a while loop's event spans its body's thunks, which are events too).
 _CONTAINERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "PjRt", "Execute")
+_CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 
 SERVING_SHAPE = [
   "model.d_model=512",
@@ -126,11 +128,14 @@ def trace_classes(run, steps: int, dump_dir: str, trace_dir: str) -> dict[str, f
         if event.name.startswith(_CONTAINERS):
           continue
         stats = dict(event.stats)
+        op = stats.get("hlo_op", event.name)
+        if isinstance(op, str) and _CONTROL_FLOW.match(op):
+          continue
         module = acct.get(stats.get("program_id"))
         if module is None:
           busy["other"] += event.duration_ns * 1e-9
           continue
-        cls = module.instruction_class.get(stats.get("hlo_op", event.name), "other")
+        cls = module.instruction_class.get(op, "other")
         busy[cls] += event.duration_ns * 1e-9
   return busy
 
