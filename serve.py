@@ -711,7 +711,6 @@ def prepare(args):
   fill_defaults(args)
   config = check_args(args).engine
   cache = compilation_cache(args.compilation_cache_dir)
-  log.info("compilation cache: %s", cache or "off")
   prompts = read_prompts(args) if args.port is None else []
   if config.tensor_parallel_size * config.data_parallel_size > 1:
     import jax
@@ -722,6 +721,7 @@ def prepare(args):
   else:
     model, tokenizer = load_any(args.checkpoint, args.dtype)
   engine = make_engine(args, model, tokenizer)
+  log.info("compilation cache: %s", cache or "off")  # after loading: a bad folder is one line
   chat_template = None
   if args.port is not None:
     chat_template = model_files.chat_template(args.checkpoint, tokenizer, args.chat_template)

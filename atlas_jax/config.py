@@ -319,7 +319,9 @@ class ModelConfig:
 class AttentionConfig:
   """How attention is computed (not what it computes)."""
 
-  implementation: Literal["xla", "pallas", "cudnn"] | None = None
+  # None: the platform's best (`atlas_jax.kernels.attention`); "reference": the plain jnp
+  # reference for every call (no query blocks), the planner's "xla" activation figures.
+  implementation: Literal["xla", "reference", "pallas", "cudnn"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

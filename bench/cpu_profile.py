@@ -49,6 +49,7 @@ from collections import defaultdict
 
 import jax
 import numpy as np
+import serve_peer
 import step_profile
 
 # Thunk-executor bookkeeping events: containers of the thunks, not work of their own; and the
@@ -56,15 +57,8 @@ import step_profile
 _CONTAINERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "PjRt", "Execute")
 _CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 
-SERVING_SHAPE = [
-  "model.d_model=512",
-  "model.n_layers=6",
-  "model.n_heads=8",
-  "model.n_kv_heads=4",
-  "model.ffn_dim=1408",
-  "model.vocab_size=2048",
-  "model.max_seq_len=2048",
-]
+# The vLLM comparison's model (bench/serve_peer.py), with room for the contexts profiled here.
+SERVING_SHAPE = [*serve_peer.PEER_SHAPE, "model.max_seq_len=2048"]
 
 # aten op -> class, first match wins (regular expressions on the op name).
 _TORCH_CLASSES = (

@@ -378,18 +378,6 @@ def on_a_mesh(model: Transformer, tensor: int, data: int, *, batch: int, new_tok
     del engine, r  # its pool, sized from device memory, before the next one is sized
 
 
-# The peer comparison's model (`--peer`, `--online`) before any --set: a float32 Llama larger
-# than tiny's, so that neither stack's per-step overhead is all that is measured.
-PEER_SHAPE = [
-  "model.d_model=512",
-  "model.n_layers=6",
-  "model.n_heads=8",
-  "model.n_kv_heads=4",
-  "model.ffn_dim=1408",
-  "model.vocab_size=2048",
-]
-
-
 def positive_ints(flag: str, text: str) -> list[int]:
   """Comma-separated positive integers, or an error naming the flag and its value."""
   try:
@@ -491,7 +479,7 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   check_args(p, args, argv)
 
-  overrides = PEER_SHAPE + args.set if args.peer or args.online else args.set
+  overrides = serve_peer.PEER_SHAPE + args.set if args.peer or args.online else args.set
   cfg = load_config(args.config, overrides).model
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   print(

@@ -27,6 +27,16 @@ from atlas_jax.serving.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"  # the id both servers serve the folder as
+# The peer comparison's model (`--peer`, `--online`) before any --set: a float32 Llama larger
+# than tiny's, so that neither stack's per-step overhead is all that is measured.
+PEER_SHAPE = [
+  "model.d_model=512",
+  "model.n_layers=6",
+  "model.n_heads=8",
+  "model.n_kv_heads=4",
+  "model.ffn_dim=1408",
+  "model.vocab_size=2048",
+]
 
 
 def word_tokenizer_files(folder: Path, vocab_size: int) -> None:

@@ -197,7 +197,7 @@ def _dims(attrs: str, key: str) -> list[int]:
 
 def _called(attrs: str, key: str) -> list[str]:
   m = re.search(key + r"=\{?%?([^,}\s]+(?:,\s*%[^,}\s]+)*)\}?", attrs)
-  return [c.lstrip("%").strip() for c in m.group(1).split(",")] if m else []
+  return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
 
 
 def _trip_count(attrs: str) -> int:
@@ -341,7 +341,9 @@ class _Walker:
         branches = _called(inst.attrs, "branch_computations") or (
           _called(inst.attrs, "true_computation") + _called(inst.attrs, "false_computation")
         )
-        self._walk_nested(branches[0], times, 1)  # the first branch stands for all
+        # As XLA's cost analysis does: the costliest branch (a step's optimizer update under the
+        # finite check runs the update, not the branch that keeps the state).
+        self._walk_nested(max(branches, key=self._branch_flops), times, 1)
         continue
       if inst.opcode == "call" and "to_apply" in inst.attrs:
         self._walk_nested(_called(inst.attrs, "to_apply")[0], times, 1)
@@ -363,6 +365,17 @@ class _Walker:
 
   def _walk_nested(self, computation: str, times: int, trips: int) -> None:
     self.walk(computation, times * trips)
+
+  def _branch_flops(self, computation: str) -> float:
+    """FLOPs of one run of `computation`, walked on copies (the account is left as it was)."""
+    saved = (self.xla, self.per_step)
+    self.xla = {c: Cost() for c in CLASSES}
+    self.per_step = {c: Cost() for c in CLASSES}
+    try:
+      self.walk(computation, 1)
+      return sum(c.flops + c.transcendentals for c in self.per_step.values())
+    finally:
+      self.xla, self.per_step = saved
 
 
 def hlo_account(hlo_text: str) -> Account:

@@ -5,6 +5,8 @@ Implementations (all share the masking semantics documented in `kernels.referenc
 * "xla": pure jnp, which XLA fuses; runs everywhere. Causal self-attention in its default
   alignment (T == S, no query positions, no kv lengths) runs in query blocks that skip the
   masked triangle (`kernels.blocked`); every other call is the reference (`attention_reference`).
+* "reference": `attention_reference` for every call, the whole [T, S] score matrix (what the
+  planner's activation figures for "xla" count, tensor by tensor).
 * "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory, every mask.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only, a subset of
   the masks (`cudnn_unsupported`).
@@ -39,8 +41,8 @@ from .blocked import blocked_causal_attention
 from .reference import attention_reference, check_attention_inputs
 
 Array = jax.Array
-Implementation = Literal["xla", "pallas", "cudnn"]
-IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+Implementation = Literal["xla", "reference", "pallas", "cudnn"]
+IMPLEMENTATIONS = ("xla", "reference", "pallas", "cudnn")
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -181,7 +183,7 @@ def attention(
     sliding_window: attend only to the last `sliding_window` positions (inclusive of the query).
     q_positions: i32[B, T] absolute query positions (default: the last T valid keys).
     kv_lengths: i32[B] number of valid keys per sequence (default: all S).
-    implementation: "xla", "pallas", "cudnn" or None (`select_implementation`).
+    implementation: "xla", "reference", "pallas", "cudnn" or None (`select_implementation`).
     interpret: run a Pallas kernel in interpret mode (default: on CPU).
 
   Returns:
@@ -226,6 +228,9 @@ def attention(
         kv_segment_ids=kv_segment_ids,
         sliding_window=sliding_window,
       )
+    return attention_reference(q, k, v, scale=scale, **masking)
+
+  if implementation == "reference":
     return attention_reference(q, k, v, scale=scale, **masking)
 
   if implementation == "pallas":
