@@ -33,7 +33,8 @@ def segments(B, T, seed=1):
   ],
   ids=lambda m: m if isinstance(m, str) else ",".join(m) or "causal",
 )
-@pytest.mark.parametrize("block", [1, 8, 13, 40, 64])
+# 13 rows: blocks that do not divide T = 40 (the last one shorter); 64: one block, T rows.
+@pytest.mark.parametrize("block", [13, 64])
 def test_values_and_gradients_equal_the_reference(masking, block):
   q, k, v = qkv()
   B, T = q.shape[:2]
