@@ -44,6 +44,7 @@ def test_the_optimum_spends_compute_as_the_closed_form_says():
   assert np.log10(N10 / N) == pytest.approx(f.beta / (f.alpha + f.beta))
 
 
+@pytest.mark.slow  # trains a ladder of runs; the fit and the cached results are checked above
 def test_the_ladder_smoke_run_trains_and_reuses_its_cache(tmp_path, capsys):
   results = tmp_path / "scaling.json"
   args = ["--smoke", "--results", str(results), "--data-cache", str(tmp_path / "data")]

@@ -375,7 +375,8 @@ def test_warmup_levels_list_every_shape():
 @pytest.mark.parametrize(
   "burst, last, n_compiled",
   [
-    (1, "10/10 decode B=2 T=1 M=34", (10, 0)),
+    # (the shape lists themselves: test_warmup_levels_list_every_shape, in the default suite)
+    pytest.param(1, "10/10 decode B=2 T=1 M=34", (10, 0), marks=pytest.mark.slow),
     # each burst twice: fed from the host, and chained on the device
     pytest.param(4, "16/16 burst B=2 T=4 M=34", (10, 12), marks=pytest.mark.slow),
   ],

@@ -145,6 +145,7 @@ def stream_once(client, prompt: str) -> str:
   return text
 
 
+@pytest.mark.slow  # each field's check is in tests/serving/test_server.py
 def test_hostile_bodies_get_4xx_never_5xx_and_a_neighbour_stream_finishes(server):
   url, model, tok, runner = server
   prompt = "def main():"

@@ -96,6 +96,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # the engine-level V3 checks stay in the default suite
 def test_deepseek_v3_hf_folder_over_http_matches_transformers(tmp_path):
   from tests.test_hf_deepseek import build_hf
 
