@@ -158,6 +158,7 @@ def _greedy(reqs):
   return [(rid, p, dataclasses.replace(sp, temperature=0.0)) for rid, p, sp in reqs]
 
 
+@pytest.mark.slow  # guided speculation stays in the default suite, sampled, below
 def test_guided_rows_speculate_and_keep_their_greedy_tokens(setup):
   """A draft model whose drafts the grammar often refuses, and the target as its own draft,
   whose first draft per round is drawn under the same mask as the target's token, so it is
