@@ -102,8 +102,11 @@ def accounts(dump_dir: str) -> dict[int, step_profile.Account]:
   return out
 
 
-def trace_classes(run, steps: int, dump_dir: str, trace_dir: str) -> dict[str, float]:
-  """Busy seconds per op class over `steps` calls of `run()`, every host thread summed."""
+def trace_classes(
+  run, steps: int, dump_dir: str, trace_dir: str, by_op: dict | None = None
+) -> dict[str, float]:
+  """Busy seconds per op class over `steps` calls of `run()`, every host thread summed; with
+  `by_op`, each instruction's own busy seconds are added to it under (class, name)."""
   from jax.profiler import ProfileData
 
   with jax.profiler.trace(trace_dir):
@@ -131,6 +134,8 @@ def trace_classes(run, steps: int, dump_dir: str, trace_dir: str) -> dict[str, f
           continue
         cls = module.instruction_class.get(op, "other")
         busy[cls] += event.duration_ns * 1e-9
+        if by_op is not None:
+          by_op[cls, op] = by_op.get((cls, op), 0.0) + event.duration_ns * 1e-9
   return busy
 
 
@@ -325,6 +330,7 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=10, help="steps timed and traced")
   p.add_argument("--threads", type=int, default=2, help="PyTorch CPU threads")
   p.add_argument("--set", action="append", default=[], help="model overrides")
+  p.add_argument("--top", type=int, default=0, help="also list our N costliest instructions")
   args = p.parse_args(argv)
   import torch
 
@@ -340,7 +346,8 @@ def main(argv=None) -> None:
   ours_wall = wall_seconds(ours, args.steps)
   peer_wall = torch_wall(theirs, args.steps)
   with tempfile.TemporaryDirectory() as trace_dir:
-    ours_busy = trace_classes(ours, args.steps, _DUMP, trace_dir)
+    by_op = {} if args.top else None
+    ours_busy = trace_classes(ours, args.steps, _DUMP, trace_dir, by_op)
   peer_busy = torch_busy(theirs, args.steps)
   print(
     f"# {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, torch {torch.__version__} "
@@ -351,6 +358,10 @@ def main(argv=None) -> None:
     f"(ratio {peer_wall / ours_wall:.2f})"
   )
   print(table(ours_busy, ours_wall, peer_busy, peer_wall, label))
+  if by_op:
+    print(f"\n# our {args.top} costliest instructions, busy ms per step")
+    for (cls, op), sec in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
+      print(f"{sec / args.steps * 1e3:9.3f}  {cls:14s} {op}")
 
 
 if __name__ == "__main__":

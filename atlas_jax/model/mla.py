@@ -202,7 +202,10 @@ class MLA(nnx.Module):
     w_uv_CNv = adapted(self.wv_b, self.wv_b_lora).astype(dtype)
     q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, w_uk_CNh)
     q_BTNY = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
-    o_lat_BTNC = cache.attend(q_BTNY, positions_BT, scale=scale, implementation=self.implementation)
+    with jax.named_scope("attention_core"):  # the latent attention only, not the folds
+      o_lat_BTNC = cache.attend(
+        q_BTNY, positions_BT, scale=scale, implementation=self.implementation
+      )
     return jnp.einsum("BTNC,CNv->BTNv", o_lat_BTNC, w_uv_CNv)
 
   def __call__(

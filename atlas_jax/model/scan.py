@@ -190,13 +190,16 @@ def unstack_layers(state, mesh=None, stacks=("blocks", "dense_blocks")):
   a separate array, placed as the stack was (its sharding less the leading axis)."""
   from jax.sharding import NamedSharding, PartitionSpec
 
+  takes = {}  # one jitted slice per layer placement, shared by every leaf placed alike
+
   def split(x):
     sharding = getattr(x, "sharding", None)
     if mesh is None or not isinstance(sharding, NamedSharding):
       return Unstacked(x[i] for i in range(x.shape[0]))
     out = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
-    take = jax.jit(lambda a, i: a[i], out_shardings=out)
-    return Unstacked(take(x, i) for i in range(x.shape[0]))
+    if out not in takes:
+      takes[out] = jax.jit(lambda a, i: a[i], out_shardings=out)
+    return Unstacked(takes[out](x, i) for i in range(x.shape[0]))
 
   for name in stacks:
     if name in state:
