@@ -128,12 +128,13 @@ class TestPagedAttentionXLA(PagedAttentionTest):
     return paged_attention_xla(*args, **kwargs)
 
 
+@pytest.mark.parametrize("T", [2, 12])  # 4 queries a kv head (products), 24 (einsums)
 @pytest.mark.parametrize("keys_per_step", [1, 8, 24, 40, 2048])
-def test_xla_loop_steps_of_any_width_match_the_reference(keys_per_step):
+def test_xla_loop_steps_of_any_width_match_the_reference(keys_per_step, T):
   """Steps of one page up to the whole table, and widths that do not divide the table (its
-  last step padded with columns past every length)."""
+  last step padded with columns past every length), in both of the loop's score layouts."""
   q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
-    lengths=(0, 1, 9, 40, 63), T=2, N=4, K=2, H=8, Z=8, dtype=jnp.float32, seed=3
+    lengths=(0, 1, 9, 40, 63), T=T, N=4, K=2, H=8, Z=8, dtype=jnp.float32, seed=3
   )
   out = paged_attention_xla(q_BTNH, pool_k, pool_v, table, lengths, keys_per_step=keys_per_step)
   chex.assert_tree_all_finite(out)
