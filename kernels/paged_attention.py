@@ -303,8 +303,12 @@ def paged_attention_xla(
       return jnp.sum(p[..., None] * v_BCKH[:, :, :, None, :], axis=1)
     return jnp.einsum("BKQC,BCKH->BKQH", p, v_BCKH)
 
+  # Pages as rows of a [pages, Z * K * H] view of the pool: one contiguous run each.
   def pages_of(pool, ids_BP):
-    return (pool[ids_BP] if layer is None else pool[layer, ids_BP]).reshape(B, C, K, H)
+    if layer is not None:
+      ids_BP = layer * pool.shape[1] + ids_BP
+    rows = pool.reshape(-1, Z * K * H)
+    return jnp.take(rows, ids_BP, axis=0, mode="clip").reshape(B, C, K, H)
 
   def body(i, carry):
     m_BKQ, l_BKQ, acc_BKQH = carry
