@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .reference import _MASKED
+from .reference import MASKED
 
 Array = jax.Array
 
@@ -131,7 +131,7 @@ def _token_major(x_BKQH, rows):
 
 
 def _block_logits(q_BKQH, k_BKSH, mask_Bce, start, end, first, scale):
-  """f32[B, K, rows * G, e]: one block's scaled scores, _MASKED where the mask hides a key."""
+  """f32[B, K, rows * G, e]: one block's scaled scores, MASKED where the mask hides a key."""
   B, K, Q, H = q_BKQH.shape
   rows, e = end - start, end - first
   G = Q // rows
@@ -139,7 +139,7 @@ def _block_logits(q_BKQH, k_BKSH, mask_Bce, start, end, first, scale):
     "BKQH,BKSH->BKQS", q_BKQH, k_BKSH[:, :, first:end], preferred_element_type=jnp.float32
   ) * jnp.float32(scale)
   logits_BKcGe = logits_BKQe.reshape(B, K, rows, G, e)
-  logits_BKcGe = jnp.where(mask_Bce[:, None, :, None, :], logits_BKcGe, _MASKED)
+  logits_BKcGe = jnp.where(mask_Bce[:, None, :, None, :], logits_BKcGe, MASKED)
   return logits_BKcGe.reshape(B, K, rows * G, e)
 
 

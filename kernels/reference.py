@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-# exp(_MASKED - row max) underflows to exactly 0 in float32 for any row with a visible key.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The logit of a hidden key, shared by the jnp attention paths: finite, so a row that sees no key
+# gives no NaN, and exp(MASKED - row max) underflows to exactly 0 in float32 for any row that does.
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def check_attention_inputs(
@@ -182,7 +183,7 @@ def attention_reference(
   )
   # A finite mask value keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
   live_BT = jnp.any(mask_BTS, axis=-1)
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, MASKED)
   p_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1) * live_BT[:, None, None, :, None]
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v.astype(jnp.float32))
   out_BTNH = out_BTKGH.reshape(B, T, N, H).astype(q.dtype)

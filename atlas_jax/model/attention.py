@@ -158,11 +158,12 @@ class Attention(nnx.Module):
           implementation=self.implementation,
         )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
+    # One [N * H, D] matmul, as "BTNH,NHD->BTD" computes: the heads merged in their row-major
+    # order, so XLA's CPU layout assignment never transposes the weight to match the activation.
+    B, T, N, H = out_BTNH.shape
+    wo_ED = self.wo[...].astype(dtype).reshape(N * H, -1)
     out_BTD = checkpoint_name(
-      plus(
-        jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype)), self.wo_lora, out_BTNH
-      ),
-      "o_proj",
+      plus(out_BTNH.reshape(B, T, N * H) @ wo_ED, self.wo_lora, out_BTNH), "o_proj"
     )
     return out_BTD, cache
 

@@ -256,6 +256,8 @@ class MLA(nnx.Module):
           kv_lengths=cache.kv_lengths,
         )
     out_BTNv = checkpoint_name(out_BTNv, "attn_out")
-    out_BTD = jnp.einsum("BTNv,NvD->BTD", out_BTNv, self.wo[...].astype(x_BTD.dtype))
+    B, T, N, Hv = out_BTNv.shape  # one [N * Hv, D] matmul, as in `Attention`
+    wo_ED = self.wo[...].astype(x_BTD.dtype).reshape(N * Hv, -1)
+    out_BTD = out_BTNv.reshape(B, T, N * Hv) @ wo_ED
     out_BTD = checkpoint_name(plus(out_BTD, self.wo_lora, out_BTNv), "o_proj")
     return out_BTD, cache

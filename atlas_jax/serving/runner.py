@@ -123,6 +123,8 @@ class ModelRunner:
     graphdef, state = nnx.split(model)
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
+    # On one CPU device the projections are held transposed, as XLA's CPU GEMMs read them fastest.
+    out_major = mesh is None and jax.default_backend() == "cpu"
     if draft is not None:
       self.d_rules = placement.model_rules(draft.cfg, self.tensor)
       if mesh is not None and self.d_rules is not placement.SERVING_RULES:
@@ -133,10 +135,15 @@ class ModelRunner:
           self.tensor,
         )
       self.d_layout = placement.layout(mesh, self.d_rules)
-      d_params = unstack_layers(placement.place_state(nnx.state(draft), mesh, self.d_rules), mesh)
+      d_params = unstack_layers(
+        placement.place_state(nnx.state(draft), mesh, self.d_rules), mesh, out_major=out_major
+      )
     # Layer stacks held one array per layer: a layer scan's per-layer slices of the weights are
     # copies on XLA's CPU backend (written and read again every step); these are not.
-    self.states = (unstack_layers(placement.place_state(state, mesh, self.rules), mesh), d_params)
+    self.states = (
+      unstack_layers(placement.place_state(state, mesh, self.rules), mesh, out_major=out_major),
+      d_params,
+    )
     self.pools = None
     self.programs: steps.Programs | None = None
 

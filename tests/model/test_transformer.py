@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import ModelConfig, RopeScaling
+from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from atlas_jax.model.scan import OutMajor, unstack_layers
 from atlas_jax.model.transformer import Transformer
 
 V = 61
@@ -168,3 +169,24 @@ def test_logits_at_selects_one_position_per_row():
   picked = model(toks, logits_at_B=at)
   chex.assert_shape(picked, (3, 1, V))
   chex.assert_trees_all_close(picked[:, 0], full[jnp.arange(3), at], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "kw, held",
+  [
+    ({}, 7),  # wq wk wv wo, gate up down
+    (dict(mla=MLAConfig(kv_lora_rank=16, q_lora_rank=24)), 7),  # wq_a wq_b wkv_a wo, the MLP
+    (dict(moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32)), 4),  # experts left stacked
+  ],
+)
+def test_served_layers_out_major_equal_the_model(kw, held):
+  """`unstack_layers(out_major=True)`: the named projections held transposed, the experts' and
+  MLA's W_UK/W_UV left as they are, and the logits those of the stacked model."""
+  model = make(**kw)
+  graphdef, state = nnx.split(model)
+  served = unstack_layers(nnx.state(model), out_major=True)
+  leaves = jax.tree.leaves(served, is_leaf=lambda x: isinstance(x, OutMajor))
+  assert sum(isinstance(x, OutMajor) for x in leaves) == held * model.cfg.n_layers
+  t = tokens(2, 11)
+  served_logits = jax.jit(lambda st: nnx.merge(graphdef, st)(t))(served)
+  np.testing.assert_allclose(served_logits, model(t), atol=2e-5, rtol=2e-5)
