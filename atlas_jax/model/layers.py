@@ -20,6 +20,8 @@ layout is declared where it is created and never inferred from its name. The nam
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,6 +55,23 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     return rms_norm(x, self.scale[...], self.eps)
+
+
+def project(x_BTI: Array, w_I__: Array, *, n_in: int = 1, preferred_element_type=None) -> Array:
+  """x [B, T, *in] times w [*in, *out] (contracting the n_in `in` axes): [B, T, *out], as one
+  2-D matmul [B * T, prod(in)] x [prod(in), prod(out)].
+
+  XLA's CPU backend runs 2-D dots on its fast GEMMs. The backward of the same product as a 3-D
+  einsum ("BTD,DV->BTV") contracts B and T for the weight's gradient, which it ran as a plain dot
+  over a transposed copy of the output's gradient: the tiny preset's LM head, forward and
+  backward, took 37 ms so and 21 ms flattened (measured on one core)."""
+  B, T = x_BTI.shape[:2]
+  ins, outs = w_I__.shape[:n_in], w_I__.shape[n_in:]
+  x_MI = x_BTI.reshape(B * T, math.prod(ins))
+  y_MO = jnp.matmul(
+    x_MI, w_I__.reshape(x_MI.shape[1], -1), preferred_element_type=preferred_element_type
+  )
+  return y_MO.reshape(B, T, *outs)
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> Array:
