@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -330,6 +331,32 @@ class Programs:
   copy_blocks: Callable
 
 
+log = logging.getLogger(__name__)
+
+# XLA's CPU backend hands dots, elementwise fusions and reductions to YNNPACK by default. The
+# step programs are many small ops (the paged attention's page loop, a decode step's norms and
+# softmaxes at a few dozen rows), for which YNNPACK's reductions and elementwise calls cost more
+# than XLA's own loops, threads included: on 2 cores the batch-32 decode step took 30.8 ms by
+# default and 27.5 ms with only the dots in YNNPACK, prefill chunks unchanged (bench/cpu_profile.py
+# --path decode|prefill; a training step gains nothing, so the trainer keeps the default).
+CPU_COMPILER_OPTIONS = {
+  "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+}
+
+
+@functools.cache
+def compiler_options() -> dict:
+  """`CPU_COMPILER_OPTIONS` on the CPU backend, if this XLA knows them; {} elsewhere."""
+  if jax.default_backend() != "cpu":
+    return {}
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(jnp.zeros(())).compile()
+  except Exception as e:  # an XLA that renamed or dropped the option: its defaults, said once
+    log.info("serving programs: XLA's default CPU fusions (%s)", str(e).splitlines()[0])
+    return {}
+  return dict(CPU_COMPILER_OPTIONS)
+
+
 @functools.cache
 def programs(
   graphdef,
@@ -355,7 +382,8 @@ def programs(
     return run
 
   speculate = drafter is not None
-  jit = lambda f, **kw: jax.jit(bind(f), donate_argnums=(1,), **kw)
+  options = compiler_options()
+  jit = lambda f, **kw: jax.jit(bind(f), donate_argnums=(1,), compiler_options=options, **kw)
   return Programs(
     forward_sample=jit(forward_sample),
     decode_burst=jit(decode_burst, static_argnums=(3,)),
