@@ -33,7 +33,8 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    1408, vocabulary 2048, before any --set; a word-level tokenizer, token i the word "w{i}"):
    offline, 32 prompts of 32-128 random tokens, 128 new tokens each (greedy, ignore_eos), through
    `Engine.generate` and vLLM's `LLM.generate` (bench/vllm_peer.py in vLLM's virtualenv) at each
-   --batches size (vLLM's max_num_seqs the same), runs interleaved, best of --repeat, the load
+   --batches size (vLLM's max_num_seqs the same, and both engines a step budget of 4096 tokens,
+   vLLM's CPU default offline), runs interleaved, best of --repeat, the load
    average before each; tok/s, ours / vLLM, and how many greedy sequences agree token for token.
 7. online (`--online`, with `--peer vllm` vLLM's server after ours; bench/serve_http.py): our
    serve.py, then vLLM's OpenAI server, each started on a free port, driven with streamed

@@ -6,7 +6,8 @@ runs greedy generations from token-id prompts (temperature 0, ignore_eos, max_to
 
     .venv-vllm/bin/python bench/vllm_peer.py job.json [--out result.json]
         job.json: {"folder", "prompts": [[ids]], "max_tokens": [n per prompt], "repeats",
-                   "max_num_seqs", "max_model_len", "enforce_eager"}; writes
+                   "max_num_seqs", "max_model_len", "max_num_batched_tokens", "enforce_eager"};
+        writes
         {"seconds": [per repeat], "token_ids": [[new ids per prompt]] (the last repeat's)}.
     .venv-vllm/bin/python bench/vllm_peer.py job.json --serve
         builds the engine, then reads one {"prompts", "max_tokens"} JSON object per stdin line
@@ -38,6 +39,11 @@ def build(job: dict):
     dtype="float32",
     max_num_seqs=int(job["max_num_seqs"]),
     max_model_len=int(job["max_model_len"]),
+    **(
+      {"max_num_batched_tokens": int(job["max_num_batched_tokens"])}
+      if "max_num_batched_tokens" in job
+      else {}
+    ),
     enforce_eager=bool(job.get("enforce_eager", False)),
     seed=0,
   )
