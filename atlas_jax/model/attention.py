@@ -20,7 +20,7 @@ from atlas_jax.cache.contiguous import KVCache
 from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, normal, param, project, rms_norm
+from atlas_jax.model.layers import RMSNorm, normal, output_projection, param, rms_norm
 from atlas_jax.model.lora import Adapters, adapter, plus
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -106,15 +106,15 @@ class Attention(nnx.Module):
     dtype = x_BTD.dtype
     # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
     q_BTNH = checkpoint_name(
-      plus(project(x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
+      plus(jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
       "q_proj",
     )
     k_BTKH = checkpoint_name(
-      plus(project(x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
       "k_proj",
     )
     v_BTKH = checkpoint_name(
-      plus(project(x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
+      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
       "v_proj",
     )
     if self.bq is not None:
@@ -158,10 +158,8 @@ class Attention(nnx.Module):
           implementation=self.implementation,
         )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
-    # One [N * H, D] matmul (`project`), as "BTNH,NHD->BTD" computes: as an einsum, XLA's CPU
-    # layout assignment transposed the weight to the activation's layout every step.
     out_BTD = checkpoint_name(
-      plus(project(out_BTNH, self.wo[...].astype(dtype), n_in=2), self.wo_lora, out_BTNH),
+      plus(output_projection(out_BTNH, self.wo[...].astype(dtype), cache), self.wo_lora, out_BTNH),
       "o_proj",
     )
     return out_BTD, cache

@@ -20,8 +20,6 @@ layout is declared where it is created and never inferred from its name. The nam
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,21 +55,17 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale[...], self.eps)
 
 
-def project(x_BTI: Array, w_I__: Array, *, n_in: int = 1, preferred_element_type=None) -> Array:
-  """x [B, T, *in] times w [*in, *out] (contracting the n_in `in` axes): [B, T, *out], as one
-  2-D matmul [B * T, prod(in)] x [prod(in), prod(out)].
+def output_projection(out_BTNH: Array, wo_NHD: Array, cache) -> Array:
+  """[B, T, N, H] x W_O [N, H, D] -> [B, T, D].
 
-  XLA's CPU backend runs 2-D dots on its fast GEMMs. The backward of the same product as a 3-D
-  einsum ("BTD,DV->BTV") contracts B and T for the weight's gradient, which it ran as a plain dot
-  over a transposed copy of the output's gradient: the tiny preset's LM head, forward and
-  backward, took 37 ms so and 21 ms flattened (measured on one core)."""
-  B, T = x_BTI.shape[:2]
-  ins, outs = w_I__.shape[:n_in], w_I__.shape[n_in:]
-  x_MI = x_BTI.reshape(B * T, math.prod(ins))
-  y_MO = jnp.matmul(
-    x_MI, w_I__.reshape(x_MI.shape[1], -1), preferred_element_type=preferred_element_type
-  )
-  return y_MO.reshape(B, T, *outs)
+  Serving (a cache) multiplies as one [N * H, D] matmul: as an einsum, XLA's CPU layout assignment
+  copied W_O transposed to the activation's layout every decode step, and a served model may hold
+  W_O out-major (`model.scan.OutMajor`), which only a 2-D product reads in place. Training keeps
+  the einsum, whose saved residuals the planner counts exactly."""
+  if cache is None:
+    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, wo_NHD)
+  B, T, N, H = out_BTNH.shape
+  return out_BTNH.reshape(B, T, N * H) @ wo_NHD.reshape(N * H, -1)
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> Array:

@@ -40,7 +40,7 @@ from atlas_jax.cache.contiguous import LatentCache
 from atlas_jax.cache.paged import LatentPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, normal, param, project, rms_norm
+from atlas_jax.model.layers import RMSNorm, normal, output_projection, param, rms_norm
 from atlas_jax.model.lora import Adapters, adapted, adapter, plus
 from atlas_jax.model.rope import (
   apply_rope,
@@ -142,18 +142,18 @@ class MLA(nnx.Module):
     dtype = x_BTD.dtype
     # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
-      q_BTNH = project(x_BTD, self.wq[...].astype(dtype))
+      q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
       q_BTNH = plus(q_BTNH, self.wq_lora, x_BTD)
     else:
-      cq_BTA = project(x_BTD, self.wq_a[...].astype(dtype))
+      cq_BTA = jnp.einsum("BTD,DA->BTA", x_BTD, self.wq_a[...].astype(dtype))
       cq_BTA = checkpoint_name(plus(cq_BTA, self.wq_a_lora, x_BTD), "q_lora_proj")
       cq_BTA = self.q_norm(cq_BTA)
-      q_BTNH = project(cq_BTA, self.wq_b[...].astype(dtype))
+      q_BTNH = jnp.einsum("BTA,ANH->BTNH", cq_BTA, self.wq_b[...].astype(dtype))
       q_BTNH = plus(q_BTNH, self.wq_b_lora, cq_BTA)
     q_BTNH = checkpoint_name(q_BTNH, "q_proj")
     q_nope_BTNh, q_rope_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTY = project(x_BTD, self.wkv_a[...].astype(dtype))
+    kv_BTY = jnp.einsum("BTD,DY->BTY", x_BTD, self.wkv_a[...].astype(dtype))
     kv_BTY = checkpoint_name(plus(kv_BTY, self.wkv_a_lora, x_BTD), "kv_lora_proj")
     c_BTC = rms_norm(kv_BTY[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
     k_rope_BTR = self._rope(kv_BTY[:, :, None, C:], positions_BT)[:, :, 0]
@@ -256,6 +256,6 @@ class MLA(nnx.Module):
           kv_lengths=cache.kv_lengths,
         )
     out_BTNv = checkpoint_name(out_BTNv, "attn_out")
-    out_BTD = project(out_BTNv, self.wo[...].astype(x_BTD.dtype), n_in=2)  # as in `Attention`
+    out_BTD = output_projection(out_BTNv, self.wo[...].astype(x_BTD.dtype), cache)
     out_BTD = checkpoint_name(plus(out_BTD, self.wo_lora, out_BTNv), "o_proj")
     return out_BTD, cache

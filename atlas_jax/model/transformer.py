@@ -42,7 +42,7 @@ from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import LoRAConfig, ModelConfig
 from atlas_jax.model import lora as lora_lib
 from atlas_jax.model.block import Block, attention_class
-from atlas_jax.model.layers import RMSNorm, normal, param, project
+from atlas_jax.model.layers import RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
 from atlas_jax.model.mtp import MTPHeads
 from atlas_jax.model.scan import (
@@ -192,7 +192,7 @@ class Transformer(nnx.Module):
 
   def _logits(self, h_BTD: Array) -> Array:
     head_DV = self._head_DV().astype(h_BTD.dtype)
-    return project(h_BTD, head_DV, preferred_element_type=jnp.float32)
+    return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
 
   def _runs(self):
     """(graphdef, the run's slice of its stack's state, first layer) per run, in order."""
