@@ -353,6 +353,28 @@ WARM = EngineConfig(
 )
 
 
+def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
+  """On CPU the step programs compile with `steps.CPU_COMPILER_OPTIONS`: every YNNPACK call of
+  the compiled decode step is a dot (XLA's default also hands it reductions and elementwise
+  work, which cost more there at a decode step's sizes)."""
+  from atlas_jax.serving import steps
+
+  assert steps.compiler_options() == steps.CPU_COMPILER_OPTIONS  # this XLA knows the option
+  engine = Engine(tiny_model, CONFIGS["roomy"])
+  for i in range(8):  # 8 rows: matmuls, not the matrix-vector products of one
+    engine.add_request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=4))
+  engine.step()  # the prompts: the requests now decode
+  runner = engine.runner
+  rows = [engine.scheduler.row(req, 1) for req in engine.running]
+  x, _ = runner.inputs(rows, 1, penalties=False)
+  program = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
+  hlo = program.compile().as_text()
+  bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, flags=re.M | re.S))
+  called = re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
+  assert called, "no YNNPACK call at all: the matmuls should still be YNNPACK's"
+  assert all(" dot(" in bodies[name] for name in called), called
+
+
 def test_warmup_levels_list_every_shape():
   model = build(ModelConfig(**{**TINY, "vocab_size": 44}, n_kv_heads=2), rngs=nnx.Rngs(6))
   engine = Engine(model, WARM)
