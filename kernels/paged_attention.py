@@ -252,7 +252,7 @@ def paged_attention_xla(
   With a few queries per row (decoding: T * G <= 16) the scores and the weighted values are
   products summed over an axis, read from the gathered pages as they lie ([B, C, K, H]): as
   GEMMs they would be [T * G, H] x [H, C] per (row, kv head), after a transpose of every page to
-  put the heads first; on XLA's CPU backend the fused multiply-reduce is about 1.4x faster.
+  put the heads first; on XLA's CPU backend the fused multiply-reduce measured 1.4x faster.
   Prompt chunks, whose queries fill a GEMM, use einsums.
 
   Beyond the reference: `q_positions` i32[B, T] places the queries explicitly (a right-padded

@@ -159,7 +159,11 @@ class Attention(nnx.Module):
         )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
-      plus(output_projection(out_BTNH, self.wo[...].astype(dtype), cache), self.wo_lora, out_BTNH),
+      plus(
+        output_projection(out_BTNH, self.wo[...].astype(dtype), serving=cache is not None),
+        self.wo_lora,
+        out_BTNH,
+      ),
       "o_proj",
     )
     return out_BTD, cache

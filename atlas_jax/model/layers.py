@@ -55,14 +55,14 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale[...], self.eps)
 
 
-def output_projection(out_BTNH: Array, wo_NHD: Array, cache) -> Array:
+def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool) -> Array:
   """[B, T, N, H] x W_O [N, H, D] -> [B, T, D].
 
-  Serving (a cache) multiplies as one [N * H, D] matmul: as an einsum, XLA's CPU layout assignment
-  copied W_O transposed to the activation's layout every decode step, and a served model may hold
-  W_O out-major (`model.scan.OutMajor`), which only a 2-D product reads in place. Training keeps
-  the einsum, whose saved residuals the planner counts exactly."""
-  if cache is None:
+  Serving (a forward over a cache) multiplies as one [N * H, D] matmul: as an einsum, XLA's CPU
+  layout assignment copied W_O transposed to the activation's layout every decode step, and a
+  served model may hold W_O out-major (`model.scan.OutMajor`), which only a 2-D product reads in
+  place. Training keeps the einsum, whose saved residuals the planner counts exactly."""
+  if not serving:
     return jnp.einsum("BTNH,NHD->BTD", out_BTNH, wo_NHD)
   B, T, N, H = out_BTNH.shape
   return out_BTNH.reshape(B, T, N * H) @ wo_NHD.reshape(N * H, -1)

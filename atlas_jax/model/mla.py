@@ -256,6 +256,8 @@ class MLA(nnx.Module):
           kv_lengths=cache.kv_lengths,
         )
     out_BTNv = checkpoint_name(out_BTNv, "attn_out")
-    out_BTD = output_projection(out_BTNv, self.wo[...].astype(x_BTD.dtype), cache)
+    out_BTD = output_projection(
+      out_BTNv, self.wo[...].astype(x_BTD.dtype), serving=cache is not None
+    )
     out_BTD = checkpoint_name(plus(out_BTD, self.wo_lora, out_BTNv), "o_proj")
     return out_BTD, cache

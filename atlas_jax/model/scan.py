@@ -198,11 +198,11 @@ class OutMajor:
   """A weight W[*in, *out] held transposed, as [prod(out), prod(in)]: each output's weights
   contiguous.
 
-  XLA's CPU GEMMs multiply x [M, in] by such a matrix 4-20% faster than by W itself (most at
-  decode's few rows: [32, 512] x [512, 1408] 20%, measured), since W's panels need no repacking
-  per call; PyTorch's `nn.Linear` holds its weights the same way. `w[...]` gives W back as a
-  transpose and a reshape of the stored matrix, which XLA folds into the dot's dimension numbers,
-  so the model's einsums read the stored matrix in place.
+  XLA's CPU GEMMs multiply x [M, in] by such a matrix faster than by W itself (a decode step's
+  projections at 32 rows: 9.74 -> 7.82 ms, `python bench/cpu_micro.py --only gemm`), its panels
+  needing no repacking per call; PyTorch's `nn.Linear` holds its weights the same way.
+  `w[...]` gives W back as a transpose and a reshape of the stored matrix, which XLA folds into
+  the dot's dimension numbers, so the model's einsums read the stored matrix in place.
   """
 
   def __init__(self, t, shape):
@@ -211,10 +211,6 @@ class OutMajor:
   @classmethod
   def of(cls, w, n_in: int = 1):
     return cls(w.reshape(math.prod(w.shape[:n_in]), -1).T, w.shape)
-
-  @property
-  def dtype(self):
-    return self.t.dtype
 
   def __getitem__(self, index):
     if index is not Ellipsis:

@@ -1,0 +1,142 @@
+"""The CPU micro-benchmarks behind the serving and optimizer figures in BENCHMARKS.md.
+
+    python bench/cpu_micro.py [--only gemm|paged|adamw] [--rows 32]
+
+* gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
+  gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
+  ([in, out]), against W held out-major ([out, in], `model.scan.OutMajor`'s layout), against
+  PyTorch's `F.linear` (which holds weights that way too).
+* paged: `kernels.paged_attention_xla` decoding batch 32 over 6 layers of a pool of 1,296 pages
+  (cold in cache, as in an engine step), contexts of 120-140 tokens, with and without the
+  serving programs' CPU compile options (`serving.steps.CPU_COMPILER_OPTIONS`).
+* adamw: one optimizer update (`training.optimizer.make_optimizer`: clipping and AdamW) of the
+  small preset's 76M float32 parameters, against PyTorch's fused AdamW with the same clipping.
+
+Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def best_ms(fns: dict, calls: int = 10, repeat: int = 7) -> dict:
+  for f in fns.values():
+    f()
+  best = {k: float("inf") for k in fns}
+  for _ in range(repeat):
+    for name, f in fns.items():
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        f()
+      best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
+  return best
+
+
+def gemm(rows: int) -> dict:
+  import torch
+
+  r = np.random.default_rng(0)
+  shapes = [(512, 512), (512, 256), (512, 256), (512, 512), (512, 1408), (512, 1408), (1408, 512)]
+  W = [np.asarray(r.standard_normal(s), np.float32) for _ in range(6) for s in shapes]
+  x = {k: np.asarray(r.standard_normal((rows, k)), np.float32) for k in (512, 1408)}
+  kn, nk = [jnp.asarray(w) for w in W], [jnp.asarray(np.ascontiguousarray(w.T)) for w in W]
+  xj = {k: jnp.asarray(v) for k, v in x.items()}
+  f_kn = jax.jit(lambda x, ws: [x[w.shape[0]] @ w for w in ws])
+  f_nk = jax.jit(lambda x, ws: [jnp.einsum("mk,nk->mn", x[w.shape[1]], w) for w in ws])
+  xt = {k: torch.from_numpy(v) for k, v in x.items()}
+  wt = [torch.from_numpy(np.ascontiguousarray(w.T)) for w in W]
+  return best_ms(
+    {
+      "x @ W [in, out]": lambda: jax.block_until_ready(f_kn(xj, kn)),
+      "out-major [out, in]": lambda: jax.block_until_ready(f_nk(xj, nk)),
+      "PyTorch F.linear": lambda: [torch.nn.functional.linear(xt[w.shape[1]], w) for w in wt],
+    }
+  )
+
+
+def paged() -> dict:
+  from atlas_jax.kernels import paged_attention_xla
+  from atlas_jax.serving.steps import CPU_COMPILER_OPTIONS
+
+  B, N, K, H, Z, L, P = 32, 8, 4, 64, 16, 6, 1296
+  r = np.random.default_rng(0)
+  pool_k, pool_v = (jnp.asarray(r.standard_normal((L, P, Z, K, H)), jnp.float32) for _ in "kv")
+  table = jnp.asarray(np.arange(B * 40).reshape(B, 40)[:, :10], jnp.int32)  # rows' pages in order
+  lengths = jnp.asarray(r.integers(120, 140, B), jnp.int32)
+  q = jnp.asarray(r.standard_normal((L, B, N, H)), jnp.float32)
+
+  def layers(q, pk, pv, t, n):
+    return [paged_attention_xla(q[i], pk, pv, t, n, layer=jnp.int32(i)) for i in range(L)]
+
+  args = (q, pool_k, pool_v, table, lengths)
+  default, options = jax.jit(layers), jax.jit(layers, compiler_options=CPU_COMPILER_OPTIONS)
+  return best_ms(
+    {
+      "XLA's default fusions": lambda: jax.block_until_ready(default(*args)),
+      "serving compile options": lambda: jax.block_until_ready(options(*args)),
+    }
+  )
+
+
+def adamw() -> dict:
+  import optax
+  import torch
+
+  from atlas_jax.config import load_config
+  from atlas_jax.training.optimizer import make_optimizer
+
+  cfg = load_config("configs/small.yaml", ["train.precision=fp32"])
+  shapes = [(259, 768), (768, 259), *[(768,)] * 25]
+  shapes += [(768, 768)] * 24 + [(768, 256)] * 24 + [(768, 2048)] * 24 + [(2048, 768)] * 12
+  r = np.random.default_rng(0)
+  params = [jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes]
+  grads = [jnp.asarray(r.standard_normal(s) * 1e-3, jnp.float32) for s in shapes]
+  opt = make_optimizer(cfg.train)
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  ours = jax.jit(step, donate_argnums=(0, 1))
+  held = {"params": params, "state": opt.init(params)}
+
+  def run_ours():
+    held["params"], held["state"] = ours(held["params"], held["state"], grads)
+    jax.block_until_ready(held["params"])
+
+  tp = [torch.randn(s) for s in shapes]
+  for t in tp:
+    t.grad = torch.randn_like(t) * 1e-3
+  fused = torch.optim.AdamW(tp, lr=1e-3, fused=True)
+
+  def run_torch():
+    torch.nn.utils.clip_grad_norm_(tp, cfg.train.grad_clip)
+    fused.step()
+
+  return best_ms({"ours (optax, jit)": run_ours, "PyTorch fused AdamW": run_torch}, calls=1)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--only", action="append", choices=["gemm", "paged", "adamw"])
+  p.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
+  args = p.parse_args(argv)
+  import torch
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  print(f"# jax {jax.__version__}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}")
+  runs = {"gemm": lambda: gemm(args.rows), "paged": paged, "adamw": adamw}
+  for name in args.only or list(runs):
+    for label, ms in runs[name]().items():
+      print(f"{name:6s} {label:26s} {ms:9.2f} ms")
+
+
+if __name__ == "__main__":
+  main()
