@@ -322,7 +322,10 @@ class Engine:
     """Per-device temporaries of the largest step: the token budget in prefill chunks."""
     T = config.prefill_chunk
     budget = config.max_num_batched_tokens or sizing.DEFAULT_BATCHED_TOKENS
-    return self.runner.step_bytes(self.runner.bucket(-(-budget // T)), T)
+    r = self.runner
+    if r.segment is not None:  # the budget in segments
+      return r.step_bytes(r.segment_bucket(-(-budget // r.segment)), r.segment)
+    return r.step_bytes(r.bucket(-(-budget // T)), T)
 
   def _log_start(self, *, seqs_given: bool) -> None:
     """The start-up lines: the mesh, weights and pool per device, the pool, the largest batch."""
@@ -385,23 +388,17 @@ class Engine:
     if level == "none":
       return [], ["every step shape", *always]
     buckets = sorted({r.bucket(n) for n in range(1, c.max_num_seqs + 1)})
-    chunks = sorted({min(pow2(n, 16), c.prefill_chunk) for n in range(2, c.prefill_chunk + 1)})
     widths = r.widths()
-    fresh = lambda T: r.width(-(-T // c.block_size))  # T tokens from position 0
-    shapes = [
-      ("prefill", B, T, M)
-      for B in buckets
-      for T in chunks
-      for M in widths
-      if M == fresh(T) or (level == "all" and M > fresh(T))
-    ]
+    budget = c.max_num_batched_tokens
+    prefills = r.prefill_shapes(c.max_num_seqs, budget, c.prefill_chunk, level)
+    shapes = [("prefill", B, T, M) for B, T, M in prefills]
     shapes += [("decode", B, 1, M) for B in buckets for M in widths]
     if c.decode_burst >= 2:
       shapes += [("burst", B, c.decode_burst, M) for B in buckets for M in widths]
     if self.draft is not None:
       k, most = c.num_speculative_tokens, pow2(c.speculative_max_batch)
       shapes += [("speculate", B, k + 1, M) for B in buckets if B <= most for M in widths]
-    if level == "default":
+    if level == "default" and r.segment is None:
       always.insert(0, "prefills over a context already in the pool (warmup=all compiles them)")
     return shapes, always
 

@@ -41,6 +41,19 @@ def pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def fine_bucket(n: int) -> int:
+  """n rounded up to 1, 2, ..., 8, then to four steps per power of two (10, 12, 14, 16, 20, 24,
+  ...): at most a fifth of a bucket is padding, where a power of two can waste half."""
+  if n <= 8:
+    return max(n, 1)
+  step = pow2(n) // 8
+  return -(-n // step) * step
+
+
+# Prompt tokens per row of a segmented prefill (`ModelRunner.segment`).
+PREFILL_SEGMENT = 16
+
+
 def padding_inputs(B: int, T: int, M: int) -> StepInputs:
   """Inputs of B padding rows (length -1: nothing is written or read), T tokens, M columns."""
   zeros = lambda *shape: np.zeros(shape, np.int32)
@@ -115,6 +128,12 @@ class ModelRunner:
     # Block tables narrower than 64 tokens would only add compiled shapes.
     self.min_blocks = pow2(-(-64 // block_size))
     self.model, self.draft, self.drafter = model, draft, drafter
+    # Prompt rows cut into segments (`segments`) where attention's work does not grow with the
+    # block table's width: XLA's paged loop over a KV pool, which walks only the pages held.
+    attn = model.blocks.attn
+    paged_loop = jax.default_backend() == "cpu" and attn.implementation in (None, "xla")
+    dense_rows = cfg.mla is not None or cfg.sliding_window is not None
+    self.segment = PREFILL_SEGMENT if paged_loop and not dense_rows and drafter is None else None
     # Every (program, rows B per replica, tokens T, block-table columns M) a call has run: the
     # shapes warm-up must cover (a program compiles once per shape; see `Engine.warmup_shapes`).
     self.shapes_met: set[tuple[str, int, int, int]] = set()
@@ -246,15 +265,21 @@ class ModelRunner:
     """The padded row count per replica of a step with `n_rows` rows on its busiest replica."""
     return pow2(n_rows, self.min_batch_bucket)
 
-  def place(self, rows: Sequence[Row]) -> tuple[int, np.ndarray]:
+  def segment_bucket(self, n_rows: int) -> int:
+    """The padded row count per replica of a segmented prefill with `n_rows` segments on its
+    busiest replica."""
+    return fine_bucket(max(n_rows, self.min_batch_bucket))
+
+  def place(self, rows: Sequence[Row], bucket=None) -> tuple[int, np.ndarray]:
     """(B, each row's index in the batch): replica r's rows fill its slice [r * b, (r + 1) * b),
-    b the bucket of the busiest replica's count, in the order given."""
+    b the bucket (`bucket`, default `self.bucket`) of the busiest replica's count, in the order
+    given."""
     count = [0] * self.n_replicas
     local = []
     for row in rows:
       local.append(count[row.req.replica])
       count[row.req.replica] += 1
-    b = self.bucket(max(count))
+    b = (bucket or self.bucket)(max(count))
     slot = np.asarray([r.req.replica * b + j for r, j in zip(rows, local)], np.int32)
     return b * self.n_replicas, slot
 
@@ -271,10 +296,10 @@ class ModelRunner:
     B, M = x.block_table_BM.shape
     self.shapes_met.add((program, B // self.n_replicas, T, M))
 
-  def _table(self, rows: Sequence[Row], slot, B) -> np.ndarray:
-    """i32[B, M]: the rows' blocks, M the longest row's block count rounded up to a power of
-    two, so attention work follows the real lengths."""
-    M = self.width(max(len(r.blocks) for r in rows))
+  def _table(self, rows: Sequence[Row], slot, B, M: int | None = None) -> np.ndarray:
+    """i32[B, M]: the rows' blocks; M by default the longest row's block count rounded up to a
+    power of two, so attention work follows the real lengths."""
+    M = self.width(max(len(r.blocks) for r in rows)) if M is None else M
     table = np.zeros((B, M), np.int32)
     for row, b in zip(rows, slot):
       table[b, : len(row.blocks)] = row.blocks[:M]
@@ -287,11 +312,13 @@ class ModelRunner:
     *,
     penalties: bool,
     allowed: bool = True,
+    segmented: bool = False,
   ) -> tuple[StepInputs, np.ndarray]:
     """(the step's inputs for these rows, each row's batch index), on the host. Padding rows
     have length -1; `allowed` puts each guided row's mask (and a row in its min_tokens its
-    suppressed stops) in the sampling arrays."""
-    B, slot = self.place(rows)
+    suppressed stops) in the sampling arrays. `segmented` rows (`segments`) take the segment
+    bucket and the widest table."""
+    B, slot = self.place(rows, self.segment_bucket if segmented else None)
     tokens = np.zeros((B, T), np.int32)
     positions = np.full((B, T), -1, np.int32)
     lengths = np.full((B,), -1, np.int32)
@@ -321,7 +348,7 @@ class ModelRunner:
     x = StepInputs(
       tokens_BT=tokens,
       positions_BT=positions,
-      block_table_BM=self._table(rows, slot, B),
+      block_table_BM=self._table(rows, slot, B, self.max_blocks if segmented else None),
       lengths_B=lengths,
       last_B=last,
       seed_B=seeds,
@@ -379,13 +406,53 @@ class ModelRunner:
 
   # -- programs ----------------------------------------------------------------------------------
 
+  def segments(self, rows: Sequence[Row]) -> list[Row]:
+    """Each row cut into rows of `segment` tokens at most, in order.
+
+    One call computes them all: every layer writes the new keys and values of all its rows
+    before any row attends, so a segment sees the ones before it as cached context. Rows padded
+    to a common T pad each prompt to the longest (and the batch to a power of two); segments pad
+    each prompt to a multiple of `segment`, and their count to a `fine_bucket`.
+    """
+    C = self.segment
+    return [
+      dataclasses.replace(row, n=min(C, row.n - j), start=row.start + j)
+      for row in rows
+      for j in range(0, row.n, C)
+    ]
+
+  def prefill_shapes(self, max_rows: int, budget: int, prefill_chunk: int, level: str):
+    """Every (rows B per replica, tokens T, block-table columns M) a prefill call of at most
+    `max_rows` rows and `budget` tokens per replica can have: at level "default" only tables
+    holding T tokens from position 0 for padded rows; every shape for segments."""
+    if self.segment is not None:
+      C = self.segment
+      # Each row pads less than a segment; no row is longer than a chunk.
+      most = min(-(-(budget + max_rows * (C - 1)) // C), max_rows * -(-prefill_chunk // C))
+      buckets = sorted({self.segment_bucket(n) for n in range(1, most + 1)})
+      return [(b, C, self.max_blocks) for b in buckets]
+    buckets = sorted({self.bucket(n) for n in range(1, max_rows + 1)})
+    chunks = sorted({min(pow2(n, 16), prefill_chunk) for n in range(2, prefill_chunk + 1)})
+    fresh = lambda T: self.width(-(-T // self.block_size))  # T tokens from position 0
+    return [
+      (B, T, M)
+      for B in buckets
+      for T in chunks
+      for M in self.widths()
+      if M == fresh(T) or (level == "all" and M > fresh(T))
+    ]
+
   def forward(self, rows: Sequence[Row], T: int | None, prefill_chunk: int) -> dict:
-    """One mixed call over `rows` (T None: the rows' longest chunk, bucketed); returns {request
-    id: (token, logprob, top ids, top logprobs)}."""
-    if T is None:
+    """One mixed call over `rows` (T None: prompt rows, as `segments` where the runner cuts
+    them, else padded to the longest chunk, bucketed); returns {request id: (token, logprob,
+    top ids, top logprobs)}, a segmented row's from its last segment."""
+    segmented = T is None and self.segment is not None
+    if segmented:
+      rows, T = self.segments(rows), self.segment
+    elif T is None:
       T = min(pow2(max(r.n for r in rows), 16), prefill_chunk)
     penalties = any(r.req.params.uses_penalties for r in rows)
-    x, slot = self.inputs(rows, T, penalties=penalties)
+    x, slot = self.inputs(rows, T, penalties=penalties, segmented=segmented)
     self._met("prefill" if T > 1 else "decode", x, T)
     self.pools, *outs = self.programs.forward_sample(self.states, self.pools, self.on_devices(x))
     tok, lp, top_ids, top_lp = map(np.asarray, outs)

@@ -329,6 +329,32 @@ def test_chained_bursts_and_an_abort_in_flight(tiny_model):
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks
 
 
+def test_prompts_run_as_segments_and_pad_less(tiny_model):
+  """On CPU a step's prompts are cut into 16-token segments (`ModelRunner.segments`): three
+  prompts of 40, 3 and 17 tokens are 6 segments, 96 token slots, where rows padded to the
+  longest prompt take 4 x 64 = 256; the tokens are those of padded rows and of `generate`."""
+  prompts = [list(range(40)), [5, 6, 7], list(range(3, 20))]
+  params = SamplingParams(max_new_tokens=6)
+  config = EngineConfig(
+    n_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk=64
+  )
+  got = {}
+  for segment in (16, None):
+    engine = Engine(tiny_model, config)
+    engine.runner.segment = segment  # None: padded rows, as where attention is dense
+    shapes = []
+    program = engine.programs.forward_sample
+
+    def spy(states, pools, x, program=program, shapes=shapes):
+      shapes.append(x.tokens_BT.shape)
+      return program(states, pools, x)
+
+    engine.programs = dataclasses.replace(engine.programs, forward_sample=spy)
+    got[segment] = engine.generate(prompts, params)
+    assert shapes[0] == ((6, 16) if segment else (4, 64))
+  assert got[16] == got[None] == generate(tiny_model, prompts, params)
+
+
 def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
   prompts, params = workload(9, n=3)
   want = generate(tiny_model, prompts, params)
@@ -381,9 +407,17 @@ def test_warmup_levels_list_every_shape():
   assert engine.runner.widths() == [16, 32, 34]  # 64 tokens, doublings, context + k + 1
   shapes, deferred = engine.warmup_shapes()
   widths = (16, 32, 34)
-  assert shapes[:4] == [("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
+  # On CPU prompts run as 16-token segments over the widest table: two rows of a 32-token chunk
+  # are 4 segments at most, and every prefill, past a cached prefix too, is one of 4 shapes.
+  assert engine.runner.segment == 16
+  assert shapes[:4] == [("prefill", B, 16, 34) for B in (1, 2, 3, 4)]
   assert shapes[4:10] == [("decode", B, 1, M) for B in (1, 2) for M in widths]
   assert shapes[10:] == [("burst", B, 4, M) for B in (1, 2) for M in widths]
+  assert engine.warmup_shapes("all") == (shapes, deferred)
+  assert not any(d.startswith("prefills over a context") for d in deferred)
+  engine.runner.segment = None  # prompt rows padded to their chunk, as where attention is dense
+  shapes, deferred = engine.warmup_shapes()
+  assert shapes[:4] == [("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
   assert deferred[0].startswith("prefills over a context already in the pool")
   every, _ = engine.warmup_shapes("all")
   prefills = [("prefill", B, T, M) for B in (1, 2) for T in (16, 32) for M in widths]
@@ -413,13 +447,14 @@ def test_after_warmup_nothing_compiles(burst, last, n_compiled):
   assert compiled() == (0, 0)
   seen = []
   engine.warmup(lambda i, n, shape: seen.append(f"{i}/{n} {shape}"))
-  assert seen[0] == f"1/{len(shapes)} prefill B=1 T=16 M=16" and seen[-1] == last
+  assert seen[0] == f"1/{len(shapes)} prefill B=1 T=16 M=34" and seen[-1] == last
   assert compiled() == n_compiled
   # Short and chunk-long prompts, alone and together, streamed (decode steps) and not (bursts),
   # each with a context through every block-table width to the end of the context.
   short, long = [1, 2, 3], [4, 5, 6, 7, 8] * 5
+  groups = [[short, short[::-1]], [long], [short], [long[::-1], [9, 9]], [[7] * 25, [8] * 25]]
   for stream in (False, True):
-    for group in ([short, short[::-1]], [long], [short], [long[::-1], [9, 9]]):
+    for group in groups:
       for i, p in enumerate(group):
         whole = SamplingParams(max_new_tokens=128 - len(p))
         engine.add_request((stream, len(engine.runner.shapes_met), i), p, whole, stream=stream)
