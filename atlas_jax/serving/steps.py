@@ -339,8 +339,15 @@ log = logging.getLogger(__name__)
 # than XLA's own loops, threads included: on 2 cores the batch-32 decode step took 30.8 ms by
 # default and 27.5 ms with only the dots in YNNPACK, prefill chunks unchanged (bench/cpu_profile.py
 # --path decode|prefill; a training step gains nothing, so the trainer keeps the default).
+# XLA also rewrites every reduction of more than 32 elements into a reduce-window of 32 and a
+# reduction of the windows, and a reduce-window fuses nothing before it: the paged decode
+# attention's scores, a product summed over a head's 64 dims, were written out whole
+# ([B, C, K, G, 64] a page step) and read back. Without that pass the product and its sum are one
+# loop: the decode step 24.6 -> 20.5 ms, the paged attention alone 10.1 -> 5.6 ms
+# (bench/cpu_micro.py --only paged), prefill chunks unchanged.
 CPU_COMPILER_OPTIONS = {
-  "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+  "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+  "xla_disable_hlo_passes": "tree_reduction_rewriter",
 }
 
 

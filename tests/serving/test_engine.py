@@ -382,7 +382,7 @@ WARM = EngineConfig(
 def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   """On CPU the step programs compile with `steps.CPU_COMPILER_OPTIONS`: every YNNPACK call of
   the compiled decode step is a dot (XLA's default also hands it reductions and elementwise
-  work, which cost more there at a decode step's sizes)."""
+  work, which cost more there at a decode step's sizes), and no reduction is split."""
   from atlas_jax.serving import steps
 
   assert steps.compiler_options() == steps.CPU_COMPILER_OPTIONS  # this XLA knows the option
@@ -399,6 +399,10 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   called = re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
   assert called, "no YNNPACK call at all: the matmuls should still be YNNPACK's"
   assert all(" dot(" in bodies[name] for name in called), called
+  # No reduction split into strided windows of 32 (XLA's tree reduction rewriter is off): the
+  # attention's scores are summed in the loop that multiplies them, never written out first.
+  # (The sampler's cumulative sums are reduce-windows of stride 1.)
+  assert re.search(r"reduce-window\(.*stride=", hlo) is None
 
 
 def test_warmup_levels_list_every_shape():
