@@ -190,9 +190,17 @@ class Transformer(nnx.Module):
       positions_BT = default_positions(tokens_BT, None)
     return self._trunk(tokens_BT, positions_BT, segment_ids_BT, None)[1]
 
-  def _logits(self, h_BTD: Array) -> Array:
+  def _logits(self, h_BTD: Array, *, flat: bool = False) -> Array:
+    """f32[B, T, V]. `flat` (training): one [B x T, D] x [D, V] matmul, where the backward of
+    the 3-D einsum ran the head's weight gradient over a transposed copy of dlogits on XLA's
+    CPU backend. Serving keeps the einsum: over a vocabulary-parallel head the partitioner
+    gathers its [B, V] logits, where for the 2-D form it gathered the whole head."""
     head_DV = self._head_DV().astype(h_BTD.dtype)
-    return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
+    if not flat:
+      return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
+    B, T, D = h_BTD.shape
+    logits_MV = jnp.dot(h_BTD.reshape(B * T, D), head_DV, preferred_element_type=jnp.float32)
+    return logits_MV.reshape(B, T, -1)
 
   def _runs(self):
     """(graphdef, the run's slice of its stack's state, first layer) per run, in order."""
@@ -366,7 +374,7 @@ class Transformer(nnx.Module):
         embed_VD=self.embed[...],
         head_DV=None if hidden else self._head_DV(),
       )
-    return TrainOutputs(h_BTD if hidden else self._logits(h_BTD), mtp_JBT_, stats)
+    return TrainOutputs(h_BTD if hidden else self._logits(h_BTD, flat=True), mtp_JBT_, stats)
 
   def forward_mtp(
     self,

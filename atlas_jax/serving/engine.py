@@ -15,7 +15,9 @@ fails alone, and a step that loses the donated pools rebuilds them.
 
 Each `step()` is one of the scheduler's plans. A mixed step runs the jitted step twice at most:
 once over the prefill rows [B, T] and once over the decode rows [B, 1], with B and T rounded up
-to powers of two so that a few compiled shapes serve every step; prefill runs first, so a
+to powers of two so that a few compiled shapes serve every step (on CPU the prompts run as
+16-token segments instead, `ModelRunner.segments`: padded per prompt, not to the longest, in
+finer batch buckets); prefill runs first, so a
 request admitted this step whose prefix blocks another row is computing reads them after they
 are written. When every running request is decoding and nothing waits that could be admitted,
 a step is a burst instead: `decode_burst` iterations in one jitted call, each sampled token fed
