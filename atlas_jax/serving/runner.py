@@ -42,10 +42,11 @@ def pow2(n: int, minimum: int = 1) -> int:
 
 
 def fine_bucket(n: int) -> int:
-  """n rounded up to 1, 2, ..., 8, then to four steps per power of two (10, 12, 14, 16, 20, 24,
-  ...): at most a fifth of a bucket is padding, where a power of two can waste half."""
-  if n <= 8:
-    return max(n, 1)
+  """n rounded up to a power of two up to 16, then to four steps per power of two (20, 24, 28,
+  32, 40, ...): above 16, at most a fifth of a bucket is padding, where a power of two can waste
+  half; below, a few shapes more would buy little."""
+  if n <= 16:
+    return pow2(n)
   step = pow2(n) // 8
   return -(-n // step) * step
 
