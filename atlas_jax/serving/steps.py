@@ -343,8 +343,9 @@ log = logging.getLogger(__name__)
 # reduction of the windows, and a reduce-window fuses nothing before it: the paged decode
 # attention's scores, a product summed over a head's 64 dims, were written out whole
 # ([B, C, K, G, 64] a page step) and read back. Without that pass the product and its sum are one
-# loop: the decode step 24.6 -> 20.5 ms, the paged attention alone 10.1 -> 5.6 ms
-# (bench/cpu_micro.py --only paged), prefill chunks unchanged.
+# loop: the decode step 24.6 -> 20.5 ms (bench/cpu_profile.py --path decode), the paged
+# attention alone 12.1 ms at XLA's defaults and 5.1 ms with these options (bench/cpu_micro.py
+# --only paged), a 4 x 128 prefill 102 -> 106 ms.
 CPU_COMPILER_OPTIONS = {
   "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
   "xla_disable_hlo_passes": "tree_reduction_rewriter",

@@ -423,6 +423,7 @@ def test_warmup_levels_list_every_shape():
   shapes, deferred = engine.warmup_shapes()
   assert shapes[:4] == [("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
   assert shapes[4:10] == [("decode", B, 1, M) for B in (1, 2) for M in widths]
+  assert shapes[10:] == [("burst", B, 4, M) for B in (1, 2) for M in widths]
   assert deferred[0].startswith("prefills over a context already in the pool")
   every, _ = engine.warmup_shapes("all")
   prefills = [("prefill", B, T, M) for B in (1, 2) for T in (16, 32) for M in widths]
