@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import COMPILE_FAST
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -57,10 +59,8 @@ def train_cmd(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
 
 def env(devices: int) -> dict[str, str]:
   e = dict(os.environ)
-  # LLVM's optimisation off, as for the suite's own process (tests/conftest.py): compiles faster.
-  e["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-  )
+  # Compiled as in the suite's own process (tests/conftest.py): faster to compile.
+  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {COMPILE_FAST}"
   e["JAX_PLATFORMS"] = "cpu"
   return e
 

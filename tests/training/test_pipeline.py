@@ -236,8 +236,10 @@ def test_each_stage_holds_its_layers_and_a_share_of_the_state(repeats):
   for shard in wq.addressable_shards:
     s = _stage_of(trainer, shard.device)
     layers = [g * 2 * per + s * per + j for g in range(repeats) for j in range(per)]
-    np.testing.assert_array_equal(
-      np.asarray(shard.data), full[layers][(slice(None), *shard.index[1:])]
+    # To float rounding: the two inits are different programs, and XLA's CPU emitters may
+    # vectorise their draws' transcendentals differently (another layer's weights differ wholly).
+    np.testing.assert_allclose(
+      np.asarray(shard.data), full[layers][(slice(None), *shard.index[1:])], rtol=1e-6
     )
 
 
