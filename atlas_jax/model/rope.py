@@ -43,13 +43,39 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 def apply_rope(x_BTNH: Array, positions_BT: Array, inv_freq: np.ndarray) -> Array:
   """Rotates each (i, i + H/2) pair of `x` by position * inv_freq[i]."""
-  half = x_BTNH.shape[-1] // 2
   angles_BTh = positions_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
   # Angles and their cos/sin in float32: bf16 positions lose integer precision past 256.
   cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :].astype(x_BTNH.dtype)
   sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :].astype(x_BTNH.dtype)
+  return _rotate(x_BTNH, cos_BT1h, sin_BT1h)
+
+
+def _rotate_halves(x_BTNH: Array, cos_BT1h: Array, sin_BT1h: Array) -> Array:
+  half = x_BTNH.shape[-1] // 2
   x1, x2 = x_BTNH[..., :half], x_BTNH[..., half:]
   return jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], axis=-1)
+
+
+# The gradient of a rotation is the rotation by the opposite angle. Written out, it is one pass
+# like the forward; left to autodiff, each half's slice transposes to a pad of the whole head dim
+# and the pads are summed, which XLA's CPU backend ran as a slow fusion of four full-size inputs
+# (BENCHMARKS.md, the training profile). The same products are summed, so the gradient is equal.
+@jax.custom_vjp
+def _rotate(x_BTNH: Array, cos_BT1h: Array, sin_BT1h: Array) -> Array:
+  return _rotate_halves(x_BTNH, cos_BT1h, sin_BT1h)
+
+
+def _rotate_fwd(x_BTNH, cos_BT1h, sin_BT1h):
+  return _rotate_halves(x_BTNH, cos_BT1h, sin_BT1h), (cos_BT1h, sin_BT1h)
+
+
+def _rotate_bwd(residuals, dy_BTNH):
+  cos_BT1h, sin_BT1h = residuals
+  # cos and sin come from positions, never from anything trained: no gradient for them.
+  return _rotate_halves(dy_BTNH, cos_BT1h, -sin_BT1h), None, None
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
