@@ -439,9 +439,10 @@ def activation_bytes(
     policy: one of REMAT_POLICIES.
     compute_bytes: 4 (fp32) or 2 (bf16 / fp16 compute).
     attention: "flash" (the Pallas kernel, the default on GPU and TPU) or "xla" (the reference,
-      which saves the [N, T, S] probabilities; the CPU's default, causal self-attention in
-      query blocks, keeps fewer of them and a head-major copy of q, k and v: measured within
-      -8% to +4% of this figure on the test models at T = 24 and 40).
+      which saves the [N, T, S] scores and probabilities; the CPU's default, causal
+      self-attention in query blocks with a written-out backward, keeps only the probabilities
+      it computed and a head-major copy of q, k and v: measured 3% to 27% under this figure on
+      the test models at T = 24 and 40, so the figure is an upper bound for it).
     remat_every: k for every_k (must divide n_layers); default the divisor nearest sqrt(L).
     tensor: tensor-parallel ways (head, FFN and vocab sized tensors split; estimate only).
     loss_chunk: train.loss_chunk; > 0, the chunked cross-entropy keeps no logits and no
