@@ -17,7 +17,8 @@ Each `step()` is one of the scheduler's plans. A mixed step runs the jitted step
 once over the prefill rows [B, T] and once over the decode rows [B, 1], with B and T rounded up to
 powers of two so that a few compiled shapes serve every step (on CPU the prompts run as 16-token
 segments instead, `ModelRunner.segments`: padded per prompt, not to the longest, in finer batch
-buckets); prefill runs first, so a request admitted this step whose prefix blocks another row is
+buckets, and the decode rows join them as one-token segments when the segment bucket's padding
+has room for them, `ModelRunner.carries`, making the step one call); prefill runs first, so a request admitted this step whose prefix blocks another row is
 computing reads them after they are written. When every running request is decoding and nothing
 waits that could be admitted, a step is a burst instead: `decode_burst` iterations in one jitted
 call, each sampled token fed back on the device. The host reads the I tokens of every row once,
@@ -602,8 +603,11 @@ class Engine:
     results: dict[RequestId, tuple] = {}
     failed: dict[RequestId, str] = {}
     chunk = self.config.prefill_chunk
+    calls = ((prefill, None), (decode, 1))
+    if self.runner.carries(prefill, decode):
+      calls = (([*prefill, *decode], None),)
     try:
-      for rows, T in ((prefill, None), (decode, 1)):
+      for rows, T in calls:
         if rows:
           run = lambda group, T=T: self.runner.forward(group, T, chunk)
           got, bad = faults.run_isolated(run, rows, self.runner)

@@ -271,6 +271,23 @@ class ModelRunner:
     busiest replica."""
     return fine_bucket(max(n_rows, self.min_batch_bucket))
 
+  def busiest(self, rows: Sequence[Row]) -> int:
+    """The most rows any one replica holds."""
+    count = [0] * self.n_replicas
+    for row in rows:
+      count[row.req.replica] += 1
+    return max(count)
+
+  def carries(self, prefill: Sequence[Row], decode: Sequence[Row]) -> bool:
+    """Whether the segmented prefill of `prefill` takes the `decode` rows (one token each) as
+    segments in the padding its segment bucket computes anyway: one call for the step instead
+    of a prefill and a decode call, each reading every weight, at no more token slots."""
+    if self.segment is None or not prefill or not decode:
+      return False
+    segments = self.segments(prefill)
+    before = self.segment_bucket(self.busiest(segments))
+    return self.segment_bucket(self.busiest([*segments, *decode])) == before
+
   def place(self, rows: Sequence[Row], bucket=None) -> tuple[int, np.ndarray]:
     """(B, each row's index in the batch): replica r's rows fill its slice [r * b, (r + 1) * b),
     b the bucket (`bucket`, default `self.bucket`) of the busiest replica's count, in the order

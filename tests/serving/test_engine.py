@@ -355,6 +355,41 @@ def test_prompts_run_as_segments_and_pad_less(tiny_model):
   assert got[16] == got[None] == generate(tiny_model, prompts, params)
 
 
+@pytest.mark.parametrize("prompt_len, calls", [(40, [(4, 16)]), (32, [(2, 16), (1, 1)])])
+def test_decode_rows_ride_in_the_segments_padding(tiny_model, prompt_len, calls):
+  """A step that prefills a new prompt while a request decodes: 40 tokens are 3 segments,
+  bucketed to 4, so the decoding row takes the fourth and the step is one call; 32 tokens are 2
+  segments, bucket 2, where a third would grow the bucket, so the decode row runs on its own.
+  Either way each request's tokens are `generate`'s."""
+  config = EngineConfig(
+    n_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk=64
+  )
+  engine = Engine(tiny_model, config)
+  shapes = []
+  program = engine.programs.forward_sample
+
+  def spy(states, pools, x):
+    shapes.append(x.tokens_BT.shape)
+    return program(states, pools, x)
+
+  engine.programs = dataclasses.replace(engine.programs, forward_sample=spy)
+  prompts = {"a": [3, 1, 4, 1, 5], "b": [t % 37 for t in range(prompt_len)]}
+  params = SamplingParams(max_new_tokens=6)
+  got = {rid: [] for rid in prompts}
+  collect = lambda: [got[o.request_id].extend(o.new_token_ids) for o in engine.step()]
+  engine.add_request("a", prompts["a"], params, stream=True)  # streamed: single decode steps
+  collect()  # a's prefill
+  collect()  # a's first decode step
+  engine.add_request("b", prompts["b"], params, stream=True)
+  del shapes[:]
+  collect()  # b's prefill beside a's decode
+  assert shapes == calls
+  while engine.has_unfinished():
+    collect()
+  for rid, prompt in prompts.items():
+    assert got[rid] == generate(tiny_model, [prompt], params)[0], rid
+
+
 def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
   prompts, params = workload(9, n=3)
   want = generate(tiny_model, prompts, params)
