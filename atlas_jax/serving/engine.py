@@ -13,24 +13,25 @@
 Fault isolation (`faults`) wraps the runner's calls: a request whose rows make a step raise
 fails alone, and a step that loses the donated pools rebuilds them.
 
-Each `step()` is one of the scheduler's plans. A mixed step runs the jitted step twice at most:
-once over the prefill rows [B, T] and once over the decode rows [B, 1], with B and T rounded up to
-powers of two so that a few compiled shapes serve every step (on CPU the prompts run as 16-token
-segments instead, `ModelRunner.segments`: padded per prompt, not to the longest, in finer batch
-buckets, and the decode rows join them as one-token segments when the segment bucket's padding
-has room for them, `ModelRunner.carries`, making the step one call); prefill runs first, so a request admitted this step whose prefix blocks another row is
-computing reads them after they are written. When every running request is decoding and nothing
-waits that could be admitted, a step is a burst instead: `decode_burst` iterations in one jitted
-call, each sampled token fed back on the device. The host reads the I tokens of every row once,
-cuts each at its first stop (eos, stop token, max_tokens, stop string) and gives back the blocks it
-did not need, so outputs are exactly those of single steps while the host's per-step work is paid
-once per I tokens. The next burst is dispatched (chained, fed by the last one's draws on the
-device) before the host reads the one in flight, so the host settles step n while the device runs
-step n + 1; a request that arrives meanwhile and could be admitted stops the chain, so it waits for
-the burst in flight and no more, and is prefilled in the step after. While a streamed request runs
-(`add_request(..., stream=True)`, as the server's `stream: true`) no burst runs: each step hands
-back its next token as soon as it is drawn, as vLLM streams; `stream_bursts` keeps bursting then (I
-tokens per step, the host's work amortised), with the same tokens.
+Each `step()` is one of the scheduler's plans. A mixed step runs the jitted step twice at most: once
+over the prefill rows [B, T] and once over the decode rows [B, 1], with B and T rounded up to powers
+of two so that a few compiled shapes serve every step (on CPU the prompts run as 16-token segments
+instead, `ModelRunner.segments`: padded per prompt, not to the longest, in finer batch buckets, and
+the decode rows join them as one-token segments when the segment bucket's padding has room for them,
+`ModelRunner.carries`, making the step one call); prefill runs first, so a request admitted this
+step whose prefix blocks another row is computing reads them after they are written. When every
+running request is decoding and nothing waits that could be admitted, a step is a burst instead:
+`decode_burst` iterations in one jitted call, each sampled token fed back on the device. The host
+reads the I tokens of every row once, cuts each at its first stop (eos, stop token, max_tokens, stop
+string) and gives back the blocks it did not need, so outputs are exactly those of single steps
+while the host's per-step work is paid once per I tokens. The next burst is dispatched (chained, fed
+by the last one's draws on the device) before the host reads the one in flight, so the host settles
+step n while the device runs step n + 1; a request that arrives meanwhile and could be admitted
+stops the chain, so it waits for the burst in flight and no more, and is prefilled in the step
+after. While a streamed request runs (`add_request(..., stream=True)`, as the server's `stream:
+true`) no burst runs: each step hands back its next token as soon as it is drawn, as vLLM streams;
+`stream_bursts` keeps bursting then (I tokens per step, the host's work amortised), with the same
+tokens.
 
 Attention work follows the real lengths: every call's block table has as many columns as its
 longest row holds blocks, rounded up to a power of two, not the context's maximum.
