@@ -45,6 +45,14 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
 
     python bench/serve.py --peer vllm --peer-python .venv-vllm/bin/python --batches 8,32
     python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3
+    python bench/serve.py --online --peer vllm --streams 4,16 --guidellm .venv-guidellm/bin/guidellm
+
+8. with `--guidellm PATH` (guidellm 0.8.1 in a virtualenv of its own: `python3 -m venv
+   .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1`), each server is also driven
+   by guidellm at each --streams count, right after our own passes on it: a warm-up pass, then
+   one pass of the same prompts as text in the folder tokenizer's words ("w17 w803 ...", so both
+   servers read the same ids), its figures in the table's "guidellm" rows (guidellm's own
+   TTFT and ITL percentiles, and output tokens over its measured duration).
 
 vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:
 
@@ -469,6 +477,10 @@ def main(argv=None) -> None:
     "--streams", default="4,16", help="--online: concurrent streams of each fixed-load shape"
   )
   p.add_argument("--seed", type=int, default=0, help="--online: prompts and Poisson arrivals")
+  p.add_argument(
+    "--guidellm",
+    help="--online: guidellm's executable, run on each server too at each --streams count",
+  )
   p.add_argument(
     "--server-timeout", type=float, default=900, help="--online: seconds a server may take to start"
   )

@@ -278,9 +278,45 @@ def online_server(kind: str, folder: Path, args, prompts_by_pass) -> dict:
           bodies = serve_http.completion_bodies(prompts, args.new_tokens, MODEL_NAME)
           figures.append(drive(port, shape, bodies, args))
         results[name] = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+        if args.guidellm and isinstance(shape, int):
+          results[f"guidellm {name}"] = guidellm_pass(args, port, shape, folder, prompts_by_pass)
     finally:
       serve_http.stop(proc)
   return results
+
+
+def guidellm_pass(args, port: int, streams: int, folder: Path, prompts_by_pass) -> dict:
+  """guidellm (an outside load generator, `--guidellm PATH` its executable) on the same server:
+  a warm-up pass, then one measured pass of `args.requests` of the last pass's prompts, written
+  as text in the folder tokenizer's words so both servers read the same token ids."""
+  out = {}
+  for label, prompts in (("warm", prompts_by_pass[0]), ("run", prompts_by_pass[-1])):
+    data = folder.parent / f"guidellm_{port}_{label}.jsonl"
+    with open(data, "w") as f:
+      for p in prompts:
+        text = " ".join(f"w{t}" for t in p)
+        row = {"prompt": text, "prompt_tokens_count": len(p)}
+        f.write(json.dumps({**row, "output_tokens_count": args.new_tokens}) + "\n")
+    report = folder.parent / f"guidellm_{port}_{label}.json"
+    backend = f"http://127.0.0.1:{port},model={MODEL_NAME},request_format=/v1/completions"
+    cmd = [args.guidellm, "run", "--backend", f"kind=openai_http,target={backend}"]
+    cmd += ["--profile", f"kind=concurrent,streams={streams}"]
+    cmd += ["--constraint", f"kind=max_requests,count={len(prompts)}"]
+    cmd += ["--data", f"kind=json_file,path={data}"]
+    cmd += ["--tokenizer", f"kind=huggingface_auto,model={folder}"]
+    cmd += ["--output", f"kind=json,path={report}", "--disable-console-interactive"]
+    done = subprocess.run(cmd, cwd=folder.parent, capture_output=True, text=True)
+    if done.returncode:
+      raise SystemExit(f"error: guidellm exited with {done.returncode}\n{done.stderr[-3000:]}")
+  bench = json.loads(report.read_text())["benchmarks"][0]
+  m = bench["metrics"]
+  ttft, itl = m["time_to_first_token_ms"]["successful"], m["inter_token_latency_ms"]["successful"]
+  pct = lambda d, q: d["median"] if q == 50 else d["percentiles"][f"p{q}"]
+  tokens = m["output_token_count"]["successful"]["total_sum"]
+  out = {"tok_s": tokens / bench["duration"], "events_per_token": float("nan")}
+  for q in (50, 90, 99):
+    out[f"ttft_p{q}"], out[f"itl_p{q}"] = pct(ttft, q), pct(itl, q)
+  return out
 
 
 def online(model: Transformer, args) -> None:
@@ -308,13 +344,16 @@ def online(model: Transformer, args) -> None:
     "events / token |"
   )
   print("|---|---|---|---|---|---|")
-  for name, _ in load_shapes(args):
+  names = [name for name, _ in load_shapes(args)]
+  names += [f"guidellm {n}" for n in names if f"guidellm {n}" in table["ours"]]
+  for name in names:
     for kind in kinds:
       f = table[kind][name]
+      events = f["events_per_token"]  # NaN: guidellm does not count them
       print(
         f"| {kind} | {name} | {f['tok_s']:.0f} | {f['ttft_p50']:.0f} / {f['ttft_p90']:.0f} / "
         f"{f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / {f['itl_p90']:.1f} / {f['itl_p99']:.1f} | "
-        f"{f['events_per_token']:.2f} |"
+        f"{'-' if events != events else format(events, '.2f')} |"
       )
     if args.peer:
       ratio = table["ours"][name]["tok_s"] / table["vLLM"][name]["tok_s"]

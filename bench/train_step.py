@@ -29,15 +29,21 @@ def build(cfg: Config):
   return make_train_step(trainer), trainer.init(jax.random.key(0))
 
 
-def run(step, state, batches, warmup: int) -> tuple[float, float, dict]:
-  """(seconds of the first `warmup` steps, which compile, seconds of the rest, the last step's
-  metrics), training from `state` on `batches`."""
+def stepper(step, state):
+  """one(tokens i32[B, T + 1]) -> metrics: `step` from `state`, the state carried between calls."""
 
   def one(tokens):
     nonlocal state
     state, metrics = step(state, {"tokens": tokens})
     return metrics
 
+  return one
+
+
+def run(step, state, batches, warmup: int) -> tuple[float, float, dict]:
+  """(seconds of the first `warmup` steps, which compile, seconds of the rest, the last step's
+  metrics), training from `state` on `batches`."""
+  one = stepper(step, state)
   warmup_s, _ = seconds_for(one, batches[:warmup])
   seconds, metrics = seconds_for(one, batches[warmup:])
   return warmup_s, seconds, metrics
