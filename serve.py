@@ -390,6 +390,13 @@ CONFIG_FLAGS = {
     "fresh prompts); all (also prefills over a context already in the pool: chunks past "
     "--prefill-chunk, prompts after a cached prefix)",
   ),
+  "engine.weight_layout": (
+    ("--weight-layout",),
+    str,
+    "how one device holds the projections: in_major ([in, out], as trained); out_major "
+    "([out, in], as nn.Linear); auto (on a CPU, the one its GEMMs read faster, timed at "
+    "start-up; in_major elsewhere)",
+  ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
   "limits.max_n": (("--max-n",), int, "largest n (choices per request) allowed"),

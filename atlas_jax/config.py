@@ -561,6 +561,7 @@ def _power_of_two(where: str, value: int) -> None:
 
 
 WARMUP_LEVELS = ("none", "default", "all")
+WEIGHT_LAYOUTS = ("auto", "in_major", "out_major")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,11 +614,20 @@ class EngineConfig:
   # prompts; "all": also prefills over a context already in the pool (a prompt's chunks past
   # `prefill_chunk`, a prompt after a cached prefix).
   warmup: str = "default"
+  # How one device holds the projections: "in_major" as trained ([in, out]), "out_major"
+  # transposed ([out, in], each output's weights contiguous, as `nn.Linear` holds them), or
+  # "auto": on a CPU, whichever of the two its GEMMs read faster, timed at start-up (it differs
+  # between CPUs; BENCHMARKS.md), elsewhere in-major. A mesh holds them in-major.
+  weight_layout: str = "auto"
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"
     if self.warmup not in WARMUP_LEVELS:
       _fail(where("warmup"), self.warmup, f"must be one of {', '.join(WARMUP_LEVELS)}")
+    if self.weight_layout not in WEIGHT_LAYOUTS:
+      _fail(
+        where("weight_layout"), self.weight_layout, f"must be one of {', '.join(WEIGHT_LAYOUTS)}"
+      )
     for name in (
       "n_blocks",
       "block_size",

@@ -299,7 +299,7 @@ def guidellm_pass(args, port: int, streams: int, folder: Path, prompts_by_pass) 
         f.write(json.dumps({**row, "output_tokens_count": args.new_tokens}) + "\n")
     report = folder.parent / f"guidellm_{port}_{label}.json"
     backend = f"http://127.0.0.1:{port},model={MODEL_NAME},request_format=/v1/completions"
-    cmd = [args.guidellm, "run", "--backend", f"kind=openai_http,target={backend}"]
+    cmd = [os.path.abspath(args.guidellm), "run", "--backend", f"kind=openai_http,target={backend}"]
     cmd += ["--profile", f"kind=concurrent,streams={streams}"]
     cmd += ["--constraint", f"kind=max_requests,count={len(prompts)}"]
     cmd += ["--data", f"kind=json_file,path={data}"]

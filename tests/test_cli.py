@@ -241,6 +241,10 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
       ["--set", "serve.engine.stream_bursts=2"],
       "serve.engine.stream_bursts=2 is not allowed: expected true or false",
     ),
+    (
+      ["--weight-layout", "sideways"],
+      "--weight-layout='sideways' is not allowed: must be one of auto, in_major, out_major",
+    ),
     (["--set", "model.n_layers=2"], "--set model.n_layers=2 is not allowed: serve.py takes"),
     (
       ["--set", "serve.sampling.top_p=2"],

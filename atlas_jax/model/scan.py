@@ -198,9 +198,11 @@ class OutMajor:
   """A weight W[*in, *out] held transposed, as [prod(out), prod(in)]: each output's weights
   contiguous.
 
-  XLA's CPU GEMMs multiply x [M, in] by such a matrix faster than by W itself (a decode step's
-  projections at 32 rows: 9.74 -> 7.82 ms, `python bench/cpu_micro.py --only gemm`), its panels
-  needing no repacking per call; PyTorch's `nn.Linear` holds its weights the same way.
+  On some CPUs XLA's GEMMs multiply x [M, in] by such a matrix faster than by W itself, on
+  others slower (a decode step's projections at 32 rows, `python bench/cpu_micro.py --only
+  gemm`: 9.74 -> 7.82 ms on one 2-core machine, 5.40 -> 6.19 ms on another, with AVX-512), so
+  the serving engine's `weight_layout="auto"` times both at start-up (`serving.runner`).
+  PyTorch's `nn.Linear` holds its weights this way.
   `w[...]` gives W back as a transpose and a reshape of the stored matrix, which XLA folds into
   the dot's dimension numbers, so the model's einsums read the stored matrix in place.
   """
@@ -229,6 +231,29 @@ def _leaf_name(path) -> str | None:
   names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
   names = [n for n in names if isinstance(n, str) and n != "value"]
   return names[-1] if names else None
+
+
+def out_major_candidates(state, stacks=("blocks", "dense_blocks"), limit_bytes=None) -> list:
+  """The projections `unstack_layers(out_major=True)` would hold transposed, as 2-D [in, out]
+  matrices, layer by layer (every named projection of layer 0, then of layer 1, ...): all of
+  them, or the first ones that hold at least `limit_bytes`."""
+  named = []
+  for name in stacks:
+    if name in state:
+      for path, x in jax.tree_util.tree_leaves_with_path(state[name]):
+        rank, n_in = OUT_MAJOR.get(_leaf_name(path), (None, None))
+        if rank == x.ndim - 1:
+          named.append((x, n_in))
+  out, held = [], 0
+  for i in range(max((x.shape[0] for x, _ in named), default=0)):
+    for x, n_in in named:
+      if i < x.shape[0]:
+        w = x[i]
+        out.append(w.reshape(math.prod(w.shape[:n_in]), -1))
+        held += w.nbytes
+        if limit_bytes is not None and held >= limit_bytes:
+          return out
+  return out
 
 
 def unstack_layers(state, mesh=None, stacks=("blocks", "dense_blocks"), out_major=False):

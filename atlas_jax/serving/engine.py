@@ -189,6 +189,11 @@ class Engine:
       )
     mesh = _mesh_for(config, mesh)
     dp, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
+    if mesh is not None and config.weight_layout == "out_major":
+      raise ConfigError(
+        f"serve.engine.weight_layout='out_major' is not allowed on a mesh of {dp} x {tp} "
+        "devices: out-major projections are for one device; use 'auto' or 'in_major'"
+      )
     placement.check_heads(cfg, tp)
     model = placement.repeat_kv_heads(model, tp)
     served_draft = None
@@ -215,6 +220,8 @@ class Engine:
       block_size=Z,
       max_blocks=max_blocks,
       min_batch_bucket=config.min_batch_bucket,
+      weight_layout=config.weight_layout,
+      layout_rows=pow2(min(config.max_num_seqs or 32, 256)),
     )
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     self.pool_size = sizing.size_pool(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from atlas_jax.decoding.drafters import Drafter, hidden_store
 from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams
-from atlas_jax.model.scan import unstack_layers
+from atlas_jax.model.scan import out_major_candidates, unstack_layers
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import steps
 from atlas_jax.serving.requests import Request
@@ -53,6 +55,32 @@ def fine_bucket(n: int) -> int:
 
 # Prompt tokens per row of a segmented prefill (`ModelRunner.segment`).
 PREFILL_SEGMENT = 16
+
+
+# Bytes of projections `weight_layout="auto"` times both ways: more than a CPU's last-level cache
+# holds, so that the GEMMs read their weights from memory, as a step's do.
+LAYOUT_PROBE_BYTES = 64 << 20
+
+
+def time_layouts(mats: Sequence[Array], rows: int, rounds: int = 7) -> tuple[float, float]:
+  """(in-major ms, out-major ms): x[rows, in] times each [in, out] matrix of `mats`, as stored
+  and held transposed (`model.scan.OutMajor`'s layout), compiled as the step programs are; each
+  the best of `rounds` calls, the two alternating."""
+  xs = {k: jnp.ones((rows, k), mats[0].dtype) for k in {m.shape[0] for m in mats}}
+  held = [jnp.transpose(m) for m in mats]  # a copy, each output's weights contiguous
+  jit = lambda f: jax.jit(f, compiler_options=steps.compiler_options())
+  in_major = jit(lambda xs, ws: [xs[w.shape[0]] @ w for w in ws])
+  out_major = jit(lambda xs, ts: [xs[t.shape[1]] @ t.T for t in ts])
+  calls = ((in_major, list(mats)), (out_major, held))
+  for f, ws in calls:
+    jax.block_until_ready(f(xs, ws))  # compiles
+  best = [math.inf, math.inf]
+  for _ in range(rounds):
+    for i, (f, ws) in enumerate(calls):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(xs, ws))
+      best[i] = min(best[i], time.perf_counter() - t0)
+  return best[0] * 1e3, best[1] * 1e3
 
 
 def padding_inputs(B: int, T: int, M: int) -> StepInputs:
@@ -119,6 +147,8 @@ class ModelRunner:
     block_size: int,
     max_blocks: int,
     min_batch_bucket: int,
+    weight_layout: str = "auto",
+    layout_rows: int = 32,
   ):
     cfg = model.cfg
     self.model_config = cfg
@@ -143,8 +173,7 @@ class ModelRunner:
     graphdef, state = nnx.split(model)
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
-    # On one CPU device the projections are held transposed, as XLA's CPU GEMMs read them fastest.
-    out_major = mesh is None and jax.default_backend() == "cpu"
+    out_major = self._out_major(weight_layout, state, layout_rows)
     if draft is not None:
       self.d_rules = placement.model_rules(draft.cfg, self.tensor)
       if mesh is not None and self.d_rules is not placement.SERVING_RULES:
@@ -166,6 +195,30 @@ class ModelRunner:
     )
     self.pools = None
     self.programs: steps.Programs | None = None
+
+  def _out_major(self, layout: str, state, rows: int) -> bool:
+    """Whether the projections are held out-major (`model.scan.OutMajor`): as `layout` says, or
+    for "auto", on one CPU device, the layout whose GEMMs at `rows` rows run faster on this CPU
+    (which one differs between CPUs: BENCHMARKS.md), in-major elsewhere."""
+    if layout != "auto":
+      return layout == "out_major"
+    if self.mesh is not None or jax.default_backend() != "cpu":
+      return False
+    mats = out_major_candidates(state, limit_bytes=LAYOUT_PROBE_BYTES)
+    if not mats:
+      return False
+    in_ms, out_ms = time_layouts(mats, rows)
+    log.info(
+      "weights: projections held %s (%d of them, %d MB, at %d rows: in-major %.2f ms, "
+      "out-major %.2f ms)",
+      "out-major" if out_ms < in_ms else "in-major",
+      len(mats),
+      sum(m.nbytes for m in mats) >> 20,
+      rows,
+      in_ms,
+      out_ms,
+    )
+    return out_ms < in_ms
 
   # -- memory ------------------------------------------------------------------------------------
 

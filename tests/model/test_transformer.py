@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
-from atlas_jax.model.scan import OutMajor, unstack_layers
+from atlas_jax.model.scan import OutMajor, out_major_candidates, unstack_layers
 from atlas_jax.model.transformer import Transformer
 
 V = 61
@@ -190,3 +190,28 @@ def test_served_layers_out_major_equal_the_model(kw, held):
   t = tokens(2, 11)
   served_logits = jax.jit(lambda st: nnx.merge(graphdef, st)(t))(served)
   np.testing.assert_allclose(served_logits, model(t), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+  "kw, held", [({}, 7), (dict(moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32)), 4)]
+)
+def test_out_major_candidates_are_the_held_projections_in_layer_order(kw, held):
+  """What the engine's layout probe times: the matrices `unstack_layers(out_major=True)` holds
+  transposed, as [in, out], layer 0's first; with a byte limit, the fewest that reach it."""
+  model = make(**kw)
+  state = nnx.state(model)
+  mats = out_major_candidates(state)
+  served = unstack_layers(nnx.state(model), out_major=True)
+  held_t = [
+    x.t
+    for x in jax.tree.leaves(served, is_leaf=lambda x: isinstance(x, OutMajor))
+    if isinstance(x, OutMajor)
+  ]
+  assert len(mats) == len(held_t) == held * model.cfg.n_layers
+  assert sorted(m.T.shape for m in mats) == sorted(t.shape for t in held_t)
+  wq = state["blocks"]["attn"]["wq"][...]
+  first = wq[0].reshape(wq.shape[1], -1)  # layer 0's W_Q among layer 0's, not later ones
+  assert [np.array_equal(m, first) for m in mats].index(True) < held
+  limit = sum(m.nbytes for m in mats[: held + 1])  # layer 0's and one more
+  some = out_major_candidates(state, limit_bytes=limit)
+  assert len(some) == held + 1 and sum(m.nbytes for m in some) >= limit

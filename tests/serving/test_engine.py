@@ -4,13 +4,15 @@ import dataclasses
 import logging
 import re
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import ModelConfig
+from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
+from atlas_jax.model.scan import OutMajor
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 from .conftest import TINY
@@ -99,6 +101,43 @@ def test_mla_engine_equals_generate(mla_model, mla_reference, name, order):
   assert got == want
   if name == "tight":
     assert engine.n_preemptions > 0
+
+
+def _held_out_major(engine) -> int:
+  leaves = jax.tree.leaves(engine.runner.states[0], is_leaf=lambda x: isinstance(x, OutMajor))
+  return sum(isinstance(x, OutMajor) for x in leaves)
+
+
+@pytest.mark.parametrize("layout", ["in_major", "out_major", "auto"])
+def test_every_weight_layout_serves_what_generate_does(tiny_model, reference, layout, caplog):
+  """`weight_layout`: the projections held as trained or transposed (7 a layer), or as the
+  start-up probe found faster, which it logs with both timings; the tokens are generate's."""
+  prompts, params, want = reference
+  config = dataclasses.replace(CONFIGS["roomy"], weight_layout=layout)
+  with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
+    got, engine = serve(tiny_model, config, prompts, params, "staggered")
+  assert got == want
+  held = _held_out_major(engine)
+  if layout == "auto":
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    m = re.fullmatch(r"weights: projections held (\S+) \((\d+) of them, .* at 8 rows: .*", said[0])
+    assert m is not None and int(m[2]) == 7 * tiny_model.cfg.n_layers
+    layout = m[1].replace("-", "_")
+  assert held == (7 * tiny_model.cfg.n_layers if layout == "out_major" else 0)
+
+
+def test_weight_layout_is_checked(tiny_model):
+  with pytest.raises(
+    ConfigError,
+    match="weight_layout='sideways' is not allowed: must be one of auto, in_major, out_major",
+  ):
+    EngineConfig(weight_layout="sideways")
+  config = EngineConfig(n_blocks=16, tensor_parallel_size=2, weight_layout="out_major")
+  with pytest.raises(
+    ConfigError,
+    match="serve.engine.weight_layout='out_major' is not allowed on a mesh of 1 x 2 devices",
+  ):
+    Engine(tiny_model, config)
 
 
 def test_logprobs_and_stop_tokens_match_generate(tiny_model):
