@@ -83,6 +83,15 @@ def time_layouts(mats: Sequence[Array], rows: int, rounds: int = 7) -> tuple[flo
   return best[0] * 1e3, best[1] * 1e3
 
 
+@jax.jit
+def _carried(tok_IB, counts_BV, prompt_mask_BV, index_B):
+  """A chained burst's inputs from the burst before it, still on the device: each row's last
+  draw as its pending token (and its penalty counts), row b taken from `index_B[b]`. One
+  dispatch: as eager indexing, each of these ops cost more host time than a burst step."""
+  take = lambda x: None if x is None else x[index_B]
+  return tok_IB[-1][index_B][:, None], take(counts_BV), take(prompt_mask_BV)
+
+
 def padding_inputs(B: int, T: int, M: int) -> StepInputs:
   """Inputs of B padding rows (length -1: nothing is written or read), T tokens, M columns."""
   zeros = lambda *shape: np.zeros(shape, np.int32)
@@ -544,10 +553,9 @@ class ModelRunner:
       index = np.zeros((x.tokens_BT.shape[0],), np.int32)
       index[slot] = [prev[id(r.req)] for r in rows]
       # On the device: the host has not seen these yet.
-      tokens_BT = chained.tok_IB[-1][index][:, None]
-      counts, prompt_mask = None, None
-      if chained.counts_BV is not None:
-        counts, prompt_mask = chained.counts_BV[index], chained.prompt_mask_BV[index]
+      tokens_BT, counts, prompt_mask = _carried(
+        chained.tok_IB, chained.counts_BV, chained.prompt_mask_BV, index
+      )
       x = dataclasses.replace(x, tokens_BT=tokens_BT, counts_BV=counts, prompt_mask_BV=prompt_mask)
     self.pools, *outs = self.programs.decode_burst(
       self.states, self.pools, self.on_devices(x), n_steps
