@@ -16,6 +16,7 @@ axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -62,15 +63,22 @@ PREFILL_SEGMENT = 16
 LAYOUT_PROBE_BYTES = 64 << 20
 
 
+@functools.cache
+def _layout_programs():
+  """`time_layouts`' two products, jitted once (each compiles once per set of shapes)."""
+  jit = lambda f: jax.jit(f, compiler_options=steps.compiler_options())
+  return jit(lambda xs, ws: [xs[w.shape[0]] @ w for w in ws]), jit(
+    lambda xs, ts: [xs[t.shape[1]] @ t.T for t in ts]
+  )
+
+
 def time_layouts(mats: Sequence[Array], rows: int, rounds: int = 7) -> tuple[float, float]:
   """(in-major ms, out-major ms): x[rows, in] times each [in, out] matrix of `mats`, as stored
   and held transposed (`model.scan.OutMajor`'s layout), compiled as the step programs are; each
   the best of `rounds` calls, the two alternating."""
   xs = {k: jnp.ones((rows, k), mats[0].dtype) for k in {m.shape[0] for m in mats}}
   held = [jnp.transpose(m) for m in mats]  # a copy, each output's weights contiguous
-  jit = lambda f: jax.jit(f, compiler_options=steps.compiler_options())
-  in_major = jit(lambda xs, ws: [xs[w.shape[0]] @ w for w in ws])
-  out_major = jit(lambda xs, ts: [xs[t.shape[1]] @ t.T for t in ts])
+  in_major, out_major = _layout_programs()
   calls = ((in_major, list(mats)), (out_major, held))
   for f, ws in calls:
     jax.block_until_ready(f(xs, ws))  # compiles
