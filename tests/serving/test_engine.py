@@ -13,6 +13,7 @@ from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
 from atlas_jax.model.scan import OutMajor
+from atlas_jax.serving import runner
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 from .conftest import TINY
@@ -124,6 +125,20 @@ def test_every_weight_layout_serves_what_generate_does(tiny_model, reference, la
     assert m is not None and int(m[2]) == 7 * tiny_model.cfg.n_layers
     layout = m[1].replace("-", "_")
   assert held == (7 * tiny_model.cfg.n_layers if layout == "out_major" else 0)
+
+
+@pytest.mark.parametrize(("timings", "held"), [((1.0, 0.97), 0), ((1.0, 0.90), 7)])
+def test_auto_layout_is_probed_once_and_wants_a_margin(tiny_model, monkeypatch, timings, held):
+  """`auto` takes out-major only when it is `LAYOUT_MARGIN` faster (3% is noise, 10% is not),
+  and times the layouts once per process for a model's shapes: a second engine takes the first
+  one's answer, so its programs are the first one's, not a recompile on a flipped probe."""
+  probes = []
+  monkeypatch.setattr(runner, "_layout_choices", {})
+  monkeypatch.setattr(runner, "time_layouts", lambda mats, rows: probes.append(rows) or timings)
+  config = dataclasses.replace(CONFIGS["roomy"], weight_layout="auto")
+  engines = [Engine(tiny_model, config) for _ in range(2)]
+  assert probes == [config.max_num_seqs]
+  assert [_held_out_major(e) for e in engines] == [held * tiny_model.cfg.n_layers] * 2
 
 
 def test_weight_layout_is_checked(tiny_model):
