@@ -397,6 +397,12 @@ CONFIG_FLAGS = {
     "([out, in], as nn.Linear); auto (on a CPU, out_major where its GEMMs ran 5% faster, "
     "timed at start-up; in_major elsewhere)",
   ),
+  "engine.cpu_matmul": (
+    ("--cpu-matmul",),
+    str,
+    "whose dots a CPU's step programs use: ynnpack (XLA's default); xla (XLA's own); auto (on "
+    "one CPU device, XLA's own for the decode batch sizes where they ran faster at start-up)",
+  ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
   "limits.max_n": (("--max-n",), int, "largest n (choices per request) allowed"),

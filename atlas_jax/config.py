@@ -562,6 +562,7 @@ def _power_of_two(where: str, value: int) -> None:
 
 WARMUP_LEVELS = ("none", "default", "all")
 WEIGHT_LAYOUTS = ("auto", "in_major", "out_major")
+CPU_MATMULS = ("auto", "xla", "ynnpack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,6 +620,11 @@ class EngineConfig:
   # "auto": on a CPU, whichever of the two its GEMMs read faster, timed at start-up (it differs
   # between CPUs; BENCHMARKS.md), elsewhere in-major. A mesh holds them in-major.
   weight_layout: str = "auto"
+  # Whose dots a CPU's step programs compile: "ynnpack" (YNNPACK's, XLA's CPU default), "xla"
+  # (XLA's own), or "auto": on one CPU device, XLA's own for the decode batch sizes where they
+  # ran faster at start-up (a few rows, on some CPUs: BENCHMARKS.md), YNNPACK's above. Only
+  # in-major weights take XLA's dots.
+  cpu_matmul: str = "auto"
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"
@@ -628,6 +634,8 @@ class EngineConfig:
       _fail(
         where("weight_layout"), self.weight_layout, f"must be one of {', '.join(WEIGHT_LAYOUTS)}"
       )
+    if self.cpu_matmul not in CPU_MATMULS:
+      _fail(where("cpu_matmul"), self.cpu_matmul, f"must be one of {', '.join(CPU_MATMULS)}")
     for name in (
       "n_blocks",
       "block_size",

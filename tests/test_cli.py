@@ -245,6 +245,10 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
       ["--weight-layout", "sideways"],
       "--weight-layout='sideways' is not allowed: must be one of auto, in_major, out_major",
     ),
+    (
+      ["--cpu-matmul", "mkl"],
+      "--cpu-matmul='mkl' is not allowed: must be one of auto, xla, ynnpack",
+    ),
     (["--set", "model.n_layers=2"], "--set model.n_layers=2 is not allowed: serve.py takes"),
     (
       ["--set", "serve.sampling.top_p=2"],

@@ -194,6 +194,11 @@ class Engine:
         f"serve.engine.weight_layout='out_major' is not allowed on a mesh of {dp} x {tp} "
         "devices: out-major projections are for one device; use 'auto' or 'in_major'"
       )
+    if mesh is not None and config.cpu_matmul == "xla":
+      raise ConfigError(
+        f"serve.engine.cpu_matmul='xla' is not allowed on a mesh of {dp} x {tp} devices: "
+        "XLA's own dots are chosen for one device; use 'auto' or 'ynnpack'"
+      )
     placement.check_heads(cfg, tp)
     model = placement.repeat_kv_heads(model, tp)
     served_draft = None
@@ -221,6 +226,7 @@ class Engine:
       max_blocks=max_blocks,
       min_batch_bucket=config.min_batch_bucket,
       weight_layout=config.weight_layout,
+      cpu_matmul=config.cpu_matmul,
       layout_rows=pow2(min(config.max_num_seqs or 32, 256)),
     )
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]

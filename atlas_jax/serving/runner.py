@@ -67,37 +67,81 @@ LAYOUT_PROBE_BYTES = 64 << 20
 # probe to the next, and in-major (the weights as trained, no copy) is the steadier answer.
 LAYOUT_MARGIN = 0.05
 
-# The probe's answer per set of shapes and rows, for this process: an engine built again for the
-# same model takes the same layout, so its programs (cached by the state's structure) compile once.
-_layout_choices: dict[tuple, tuple[bool, float, float]] = {}
+# The probe's timings per set of shapes, row counts and settings, for this process: an engine
+# built again for the same model takes the same plan, so its programs (cached by the state's
+# structure) compile once.
+_probes: dict[tuple, dict[int, dict[tuple[str, str], float]]] = {}
+
+
+# XLA's own dots are timed against YNNPACK's only up to this many rows: past a few dozen rows a
+# projection is a GEMM, where YNNPACK's are the faster.
+XLA_DOTS_PROBE_ROWS = 64
+
+# `cpu_matmul="xla"`: every step's dots XLA's own, whatever its rows.
+ALL_ROWS = 1 << 30
 
 
 @functools.cache
-def _layout_programs():
-  """`time_layouts`' two products, jitted once (each compiles once per set of shapes)."""
-  jit = lambda f: jax.jit(f, compiler_options=steps.compiler_options())
+def _matmul_programs(xla_dots: bool):
+  """The probe's two products, x @ W as stored and x @ W.T held out-major, jitted once each (and
+  compiled once per set of shapes) with the step programs' options (YNNPACK's dots or XLA's)."""
+  options = steps.CPU_XLA_DOTS_OPTIONS if xla_dots else steps.compiler_options()
+  jit = lambda f: jax.jit(f, compiler_options=options)
   return jit(lambda xs, ws: [xs[w.shape[0]] @ w for w in ws]), jit(
     lambda xs, ts: [xs[t.shape[1]] @ t.T for t in ts]
   )
 
 
-def time_layouts(mats: Sequence[Array], rows: int, rounds: int = 7) -> tuple[float, float]:
-  """(in-major ms, out-major ms): x[rows, in] times each [in, out] matrix of `mats`, as stored
-  and held transposed (`model.scan.OutMajor`'s layout), compiled as the step programs are; each
-  the best of `rounds` calls, the two alternating."""
+def time_matmuls(
+  mats: Sequence[Array], rows: int, kinds: Sequence[tuple[str, str]], rounds: int = 5
+) -> dict[tuple[str, str], float]:
+  """ms of x[rows, in] times each [in, out] matrix of `mats`, for each (layout, dots) of `kinds`:
+  layout "in_major" as stored or "out_major" held transposed (`model.scan.OutMajor`'s layout),
+  dots "ynnpack" or "xla" (compiled as the step programs would be); each the best of `rounds`
+  calls, the kinds alternating."""
   xs = {k: jnp.ones((rows, k), mats[0].dtype) for k in {m.shape[0] for m in mats}}
-  held = [jnp.transpose(m) for m in mats]  # a copy, each output's weights contiguous
-  in_major, out_major = _layout_programs()
-  calls = ((in_major, list(mats)), (out_major, held))
+  held = [jnp.transpose(m) for m in mats] if any(k[0] == "out_major" for k in kinds) else None
+  calls = []
+  for layout, dots in kinds:
+    in_major, out_major = _matmul_programs(dots == "xla")
+    calls.append((in_major, list(mats)) if layout == "in_major" else (out_major, held))
   for f, ws in calls:
     jax.block_until_ready(f(xs, ws))  # compiles
-  best = [math.inf, math.inf]
+  best = [math.inf] * len(calls)
   for _ in range(rounds):
     for i, (f, ws) in enumerate(calls):
       t0 = time.perf_counter()
       jax.block_until_ready(f(xs, ws))
       best[i] = min(best[i], time.perf_counter() - t0)
-  return best[0] * 1e3, best[1] * 1e3
+  return {k: b * 1e3 for k, b in zip(kinds, best)}
+
+
+def matmul_plan(
+  timings: dict[int, dict[tuple[str, str], float]], layout: str, cpu_matmul: str
+) -> tuple[bool, int]:
+  """(out-major, XLA's dots up to this many rows) from the probe's `timings` per row count.
+
+  The layout whose projections take the least time over every row count, each count with its
+  faster dots, out-major only when `LAYOUT_MARGIN` faster; on in-major weights, XLA's dots for
+  the row counts from the smallest up to the last where they are `LAYOUT_MARGIN` faster than
+  YNNPACK's (never past the first where they are not)."""
+  best = lambda lay, ms: min(v for (l, _), v in ms.items() if l == lay)
+  total = lambda lay: sum(best(lay, ms) for ms in timings.values())
+  has = lambda lay: all(any(l == lay for l, _ in ms) for ms in timings.values())
+  if layout == "auto" and has("out_major") and has("in_major"):
+    out_major = total("out_major") < total("in_major") * (1 - LAYOUT_MARGIN)
+  else:
+    out_major = layout == "out_major"
+  if cpu_matmul != "auto" or out_major:
+    return out_major, ALL_ROWS if cpu_matmul == "xla" else 0
+  xla_rows = 0
+  for rows in sorted(timings):
+    ms = timings[rows]
+    xla, ynn = ms.get(("in_major", "xla")), ms.get(("in_major", "ynnpack"))
+    if xla is None or ynn is None or xla >= ynn * (1 - LAYOUT_MARGIN):
+      break
+    xla_rows = rows
+  return out_major, xla_rows
 
 
 @jax.jit
@@ -174,6 +218,7 @@ class ModelRunner:
     max_blocks: int,
     min_batch_bucket: int,
     weight_layout: str = "auto",
+    cpu_matmul: str = "auto",
     layout_rows: int = 32,
   ):
     cfg = model.cfg
@@ -199,7 +244,7 @@ class ModelRunner:
     graphdef, state = nnx.split(model)
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
-    out_major = self._out_major(weight_layout, state, layout_rows)
+    out_major, self.xla_dots_rows = self._matmul_plan(weight_layout, cpu_matmul, state, layout_rows)
     if draft is not None:
       self.d_rules = placement.model_rules(draft.cfg, self.tensor)
       if mesh is not None and self.d_rules is not placement.SERVING_RULES:
@@ -222,34 +267,49 @@ class ModelRunner:
     self.pools = None
     self.programs: steps.Programs | None = None
 
-  def _out_major(self, layout: str, state, rows: int) -> bool:
-    """Whether the projections are held out-major (`model.scan.OutMajor`): as `layout` says, or
-    for "auto", on one CPU device, out-major where its GEMMs at `rows` rows run `LAYOUT_MARGIN`
-    faster on this CPU (which layout wins differs between CPUs: BENCHMARKS.md), timed once per
-    process for a set of shapes; in-major elsewhere."""
-    if layout != "auto":
-      return layout == "out_major"
-    if self.mesh is not None or jax.default_backend() != "cpu":
-      return False
+  def _matmul_plan(self, layout: str, cpu_matmul: str, state, max_rows: int) -> tuple[bool, int]:
+    """(whether the projections are held out-major, `model.scan.OutMajor`; the most token rows
+    a step may have to compile its dots as XLA's own, not YNNPACK's). As `layout` and
+    `cpu_matmul` say; for "auto", on one CPU device, from timing the projections at every
+    decode batch bucket up to `max_rows` (`time_matmuls`, `matmul_plan`; which wins differs
+    between CPUs: BENCHMARKS.md), once per process for a set of shapes. Elsewhere in-major with
+    the backend's dots."""
+    if self.mesh is not None or jax.default_backend() != "cpu" or not steps.compiler_options():
+      return layout == "out_major", 0
+    if "auto" not in (layout, cpu_matmul) or layout == "out_major":
+      return matmul_plan({}, layout, cpu_matmul)
     mats = out_major_candidates(state, limit_bytes=LAYOUT_PROBE_BYTES)
     if not mats:
-      return False
-    key = (tuple((m.shape, str(m.dtype)) for m in mats), rows)
-    if key not in _layout_choices:
-      in_ms, out_ms = time_layouts(mats, rows)
-      _layout_choices[key] = (out_ms < in_ms * (1 - LAYOUT_MARGIN), in_ms, out_ms)
-    out_major, in_ms, out_ms = _layout_choices[key]
+      return matmul_plan({}, "in_major" if layout == "auto" else layout, cpu_matmul)
+    buckets = sorted({pow2(n, self.min_batch_bucket) for n in range(1, max_rows + 1)})
+    layouts = ("in_major", "out_major") if layout == "auto" else (layout,)
+    libraries = ("ynnpack", "xla") if cpu_matmul == "auto" else (cpu_matmul,)
+    key = (tuple((m.shape, str(m.dtype)) for m in mats), tuple(buckets), layouts, libraries)
+    if key not in _probes:
+      kinds = lambda rows: [
+        (lay, lib)
+        for lay in layouts
+        for lib in libraries
+        # XLA's dots over out-major weights: several times slower wherever measured.
+        if not (lib == "xla" and (lay == "out_major" or rows > XLA_DOTS_PROBE_ROWS))
+      ]
+      _probes[key] = {rows: time_matmuls(mats, rows, kinds(rows)) for rows in buckets}
+    timings = _probes[key]
+    out_major, xla_rows = matmul_plan(timings, layout, cpu_matmul)
+    column = lambda kind: "/".join(
+      f"{timings[r][kind]:.2f}" if kind in timings[r] else "-" for r in buckets
+    )
+    probed = sorted({k for ms in timings.values() for k in ms})
     log.info(
-      "weights: projections held %s (%d of them, %d MB, at %d rows: in-major %.2f ms, "
-      "out-major %.2f ms)",
+      "weights: projections held %s, dots %s (%d of them, %d MB; ms at %s rows: %s)",
       "out-major" if out_major else "in-major",
+      f"XLA's up to {xla_rows} rows, YNNPACK's above" if xla_rows else "YNNPACK's",
       len(mats),
       sum(m.nbytes for m in mats) >> 20,
-      rows,
-      in_ms,
-      out_ms,
+      "/".join(map(str, buckets)),
+      ", ".join(f"{lay.replace('_', '-')} {lib} {column((lay, lib))}" for lay, lib in probed),
     )
-    return out_major
+    return out_major, xla_rows
 
   # -- memory ------------------------------------------------------------------------------------
 
@@ -304,7 +364,12 @@ class ModelRunner:
     shardings = self.pool_shardings(spec)
     self._pool_spec = (spec, shardings)
     self.programs = steps.programs(
-      self.graphdef, self.drafter, self.layout, self.d_layout, steps.sharding_key(shardings)
+      self.graphdef,
+      self.drafter,
+      self.layout,
+      self.d_layout,
+      steps.sharding_key(shardings),
+      self.xla_dots_rows,
     )
     self.pools = self._zeros()
 
@@ -331,7 +396,12 @@ class ModelRunner:
       spec = jax.tree.map(lambda x, s: abstract(x.shape, x.dtype, s), spec, shardings)
     x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_inputs(B, T, M))
     progs = steps.programs(
-      self.graphdef, self.drafter, self.layout, self.d_layout, steps.sharding_key(shardings)
+      self.graphdef,
+      self.drafter,
+      self.layout,
+      self.d_layout,
+      steps.sharding_key(shardings),
+      self.xla_dots_rows,
     )
     compiled = progs.forward_sample.lower(self.states, spec, x).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -365,6 +365,32 @@ def compiler_options() -> dict:
   return dict(CPU_COMPILER_OPTIONS)
 
 
+# The same with no YNNPACK at all: the dots are XLA's own. At a few rows a projection is a
+# matrix-vector product in all but name, bound by reading its weights; on some CPUs YNNPACK's
+# dots read them at half the speed XLA's do there, and win from a few dozen rows on (the runner's
+# start-up probe, `ModelRunner.matmul_plan`, finds where).
+CPU_XLA_DOTS_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class ByRows:
+  """A step program compiled twice, called by its token rows (the step inputs' B x T): with
+  XLA's own dots (`few`) up to `rows` rows, with YNNPACK's (`many`) above."""
+
+  few: Callable
+  many: Callable
+  rows: int
+
+  def pick(self, x: StepInputs) -> Callable:
+    return self.few if x.tokens_BT.shape[0] * x.tokens_BT.shape[1] <= self.rows else self.many
+
+  def __call__(self, states, pools, x: StepInputs, *args):
+    return self.pick(x)(states, pools, x, *args)
+
+  def lower(self, states, pools, x: StepInputs, *args):
+    return self.pick(x).lower(states, pools, x, *args)
+
+
 @functools.cache
 def programs(
   graphdef,
@@ -372,10 +398,13 @@ def programs(
   layout: PoolLayout | None = None,
   d_layout: PoolLayout | None = None,
   pool_shardings: tuple | None = None,
+  xla_dots_rows: int = 0,
 ) -> Programs:
   """The step programs with the statics bound, compiled lazily per shape; one set per
   combination. `pool_shardings`: the pools' NamedShardings as a hashable (treedef, leaves)
-  pair (`sharding_key`), or None on one device; every program returns its pools laid out so."""
+  pair (`sharding_key`), or None on one device; every program returns its pools laid out so.
+  `xla_dots_rows` > 0 (CPU only): a step of at most that many token rows compiles its dots as
+  XLA's own, not YNNPACK's (`ByRows`)."""
   b = _Bound(graphdef, drafter, layout, d_layout)
   shardings = None if pool_shardings is None else jax.tree.unflatten(*pool_shardings)
 
@@ -391,7 +420,16 @@ def programs(
 
   speculate = drafter is not None
   options = compiler_options()
-  jit = lambda f, **kw: jax.jit(bind(f), donate_argnums=(1,), compiler_options=options, **kw)
+  few = dict(CPU_XLA_DOTS_OPTIONS) if options and xla_dots_rows > 0 else None
+
+  def jit(f, **kw):
+    many = jax.jit(bind(f), donate_argnums=(1,), compiler_options=options, **kw)
+    if few is None:
+      return many
+    return ByRows(
+      jax.jit(bind(f), donate_argnums=(1,), compiler_options=few, **kw), many, xla_dots_rows
+    )
+
   return Programs(
     forward_sample=jit(forward_sample),
     decode_burst=jit(decode_burst, static_argnums=(3,)),
@@ -413,4 +451,4 @@ def sharding_key(shardings) -> tuple | None:
   return treedef, tuple(leaves)
 
 
-__all__ = ["Programs", "StepInputs", "programs", "sharding_key"]
+__all__ = ["ByRows", "Programs", "StepInputs", "programs", "sharding_key"]

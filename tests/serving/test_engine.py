@@ -13,7 +13,7 @@ from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
 from atlas_jax.model.scan import OutMajor
-from atlas_jax.serving import runner
+from atlas_jax.serving import runner, steps
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 from .conftest import TINY
@@ -109,36 +109,88 @@ def _held_out_major(engine) -> int:
   return sum(isinstance(x, OutMajor) for x in leaves)
 
 
-@pytest.mark.parametrize("layout", ["in_major", "out_major", "auto"])
-def test_every_weight_layout_serves_what_generate_does(tiny_model, reference, layout, caplog):
-  """`weight_layout`: the projections held as trained or transposed (7 a layer), or as the
-  start-up probe found faster, which it logs with both timings; the tokens are generate's."""
+@pytest.mark.parametrize(
+  "layout, matmul",
+  [("in_major", "ynnpack"), ("out_major", "ynnpack"), ("in_major", "xla"), ("auto", "auto")],
+)
+def test_every_weight_layout_serves_what_generate_does(
+  tiny_model, reference, layout, matmul, caplog
+):
+  """`weight_layout` and `cpu_matmul`: the projections held as trained or transposed (7 a
+  layer), the dots YNNPACK's or XLA's own, or as the start-up probe found faster, which it logs
+  with its timings; the tokens are generate's."""
   prompts, params, want = reference
-  config = dataclasses.replace(CONFIGS["roomy"], weight_layout=layout)
+  config = dataclasses.replace(CONFIGS["roomy"], weight_layout=layout, cpu_matmul=matmul)
   with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
     got, engine = serve(tiny_model, config, prompts, params, "staggered")
   assert got == want
-  held = _held_out_major(engine)
+  held, xla_rows = _held_out_major(engine), engine.runner.xla_dots_rows
   if layout == "auto":
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
-    m = re.fullmatch(r"weights: projections held (\S+) \((\d+) of them, .* at 8 rows: .*", said[0])
-    assert m is not None and int(m[2]) == 7 * tiny_model.cfg.n_layers
+    m = re.fullmatch(
+      r"weights: projections held (\S+), dots (YNNPACK's|XLA's up to (\d+) rows, YNNPACK's above) "
+      r"\((\d+) of them, \d+ MB; ms at 1/2/4/8 rows: .*\)",
+      said[0],
+    )
+    assert m is not None and int(m[4]) == 7 * tiny_model.cfg.n_layers, said
     layout = m[1].replace("-", "_")
+    assert xla_rows == int(m[3] or 0)
+  else:
+    assert xla_rows == (runner.ALL_ROWS if matmul == "xla" else 0)
   assert held == (7 * tiny_model.cfg.n_layers if layout == "out_major" else 0)
+  burst = engine.runner.programs.decode_burst
+  assert isinstance(burst, steps.ByRows) == (xla_rows > 0)
 
 
-@pytest.mark.parametrize(("timings", "held"), [((1.0, 0.97), 0), ((1.0, 0.90), 7)])
-def test_auto_layout_is_probed_once_and_wants_a_margin(tiny_model, monkeypatch, timings, held):
-  """`auto` takes out-major only when it is `LAYOUT_MARGIN` faster (3% is noise, 10% is not),
-  and times the layouts once per process for a model's shapes: a second engine takes the first
-  one's answer, so its programs are the first one's, not a recompile on a flipped probe."""
+def _timings(in_ynn, out_ynn, in_xla):
+  """Probe timings per row count 1, 2, 4, 8 from three columns (None: not timed)."""
+  cols = {("in_major", "ynnpack"): in_ynn, ("out_major", "ynnpack"): out_ynn}
+  cols[("in_major", "xla")] = in_xla
+  return {
+    rows: {k: v[i] for k, v in cols.items() if v is not None and v[i] is not None}
+    for i, rows in enumerate((1, 2, 4, 8))
+  }
+
+
+@pytest.mark.parametrize(
+  "timings, layout, matmul, plan",
+  [
+    # XLA's dots faster up to 4 rows, then not: in-major, XLA's up to 4.
+    (_timings([4, 4, 5, 8], [4, 4, 5, 8], [2, 2, 3, 9]), "auto", "auto", (False, 4)),
+    # Never past the first row count they lose at, a later win notwithstanding.
+    (_timings([4, 4, 5, 8], [9, 9, 9, 9], [2, 4, 3, 5]), "auto", "auto", (False, 1)),
+    # 3% is noise, not a win, for the dots as for the layout.
+    (_timings([4, 4, 4, 4], [4, 4, 4, 4], [3.9, 3.9, 3.9, 3.9]), "auto", "auto", (False, 0)),
+    (_timings([10, 10, 10, 10], [9.7, 9.7, 9.7, 9.7], None), "auto", "ynnpack", (False, 0)),
+    # Out-major 10% faster in all (each in-major row count at its faster dots): no XLA dots.
+    (_timings([10, 10, 10, 10], [9, 9, 9, 9], [11, 11, 11, 11]), "auto", "auto", (True, 0)),
+    # ... but not when XLA's dots make in-major the faster over the buckets.
+    (_timings([10, 10, 10, 10], [9, 9, 9, 9], [5, 5, 11, 11]), "auto", "auto", (False, 2)),
+    ({}, "in_major", "xla", (False, runner.ALL_ROWS)),
+    ({}, "out_major", "ynnpack", (True, 0)),
+  ],
+)
+def test_matmul_plan(timings, layout, matmul, plan):
+  assert runner.matmul_plan(timings, layout, matmul) == plan
+
+
+def test_auto_plan_is_probed_once(tiny_model, monkeypatch):
+  """The probe times the projections once per process for a model's shapes and row counts: a
+  second engine takes the first one's plan (a probe that flipped on near-equal timings would
+  recompile every program)."""
   probes = []
-  monkeypatch.setattr(runner, "_layout_choices", {})
-  monkeypatch.setattr(runner, "time_layouts", lambda mats, rows: probes.append(rows) or timings)
-  config = dataclasses.replace(CONFIGS["roomy"], weight_layout="auto")
+
+  def fake(mats, rows, kinds):
+    probes.append(rows)
+    return {k: 1.0 if k == ("in_major", "xla") else 2.0 for k in kinds}
+
+  monkeypatch.setattr(runner, "_probes", {})
+  monkeypatch.setattr(runner, "time_matmuls", fake)
+  config = dataclasses.replace(CONFIGS["roomy"], weight_layout="auto", cpu_matmul="auto")
   engines = [Engine(tiny_model, config) for _ in range(2)]
-  assert probes == [config.max_num_seqs]
-  assert [_held_out_major(e) for e in engines] == [held * tiny_model.cfg.n_layers] * 2
+  assert probes == [1, 2, 4, 8]  # every decode bucket up to max_num_seqs, once
+  assert [e.runner.xla_dots_rows for e in engines] == [8, 8]
+  assert [_held_out_major(e) for e in engines] == [0, 0]
 
 
 def test_weight_layout_is_checked(tiny_model):
@@ -151,6 +203,13 @@ def test_weight_layout_is_checked(tiny_model):
   with pytest.raises(
     ConfigError,
     match="serve.engine.weight_layout='out_major' is not allowed on a mesh of 1 x 2 devices",
+  ):
+    Engine(tiny_model, config)
+  with pytest.raises(ConfigError, match="cpu_matmul='blas' is not allowed: must be one of"):
+    EngineConfig(cpu_matmul="blas")
+  config = EngineConfig(n_blocks=16, tensor_parallel_size=2, cpu_matmul="xla")
+  with pytest.raises(
+    ConfigError, match="serve.engine.cpu_matmul='xla' is not allowed on a mesh of 1 x 2 devices"
   ):
     Engine(tiny_model, config)
 
@@ -472,10 +531,8 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   """On CPU the step programs compile with `steps.CPU_COMPILER_OPTIONS`: every YNNPACK call of
   the compiled decode step is a dot (XLA's default also hands it reductions and elementwise
   work, which cost more there at a decode step's sizes), and no reduction is split."""
-  from atlas_jax.serving import steps
-
   assert steps.compiler_options() == steps.CPU_COMPILER_OPTIONS  # this XLA knows the option
-  engine = Engine(tiny_model, CONFIGS["roomy"])
+  engine = Engine(tiny_model, dataclasses.replace(CONFIGS["roomy"], cpu_matmul="ynnpack"))
   for i in range(8):  # 8 rows: matmuls, not the matrix-vector products of one
     engine.add_request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=4))
   engine.step()  # the prompts: the requests now decode
@@ -492,6 +549,11 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   # attention's scores are summed in the loop that multiplies them, never written out first.
   # (The sampler's cumulative sums are reduce-windows of stride 1.)
   assert re.search(r"reduce-window\(.*stride=", hlo) is None
+  # `cpu_matmul="xla"`: the same step with XLA's own dots, no YNNPACK call left.
+  engine = Engine(tiny_model, dataclasses.replace(CONFIGS["roomy"], cpu_matmul="xla"))
+  runner = engine.runner
+  program = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
+  assert "__ynn_fusion" not in program.compile().as_text()
 
 
 def test_warmup_levels_list_every_shape():
