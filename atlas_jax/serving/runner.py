@@ -124,7 +124,8 @@ def matmul_plan(
   The layout whose projections take the least time over every row count, each count with its
   faster dots, out-major only when `LAYOUT_MARGIN` faster; on in-major weights, XLA's dots for
   the row counts from the smallest up to the last where they are `LAYOUT_MARGIN` faster than
-  YNNPACK's (never past the first where they are not)."""
+  YNNPACK's, never past the first where they are `LAYOUT_MARGIN` slower (within the margin
+  either way the two are even, and the row counts around decide)."""
   best = lambda lay, ms: min(v for (l, _), v in ms.items() if l == lay)
   total = lambda lay: sum(best(lay, ms) for ms in timings.values())
   has = lambda lay: all(any(l == lay for l, _ in ms) for ms in timings.values())
@@ -138,9 +139,10 @@ def matmul_plan(
   for rows in sorted(timings):
     ms = timings[rows]
     xla, ynn = ms.get(("in_major", "xla")), ms.get(("in_major", "ynnpack"))
-    if xla is None or ynn is None or xla >= ynn * (1 - LAYOUT_MARGIN):
+    if xla is None or ynn is None or xla > ynn * (1 + LAYOUT_MARGIN):
       break
-    xla_rows = rows
+    if xla < ynn * (1 - LAYOUT_MARGIN):
+      xla_rows = rows
   return out_major, xla_rows
 
 
