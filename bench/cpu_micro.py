@@ -5,6 +5,7 @@
 * gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
   gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
   ([in, out]), against W held out-major ([out, in], `model.scan.OutMajor`'s layout), against
+  x @ W with XLA's own dots, not YNNPACK's (`serving.steps.CPU_XLA_DOTS_OPTIONS`), against
   PyTorch's `F.linear` (which holds weights that way too).
 * paged: `kernels.paged_attention_xla` decoding batch 32 over 6 layers of a pool of 1,296 pages
   (cold in cache, as in an engine step), contexts of 120-140 tokens, with and without the
@@ -42,6 +43,8 @@ def best_ms(fns: dict, calls: int = 10, repeat: int = 7) -> dict:
 def gemm(rows: int) -> dict:
   import torch
 
+  from atlas_jax.serving.steps import CPU_XLA_DOTS_OPTIONS
+
   r = np.random.default_rng(0)
   shapes = [(512, 512), (512, 256), (512, 256), (512, 512), (512, 1408), (512, 1408), (1408, 512)]
   W = [np.asarray(r.standard_normal(s), np.float32) for _ in range(6) for s in shapes]
@@ -50,12 +53,16 @@ def gemm(rows: int) -> dict:
   xj = {k: jnp.asarray(v) for k, v in x.items()}
   f_kn = jax.jit(lambda x, ws: [x[w.shape[0]] @ w for w in ws])
   f_nk = jax.jit(lambda x, ws: [jnp.einsum("mk,nk->mn", x[w.shape[1]], w) for w in ws])
+  f_xla = jax.jit(
+    lambda x, ws: [x[w.shape[0]] @ w for w in ws], compiler_options=CPU_XLA_DOTS_OPTIONS
+  )
   xt = {k: torch.from_numpy(v) for k, v in x.items()}
   wt = [torch.from_numpy(np.ascontiguousarray(w.T)) for w in W]
   return best_ms(
     {
       "x @ W [in, out]": lambda: jax.block_until_ready(f_kn(xj, kn)),
       "out-major [out, in]": lambda: jax.block_until_ready(f_nk(xj, nk)),
+      "x @ W, XLA's own dots": lambda: jax.block_until_ready(f_xla(xj, kn)),
       "PyTorch F.linear": lambda: [torch.nn.functional.linear(xt[w.shape[1]], w) for w in wt],
     }
   )
