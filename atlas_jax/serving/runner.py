@@ -365,15 +365,15 @@ class ModelRunner:
     spec = self.pool_spec(n_blocks)
     shardings = self.pool_shardings(spec)
     self._pool_spec = (spec, shardings)
-    self.programs = steps.programs(
-      self.graphdef,
-      self.drafter,
-      self.layout,
-      self.d_layout,
-      steps.sharding_key(shardings),
-      self.xla_dots_rows,
-    )
+    self.programs = self._programs(shardings)
     self.pools = self._zeros()
+
+  def _programs(self, shardings) -> steps.Programs:
+    """The step programs for pools laid out as `shardings` (None on one device)."""
+    key = steps.sharding_key(shardings)
+    return steps.programs(
+      self.graphdef, self.drafter, self.layout, self.d_layout, key, self.xla_dots_rows
+    )
 
   def _zeros(self):
     spec, shardings = self._pool_spec
@@ -397,14 +397,7 @@ class ModelRunner:
     if shardings is not None:
       spec = jax.tree.map(lambda x, s: abstract(x.shape, x.dtype, s), spec, shardings)
     x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_inputs(B, T, M))
-    progs = steps.programs(
-      self.graphdef,
-      self.drafter,
-      self.layout,
-      self.d_layout,
-      steps.sharding_key(shardings),
-      self.xla_dots_rows,
-    )
+    progs = self._programs(shardings)
     compiled = progs.forward_sample.lower(self.states, spec, x).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 

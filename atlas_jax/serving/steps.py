@@ -390,6 +390,9 @@ class ByRows:
   def lower(self, states, pools, x: StepInputs, *args):
     return self.pick(x).lower(states, pools, x, *args)
 
+  def _cache_size(self) -> int:  # as a jitted function's: the shapes compiled, both ways
+    return self.few._cache_size() + self.many._cache_size()
+
 
 @functools.cache
 def programs(
