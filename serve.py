@@ -641,7 +641,7 @@ def warmup(engine: Engine) -> None:
   """Compiles the step shapes of the engine's warm-up level, one progress line each."""
   shapes, deferred = engine.warmup_shapes()
   start = time.perf_counter()
-  engine.warmup(lambda i, n, shape: log.info("compiling step shape %d/%d: %s", i, n, shape))
+  engine.warmup(lambda i, n, shape: log.info("compiled step shape %d/%d: %s", i, n, shape))
   log.info(
     "warmup=%s: compiled %d step shapes in %.1f s; compiled on first use: %s",
     engine.config.warmup,

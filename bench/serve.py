@@ -17,7 +17,8 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
 3. decode cost per token at context n: the KV-cached decode step vs recomputing the whole prefix
    each step (O(n) vs O(n^2) work per sequence), as a table over n.
 4. start-up (`--only startup`): six parallel short requests on serve.py's default engine, cold
-   (compiling as they go) and again, against an engine compiled at start-up (`Engine.warmup`).
+   (compiling as they go) and again, against an engine compiled at start-up (`Engine.warmup`),
+   one shape at a time and one per core at once.
 5. on a mesh (`--tensor-parallel-size N`, `--data-parallel-size M`): the engine's per-device
    bytes (weights, a pool block, the pool) read off its arrays beside the planner's figures for
    the same layout, and its offline tokens/s beside one device's. On fake CPU devices
@@ -97,6 +98,7 @@ from atlas_jax.decoding.generate import generate
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.plan import memory
+from atlas_jax.serving import runner
 from atlas_jax.serving.engine import Engine, EngineConfig
 
 
@@ -320,7 +322,8 @@ def startup(cfg, n_requests: int = 6) -> None:
   """Prints the time of `n_requests` parallel short requests (prompts of 12-30 tokens, 32 new
   tokens) on serve.py's default engine: cold, then `n_requests` others of the same lengths (new
   prompts: no prefix-cache hits); and after `Engine.warmup`, on a model of the same shape with
-  one more vocabulary entry (so its programs are compiled afresh)."""
+  one more vocabulary entry (so its programs are compiled afresh), compiling one shape at a time
+  and then one per core at once (one more entry again)."""
   import dataclasses
 
   rng = np.random.default_rng(0)
@@ -341,15 +344,16 @@ def startup(cfg, n_requests: int = 6) -> None:
   )
   print("| engine | warm-up s | first requests s | the next ones s |")
   print("|---|---|---|---|")
-  for warm in (False, True):
+  for extra, threads in enumerate((None, 1, runner.cores())):
     model = Transformer(
-      dataclasses.replace(cfg, vocab_size=cfg.vocab_size + warm), rngs=nnx.Rngs(0)
+      dataclasses.replace(cfg, vocab_size=cfg.vocab_size + extra), rngs=nnx.Rngs(0)
     )
     engine = Engine(model, config)
-    warmup = timed(engine.warmup) if warm else 0.0
+    n = len(engine.warmup_shapes()[0])
+    warmup = timed(engine.warmup, None, None, threads) if threads else 0.0
     t_first = timed(engine.generate, first, params)
     t_next = timed(engine.generate, second, params)
-    name = "compiled at start-up" if warm else "cold"
+    name = f"{n} shapes compiled at start-up, {threads} at a time" if threads else "cold"
     print(f"| {name} | {warmup:.1f} | {t_first:.2f} | {t_next:.2f} |")
     del engine  # its pool, sized from device memory, before the next one is sized
 

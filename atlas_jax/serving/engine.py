@@ -419,16 +419,20 @@ class Engine:
     return shapes, always
 
   def warmup(
-    self, progress: Callable[[int, int, str], None] | None = None, level: str | None = None
+    self,
+    progress: Callable[[int, int, str], None] | None = None,
+    level: str | None = None,
+    threads: int | None = None,
   ) -> None:
     """Compiles (and runs once, on padding rows that write nothing) every shape of
     `warmup_shapes(level)`, so no request of those shapes waits for XLA.
 
     Args:
-      progress: called before each shape with (index, total, "prefill B=4 T=32 M=4").
+      progress: called as each shape's compile ends with (count, total, "prefill B=4 T=32 M=4");
       level: "none", "default" or "all" (default: `config.warmup`).
+      threads: compiles at once (default: one per core on a CPU, else one).
     """
-    self.runner.warmup(self.warmup_shapes(level)[0], progress)
+    self.runner.warmup(self.warmup_shapes(level)[0], progress, threads)
 
   # -- requests ----------------------------------------------------------------------------------
 

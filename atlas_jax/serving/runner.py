@@ -15,10 +15,12 @@ axis.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,6 +44,11 @@ log = logging.getLogger("atlas_jax.serving")
 
 def pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def cores() -> int:
+  """The CPU cores this process may run on."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def fine_bucket(n: int) -> int:
@@ -685,23 +692,48 @@ class ModelRunner:
     tokens[0, :n] = prompt
     return map(np.asarray, self.programs.prompt_logprobs(self.states[0], tokens))
 
-  def warmup(self, shapes, progress: Callable[[int, int, str], None] | None = None):
-    """Compiles (and runs once, on padding rows that write nothing) every (program, rows per
-    replica B, tokens T, block-table columns M) shape."""
-    for i, (kind, b, T, M) in enumerate(shapes):
-      if progress is not None:
-        progress(i + 1, len(shapes), f"{kind} B={b} T={T} M={M}")
-      x = padding_inputs(b * self.n_replicas, T if kind == "prefill" else 1, M)
-      x = self.on_devices(x)
-      progs = self.programs
-      if kind in ("prefill", "decode"):
-        self.pools, *outs = progs.forward_sample(self.states, self.pools, x)
-      elif kind == "burst":
-        # Twice: fed from the host, then from the device (a chained burst's pending tokens are
-        # the last one's draws, which the program sees as placed on the device).
-        for _ in range(2):
-          self.pools, *outs = progs.decode_burst(self.states, self.pools, x, T)
-          x = dataclasses.replace(x, tokens_BT=outs[0][T - 1][:, None])
-      else:
-        self.pools, *outs = progs.speculative_round(self.states, self.pools, x, T - 1)
+  def warmup(
+    self,
+    shapes,
+    progress: Callable[[int, int, str], None] | None = None,
+    threads: int | None = None,
+  ):
+    """Compiles every (program, rows per replica B, tokens T, block-table columns M) shape, then
+    runs each once on padding rows that write nothing.
+
+    The compiles run `threads` at a time (default: on a CPU one per core the process may use,
+    elsewhere one, where a compile may autotune its kernels on the device): XLA compiles off the
+    GIL, and a jitted function called on a shape that `lower(...).compile()` compiled runs that
+    executable. `progress(i, n, shape)` is called as each compile ends."""
+    if threads is None:
+      threads = cores() if jax.default_backend() == "cpu" else 1
+    calls = [self._warmup_call(*shape) for shape in shapes]
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+      pending = {
+        pool.submit(lambda c: c[0].lower(self.states, self.pools, *c[1:]).compile(), c): i
+        for i, c in enumerate(calls)
+      }
+      for done, future in enumerate(concurrent.futures.as_completed(pending)):
+        future.result()
+        if progress is not None:
+          kind, b, T, M = shapes[pending[future]]
+          progress(done + 1, len(calls), f"{kind} B={b} T={T} M={M}")
+    for program, x, *static in calls:
+      self.pools, *outs = program(self.states, self.pools, x, *static)
+      if program is self.programs.decode_burst:
+        # Again fed from the device, as a chained burst is (`burst`): its pending tokens are
+        # the last one's draws.
+        tokens_BT, _, _ = _carried(outs[0], None, None, np.arange(x.tokens_BT.shape[0]))
+        x = dataclasses.replace(x, tokens_BT=tokens_BT)
+        self.pools, *outs = program(self.states, self.pools, x, *static)
       jax.block_until_ready(outs)
+
+  def _warmup_call(self, kind: str, b: int, T: int, M: int) -> tuple:
+    """(program, inputs of b padding rows per replica, its static arguments) of one shape."""
+    x = self.on_devices(padding_inputs(b * self.n_replicas, T if kind == "prefill" else 1, M))
+    progs = self.programs
+    if kind in ("prefill", "decode"):
+      return progs.forward_sample, x
+    if kind == "burst":
+      return progs.decode_burst, x, T
+    return progs.speculative_round, x, T - 1

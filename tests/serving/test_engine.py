@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import re
+import threading
 
 import jax
 import numpy as np
@@ -587,16 +588,55 @@ def test_warmup_levels_list_every_shape():
     dataclasses.replace(WARM, warmup="some")
 
 
+def warm_in_threads(engine: Engine, shapes) -> None:
+  """`runner.warmup` on two threads, checked: every shape compiled once, in the pool's threads
+  (a burst fed from the device runs the executable of one fed from the host); on the main
+  thread only the chained bursts' inputs (`runner._carried`, one per batch bucket not seen
+  before); one progress line per shape, counted in order."""
+  seen, compiles = [], []
+
+  def compiled_in(event, seconds, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(threading.current_thread() is threading.main_thread())
+
+  carried = runner._carried._cache_size()
+  jax.monitoring.register_event_duration_secs_listener(compiled_in)
+  try:
+    engine.runner.warmup(shapes, lambda i, n, shape: seen.append(f"{i}/{n} {shape}"), threads=2)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(compiled_in)
+  new_carried = runner._carried._cache_size() - carried
+  assert sorted(compiles) == [False] * len(shapes) + [True] * new_carried
+  n = len(shapes)
+  assert [s.split(" ", 1)[0] for s in seen] == [f"{i}/{n}" for i in range(1, n + 1)]
+  labels = sorted(f"{k} B={b} T={T} M={M}" for k, b, T, M in shapes)
+  assert sorted(s.split(" ", 1)[1] for s in seen) == labels
+
+
+def test_warmup_compiles_on_two_threads():
+  # A model of its own: its step programs share no compiled shapes with other tests'.
+  model = build(ModelConfig(**{**TINY, "vocab_size": 51}, n_kv_heads=2), rngs=nnx.Rngs(5))
+  engine = Engine(model, WARM)
+  every, _ = engine.warmup_shapes()
+  shapes = [every[0], *(s for s in every if s[0] != "prefill" and s[1] == 2)][:3]
+  assert [s[0] for s in shapes] == ["prefill", "decode", "decode"]
+  shapes.append(next(s for s in every if s[0] == "burst" and s[1] == 2))
+  warm_in_threads(engine, shapes)
+  progs = engine.programs
+  compiled = (progs.forward_sample._cache_size(), progs.decode_burst._cache_size())
+  assert compiled == (3, 2)  # the burst's two call signatures: fed from the host and the device
+
+
 @pytest.mark.parametrize(
-  "burst, last, n_compiled",
+  "burst, n_compiled",
   [
     # (the shape lists themselves: test_warmup_levels_list_every_shape, in the default suite)
-    pytest.param(1, "9/9 decode B=2 T=1 M=34", (9, 0), marks=pytest.mark.slow),
+    pytest.param(1, (9, 0), marks=pytest.mark.slow),
     # each burst twice: fed from the host, and chained on the device
-    pytest.param(4, "15/15 burst B=2 T=4 M=34", (9, 12), marks=pytest.mark.slow),
+    pytest.param(4, (9, 12), marks=pytest.mark.slow),
   ],
 )
-def test_after_warmup_nothing_compiles(burst, last, n_compiled):
+def test_after_warmup_nothing_compiles(burst, n_compiled):
   # A model of its own: its step programs share no compiled shapes with other tests'.
   model = build(ModelConfig(**{**TINY, "vocab_size": 42 + burst}, n_kv_heads=2), rngs=nnx.Rngs(5))
   engine = Engine(model, dataclasses.replace(WARM, decode_burst=burst))
@@ -604,9 +644,7 @@ def test_after_warmup_nothing_compiles(burst, last, n_compiled):
   progs = engine.programs
   compiled = lambda: (progs.forward_sample._cache_size(), progs.decode_burst._cache_size())
   assert compiled() == (0, 0)
-  seen = []
-  engine.warmup(lambda i, n, shape: seen.append(f"{i}/{n} {shape}"))
-  assert seen[0] == f"1/{len(shapes)} prefill B=1 T=16 M=34" and seen[-1] == last
+  warm_in_threads(engine, shapes)
   assert compiled() == n_compiled
   # Short and chunk-long prompts, alone and together, streamed (decode steps) and not (bursts),
   # each with a context through every block-table width to the end of the context.
