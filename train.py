@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from atlas_jax import sources
+from atlas_jax import host_memory, sources
 from atlas_jax.config import Config, ConfigError, load_config
 from atlas_jax.data import pipeline, supervised
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -59,6 +59,7 @@ from atlas_jax.training.step import (
   split_trainable,
 )
 from atlas_jax.training.xla_flags import apply as apply_xla_flags
+from atlas_jax.training.xla_flags import expected_platform
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,6 +152,7 @@ class Run:
   tokenizer: Tokenizer
   trainer: Trainer
   added_flags: str  # XLA flags set for this platform ("" if none)
+  host_malloc: str = ""  # on CPU, what `host_memory.keep_freed_memory` did
   template: Any = None  # data.format chat: the chat template serve.py renders this run's with
   resuming: bool = False  # the run directory holds checkpoints
 
@@ -170,6 +172,8 @@ def build(args: argparse.Namespace) -> Run:
   cfg = sources.load_config(args.config, args.set)
   # Before anything starts a jax backend: XLA reads its flags once, at start-up.
   added_flags = apply_xla_flags(cfg.train.xla_flags)
+  # XLA's CPU temporaries come from malloc: kept between steps, not mapped afresh each step.
+  host_malloc = host_memory.keep_freed_memory() if expected_platform() == "cpu" else ""
   run_dir = Path(cfg.train.checkpoint_dir)
   cache_dir = Path(args.data_cache) if args.data_cache else run_dir.parent / ".data"
   check_resumable(run_dir, cfg)
@@ -195,7 +199,9 @@ def build(args: argparse.Namespace) -> Run:
     template = sources.chat_template(folder or (run_dir if resuming else None), tokenizer)
   init_distributed(cfg)
   trainer = make_trainer(cfg)
-  return Run(cfg, run_dir, cache_dir, tokenizer, trainer, added_flags, template, resuming)
+  return Run(
+    cfg, run_dir, cache_dir, tokenizer, trainer, added_flags, host_malloc, template, resuming
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,6 +578,8 @@ def run_command(args: argparse.Namespace) -> int:
   )
   if run.added_flags:
     run.say(f"XLA flags added for {jax.default_backend()}: {run.added_flags}")
+  if run.host_malloc:
+    run.say(f"host memory: {run.host_malloc}")
   try:
     data = load_data(run)
   except (ValueError, OSError) as e:

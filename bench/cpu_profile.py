@@ -52,6 +52,8 @@ import numpy as np
 import serve_peer
 import step_profile
 
+from atlas_jax import host_memory
+
 # Thunk-executor bookkeeping events: containers of the thunks, not work of their own; and the
 # control-flow thunks (a while loop's event spans its body's thunks, which are events too).
 _CONTAINERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "PjRt", "Execute")
@@ -335,7 +337,8 @@ def main(argv=None) -> None:
   import torch
 
   torch.set_num_threads(args.threads)
-  if args.path == "train":
+  if args.path == "train":  # malloc as train.py sets it (atlas_jax.host_memory), for both
+    print(f"# host memory: {host_memory.keep_freed_memory()}")
     ours, theirs, label, tokens = train_runs(args.config, args.set)
   else:
     ours, theirs, label, tokens = serving_runs(args.path, args)

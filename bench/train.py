@@ -16,6 +16,10 @@ on the same random token batches: ours as `bench/train_step.py` builds it, their
 stacks alternate `--repeat` rounds of `--steps` steps, so both see the machine as it is then;
 prints each round's tokens/s with the load average before it, each stack's best round and the
 ratio of the bests (ours / PyTorch).
+
+Malloc is set as `train.py` sets it on a CPU (`atlas_jax.host_memory`: freed memory kept, not
+mapped afresh each step; `ATLAS_JAX_MALLOC=system` leaves glibc's default), for both stacks,
+since they share the process; the header line says which.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import torch_llama
 import train_step
 from timing import seconds_for, seconds_per_call
 
+from atlas_jax import host_memory
 from atlas_jax.config import load_config
+from atlas_jax.training.xla_flags import expected_platform
 
 
 def _ms(f, *args, n: int = 20) -> float:
@@ -111,6 +117,8 @@ def main():
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--breakdown", action="store_true", help="also time the step's pieces")
   args = p.parse_args()
+  cpu = expected_platform() == "cpu"  # asked before the backend starts
+  malloc = host_memory.keep_freed_memory() if cpu else "unchanged"
   defaults = ["mesh.fsdp=1", "train.precision=fp32", "train.remat=none"]
   cfg = load_config(args.config, [*defaults, *args.set])
   bf16 = cfg.train.precision == "bf16"
@@ -121,7 +129,7 @@ def main():
     f"config={args.config} B={B} T={T} D={cfg.model.d_model} L={cfg.model.n_layers} "
     f"precision={cfg.train.precision} steps={args.steps} x {args.repeat} rounds "
     f"jax={jax.__version__} torch={torch.__version__} "
-    f"threads={torch.get_num_threads()} backend={jax.default_backend()}"
+    f"threads={torch.get_num_threads()} backend={jax.default_backend()}\nhost memory: {malloc}"
   )
   ours = train_step.stepper(*train_step.build(cfg))
   torch.manual_seed(0)

@@ -1,0 +1,82 @@
+"""host_memory: freed XLA CPU temporaries are kept by malloc, counted in page faults per call."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from atlas_jax import host_memory
+
+# A program whose temporaries (the [2048, 8192] float32 sine and its cumulative sum, which XLA
+# materialises before reversing it: 128 MiB, past glibc's largest mmap threshold) are allocated
+# and freed on every call. The child prints their bytes and each call's minor page faults; it
+# waits a moment after each call, since the runtime frees the temporaries on its own thread
+# after the result is ready.
+_CHILD = textwrap.dedent(
+  """
+  import json, resource, sys, time
+  from atlas_jax import host_memory
+  if sys.argv[1] == "keep":
+    assert host_memory.keep_freed_memory().startswith("glibc malloc keeps"), "not applied"
+  import jax, jax.numpy as jnp
+  x = jnp.ones((2048, 8192), jnp.float32)
+  f = jax.jit(lambda x: jnp.sum(jnp.cumsum(jnp.sin(x), axis=0)[::-1][:8]))
+  compiled = f.lower(x).compile()
+  faults = []
+  for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    compiled(x).block_until_ready()
+    time.sleep(0.05)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+  print(json.dumps({"temp": compiled.memory_analysis().temp_size_in_bytes, "faults": faults}))
+  """
+)
+
+
+def _faults(mode: str) -> tuple[int, list[int]]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+  env.pop("LD_PRELOAD", None)
+  env["ATLAS_JAX_MALLOC"] = "auto" if mode == "keep" else "system"
+  out = subprocess.run(
+    [sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, check=True
+  ).stdout
+  got = json.loads(out.strip().splitlines()[-1])
+  return got["temp"] // os.sysconf("SC_PAGE_SIZE"), got["faults"]
+
+
+@pytest.mark.skipif(
+  platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+def test_freed_temporaries_are_not_faulted_in_again():
+  pages, system = _faults("system")
+  assert pages >= 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+  # glibc's default: every call maps its temporaries afresh and faults each page in.
+  assert min(system[1:]) >= 0.9 * pages, (system, pages)
+  pages_kept, kept = _faults("keep")
+  assert pages_kept == pages
+  # Kept: once the heap holds the freed copies (glibc's best fit took up to three here), freed
+  # memory serves the next calls and nothing is faulted in again.
+  assert max(kept[-5:]) < pages // 50, (kept, pages)
+
+
+def test_the_users_allocator_choice_is_left_alone():
+  assert host_memory.users_choice({}) is None
+  assert host_memory.users_choice({"ATLAS_JAX_MALLOC": "auto"}) is None
+  assert host_memory.users_choice({"ATLAS_JAX_MALLOC": "system"}) == "ATLAS_JAX_MALLOC=system"
+  preload = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
+  assert host_memory.users_choice(preload) == "tcmalloc in LD_PRELOAD"
+  assert host_memory.users_choice({"LD_PRELOAD": "libfoo.so"}) is None
+  tunables = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+  assert host_memory.users_choice(tunables) == "glibc.malloc tunables in GLIBC_TUNABLES"
+  assert host_memory.users_choice({"GLIBC_TUNABLES": "glibc.rtld.nns=2"}) is None
+  assert host_memory.users_choice({"MALLOC_ARENA_MAX": "2"}) == "MALLOC_ARENA_MAX set"
+  with pytest.raises(ValueError, match="ATLAS_JAX_MALLOC='keep'.*auto, system"):
+    host_memory.users_choice({"ATLAS_JAX_MALLOC": "keep"})
+  # The policy is not applied where the user chose: nothing is called, the reason is returned.
+  assert host_memory.keep_freed_memory(preload) == "left as the environment sets it (" + (
+    "tcmalloc in LD_PRELOAD)"
+  )
