@@ -77,9 +77,12 @@ def keep_freed_memory(env: dict[str, str] | None = None) -> str:
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return "left as it is (not glibc)"
   libc = ctypes.CDLL(None)
-  settings = {"M_ARENA_MAX": (M_ARENA_MAX, 1), "M_MMAP_MAX": (M_MMAP_MAX, 0)}
-  settings["M_TRIM_THRESHOLD"] = (M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-  refused = [name for name, (param, value) in settings.items() if libc.mallopt(param, value) != 1]
+  settings = (
+    ("M_ARENA_MAX", M_ARENA_MAX, 1),
+    ("M_MMAP_MAX", M_MMAP_MAX, 0),
+    ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+  )
+  refused = [name for name, param, value in settings if libc.mallopt(param, value) != 1]
   if refused:
     return f"mallopt refused {', '.join(refused)}"
   done = "glibc malloc keeps freed memory (one arena, no mmap)"

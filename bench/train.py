@@ -14,8 +14,9 @@ with AdamW at the same batch and sequence length, on the same machine in the sam
 on the same random token batches: ours as `bench/train_step.py` builds it, theirs
 `bench/torch_llama.py` in eager mode (the peer `bench/gpu_training.py` compiles on a GPU). The two
 stacks alternate `--repeat` rounds of `--steps` steps, so both see the machine as it is then;
-prints each round's tokens/s with the load average before it, each stack's best round and the
-ratio of the bests (ours / PyTorch).
+prints each round's tokens/s (and each stack's minor page faults and kernel time a step, which
+showed malloc mapping XLA's temporaries afresh every step) with the load average before it, each
+stack's best round and the ratio of the bests (ours / PyTorch).
 
 Malloc is set as `train.py` sets it on a CPU (`atlas_jax.host_memory`: freed memory kept, not
 mapped afresh each step; `ATLAS_JAX_MALLOC=system` leaves glibc's default), for both stacks,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import resource
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,20 @@ from timing import seconds_for, seconds_per_call
 from atlas_jax import host_memory
 from atlas_jax.config import load_config
 from atlas_jax.training.xla_flags import expected_platform
+
+
+def timed_with_faults(step, batches) -> tuple[float, float, float]:
+  """(seconds for `batches`, minor page faults a step, kernel ms a step): the process's own
+  counts (`getrusage`) around the steps, the stacks taking turns in one process."""
+  before = resource.getrusage(resource.RUSAGE_SELF)
+  seconds = seconds_for(step, batches)[0]
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  n = len(batches)
+  return (
+    seconds,
+    (after.ru_minflt - before.ru_minflt) / n,
+    (after.ru_stime - before.ru_stime) * 1e3 / n,
+  )
 
 
 def _ms(f, *args, n: int = 20) -> float:
@@ -143,14 +159,17 @@ def main():
   for r in range(args.repeat):
     load = os.getloadavg()[0]
     got = {
-      "atlas_jax": seconds_for(ours, batches[args.warmup :])[0],
-      "PyTorch": seconds_for(peer, batches[args.warmup :])[0],
+      "atlas_jax": timed_with_faults(ours, batches[args.warmup :]),
+      "PyTorch": timed_with_faults(peer, batches[args.warmup :]),
     }
     print(
       f"round {r + 1}: load {load:.2f}, "
-      + ", ".join(f"{k} {tokens / v:,.0f} tok/s" for k, v in got.items())
+      + ", ".join(
+        f"{k} {tokens / v:,.0f} tok/s ({faults:,.0f} page faults, {kernel_ms:.1f} kernel ms a step)"
+        for k, (v, faults, kernel_ms) in got.items()
+      )
     )
-    best = {k: min(best[k], got[k]) for k in best}
+    best = {k: min(best[k], got[k][0]) for k in best}
   ours_tps, theirs = tokens / best["atlas_jax"], tokens / best["PyTorch"]
   print("| implementation | tokens/s (best round) |")
   print("|---|---|")

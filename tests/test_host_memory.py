@@ -20,6 +20,7 @@ _CHILD = textwrap.dedent(
   """
   import json, resource, sys, time
   from atlas_jax import host_memory
+  CALLS = 16
   if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory().startswith("glibc malloc keeps"), "not applied"
   import jax, jax.numpy as jnp
@@ -27,7 +28,7 @@ _CHILD = textwrap.dedent(
   f = jax.jit(lambda x: jnp.sum(jnp.cumsum(jnp.sin(x), axis=0)[::-1][:8]))
   compiled = f.lower(x).compile()
   faults = []
-  for _ in range(10):
+  for _ in range(CALLS):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     compiled(x).block_until_ready()
     time.sleep(0.05)
@@ -54,13 +55,16 @@ def _faults(mode: str) -> tuple[int, list[int]]:
 def test_freed_temporaries_are_not_faulted_in_again():
   pages, system = _faults("system")
   assert pages >= 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+  fresh = lambda faults: sum(f >= 0.9 * pages for f in faults)  # calls that faulted all in
   # glibc's default: every call maps its temporaries afresh and faults each page in.
-  assert min(system[1:]) >= 0.9 * pages, (system, pages)
+  assert fresh(system) == len(system) == 16, (system, pages)
   pages_kept, kept = _faults("keep")
   assert pages_kept == pages
-  # Kept: once the heap holds the freed copies (glibc's best fit took up to three here), freed
-  # memory serves the next calls and nothing is faulted in again.
-  assert max(kept[-5:]) < pages // 50, (kept, pages)
+  # Kept: the heap grows by a copy only while the freed ones are not yet free or not yet
+  # reusable (glibc's best fit; one to four calls here, under load too); the other calls reuse
+  # freed memory and fault nothing in.
+  assert fresh(kept) <= 6, (kept, pages)
+  assert sum(f < pages // 50 for f in kept) >= 10, (kept, pages)
 
 
 def test_the_users_allocator_choice_is_left_alone():
@@ -77,6 +81,5 @@ def test_the_users_allocator_choice_is_left_alone():
   with pytest.raises(ValueError, match="ATLAS_JAX_MALLOC='keep'.*auto, system"):
     host_memory.users_choice({"ATLAS_JAX_MALLOC": "keep"})
   # The policy is not applied where the user chose: nothing is called, the reason is returned.
-  assert host_memory.keep_freed_memory(preload) == "left as the environment sets it (" + (
-    "tcmalloc in LD_PRELOAD)"
-  )
+  left = host_memory.keep_freed_memory(preload)
+  assert left == "left as the environment sets it (tcmalloc in LD_PRELOAD)"
