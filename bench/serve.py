@@ -42,10 +42,14 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    /v1/completions (64-token id prompts, 32 new tokens, ignore_eos) at each --streams
    concurrency and, with --rate, Poisson arrivals; a discarded warm-up pass, then --repeat passes
    of --requests; medians of output tok/s, TTFT and ITL p50/p90/p99 (from the arrival times of
-   the server-sent events) and text events per token (1.00: one event per token).
+   the server-sent events), text events per token (1.00: one event per token) and the share of
+   requests sent within 5 ms of another ("bunched": a closed loop's streams in lockstep). With
+   --starts N each server is started N times, in turn, a row per start: a closed loop of equal
+   requests settles in lockstep (its TTFT that of a group's prefill) or drifts apart (each
+   arrival prefilled alone) from one start to the next, on either server.
 
     python bench/serve.py --peer vllm --peer-python .venv-vllm/bin/python --batches 8,32
-    python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3
+    python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3 --starts 2
     python bench/serve.py --online --peer vllm --streams 4,16 --guidellm .venv-guidellm/bin/guidellm
 
 8. with `--guidellm PATH` (guidellm 0.8.1 in a virtualenv of its own: `python3 -m venv
@@ -406,7 +410,11 @@ def check_args(p: argparse.ArgumentParser, args, argv) -> None:
   """Parses the list flags, fills the mode's defaults and rejects flags the mode cannot use."""
   args.batches = positive_ints("--batches", args.batches)
   args.streams = positive_ints("--streams", args.streams)
-  for flag, value in (("--repeat", args.repeat), ("--requests", args.requests)):
+  for flag, value in (
+    ("--repeat", args.repeat),
+    ("--requests", args.requests),
+    ("--starts", args.starts),
+  ):
     if value < 1:
       p.error(f"{flag} {value}: must be at least 1")
   if args.rate is not None and not args.rate > 0:
@@ -417,8 +425,9 @@ def check_args(p: argparse.ArgumentParser, args, argv) -> None:
     if value is not None and value < 1:
       p.error(f"{flag} {value}: must be at least 1")
   given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
-  if "--streams" in given and not args.online:
-    p.error("--streams is an --online flag")
+  for flag in ("--streams", "--starts"):
+    if flag in given and not args.online:
+      p.error(f"{flag} is an --online flag")
   if args.online:
     args.prompt_len = args.prompt_len or 64
     args.new_tokens = args.new_tokens or 32
@@ -481,6 +490,13 @@ def main(argv=None) -> None:
     "--streams", default="4,16", help="--online: concurrent streams of each fixed-load shape"
   )
   p.add_argument("--seed", type=int, default=0, help="--online: prompts and Poisson arrivals")
+  p.add_argument(
+    "--starts",
+    type=int,
+    default=1,
+    help="--online: start each server this many times, in turn (a closed loop can settle in "
+    "lockstep or not from one start to the next)",
+  )
   p.add_argument(
     "--guidellm",
     help="--online: guidellm's executable, run on each server too at each --streams count",

@@ -163,7 +163,7 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def summarize(records: Sequence[Record]) -> dict:
   """One pass's figures: output tok/s over the pass's wall time, TTFT and ITL percentiles (ms),
-  text events per completion token, and the count of failed requests.
+  text events per completion token and the fraction of requests sent bunched (`bunched`).
 
   Raises:
     RuntimeError: a request failed (its error is named); figures over fewer requests than were
@@ -178,10 +178,23 @@ def summarize(records: Sequence[Record]) -> dict:
   tokens = sum(r.n_tokens for r in records)
   events = sum(len(r.event_times) for r in records)
   out = dict(tok_s=tokens / wall, tokens=tokens, events_per_token=events / max(tokens, 1))
+  out["bunched"] = bunched([r.sent for r in records])
   for q in (50, 90, 99):
     out[f"ttft_p{q}"] = percentile(ttft, q)
     out[f"itl_p{q}"] = percentile(itl, q)
   return out
+
+
+def bunched(sent: Sequence[float], window: float = 0.005) -> float:
+  """The fraction of requests sent within `window` seconds of the one sent before them.
+
+  A closed loop's streams that finish in the same engine step send their next requests
+  together, and a server that prefills them in one step keeps them together: their TTFT is then
+  that of the whole group's prefill. Near 0 the streams have drifted apart (each arrival is
+  prefilled alone); near 1 they run in lockstep. The same load can settle either way on the same
+  server, so TTFT percentiles from closed loops are read beside this figure."""
+  s = sorted(sent)
+  return sum(b - a <= window for a, b in zip(s, s[1:])) / max(len(s), 1)
 
 
 def completion_bodies(prompts: Sequence[Sequence[int]], max_tokens: int, model: str) -> list[dict]:

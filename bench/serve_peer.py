@@ -313,15 +313,20 @@ def guidellm_pass(args, port: int, streams: int, folder: Path, prompts_by_pass) 
   ttft, itl = m["time_to_first_token_ms"]["successful"], m["inter_token_latency_ms"]["successful"]
   pct = lambda d, q: d["median"] if q == 50 else d["percentiles"][f"p{q}"]
   tokens = m["output_token_count"]["successful"]["total_sum"]
-  out = {"tok_s": tokens / bench["duration"], "events_per_token": float("nan")}
+  out = {
+    "tok_s": tokens / bench["duration"],
+    "events_per_token": float("nan"),
+    "bunched": float("nan"),
+  }
   for q in (50, 90, 99):
     out[f"ttft_p{q}"], out[f"itl_p{q}"] = pct(ttft, q), pct(itl, q)
   return out
 
 
 def online(model: Transformer, args) -> None:
-  """Ours and (with --peer vllm) vLLM's server, one after the other, under each load shape;
-  a table of medians over `args.repeat` passes after a discarded warm-up pass."""
+  """Ours and (with --peer vllm) vLLM's server, each started `args.starts` times in turn (ours,
+  vLLM, ours, ...), under each load shape; a table row per start of medians over `args.repeat`
+  passes after a discarded warm-up pass."""
   cfg = model.cfg
   rng = np.random.default_rng(args.seed)
   prompts_by_pass = [
@@ -331,30 +336,39 @@ def online(model: Transformer, args) -> None:
   print(
     f"\n## online over HTTP: streamed /v1/completions, {args.requests} requests a pass of "
     f"{args.prompt_len} prompt tokens and {args.new_tokens} new tokens (greedy, ignore_eos); "
-    f"medians of {args.repeat} passes after a warm-up pass"
+    f"medians of {args.repeat} passes after a warm-up pass, {args.starts} start(s) of each server"
   )
   kinds = ["ours"] + (["vLLM"] if args.peer else [])
-  table = {}
+  table: dict[str, list[dict]] = {kind: [] for kind in kinds}
   with tempfile.TemporaryDirectory() as tmp:
     folder = random_folder(model, Path(tmp) / "model")
-    for kind in kinds:
-      table[kind] = online_server(kind, folder, args, prompts_by_pass)
+    for _ in range(args.starts):
+      for kind in kinds:
+        table[kind].append(online_server(kind, folder, args, prompts_by_pass))
   print(
     "\n| server | load | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | "
-    "events / token |"
+    "events / token | bunched |"
   )
-  print("|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|")
+  dash = lambda x, spec: "-" if x != x else format(x, spec)  # NaN: guidellm does not count
   names = [name for name, _ in load_shapes(args)]
-  names += [f"guidellm {n}" for n in names if f"guidellm {n}" in table["ours"]]
+  names += [f"guidellm {n}" for n in names if f"guidellm {n}" in table["ours"][0]]
   for name in names:
     for kind in kinds:
-      f = table[kind][name]
-      events = f["events_per_token"]  # NaN: guidellm does not count them
-      print(
-        f"| {kind} | {name} | {f['tok_s']:.0f} | {f['ttft_p50']:.0f} / {f['ttft_p90']:.0f} / "
-        f"{f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / {f['itl_p90']:.1f} / {f['itl_p99']:.1f} | "
-        f"{'-' if events != events else format(events, '.2f')} |"
-      )
+      for i, got in enumerate(table[kind]):
+        f = got[name]
+        label = kind if args.starts == 1 else f"{kind} #{i + 1}"
+        print(
+          f"| {label} | {name} | {f['tok_s']:.0f} | {f['ttft_p50']:.0f} / {f['ttft_p90']:.0f} / "
+          f"{f['ttft_p99']:.0f} | {f['itl_p50']:.1f} / {f['itl_p90']:.1f} / {f['itl_p99']:.1f} | "
+          f"{dash(f['events_per_token'], '.2f')} | {dash(f['bunched'], '.2f')} |"
+        )
     if args.peer:
-      ratio = table["ours"][name]["tok_s"] / table["vLLM"][name]["tok_s"]
-      print(f"| ours / vLLM | {name} | {ratio:.2f} | | | |")
+      tok = _median(table, "ours", name, "tok_s") / _median(table, "vLLM", name, "tok_s")
+      ttft = _median(table, "ours", name, "ttft_p50") / _median(table, "vLLM", name, "ttft_p50")
+      print(f"| ours / vLLM (median of starts) | {name} | {tok:.2f} | p50 {ttft:.2f} | | | |")
+
+
+def _median(table: dict[str, list[dict]], kind: str, name: str, key: str) -> float:
+  """The median over a server's starts of one load shape's figure."""
+  return statistics.median(got[name][key] for got in table[kind])

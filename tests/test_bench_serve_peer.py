@@ -82,6 +82,16 @@ def test_summarize_a_pass():
   assert f["ttft_p90"] == pytest.approx(280.0)
   assert f["itl_p50"] == pytest.approx(100.0)  # ITLs 100, 200, 100 ms
   assert f["itl_p99"] == pytest.approx(198.0)
+  assert f["bunched"] == 0.0  # sent 500 ms apart
+
+
+def test_bunched_counts_requests_sent_with_the_one_before():
+  # Two groups of three sent together (1 ms apart), the groups 300 ms apart: 4 of 6 bunched.
+  sent = [0.0, 0.001, 0.002, 0.3, 0.301, 0.302]
+  assert serve_http.bunched(sent[::-1]) == pytest.approx(4 / 6)  # order of sending irrelevant
+  assert serve_http.bunched([0.0, 0.1, 0.2, 0.3]) == 0.0
+  assert serve_http.bunched([0.0, 0.006], window=0.005) == 0.0
+  assert serve_http.bunched([]) == 0.0
 
 
 def test_summarize_refuses_a_failed_pass():
@@ -211,6 +221,8 @@ def test_agreement_counts_equal_sequences_and_prefixes():
     (["--online", "--streams", "0"], "--streams '0'"),
     (["--peer", "vllm", "--peer-python", "/nonexistent/python"], "--peer-python /nonexistent"),
     (["--streams", "4"], "--streams is an --online flag"),
+    (["--starts", "2"], "--starts is an --online flag"),
+    (["--online", "--starts", "0"], "--starts 0: must be at least 1"),
   ],
 )
 def test_bad_flags_name_the_flag(argv, message, capsys, monkeypatch):
@@ -247,9 +259,16 @@ def test_online_driver_against_our_server(capsys):
     ["--online", "--set", "model.n_layers=1", "--set", "model.d_model=64", "--set",
      "model.n_heads=2", "--set", "model.n_kv_heads=1", "--set", "model.ffn_dim=128",
      "--streams", "2", "--rate", "20", "--requests", "4", "--repeat", "1", "--new-tokens", "4",
-     "--prompt-len", "8"]
+     "--prompt-len", "8", "--starts", "2"]
   )  # fmt: skip
   out = capsys.readouterr().out
-  rows = [line for line in out.splitlines() if line.startswith("| ours |")]
-  assert [r.split("|")[2].strip() for r in rows] == ["2 streams", "Poisson 20/s"]
-  assert all(r.rstrip(" |").endswith("1.00") for r in rows)  # one event per token
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ours #")]
+  cells = [[c.strip() for c in r] for r in rows]
+  assert [(c[0], c[1]) for c in cells] == [
+    ("ours #1", "2 streams"),
+    ("ours #2", "2 streams"),
+    ("ours #1", "Poisson 20/s"),
+    ("ours #2", "Poisson 20/s"),
+  ]
+  assert all(c[5] == "1.00" for c in cells)  # one event per token
+  assert all(0.0 <= float(c[6]) <= 1.0 for c in cells)  # the bunched share
