@@ -84,6 +84,14 @@ _probes: dict[tuple, dict[int, dict[tuple[str, str], float]]] = {}
 # projection is a GEMM, where YNNPACK's are the faster.
 XLA_DOTS_PROBE_ROWS = 64
 
+# XLA's dots are taken at a row count only where the probe times them this much faster than
+# YNNPACK's (at most 1 / 1.5 of their time). The probe times the projections alone; inside a step
+# program XLA's dots fare worse against YNNPACK's: on a Zen 4 EPYC, projections the probe timed
+# 1.1-1.4x faster at 2-16 rows made the whole decode step 3-15% slower (5.79 against 5.59 ms at
+# 4 rows, 10.24 against 8.73 at 8, interleaved), and the probe's plan flipped between starts on
+# its 1-row tie; on the AVX2 EPYC where they win (BENCHMARKS.md) the probe times them 2-2.5x.
+XLA_DOTS_WIN = 1.5
+
 # `cpu_matmul="xla"`: every step's dots XLA's own, whatever its rows.
 ALL_ROWS = 1 << 30
 
@@ -130,9 +138,9 @@ def matmul_plan(
 
   The layout whose projections take the least time over every row count, each count with its
   faster dots, out-major only when `LAYOUT_MARGIN` faster; on in-major weights, XLA's dots for
-  the row counts from the smallest up to the last where they are `LAYOUT_MARGIN` faster than
-  YNNPACK's, never past the first where they are `LAYOUT_MARGIN` slower (within the margin
-  either way the two are even, and the row counts around decide)."""
+  the row counts from the smallest up to the last where they are `XLA_DOTS_WIN` times faster
+  than YNNPACK's, never past the first where they are `LAYOUT_MARGIN` slower (in between, the
+  row counts around decide)."""
   best = lambda lay, ms: min(v for (l, _), v in ms.items() if l == lay)
   total = lambda lay: sum(best(lay, ms) for ms in timings.values())
   has = lambda lay: all(any(l == lay for l, _ in ms) for ms in timings.values())
@@ -148,7 +156,7 @@ def matmul_plan(
     xla, ynn = ms.get(("in_major", "xla")), ms.get(("in_major", "ynnpack"))
     if xla is None or ynn is None or xla > ynn * (1 + LAYOUT_MARGIN):
       break
-    if xla < ynn * (1 - LAYOUT_MARGIN):
+    if xla * XLA_DOTS_WIN <= ynn:
       xla_rows = rows
   return out_major, xla_rows
 

@@ -164,6 +164,21 @@ def _timings(in_ynn, out_ynn, in_xla):
     (_timings([4, 4, 5, 8], [9, 9, 9, 9], [4.1, 2, 3, 9]), "auto", "auto", (False, 4)),
     # 3% is noise, not a win, for the dots as for the layout.
     (_timings([4, 4, 4, 4], [4, 4, 4, 4], [3.9, 3.9, 3.9, 3.9]), "auto", "auto", (False, 0)),
+    # Nor is the probe's 1.3x: inside the step such dots were the slower (runner.XLA_DOTS_WIN).
+    (
+      _timings([4.5, 4.5, 4.5, 4.5], [9, 9, 9, 9], [3.5, 3.5, 3.5, 3.5]),
+      "auto",
+      "auto",
+      (False, 0),
+    ),
+    # A Zen 4 EPYC's probe, one start (ms at 1/2/4/8 rows), where XLA's dots made the step the
+    # slower at every row count: YNNPACK's throughout (the 5% rule took XLA's up to 8 rows).
+    (
+      _timings([2.79, 5.36, 5.22, 5.35], [2.09, 5.12, 6.64, 6.90], [2.87, 3.86, 4.41, 5.08]),
+      "auto",
+      "auto",
+      (False, 0),
+    ),
     (_timings([10, 10, 10, 10], [9.7, 9.7, 9.7, 9.7], None), "auto", "ynnpack", (False, 0)),
     # Out-major 10% faster in all (each in-major row count at its faster dots): no XLA dots.
     (_timings([10, 10, 10, 10], [9, 9, 9, 9], [11, 11, 11, 11]), "auto", "auto", (True, 0)),
