@@ -88,7 +88,7 @@ XLA_DOTS_PROBE_ROWS = 64
 # YNNPACK's (at most 1 / 1.5 of their time). The probe times the projections alone; inside a step
 # program XLA's dots fare worse against YNNPACK's: on a Zen 4 EPYC, projections the probe timed
 # 1.1-1.4x faster at 2-16 rows made the whole decode step 3-15% slower (5.79 against 5.59 ms at
-# 4 rows, 10.24 against 8.73 at 8, interleaved), and the probe's plan flipped between starts on
+# 4 rows, 8.28 against 6.97 at 8, interleaved), and the probe's plan flipped between starts on
 # its 1-row tie; on the AVX2 EPYC where they win (BENCHMARKS.md) the probe times them 2-2.5x.
 XLA_DOTS_WIN = 1.5
 
