@@ -46,7 +46,9 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    requests sent within 5 ms of another ("bunched": a closed loop's streams in lockstep). With
    --starts N each server is started N times, in turn, a row per start: a closed loop of equal
    requests settles in lockstep (its TTFT that of a group's prefill) or drifts apart (each
-   arrival prefilled alone) from one start to the next, on either server.
+   arrival prefilled alone) from one start to the next, on either server; --stagger MS starts
+   stream k k x MS ms after the first, so that the loop starts apart (guidellm's passes are not
+   staggered).
 
     python bench/serve.py --peer vllm --peer-python .venv-vllm/bin/python --batches 8,32
     python bench/serve.py --online --peer vllm --streams 4,16 --rate 4 --repeat 3 --starts 2
@@ -425,7 +427,9 @@ def check_args(p: argparse.ArgumentParser, args, argv) -> None:
     if value is not None and value < 1:
       p.error(f"{flag} {value}: must be at least 1")
   given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
-  for flag in ("--streams", "--starts"):
+  if args.stagger < 0:
+    p.error(f"--stagger {args.stagger:g}: must be at least 0")
+  for flag in ("--streams", "--starts", "--stagger"):
     if flag in given and not args.online:
       p.error(f"{flag} is an --online flag")
   if args.online:
@@ -496,6 +500,13 @@ def main(argv=None) -> None:
     default=1,
     help="--online: start each server this many times, in turn (a closed loop can settle in "
     "lockstep or not from one start to the next)",
+  )
+  p.add_argument(
+    "--stagger",
+    type=float,
+    default=0.0,
+    help="--online: ms between the streams' first requests (default 0: all at once, as a "
+    "fixed-concurrency load starts; apart, a closed loop starts out of lockstep)",
   )
   p.add_argument(
     "--guidellm",

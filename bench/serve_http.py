@@ -97,13 +97,17 @@ def stream_completion(host: str, port: int, body: dict, timeout: float = 600.0) 
   return rec
 
 
-def run_concurrent(host: str, port: int, bodies: Sequence[dict], streams: int) -> list[Record]:
-  """`streams` workers share the bodies in order, each sending its next when its last ends."""
+def run_concurrent(
+  host: str, port: int, bodies: Sequence[dict], streams: int, stagger: float = 0.0
+) -> list[Record]:
+  """`streams` workers share the bodies in order, each sending its next when its last ends;
+  worker k sends its first `k * stagger` seconds after worker 0 (0: all at once)."""
   records: list[Record | None] = [None] * len(bodies)
   nxt = iter(range(len(bodies)))
   lock = threading.Lock()
 
-  def worker():
+  def worker(k: int):
+    time.sleep(k * stagger)
     while True:
       with lock:
         i = next(nxt, None)
@@ -111,7 +115,7 @@ def run_concurrent(host: str, port: int, bodies: Sequence[dict], streams: int) -
         return
       records[i] = stream_completion(host, port, bodies[i])
 
-  threads = [threading.Thread(target=worker) for _ in range(min(streams, len(bodies)))]
+  threads = [threading.Thread(target=worker, args=(k,)) for k in range(min(streams, len(bodies)))]
   for t in threads:
     t.start()
   for t in threads:

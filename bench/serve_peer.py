@@ -232,7 +232,8 @@ def server_command(kind: str, folder: Path, port: int, seqs: int, max_len: int, 
 
 
 def load_shapes(args) -> list[tuple[str, object]]:
-  return [(f"{n} streams", n) for n in args.streams] + (
+  apart = f", {args.stagger:g} ms apart" if args.stagger else ""
+  return [(f"{n} streams{apart}", n) for n in args.streams] + (
     [(f"Poisson {args.rate:g}/s", None)] if args.rate is not None else []
   )
 
@@ -242,7 +243,9 @@ def drive(port: int, shape, bodies: list[dict], args) -> dict:
   if shape is None:
     records = serve_http.run_poisson("127.0.0.1", port, bodies, args.rate, seed=args.seed)
   else:
-    records = serve_http.run_concurrent("127.0.0.1", port, bodies, shape)
+    records = serve_http.run_concurrent(
+      "127.0.0.1", port, bodies, shape, stagger=args.stagger / 1e3
+    )
   return serve_http.summarize(records)
 
 
@@ -279,7 +282,9 @@ def online_server(kind: str, folder: Path, args, prompts_by_pass) -> dict:
           figures.append(drive(port, shape, bodies, args))
         results[name] = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
         if args.guidellm and isinstance(shape, int):
-          results[f"guidellm {name}"] = guidellm_pass(args, port, shape, folder, prompts_by_pass)
+          results[f"guidellm {shape} streams"] = guidellm_pass(
+            args, port, shape, folder, prompts_by_pass
+          )
     finally:
       serve_http.stop(proc)
   return results
@@ -352,7 +357,7 @@ def online(model: Transformer, args) -> None:
   print("|---|---|---|---|---|---|---|")
   dash = lambda x, spec: "-" if x != x else format(x, spec)  # NaN: guidellm does not count
   names = [name for name, _ in load_shapes(args)]
-  names += [f"guidellm {n}" for n in names if f"guidellm {n}" in table["ours"][0]]
+  names += [name for name in table["ours"][0] if name.startswith("guidellm ")]
   for name in names:
     for kind in kinds:
       for i, got in enumerate(table[kind]):

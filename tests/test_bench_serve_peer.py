@@ -182,6 +182,20 @@ def test_fixed_concurrency_against_a_canned_server(canned_server):
   assert f["itl_p50"] > 0  # the server sleeps between events: they arrive apart (no bound on time)
 
 
+def test_staggered_streams_start_apart(canned_server):
+  # Each canned request takes at least 20 ms, so by the time the third stream starts (0.4 s)
+  # at most 30 of the 60 are taken: all three streams run.
+  bodies = serve_http.completion_bodies([[1, 2]] * 60, 4, "m")
+  records = serve_http.run_concurrent("127.0.0.1", canned_server, bodies, streams=3, stagger=0.2)
+  start = min(r.sent for r in records)
+  in_flight = lambda t: sum(r.sent <= t < r.finished for r in records)
+  # One stream alone for its first 0.2 s, two until 0.4 s, then three.
+  assert max(in_flight(r.sent) for r in records if r.sent < start + 0.19) == 1
+  assert max(in_flight(r.sent) for r in records if r.sent < start + 0.39) <= 2
+  assert max(in_flight(r.sent) for r in records) == 3
+  assert serve_http.summarize(records)["tokens"] == 240
+
+
 def test_poisson_load_against_a_canned_server(canned_server):
   bodies = serve_http.completion_bodies([[1]] * 5, 3, "m")
   records = serve_http.run_poisson("127.0.0.1", canned_server, bodies, rate=50.0, seed=1)
@@ -223,6 +237,8 @@ def test_agreement_counts_equal_sequences_and_prefixes():
     (["--streams", "4"], "--streams is an --online flag"),
     (["--starts", "2"], "--starts is an --online flag"),
     (["--online", "--starts", "0"], "--starts 0: must be at least 1"),
+    (["--stagger", "50"], "--stagger is an --online flag"),
+    (["--online", "--stagger", "-1"], "--stagger -1: must be at least 0"),
   ],
 )
 def test_bad_flags_name_the_flag(argv, message, capsys, monkeypatch):
