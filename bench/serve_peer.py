@@ -371,7 +371,8 @@ def online(model: Transformer, args) -> None:
     if args.peer:
       tok = _median(table, "ours", name, "tok_s") / _median(table, "vLLM", name, "tok_s")
       ttft = _median(table, "ours", name, "ttft_p50") / _median(table, "vLLM", name, "ttft_p50")
-      print(f"| ours / vLLM (median of starts) | {name} | {tok:.2f} | p50 {ttft:.2f} | | | |")
+      label = "ours / vLLM" + (" (median of starts)" if args.starts > 1 else "")
+      print(f"| {label} | {name} | {tok:.2f} | p50 {ttft:.2f} | | | |")
 
 
 def _median(table: dict[str, list[dict]], kind: str, name: str, key: str) -> float:
