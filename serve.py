@@ -393,9 +393,10 @@ CONFIG_FLAGS = {
   "engine.weight_layout": (
     ("--weight-layout",),
     str,
-    "how one device holds the projections: in_major ([in, out], as trained); out_major "
-    "([out, in], as nn.Linear); auto (on a CPU, out_major where its GEMMs ran 5% faster, "
-    "timed at start-up; in_major elsewhere)",
+    "how one device holds the weights: stacked (as trained, the layer scan slicing each "
+    "layer); one array per layer, in_major ([in, out], as trained) or out_major ([out, in], "
+    "as nn.Linear); auto (on a CPU, out_major where its GEMMs ran 5% faster, timed at "
+    "start-up, else stacked; in_major elsewhere)",
   ),
   "engine.cpu_matmul": (
     ("--cpu-matmul",),

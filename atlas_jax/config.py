@@ -561,7 +561,7 @@ def _power_of_two(where: str, value: int) -> None:
 
 
 WARMUP_LEVELS = ("none", "default", "all")
-WEIGHT_LAYOUTS = ("auto", "in_major", "out_major")
+WEIGHT_LAYOUTS = ("auto", "stacked", "in_major", "out_major")
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 
 
@@ -615,10 +615,13 @@ class EngineConfig:
   # prompts; "all": also prefills over a context already in the pool (a prompt's chunks past
   # `prefill_chunk`, a prompt after a cached prefix).
   warmup: str = "default"
-  # How one device holds the projections: "in_major" as trained ([in, out]), "out_major"
-  # transposed ([out, in], each output's weights contiguous, as `nn.Linear` holds them), or
-  # "auto": on a CPU, whichever of the two its GEMMs read faster, timed at start-up (it differs
-  # between CPUs; BENCHMARKS.md), elsewhere in-major. A mesh holds them in-major.
+  # How one device holds the weights: "stacked" as trained (each layer stack one array, which
+  # the layer scan slices layer by layer); one array per layer (`model.scan.Unstacked`), the
+  # projections "in_major" as trained ([in, out]) or "out_major" transposed ([out, in], each
+  # output's weights contiguous, as `nn.Linear` holds them); or "auto": on a CPU, out-major
+  # per layer where its GEMMs read them faster, timed at start-up (it differs between CPUs;
+  # BENCHMARKS.md), else stacked; elsewhere in-major per layer. A mesh holds them in-major per
+  # layer.
   weight_layout: str = "auto"
   # Whose dots a CPU's step programs compile: "ynnpack" (YNNPACK's, XLA's CPU default), "xla"
   # (XLA's own), or "auto": on one CPU device, XLA's own for the decode batch sizes where they

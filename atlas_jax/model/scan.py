@@ -131,10 +131,11 @@ class Unstacked:
   """A stacked [L, ...] parameter held as L arrays, one per layer (`unstack_layers`).
 
   In a layer scan each layer's weights are a dynamic slice of the stack, which XLA's CPU backend
-  copies out before the matmul: every decode step would write and read the weights twice. A
-  served model holds its stacks unstacked, and the model runs such a stack as a loop of layers
-  indexing this tuple, which copies nothing. An int index gives that layer's array; a slice, a
-  run of layers, still unstacked; `...`, itself.
+  copies out before the matmul: every decode step writes and reads the weights twice. The
+  serving engine holds its stacks unstacked where that costs more than it saves (accelerators,
+  meshes, out-major projections; `serving.runner.ModelRunner.stacked_layers`), and the model
+  runs such a stack as a loop of layers indexing this tuple, which copies nothing. An int index
+  gives that layer's array; a slice, a run of layers, still unstacked; `...`, itself.
   """
 
   def __init__(self, arrays):

@@ -189,10 +189,11 @@ class Engine:
       )
     mesh = _mesh_for(config, mesh)
     dp, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
-    if mesh is not None and config.weight_layout == "out_major":
+    if mesh is not None and config.weight_layout in ("out_major", "stacked"):
       raise ConfigError(
-        f"serve.engine.weight_layout='out_major' is not allowed on a mesh of {dp} x {tp} "
-        "devices: out-major projections are for one device; use 'auto' or 'in_major'"
+        f"serve.engine.weight_layout={config.weight_layout!r} is not allowed on a mesh of "
+        f"{dp} x {tp} devices: a mesh holds its layers one array each, in-major; use 'auto' or "
+        "'in_major'"
       )
     if mesh is not None and config.cpu_matmul == "xla":
       raise ConfigError(

@@ -262,6 +262,15 @@ class ModelRunner:
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
     out_major, self.xla_dots_rows = self._matmul_plan(weight_layout, cpu_matmul, state, layout_rows)
+    # How the layer stacks are held (`stacked_layers`): as trained, sliced per layer by the layer
+    # scan, or one array per layer (`model.scan.Unstacked`), run as a loop of layers.
+    self.stacked = self.stacked_layers(weight_layout, out_major)
+    if jax.default_backend() == "cpu":
+      log.info("weights: layers %s", "stacked" if self.stacked else "one array each")
+
+    def held(placed):
+      return placed if self.stacked else unstack_layers(placed, mesh, out_major=out_major)
+
     if draft is not None:
       self.d_rules = placement.model_rules(draft.cfg, self.tensor)
       if mesh is not None and self.d_rules is not placement.SERVING_RULES:
@@ -272,17 +281,27 @@ class ModelRunner:
           self.tensor,
         )
       self.d_layout = placement.layout(mesh, self.d_rules)
-      d_params = unstack_layers(
-        placement.place_state(nnx.state(draft), mesh, self.d_rules), mesh, out_major=out_major
-      )
-    # Layer stacks held one array per layer: a layer scan's per-layer slices of the weights are
-    # copies on XLA's CPU backend (written and read again every step); these are not.
-    self.states = (
-      unstack_layers(placement.place_state(state, mesh, self.rules), mesh, out_major=out_major),
-      d_params,
-    )
+      d_params = held(placement.place_state(nnx.state(draft), mesh, self.d_rules))
+    self.states = (held(placement.place_state(state, mesh, self.rules)), d_params)
     self.pools = None
     self.programs: steps.Programs | None = None
+
+  def stacked_layers(self, layout: str, out_major: bool) -> bool:
+    """Whether the layer stacks stay stacked: with `layout` "stacked", or "auto" on one CPU
+    device with in-major projections.
+
+    In a layer scan each layer's weights are a dynamic slice of its stack, which XLA's CPU
+    backend copies out before the matmuls; per-layer arrays copy nothing, and the model runs
+    them as a loop of layers unrolled into the step program. On 2 CPU cores the scan's decode
+    bursts nonetheless ran faster from 2 rows up (the tiny preset, 8 decode steps at a context
+    of 256: 18.3 against 21.8 ms at 8 rows, 10.8 against 12.8 at 4; `Engine.generate` at 8
+    rows 1.04x `generate`'s speed against 0.82x) and slower at 1 row (3.9 against 2.7 ms):
+    BENCHMARKS.md. Elsewhere (accelerators, meshes, out-major projections) one array per
+    layer."""
+    if layout == "stacked":
+      return True
+    cpu = self.mesh is None and jax.default_backend() == "cpu" and bool(steps.compiler_options())
+    return layout == "auto" and cpu and not out_major
 
   def _matmul_plan(self, layout: str, cpu_matmul: str, state, max_rows: int) -> tuple[bool, int]:
     """(whether the projections are held out-major, `model.scan.OutMajor`; the most token rows
@@ -291,6 +310,8 @@ class ModelRunner:
     decode batch bucket up to `max_rows` (`time_matmuls`, `matmul_plan`; which wins differs
     between CPUs: BENCHMARKS.md), once per process for a set of shapes. Elsewhere in-major with
     the backend's dots."""
+    if layout == "stacked":  # in-major, as trained
+      layout = "in_major"
     if self.mesh is not None or jax.default_backend() != "cpu" or not steps.compiler_options():
       return layout == "out_major", 0
     if "auto" not in (layout, cpu_matmul) or layout == "out_major":

@@ -13,7 +13,7 @@ from flax import nnx
 from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
-from atlas_jax.model.scan import OutMajor
+from atlas_jax.model.scan import OutMajor, is_unstacked
 from atlas_jax.serving import runner, steps
 from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
@@ -112,14 +112,22 @@ def _held_out_major(engine) -> int:
 
 @pytest.mark.parametrize(
   "layout, matmul",
-  [("in_major", "ynnpack"), ("out_major", "ynnpack"), ("in_major", "xla"), ("auto", "auto")],
+  [
+    ("in_major", "ynnpack"),
+    ("out_major", "ynnpack"),
+    ("in_major", "xla"),
+    ("stacked", "ynnpack"),
+    ("auto", "auto"),
+  ],
 )
 def test_every_weight_layout_serves_what_generate_does(
   tiny_model, reference, layout, matmul, caplog
 ):
-  """`weight_layout` and `cpu_matmul`: the projections held as trained or transposed (7 a
-  layer), the dots YNNPACK's or XLA's own, or as the start-up probe found faster, which it logs
-  with its timings; the tokens are generate's."""
+  """`weight_layout` and `cpu_matmul`: the layer stacks held as trained (the layer scan slices
+  them) or one array per layer, the projections then as trained or transposed (7 a layer), the
+  dots YNNPACK's or XLA's own, or as the start-up probe found faster, which it logs with its
+  timings (and on one CPU device holds in-major projections stacked); the tokens are
+  generate's."""
   prompts, params, want = reference
   config = dataclasses.replace(CONFIGS["roomy"], weight_layout=layout, cpu_matmul=matmul)
   with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
@@ -139,6 +147,10 @@ def test_every_weight_layout_serves_what_generate_does(
   else:
     assert xla_rows == (runner.ALL_ROWS if matmul == "xla" else 0)
   assert held == (7 * tiny_model.cfg.n_layers if layout == "out_major" else 0)
+  # "auto" (layout now the probe's): on one CPU device in-major projections stay stacked.
+  stacked = layout == "stacked" or (matmul == "auto" and layout == "in_major")
+  assert engine.runner.stacked == stacked
+  assert is_unstacked(engine.runner.states[0]) == (not stacked)
   burst = engine.runner.programs.decode_burst
   assert isinstance(burst, steps.ByRows) == (xla_rows > 0)
 
@@ -214,15 +226,18 @@ def test_auto_plan_is_probed_once(tiny_model, monkeypatch):
 def test_weight_layout_is_checked(tiny_model):
   with pytest.raises(
     ConfigError,
-    match="weight_layout='sideways' is not allowed: must be one of auto, in_major, out_major",
+    match="weight_layout='sideways' is not allowed: must be one of auto, stacked, in_major, "
+    "out_major",
   ):
     EngineConfig(weight_layout="sideways")
-  config = EngineConfig(n_blocks=16, tensor_parallel_size=2, weight_layout="out_major")
-  with pytest.raises(
-    ConfigError,
-    match="serve.engine.weight_layout='out_major' is not allowed on a mesh of 1 x 2 devices",
-  ):
-    Engine(tiny_model, config)
+  for layout in ("out_major", "stacked"):
+    config = EngineConfig(n_blocks=16, tensor_parallel_size=2, weight_layout=layout)
+    with pytest.raises(
+      ConfigError,
+      match=f"serve.engine.weight_layout='{layout}' is not allowed on a mesh of 1 x 2 devices: "
+      "a mesh holds its layers one array each",
+    ):
+      Engine(tiny_model, config)
   with pytest.raises(ConfigError, match="cpu_matmul='blas' is not allowed: must be one of"):
     EngineConfig(cpu_matmul="blas")
   config = EngineConfig(n_blocks=16, tensor_parallel_size=2, cpu_matmul="xla")
