@@ -178,6 +178,10 @@ def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
   return tuple(int(i) for i in ids)
 
 
+# A padding row's controls (greedy), made once: every step pads its batch with them.
+PADDING = SamplingParams()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
@@ -206,7 +210,7 @@ class SamplingArrays:
     allowed_bits: np.ndarray | None = None,
   ):
     """Rows for `params`, padded (greedy) to `pad_to` rows; `allowed_bits` i32[pad_to, W]."""
-    rows = list(params) + [SamplingParams()] * ((pad_to or len(params)) - len(params))
+    rows = list(params) + [PADDING] * ((pad_to or len(params)) - len(params))
     col = lambda name, dt: np.asarray([getattr(p, name) for p in rows], dt)
     bias_ids = bias_values = None
     n_bias = max((len(p.logit_bias) for p in rows), default=0)

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from atlas_jax.decoding.drafters import Drafter, hidden_store
-from atlas_jax.decoding.sampling import SamplingArrays, SamplingParams
+from atlas_jax.decoding.sampling import PADDING, SamplingArrays
 from atlas_jax.model.scan import out_major_candidates, unstack_layers
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import steps
@@ -528,7 +528,7 @@ class ModelRunner:
     last = np.zeros((B,), np.int32)
     seeds = np.zeros((B,), np.int32)
     step = np.zeros((B,), np.int32)
-    params = [SamplingParams()] * B
+    params = [PADDING] * B
     for row, b in zip(rows, slot):
       req, n = row.req, row.n
       known = req.tokens[row.start : row.start + n]  # a chained burst's are on the device
