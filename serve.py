@@ -396,7 +396,7 @@ CONFIG_FLAGS = {
     "how one device holds the weights: stacked (as trained, the layer scan slicing each "
     "layer); one array per layer, in_major ([in, out], as trained) or out_major ([out, in], "
     "as nn.Linear); auto (on a CPU, out_major where its GEMMs ran 5% faster, timed at "
-    "start-up, else stacked; in_major elsewhere)",
+    "start-up, else stacked for layers of up to 8 MiB; in_major elsewhere)",
   ),
   "engine.cpu_matmul": (
     ("--cpu-matmul",),

@@ -620,7 +620,8 @@ class EngineConfig:
   # projections "in_major" as trained ([in, out]) or "out_major" transposed ([out, in], each
   # output's weights contiguous, as `nn.Linear` holds them); or "auto": on a CPU, out-major
   # per layer where its GEMMs read them faster, timed at start-up (it differs between CPUs;
-  # BENCHMARKS.md), else stacked; elsewhere in-major per layer. A mesh holds them in-major per
+  # BENCHMARKS.md), else stacked for layers of up to 8 MiB (`serving.runner.STACKED_LAYER_BYTES`)
+  # and in-major per layer above; elsewhere in-major per layer. A mesh holds them in-major per
   # layer.
   weight_layout: str = "auto"
   # Whose dots a CPU's step programs compile: "ynnpack" (YNNPACK's, XLA's CPU default), "xla"

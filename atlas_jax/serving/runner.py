@@ -92,6 +92,14 @@ XLA_DOTS_PROBE_ROWS = 64
 # its 1-row tie; on the AVX2 EPYC where they win (BENCHMARKS.md) the probe times them 2-2.5x.
 XLA_DOTS_WIN = 1.5
 
+# `weight_layout="auto"` on one CPU device keeps a model's layer stacks stacked (the layer scan
+# slicing each layer's weights, a copy a step) when no layer holds more than this many bytes, and
+# holds them one array per layer above. Engine.generate at batch 8 on 2 Zen 4 cores (32 prompts,
+# 128 new tokens; ad hoc, paired runs, stacked / per-layer): 1.27x at 1.6 MB a layer (the tiny
+# preset), 1.23x at 6.3 MB (d_model 384, FFN 1024), 0.83x at 9.4 MB (d_model 512, FFN 1024),
+# 0.74x at 11.8 MB (d_model 512, FFN 1408; batch 32: 0.87x). BENCHMARKS.md, "Eighth round".
+STACKED_LAYER_BYTES = 8 << 20
+
 # `cpu_matmul="xla"`: every step's dots XLA's own, whatever its rows.
 ALL_ROWS = 1 << 30
 
@@ -185,6 +193,16 @@ def padding_inputs(B: int, T: int, M: int) -> StepInputs:
   )
 
 
+def layer_bytes(state, stacks=("blocks", "dense_blocks")) -> int:
+  """The weight bytes of the model's largest layer: each stack's parameters over its depth."""
+  per_layer = [
+    sum(x.nbytes // x.shape[0] for x in jax.tree.leaves(state[name]))
+    for name in stacks
+    if name in state
+  ]
+  return max(per_layer, default=0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Row:
   """One request's part in a step."""
@@ -264,7 +282,7 @@ class ModelRunner:
     out_major, self.xla_dots_rows = self._matmul_plan(weight_layout, cpu_matmul, state, layout_rows)
     # How the layer stacks are held (`stacked_layers`): as trained, sliced per layer by the layer
     # scan, or one array per layer (`model.scan.Unstacked`), run as a loop of layers.
-    self.stacked = self.stacked_layers(weight_layout, out_major)
+    self.stacked = self.stacked_layers(weight_layout, out_major, layer_bytes(state))
     if jax.default_backend() == "cpu":
       log.info("weights: layers %s", "stacked" if self.stacked else "one array each")
 
@@ -286,22 +304,21 @@ class ModelRunner:
     self.pools = None
     self.programs: steps.Programs | None = None
 
-  def stacked_layers(self, layout: str, out_major: bool) -> bool:
+  def stacked_layers(self, layout: str, out_major: bool, layer_bytes: int) -> bool:
     """Whether the layer stacks stay stacked: with `layout` "stacked", or "auto" on one CPU
-    device with in-major projections.
+    device with in-major projections and layers of at most `STACKED_LAYER_BYTES`.
 
     In a layer scan each layer's weights are a dynamic slice of its stack, which XLA's CPU
-    backend copies out before the matmuls; per-layer arrays copy nothing, and the model runs
-    them as a loop of layers unrolled into the step program. On 2 CPU cores the scan's decode
-    bursts nonetheless ran faster from 2 rows up (the tiny preset, 8 decode steps at a context
-    of 256: 18.3 against 21.8 ms at 8 rows, 10.8 against 12.8 at 4; `Engine.generate` at 8
-    rows 1.04x `generate`'s speed against 0.82x) and slower at 1 row (3.9 against 2.7 ms):
-    BENCHMARKS.md. Elsewhere (accelerators, meshes, out-major projections) one array per
-    layer."""
+    backend copies out before the matmuls; one array per layer copies nothing, the model running
+    the layers as a loop unrolled into the step program. On 2 CPU cores the scan's steps
+    nonetheless ran faster for small layers from 2 rows up, and slower for larger layers
+    (`STACKED_LAYER_BYTES`). Elsewhere (accelerators, meshes, out-major projections) one array
+    per layer."""
     if layout == "stacked":
       return True
     cpu = self.mesh is None and jax.default_backend() == "cpu" and bool(steps.compiler_options())
-    return layout == "auto" and cpu and not out_major
+    small = layer_bytes <= STACKED_LAYER_BYTES
+    return layout == "auto" and cpu and not out_major and small
 
   def _matmul_plan(self, layout: str, cpu_matmul: str, state, max_rows: int) -> tuple[bool, int]:
     """(whether the projections are held out-major, `model.scan.OutMajor`; the most token rows

@@ -223,6 +223,25 @@ def test_auto_plan_is_probed_once(tiny_model, monkeypatch):
   assert [_held_out_major(e) for e in engines] == [0, 0]
 
 
+def test_auto_keeps_small_layers_stacked(tiny_model, monkeypatch):
+  """`weight_layout="auto"` on one CPU device with in-major projections: layers of at most
+  `runner.STACKED_LAYER_BYTES` stay stacked (the layer scan slices them), larger ones are held
+  one array per layer; a layer's bytes are its parameters'."""
+  cfg = tiny_model.cfg
+  D, H = cfg.d_model, cfg.d_model // cfg.n_heads
+  params = 2 * D * cfg.n_heads * H + 2 * D * cfg.n_kv_heads * H + 3 * D * cfg.ffn_dim + 2 * D
+  assert runner.layer_bytes(nnx.state(tiny_model)) == 4 * params
+  monkeypatch.setattr(runner, "_probes", {})
+  in_major_faster = lambda mats, rows, kinds: {k: 1.0 + (k[0] == "out_major") for k in kinds}
+  monkeypatch.setattr(runner, "time_matmuls", in_major_faster)
+  config = dataclasses.replace(CONFIGS["roomy"], weight_layout="auto", cpu_matmul="ynnpack")
+  engine = Engine(tiny_model, config)
+  assert engine.runner.stacked and not is_unstacked(engine.runner.states[0])
+  monkeypatch.setattr(runner, "STACKED_LAYER_BYTES", 4 * params - 1)
+  engine = Engine(tiny_model, config)
+  assert not engine.runner.stacked and is_unstacked(engine.runner.states[0])
+
+
 def test_weight_layout_is_checked(tiny_model):
   with pytest.raises(
     ConfigError,
