@@ -243,7 +243,8 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
     ),
     (
       ["--weight-layout", "sideways"],
-      "--weight-layout='sideways' is not allowed: must be one of auto, stacked, in_major, out_major",
+      "--weight-layout='sideways' is not allowed: must be one of auto, stacked, in_major, "
+      "out_major",
     ),
     (
       ["--cpu-matmul", "mkl"],
