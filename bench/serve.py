@@ -27,6 +27,7 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
     python bench/serve.py [--requests 64] [--rate 8] [--batch 8] [--config configs/tiny.yaml]
     python bench/serve.py --only ratio --batches 8,32,64 --prompt-len 128 --new-tokens 256
     python bench/serve.py --only startup
+    python bench/serve.py --only layouts --batches 8,32 --prompt-len 128 --new-tokens 128
     python bench/serve.py --cpu-devices 8 --tensor-parallel-size 4 --data-parallel-size 2
 
 6. against vLLM's CPU engine (`--peer vllm`; bench/serve_peer.py), on one Hugging Face folder
@@ -61,6 +62,11 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
    servers read the same ids), its figures in the table's "guidellm" rows (guidellm's own
    TTFT and ITL percentiles, and output tokens over its measured duration).
 
+9. layouts (`--only layouts`): `Engine.generate` with the model's layers held stacked (the layer
+   scan slicing each layer's weights) against one array per layer, interleaved, a row per
+   --repeat: 32 prompts of 32---prompt-len tokens, --new-tokens each, at each --batches size.
+   Which is faster depends on a layer's bytes (`serving.runner.STACKED_LAYER_BYTES`).
+
 vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:
 
     python3 -m venv .venv-vllm
@@ -77,6 +83,7 @@ On a shared machine CPU ratios swing with load: compare only runs printed with a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import platform
@@ -272,6 +279,37 @@ def batch1_decode(model: Transformer, *, prompt_len: int, new_tokens: int) -> di
   return dict(ms=ms, weight_bytes=weight_bytes, bandwidth=bandwidth, bound_ms=bound_ms)
 
 
+def print_layout_table(model: Transformer, batches, prompt_len, new_tokens, repeat) -> None:
+  """`Engine.generate` with the layer stacks held stacked (the layer scan slicing each layer's
+  weights) against one array per layer (`serve.engine.weight_layout` "stacked" and "in_major"),
+  interleaved, a row per repetition: 32 prompts of 32-`prompt_len` random tokens,
+  `new_tokens` each (greedy, ignore_eos), `batch` running at once. `auto` on one CPU device picks
+  by a layer's bytes (`runner.STACKED_LAYER_BYTES`)."""
+  cfg = model.cfg
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(min(32, prompt_len), prompt_len + 1, 32)
+  prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lengths]
+  params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+  layer_mb = runner.layer_bytes(nnx.state(model)) / 1e6
+  print(f"\n## layers stacked against one array per layer ({layer_mb:.1f} MB a layer)")
+  print("| batch | load | stacked tok/s | per-layer tok/s | stacked / per-layer |")
+  print("|---|---|---|---|---|")
+  for batch in batches:
+    base = serve_peer.engine_config(batch, prompt_len, new_tokens, cfg.max_seq_len, 8)
+    configs = [dataclasses.replace(base, weight_layout=lay) for lay in ("stacked", "in_major")]
+    for config in configs:
+      Engine(model, config).generate(prompts, params)  # compiles every shape it will use
+    for _ in range(repeat):
+      load, tok_s = os.getloadavg()[0], []
+      for config in configs:
+        engine = Engine(model, config)  # a fresh pool: no prefix-cache hits
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        tok_s.append(len(prompts) * new_tokens / (time.perf_counter() - start))
+      ratio = tok_s[0] / tok_s[1]
+      print(f"| {batch} | {load:.1f} | {tok_s[0]:.0f} | {tok_s[1]:.0f} | {ratio:.2f} |")
+
+
 def print_ratio_tables(model: Transformer, batches, prompt_len, new_tokens, repeat, burst) -> None:
   print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
   print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
@@ -462,8 +500,9 @@ def main(argv=None) -> None:
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument(
     "--only",
-    choices=["ratio", "rest", "startup"],
-    help="ratio: engine vs generate and batch 1 only; startup: compilation at start-up only",
+    choices=["ratio", "rest", "startup", "layouts"],
+    help="ratio: engine vs generate and batch 1 only; startup: compilation at start-up only; "
+    "layouts: the engine with its layers stacked against one array per layer",
   )
   p.add_argument("--batches", default="16", help="engine vs generate batch sizes, comma-separated")
   p.add_argument(
@@ -538,6 +577,8 @@ def main(argv=None) -> None:
     return serve_peer.offline(model, args)
   if args.only == "startup":
     return startup(cfg)
+  if args.only == "layouts":
+    return print_layout_table(model, args.batches, args.prompt_len, args.new_tokens, args.repeat)
   if args.tensor_parallel_size * args.data_parallel_size > 1:
     return on_a_mesh(
       model,

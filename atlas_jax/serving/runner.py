@@ -94,10 +94,11 @@ XLA_DOTS_WIN = 1.5
 
 # `weight_layout="auto"` on one CPU device keeps a model's layer stacks stacked (the layer scan
 # slicing each layer's weights, a copy a step) when no layer holds more than this many bytes, and
-# holds them one array per layer above. Engine.generate at batch 8 on 2 Zen 4 cores (32 prompts,
-# 128 new tokens; ad hoc, paired runs, stacked / per-layer): 1.27x at 1.6 MB a layer (the tiny
-# preset), 1.23x at 6.3 MB (d_model 384, FFN 1024), 0.83x at 9.4 MB (d_model 512, FFN 1024),
-# 0.74x at 11.8 MB (d_model 512, FFN 1408; batch 32: 0.87x). BENCHMARKS.md, "Eighth round".
+# holds them one array per layer above. Engine.generate at batch 8 on 2 Zen 4 cores, stacked /
+# per-layer (`python bench/serve.py --only layouts`, 32 prompts, 128 new tokens): 1.05-1.34x at
+# 1.6 MB a layer (the tiny preset), 0.99-1.09x at 6.3 MB (d_model 384, FFN 1024), 0.78-1.01x at
+# 9.4 MB (d_model 512, FFN 1024), 0.78-0.91x at 11.8 MB (d_model 512, FFN 1408). BENCHMARKS.md,
+# "Eighth round".
 STACKED_LAYER_BYTES = 8 << 20
 
 # `cpu_matmul="xla"`: every step's dots XLA's own, whatever its rows.
