@@ -248,6 +248,23 @@ def test_bad_flags_name_the_flag(argv, message, capsys, monkeypatch):
   assert message in f"{e.value.code} {capsys.readouterr().err}"
 
 
+def test_layouts_mode_runs_both_layouts(capsys):
+  """`--only layouts`: a row per repetition and batch, stacked against per-layer, the ratio the
+  two rates', under a header naming a layer's bytes as the runner counts them."""
+  small = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1"]
+  small += ["model.ffn_dim=64", "model.vocab_size=64"]
+  argv = ["--only", "layouts", "--batches", "2", "--prompt-len", "40", "--new-tokens", "4"]
+  bench_serve.main(argv + ["--repeat", "2"] + [a for kv in small for a in ("--set", kv)])
+  out = capsys.readouterr().out
+  D, F, H = 32, 64, 16
+  layer = 4 * (2 * D * 2 * H + 2 * D * 1 * H + 3 * D * F + 2 * D)
+  assert f"({layer / 1e6:.1f} MB a layer)" in out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 2 |")]
+  assert len(rows) == 2
+  for _, _, stacked, per_layer, ratio in rows:
+    assert float(ratio) == pytest.approx(float(stacked) / float(per_layer), abs=0.02)
+
+
 def test_peer_without_a_python_says_how_to_give_one(monkeypatch):
   monkeypatch.delenv("VLLM_PYTHON", raising=False)
   with pytest.raises(SystemExit, match="--peer-python PATH"):
