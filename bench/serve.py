@@ -64,7 +64,7 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
 
 9. layouts (`--only layouts`): `Engine.generate` with the model's layers held stacked (the layer
    scan slicing each layer's weights) against one array per layer, interleaved, a row per
-   --repeat: 32 prompts of 32---prompt-len tokens, --new-tokens each, at each --batches size.
+   --repeat: 32 prompts of 32 to --prompt-len tokens, --new-tokens each, at each --batches size.
    Which is faster depends on a layer's bytes (`serving.runner.STACKED_LAYER_BYTES`).
 
 vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:

@@ -317,9 +317,13 @@ class ModelRunner:
     per layer."""
     if layout == "stacked":
       return True
-    cpu = self.mesh is None and jax.default_backend() == "cpu" and bool(steps.compiler_options())
     small = layer_bytes <= STACKED_LAYER_BYTES
-    return layout == "auto" and cpu and not out_major and small
+    return layout == "auto" and self._one_cpu() and not out_major and small
+
+  def _one_cpu(self) -> bool:
+    """One CPU device whose XLA takes the step programs' options (`steps.compiler_options`):
+    where the weights' layout and the dots are chosen by what ran faster."""
+    return self.mesh is None and jax.default_backend() == "cpu" and bool(steps.compiler_options())
 
   def _matmul_plan(self, layout: str, cpu_matmul: str, state, max_rows: int) -> tuple[bool, int]:
     """(whether the projections are held out-major, `model.scan.OutMajor`; the most token rows
@@ -330,7 +334,7 @@ class ModelRunner:
     the backend's dots."""
     if layout == "stacked":  # in-major, as trained
       layout = "in_major"
-    if self.mesh is not None or jax.default_backend() != "cpu" or not steps.compiler_options():
+    if not self._one_cpu():
       return layout == "out_major", 0
     if "auto" not in (layout, cpu_matmul) or layout == "out_major":
       return matmul_plan({}, layout, cpu_matmul)
