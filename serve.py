@@ -375,6 +375,12 @@ CONFIG_FLAGS = {
     int,
     "decode iterations per call when no request needs the host (1: no bursts)",
   ),
+  "engine.offline_burst": (
+    ("--offline-burst",),
+    int,
+    "decode iterations per call in batch mode, where every prompt is added before the first "
+    "step and none can wait for a burst (at least --decode-burst)",
+  ),
   "engine.stream_bursts": (
     ("--stream-bursts",),
     on_off,
@@ -581,6 +587,7 @@ def run_batch(args, engine: Engine, tokenizer, prompts, params: SamplingParams) 
       bar = tqdm(total=len(prompts), unit="req", file=sys.stderr)
     next_out = 0
     done: set[int] = set()
+    engine.offline = True  # every prompt is in: bursts run --offline-burst iterations
     while engine.has_unfinished():
       for o in engine.step():
         results[o.request_id] += o.new_token_ids

@@ -594,6 +594,11 @@ class EngineConfig:
   # (per replica), none shares a block (no prefix caching) and none is preempted.
   preallocate: bool = False
   decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
+  # The same while the engine is offline (`Engine.generate`, serve.py's batch mode: every
+  # request added before the first step), where no arrival can wait for a burst; longer bursts
+  # spread the host's work per call over more tokens. At least `decode_burst`; bursts stay off
+  # with decode_burst 1.
+  offline_burst: int = 32
   # Whether bursts run while a streamed request runs. Off (the default), a streamed request's
   # tokens leave one by one as they are drawn, as vLLM streams; on, they leave `decode_burst` at
   # a time (each still its own event), and the host's work is amortised over the burst.
@@ -647,6 +652,7 @@ class EngineConfig:
       "max_num_batched_tokens",
       "max_model_len",
       "decode_burst",
+      "offline_burst",
       "num_speculative_tokens",
       "speculative_max_batch",
       "guided_speculative_max_batch",

@@ -212,6 +212,7 @@ def test_train_names_a_bad_jsonl_line(tmp_path, capsys):
       "--tensor-parallel-size=4 x -dp=4 needs 16 devices",
     ),
     (["--max-num-seqs", "0"], "--max-num-seqs=0 is not allowed: must be a positive integer"),
+    (["--offline-burst", "0"], "--offline-burst=0 is not allowed: must be a positive integer"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization=1.5 is not allowed"),
     (["--kv-cache-memory", "0"], "--kv-cache-memory=0.0 is not allowed: must be bytes per device"),
     (

@@ -113,7 +113,7 @@ from atlas_jax.serving.faults import PoolLost
 from atlas_jax.serving.outputs import OutputProcessor, finished
 from atlas_jax.serving.requests import Intake, Request, RequestError, RequestId, RequestOutput
 from atlas_jax.serving.runner import Drawn, ModelRunner, Row, pow2
-from atlas_jax.serving.scheduler import BurstPlan, MixedPlan, RoundPlan, Scheduler
+from atlas_jax.serving.scheduler import BurstPlan, MixedPlan, RoundPlan, Scheduler, burst_capacity
 
 log = logging.getLogger("atlas_jax.serving")
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -216,7 +216,7 @@ class Engine:
     # M, the most block-table columns: the context, plus what a burst or a speculative round may
     # write past its end (draws after a request's last token, which are cut).
     Z = config.block_size
-    ahead = max(config.decode_burst, k + 1)
+    ahead = max(burst_capacity(config), k + 1)
     max_blocks = -(-(max_model_len + ahead) // Z)
     self.runner = ModelRunner(
       model,
@@ -258,7 +258,7 @@ class Engine:
     self._arrivals = 0
     self.n_steps = 0
     self.n_computed_tokens = 0  # tokens run through the model (prefill, recompute and decode)
-    self.n_bursts = 0  # steps that ran `decode_burst` decode iterations
+    self.n_bursts = 0  # steps that ran a burst of decode iterations
     self.n_chained = 0  # bursts dispatched before the host read the previous one
     self.n_spec_rounds = 0  # steps that were speculative rounds
     self.n_spec_row_rounds = 0  # of those, summed over their rows (target passes per row)
@@ -411,7 +411,7 @@ class Engine:
     shapes = [("prefill", B, T, M) for B, T, M in prefills]
     shapes += [("decode", B, 1, M) for B in buckets for M in widths]
     if c.decode_burst >= 2:
-      shapes += [("burst", B, c.decode_burst, M) for B in buckets for M in widths]
+      shapes += [("burst", B, burst_capacity(c), M) for B in buckets for M in widths]
     if self.draft is not None:
       k, most = c.num_speculative_tokens, pow2(c.speculative_max_batch)
       shapes += [("speculate", B, k + 1, M) for B in buckets if B <= most for M in widths]
@@ -563,13 +563,29 @@ class Engine:
     for rid, p, sp in zip(ids, prompts, per_row):
       self.add_request(rid, p, sp)
     got: dict[RequestId, list[int]] = {rid: [] for rid in ids}
-    while any(rid in self.scheduler.requests for rid in ids):
-      for out in self.step():
-        if out.request_id in got:
-          if out.error:
-            raise RequestError(out.error)
-          got[out.request_id].extend(out.new_token_ids)
+    offline, self.offline = self.offline, True
+    try:
+      while any(rid in self.scheduler.requests for rid in ids):
+        for out in self.step():
+          if out.request_id in got:
+            if out.error:
+              raise RequestError(out.error)
+            got[out.request_id].extend(out.new_token_ids)
+    finally:
+      self.offline = offline
     return [got[rid] for rid in ids]
+
+  @property
+  def offline(self) -> bool:
+    """Whether every request this engine will serve has been added (`generate` sets it while
+    it runs; a caller that adds all its requests before stepping may set it too, as serve.py's
+    batch mode does): bursts then run `offline_burst` decode iterations, as no arrival can wait
+    for one."""
+    return self.scheduler.offline
+
+  @offline.setter
+  def offline(self, value: bool) -> None:
+    self.scheduler.offline = bool(value)
 
   # -- the step ----------------------------------------------------------------------------------
 
@@ -660,13 +676,13 @@ class Engine:
   def _dispatch(self, plan: BurstPlan, chained: Drawn | None = None) -> Drawn | None:
     """Dispatches a burst; None when it raised without taking the pools (a mixed step then
     finds the failing rows)."""
-    I = self.config.decode_burst
     self.runner.copy(self.scheduler.take_copies(plan.copies))
     self.n_steps += 1
     self.n_bursts += 1
-    self.n_computed_tokens += I * len(plan.rows)
+    self.n_computed_tokens += plan.n_steps * len(plan.rows)
     try:
-      return self.runner.burst(plan.rows, I, chained=chained)
+      capacity = burst_capacity(self.config)
+      return self.runner.burst(plan.rows, plan.n_steps, capacity, chained=chained)
     except Exception as e:
       lost = chained.rows if chained is not None else plan.rows
       if self.runner.pool_lost():
@@ -677,7 +693,7 @@ class Engine:
 
   def _chain(self, prev: Drawn) -> Drawn | None:
     """The next burst, fed by `prev`'s last draws on the device before the host reads them."""
-    plan = self.scheduler.chain(prev.rows)
+    plan = self.scheduler.chain(prev.rows, prev.n_steps)
     if plan is None:
       return None
     burst = self._dispatch(plan, chained=prev)
@@ -724,7 +740,7 @@ class Engine:
       req = row.req
       if self.scheduler.requests.get(req.id) is not req:
         continue  # aborted while the burst ran
-      n = len(tok) if drawn.n_draws is None else int(drawn.n_draws[i])
+      n = drawn.n_steps if drawn.n_draws is None else int(drawn.n_draws[i])
       try:
         out, n_kept = self.outputs.accept(req, tok[:n, b], lp[:n, b], top_ids[:n, b], top_lp[:n, b])
       except Exception as e:  # e.g. the detokenizer: this request's fault only

@@ -171,12 +171,14 @@ def matmul_plan(
 
 
 @jax.jit
-def _carried(tok_IB, counts_BV, prompt_mask_BV, index_B):
+def _carried(tok_IB, counts_BV, prompt_mask_BV, index_B, n_steps):
   """A chained burst's inputs from the burst before it, still on the device: each row's last
-  draw as its pending token (and its penalty counts), row b taken from `index_B[b]`. One
-  dispatch: as eager indexing, each of these ops cost more host time than a burst step."""
+  draw (the `n_steps`-th) as its pending token (and its penalty counts), row b taken from
+  `index_B[b]`. One dispatch: as eager indexing, each of these ops cost more host time than a
+  burst step."""
   take = lambda x: None if x is None else x[index_B]
-  return tok_IB[-1][index_B][:, None], take(counts_BV), take(prompt_mask_BV)
+  last_B = jax.lax.dynamic_index_in_dim(tok_IB, n_steps - 1, keepdims=False)
+  return last_B[index_B][:, None], take(counts_BV), take(prompt_mask_BV)
 
 
 def padding_inputs(B: int, T: int, M: int) -> StepInputs:
@@ -227,7 +229,8 @@ class Drawn:
   top_ids_IBk: Array  # i32[I, B, 5]
   top_lp_IBk: Array  # f32[I, B, 5]
   counts_BV: Array | None  # i32[B, V] output token counts after the burst (penalties)
-  n_draws: np.ndarray | None = None  # i32[n rows] real draws per row (a round), else all I
+  n_draws: np.ndarray | None = None  # i32[n rows] real draws per row (a round)
+  n_steps: int | None = None  # a burst's iterations: the first n_steps of its I rows are draws
 
 
 class ModelRunner:
@@ -685,13 +688,16 @@ class ModelRunner:
       row.req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b]) for row, b in zip(rows, slot)
     }
 
-  def burst(self, rows: Sequence[Row], n_steps: int, chained: Drawn | None = None) -> Drawn:
-    """Dispatches `n_steps` decode iterations of `rows` (not waiting for them). Chained on a
-    burst the host has not read, each row's pending token (and penalty counts) is taken from
-    that burst's last draws on the device."""
+  def burst(
+    self, rows: Sequence[Row], n_steps: int, capacity: int, chained: Drawn | None = None
+  ) -> Drawn:
+    """Dispatches `n_steps` decode iterations of `rows` (not waiting for them) in the burst
+    program of `capacity` iterations at most. Chained on a burst the host has not read, each
+    row's pending token (and penalty counts) is taken from that burst's last draws on the
+    device."""
     penalties = any(r.req.params.uses_penalties for r in rows)
     x, slot = self.inputs(rows, 1, penalties=penalties and chained is None, allowed=False)
-    self._met("burst", x, n_steps)
+    self._met("burst", x, capacity)
     prompt_mask = x.prompt_mask_BV
     if chained is not None:
       prev = {id(r.req): b for r, b in zip(chained.rows, chained.slot)}
@@ -699,13 +705,13 @@ class ModelRunner:
       index[slot] = [prev[id(r.req)] for r in rows]
       # On the device: the host has not seen these yet.
       tokens_BT, counts, prompt_mask = _carried(
-        chained.tok_IB, chained.counts_BV, chained.prompt_mask_BV, index
+        chained.tok_IB, chained.counts_BV, chained.prompt_mask_BV, index, chained.n_steps
       )
       x = dataclasses.replace(x, tokens_BT=tokens_BT, counts_BV=counts, prompt_mask_BV=prompt_mask)
     self.pools, *outs = self.programs.decode_burst(
-      self.states, self.pools, self.on_devices(x), n_steps
+      self.states, self.pools, self.on_devices(x), capacity, np.int32(n_steps)
     )
-    return Drawn(list(rows), slot, prompt_mask, *outs)
+    return Drawn(list(rows), slot, prompt_mask, *outs, n_steps=n_steps)
 
   def speculate(self, rows: Sequence[Row], k: int) -> Drawn:
     """One speculative round over `rows`, settled at once (guided rows: drafted, masked on the
@@ -774,7 +780,8 @@ class ModelRunner:
       if program is self.programs.decode_burst:
         # Again fed from the device, as a chained burst is (`burst`): its pending tokens are
         # the last one's draws.
-        tokens_BT, _, _ = _carried(outs[0], None, None, np.arange(x.tokens_BT.shape[0]))
+        index = np.arange(x.tokens_BT.shape[0])
+        tokens_BT, _, _ = _carried(outs[0], None, None, index, static[-1])
         x = dataclasses.replace(x, tokens_BT=tokens_BT)
         self.pools, *outs = program(self.states, self.pools, x, *static)
       jax.block_until_ready(outs)
@@ -786,5 +793,5 @@ class ModelRunner:
     if kind in ("prefill", "decode"):
       return progs.forward_sample, x
     if kind == "burst":
-      return progs.decode_burst, x, T
+      return progs.decode_burst, x, T, np.int32(T)
     return progs.speculative_round, x, T - 1

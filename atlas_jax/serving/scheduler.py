@@ -52,10 +52,11 @@ class MixedPlan:
 
 @dataclasses.dataclass
 class BurstPlan:
-  """Every running request, `decode_burst` decode iterations each."""
+  """Every running request, `n_steps` decode iterations each."""
 
   rows: list[Row]
   copies: list[tuple[int, int]]
+  n_steps: int
 
 
 @dataclasses.dataclass
@@ -64,6 +65,14 @@ class RoundPlan:
 
   rows: list[Row]
   copies: list[tuple[int, int]]
+
+
+def burst_capacity(config: EngineConfig) -> int:
+  """The most decode iterations any burst runs (the burst program's size): the longer of
+  `decode_burst` and `offline_burst` (1 with bursts off)."""
+  if config.decode_burst < 2:
+    return 1
+  return max(config.decode_burst, config.offline_burst)
 
 
 class Scheduler:
@@ -88,6 +97,9 @@ class Scheduler:
     self.pending_copies: list[tuple[int, int]] = []  # copy-on-write pairs for the next step
     self.finished: list[Request] = []  # released since the engine last logged them
     self.n_preemptions = 0
+    # Whether every request the engine will serve has been added (`Engine.generate`, serve.py's
+    # batch mode): no arrival can then wait for a burst, so bursts run `offline_burst` steps.
+    self.offline = False
 
   def _allocator(self) -> BlockAllocator:
     c = self.config
@@ -236,20 +248,36 @@ class Scheduler:
     """A speculative round or a burst when the batch allows one and the pools can hold its
     reservations; None for a mixed step (`schedule`)."""
     if self.should_speculate():
-      return self._reserved(RoundPlan, self.config.num_speculative_tokens + 1)
+      rows = list(self.running)
+      copies = self.reserve(rows, self.config.num_speculative_tokens + 1)
+      return None if copies is None else RoundPlan([self.row(r, 1) for r in rows], copies)
     if self.should_burst():
-      return self._reserved(BurstPlan, self.config.decode_burst)
+      return self._burst(list(self.running))
     return None
 
-  def _reserved(self, kind, n_tokens: int):
-    rows = list(self.running)
-    copies = self.reserve(rows, n_tokens)
-    if copies is None:
-      return None
-    return kind([self.row(r, 1) for r in rows], copies)
+  def burst_length(self) -> int:
+    """The most decode iterations a burst runs: `decode_burst`, or `offline_burst` offline."""
+    return burst_capacity(self.config) if self.offline else self.config.decode_burst
+
+  def _burst(self, reqs: list[Request], prev: list[Row] = (), done: int = 0) -> BurstPlan | None:
+    """A burst of `reqs`, chained on the burst of rows `prev` and `done` steps (in flight, its
+    draws not yet read) if given: the burst length, cut to the most draws a row still needs (no
+    row needs a step past its max_tokens); a pool that cannot hold the reservation for that
+    many gets the online length, then nothing (None)."""
+    at = {id(r): (r.n_computed, len(r.output)) for r in reqs}  # where each row starts, unread
+    at.update((id(row.req), (row.start, row.step)) for row in prev)
+    need = max(r.params.max_new_tokens - at[id(r)][1] - done for r in reqs)
+    for n in dict.fromkeys(
+      max(1, min(n, need)) for n in (self.burst_length(), self.config.decode_burst)
+    ):
+      copies = self.reserve(reqs, done + n)  # the burst in flight holds the first `done`
+      if copies is not None:
+        rows = [self.row(r, 1, at[id(r)][0] + done, at[id(r)][1] + done) for r in reqs]
+        return BurstPlan(rows, copies, n)
+    return None
 
   def should_burst(self) -> bool:
-    """Whether no running request needs the host for `decode_burst` steps."""
+    """Whether no running request needs the host for a burst's steps."""
     return (
       self.config.decode_burst >= 2
       and self.decode_only()
@@ -313,18 +341,17 @@ class Scheduler:
       return None
     return [p for r in rows for p in self._global(r, self.allocator(r).reserve(r.id, n_tokens))]
 
-  def chain(self, prev_rows: list[Row]) -> BurstPlan | None:
-    """The next burst, dispatched before the host has read `prev_rows`' burst, for the rows
-    still running and not certain to stop in it; None when a row needs the host first (an
-    admission is possible once that burst is read, or a pool is short).
+  def chain(self, prev_rows: list[Row], done: int) -> BurstPlan | None:
+    """The next burst, dispatched before the host has read the burst of `prev_rows` and `done`
+    steps, for its rows still running and not certain to stop in it; None when a row needs the
+    host first (an admission is possible once that burst is read, or a pool is short).
 
     A waiting request that could be admitted then stops the chain, so that it waits for the
     burst in flight and no more: the head fits a seat and the blocks left beside the rows that
     run on, or a row ends in the burst in flight (freeing its seat and blocks). One that cannot
     be admitted (no seat, too few blocks) lets the chain go on."""
-    I = self.config.decode_burst
     live = [row for row in prev_rows if row.req in self.running]
-    keep = [row for row in live if len(row.req.output) + I < row.req.params.max_new_tokens]
+    keep = [row for row in live if len(row.req.output) + done < row.req.params.max_new_tokens]
     if not keep:
       return None
     if self.waiting and (
@@ -334,11 +361,7 @@ class Scheduler:
     reqs = [row.req for row in keep]
     if self.speculates_for(reqs):
       return None  # the batch has shrunk enough to speculate
-    copies = self.reserve(reqs, 2 * I)  # the burst in flight holds the first I
-    if copies is None:
-      return None
-    rows = [self.row(row.req, 1, row.start + I, row.step + I) for row in keep]
-    return BurstPlan(rows, copies)
+    return self._burst(reqs, keep, done)
 
   def truncate(self, rows: list[Row]) -> None:
     """Gives back what a burst or round that did not run had reserved."""

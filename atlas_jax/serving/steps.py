@@ -7,8 +7,9 @@ The scheduler (`atlas_jax.serving.scheduler`) decides what runs and the model ru
 
 * `forward_sample`: one model call over rows of new tokens (prefill chunks right-padded, or one
   decode token), then one draw per row from its last real token.
-* `decode_burst`: I decode iterations in one call, each sampled token fed straight back as the
-  next input without leaving the device; the host reads all I tokens per row afterwards. Rows
+* `decode_burst`: n decode iterations in one call (n a traced count, so one program per shape
+  serves every burst length up to its capacity), each sampled token fed straight back as the
+  next input without leaving the device; the host reads all n tokens per row afterwards. Rows
   do not stop inside the burst: tokens past a stop are cut by the host, whose block reservation
   covered them.
 * `speculative_round`: the drafter proposes k tokens per row, the target scores all of them in
@@ -165,10 +166,14 @@ class BurstCarry:
   pools: tuple  # (target pool, draft pool or None)
   token_B: Array  # i32[B] each row's pending token
   counts_BV: Array | None  # i32[B, V] output token counts (penalties), else None
+  outs: tuple  # the draws so far: i32[I, B] tokens, f32[I, B] logprobs, [I, B, 5] top ones
 
 
-def decode_burst(b: _Bound, states, pools, x: StepInputs, n_steps: int):
-  """`n_steps` decode iterations: compute each row's pending token, sample the next, repeat.
+def decode_burst(b: _Bound, states, pools, x: StepInputs, capacity: int, n_steps: Array):
+  """`n_steps` (i32[], 1 to `capacity`) decode iterations: compute each row's pending token,
+  sample the next, repeat. One program serves every burst length up to `capacity` (the
+  engine's online and offline bursts, a burst cut to what its rows still need); its loop runs
+  `n_steps` times.
 
   `x.tokens_BT` [B, 1] holds each row's pending token (sampled, not yet in the pool), at
   position `x.lengths_B`; the block table covers positions up to lengths + n_steps - 1;
@@ -176,8 +181,9 @@ def decode_burst(b: _Bound, states, pools, x: StepInputs, n_steps: int):
   device.
 
   Returns:
-    (pools, i32[I, B] tokens, f32[I, B] logprobs, i32[I, B, 5] top ids, f32[I, B, 5] top
-    logprobs, i32[B, V] counts after the burst, or None without penalties).
+    (pools, i32[capacity, B] tokens, f32[capacity, B] logprobs, i32[capacity, B, 5] top ids,
+    f32[capacity, B, 5] top logprobs (the rows past `n_steps` zeros), i32[B, V] counts after
+    the burst, or None without penalties).
   """
   if x.sampling.allowed_bits is not None:
     raise ValueError("decode_burst: a guided row's mask needs the host after every token")
@@ -186,7 +192,7 @@ def decode_burst(b: _Bound, states, pools, x: StepInputs, n_steps: int):
   valid_B = x.lengths_B >= 0
   B = x.tokens_BT.shape[0]
 
-  def body(c: BurstCarry, i):
+  def body(i, c: BurstCarry):
     pool, d_pool = c.pools
     positions_B1 = jnp.where(valid_B, x.lengths_B + i, -1)[:, None]
     at_B = positions_B1[:, 0] + ~valid_B  # padding rows: 0
@@ -213,11 +219,19 @@ def decode_burst(b: _Bound, states, pools, x: StepInputs, n_steps: int):
     counts_BV = c.counts_BV
     if counts_BV is not None:
       counts_BV = counts_BV.at[jnp.arange(B), out[0]].add(1)
-    return BurstCarry((cache.pool, d_pool), out[0], counts_BV), out
+    outs = tuple(o.at[i].set(v) for o, v in zip(c.outs, out))
+    return BurstCarry((cache.pool, d_pool), out[0], counts_BV, outs)
 
-  carry = BurstCarry(pools, x.tokens_BT[:, 0], x.counts_BV)
-  carry, outs = jax.lax.scan(body, carry, jnp.arange(n_steps))
-  return (carry.pools, *outs, carry.counts_BV)
+  k = min(MAX_LOGPROBS, model.cfg.vocab_size)
+  outs = (
+    jnp.zeros((capacity, B), jnp.int32),
+    jnp.zeros((capacity, B), jnp.float32),
+    jnp.zeros((capacity, B, k), jnp.int32),
+    jnp.zeros((capacity, B, k), jnp.float32),
+  )
+  carry = BurstCarry(pools, x.tokens_BT[:, 0], x.counts_BV, outs)
+  carry = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, capacity), body, carry)
+  return (carry.pools, *carry.outs, carry.counts_BV)
 
 
 def speculative_round(b: _Bound, states, pools, x: StepInputs, k: int):

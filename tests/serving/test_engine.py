@@ -86,6 +86,52 @@ def test_engine_equals_generate(tiny_model, reference, name, order):
     assert engine.n_bursts > 0
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_offline_bursts_serve_what_generate_does(tiny_model, reference, name):
+  """`Engine.generate` runs offline (no arrival can wait for a burst): its bursts run up to
+  `offline_burst` steps, 16 here against 8 online; the tokens are generate's, in the tight pool
+  (which preempts, and holds fewer long reservations) too."""
+  prompts, params, want = reference
+  engine = Engine(tiny_model, dataclasses.replace(CONFIGS[name], offline_burst=16))
+  lengths = []
+  burst = engine.runner.burst
+  engine.runner.burst = lambda rows, n, *args, **kw: (
+    lengths.append(n) or burst(rows, n, *args, **kw)
+  )
+  assert engine.generate(prompts, params) == want
+  assert not engine.offline  # back online once generate returns
+  assert max(lengths) > 8, lengths  # longer than online bursts (cut to what rows need)
+
+
+def test_a_burst_stops_at_the_last_token_a_row_needs(tiny_model):
+  """No burst runs a step past every row's max_tokens: 4 rows of 70 new tokens compute their
+  3-token prompts and 69 decode steps each (the prefill draws the first token), in bursts of
+  32, 32 and 5 offline, 8 x 8 and 5 online; not one step more."""
+  prompts = [[1 + i, 2, 3] for i in range(4)]
+  params = SamplingParams(max_new_tokens=70, ignore_eos=True)
+  want = generate(tiny_model, prompts, params)
+  config = dataclasses.replace(CONFIGS["roomy"], decode_burst=8, offline_burst=32)
+  for offline, bursts in ((True, [32, 32, 5]), (False, [8] * 8 + [5])):
+    engine = Engine(tiny_model, config)
+    lengths = []
+    burst = engine.runner.burst
+    engine.runner.burst = lambda rows, n, *a, burst=burst, lengths=lengths, **kw: (
+      lengths.append(n) or burst(rows, n, *a, **kw)
+    )
+    if offline:
+      got = engine.generate(prompts, params)
+    else:
+      for i, p in enumerate(prompts):
+        engine.add_request(i, p, params)
+      got = [[] for _ in prompts]
+      while engine.has_unfinished():
+        for out in engine.step():
+          got[out.request_id] += out.new_token_ids
+    assert got == want
+    assert lengths == bursts
+    assert engine.n_computed_tokens == 4 * 3 + 4 * 69
+
+
 @pytest.fixture(scope="module")
 def mla_reference(mla_model):
   prompts, params = workload(0)
@@ -575,7 +621,13 @@ def test_min_batch_bucket_pads_every_step_and_changes_no_output(tiny_model):
 
 
 WARM = EngineConfig(
-  n_blocks=96, block_size=4, max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_burst=4
+  n_blocks=96,
+  block_size=4,
+  max_num_seqs=2,
+  max_model_len=128,
+  prefill_chunk=32,
+  decode_burst=4,
+  offline_burst=8,
 )
 
 
@@ -611,7 +663,8 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
 def test_warmup_levels_list_every_shape():
   model = build(ModelConfig(**{**TINY, "vocab_size": 44}, n_kv_heads=2), rngs=nnx.Rngs(6))
   engine = Engine(model, WARM)
-  assert engine.runner.widths() == [16, 32, 34]  # 64 tokens, doublings, context + k + 1
+  # 64 tokens, doublings, the context and the longest burst past it (offline, 8 steps)
+  assert engine.runner.widths() == [16, 32, 34]
   shapes, deferred = engine.warmup_shapes()
   widths = (16, 32, 34)
   # On CPU prompts run as 16-token segments over the widest table: two rows of a 32-token chunk
@@ -619,14 +672,15 @@ def test_warmup_levels_list_every_shape():
   assert engine.runner.segment == 16
   assert shapes[:3] == [("prefill", B, 16, 34) for B in (1, 2, 4)]
   assert shapes[3:9] == [("decode", B, 1, M) for B in (1, 2) for M in widths]
-  assert shapes[9:] == [("burst", B, 4, M) for B in (1, 2) for M in widths]
+  # One burst program per shape, 8 iterations at most (online bursts run 4 of them)
+  assert shapes[9:] == [("burst", B, 8, M) for B in (1, 2) for M in widths]
   assert engine.warmup_shapes("all") == (shapes, deferred)
   assert not any(d.startswith("prefills over a context") for d in deferred)
   engine.runner.segment = None  # prompt rows padded to their chunk, as where attention is dense
   shapes, deferred = engine.warmup_shapes()
   assert shapes[:4] == [("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
   assert shapes[4:10] == [("decode", B, 1, M) for B in (1, 2) for M in widths]
-  assert shapes[10:] == [("burst", B, 4, M) for B in (1, 2) for M in widths]
+  assert shapes[10:] == [("burst", B, 8, M) for B in (1, 2) for M in widths]
   assert deferred[0].startswith("prefills over a context already in the pool")
   every, _ = engine.warmup_shapes("all")
   prefills = [("prefill", B, T, M) for B in (1, 2) for T in (16, 32) for M in widths]
