@@ -28,7 +28,11 @@ while the host's per-step work is paid once per I tokens. The next burst is disp
 by the last one's draws on the device) before the host reads the one in flight, so the host settles
 step n while the device runs step n + 1; a request that arrives meanwhile and could be admitted
 stops the chain, so it waits for the burst in flight and no more, and is prefilled in the step
-after. While a streamed request runs (`add_request(..., stream=True)`, as the server's `stream:
+after. Offline (`Engine.generate`, serve.py's batch mode: every request added before the first
+step, `offline`), no arrival can wait, so bursts run `offline_burst` iterations (32), the host's
+work paid once per 32 tokens. A burst's count is an input of its program, not its shape: one
+compiled burst per shape runs any count up to the longest, and each burst is cut to the most
+draws a row still needs. While a streamed request runs (`add_request(..., stream=True)`, as the server's `stream:
 true`) no burst runs: each step hands back its next token as soon as it is drawn, as vLLM streams;
 `stream_bursts` keeps bursting then (I tokens per step, the host's work amortised), with the same
 tokens.
