@@ -32,10 +32,10 @@ after. Offline (`Engine.generate`, serve.py's batch mode: every request added be
 step, `offline`), no arrival can wait, so bursts run `offline_burst` iterations (32), the host's
 work paid once per 32 tokens. A burst's count is an input of its program, not its shape: one
 compiled burst per shape runs any count up to the longest, and each burst is cut to the most
-draws a row still needs. While a streamed request runs (`add_request(..., stream=True)`, as the server's `stream:
-true`) no burst runs: each step hands back its next token as soon as it is drawn, as vLLM streams;
-`stream_bursts` keeps bursting then (I tokens per step, the host's work amortised), with the same
-tokens.
+draws a row still needs. While a streamed request runs (`add_request(..., stream=True)`, as the
+server's `stream: true`) no burst runs: each step hands back its next token as soon as it is
+drawn, as vLLM streams; `stream_bursts` keeps bursting then (I tokens per step, the host's work
+amortised), with the same tokens.
 
 Attention work follows the real lengths: every call's block table has as many columns as its
 longest row holds blocks, rounded up to a power of two, not the context's maximum.

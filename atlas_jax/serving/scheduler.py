@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator, OutOfBlocksError
 from atlas_jax.config import EngineConfig
@@ -259,7 +260,9 @@ class Scheduler:
     """The most decode iterations a burst runs: `decode_burst`, or `offline_burst` offline."""
     return burst_capacity(self.config) if self.offline else self.config.decode_burst
 
-  def _burst(self, reqs: list[Request], prev: list[Row] = (), done: int = 0) -> BurstPlan | None:
+  def _burst(
+    self, reqs: list[Request], prev: Sequence[Row] = (), done: int = 0
+  ) -> BurstPlan | None:
     """A burst of `reqs`, chained on the burst of rows `prev` and `done` steps (in flight, its
     draws not yet read) if given: the burst length, cut to the most draws a row still needs (no
     row needs a step past its max_tokens); a pool that cannot hold the reservation for that
@@ -267,9 +270,8 @@ class Scheduler:
     at = {id(r): (r.n_computed, len(r.output)) for r in reqs}  # where each row starts, unread
     at.update((id(row.req), (row.start, row.step)) for row in prev)
     need = max(r.params.max_new_tokens - at[id(r)][1] - done for r in reqs)
-    for n in dict.fromkeys(
-      max(1, min(n, need)) for n in (self.burst_length(), self.config.decode_burst)
-    ):
+    lengths = (self.burst_length(), self.config.decode_burst)
+    for n in dict.fromkeys(max(1, min(length, need)) for length in lengths):
       copies = self.reserve(reqs, done + n)  # the burst in flight holds the first `done`
       if copies is not None:
         rows = [self.row(r, 1, at[id(r)][0] + done, at[id(r)][1] + done) for r in reqs]
