@@ -4,7 +4,7 @@ Measurements in one run, on one randomly initialised model (the tiny preset's sh
 exported with `atlas_jax.hf.save` so both stacks use the same weights:
 
 0. engine vs generate: the same prompts and lengths through `Engine.generate` (continuous
-   batching, paged KV, decode bursts) and through the jitted static-batch `generate`, interleaved
+   batching, paged KV, decode bursts of --offline-burst iterations) and through the jitted static-batch `generate`, interleaved
    and repeated, with the load average of each repetition; the ratio is what the engine's
    scheduling costs. Then batch-1 decode: ms per step against the bound of reading the weights
    once per step at the device's measured copy bandwidth.
@@ -207,7 +207,14 @@ def run_offline_hf(folder: str, prompts, outputs, batch: int, threads: int) -> f
 
 
 def engine_vs_generate(
-  model: Transformer, *, batch: int, prompt_len: int, new_tokens: int, repeat: int, burst: int = 8
+  model: Transformer,
+  *,
+  batch: int,
+  prompt_len: int,
+  new_tokens: int,
+  repeat: int,
+  burst: int = 8,
+  offline_burst: int = 32,
 ) -> list[tuple[float, float, float]]:
   """[(load average, generate tok/s, engine tok/s)] per repetition, the two stacks interleaved.
 
@@ -228,6 +235,7 @@ def engine_vs_generate(
     prefill_chunk=_pow2_at_most(prompt_len, 512),
     max_model_len=max(max_len, cfg.max_seq_len),  # the model's context: tables follow real lengths
     decode_burst=burst,
+    offline_burst=offline_burst,
   )
 
   def run_generate():
@@ -310,7 +318,9 @@ def print_layout_table(model: Transformer, batches, prompt_len, new_tokens, repe
       print(f"| {batch} | {load:.1f} | {tok_s[0]:.0f} | {tok_s[1]:.0f} | {ratio:.2f} |")
 
 
-def print_ratio_tables(model: Transformer, batches, prompt_len, new_tokens, repeat, burst) -> None:
+def print_ratio_tables(
+  model: Transformer, batches, prompt_len, new_tokens, repeat, burst, offline_burst=32
+) -> None:
   print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
   print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
   print("|---|---|---|---|---|")
@@ -322,6 +332,7 @@ def print_ratio_tables(model: Transformer, batches, prompt_len, new_tokens, repe
       new_tokens=new_tokens,
       repeat=repeat,
       burst=burst,
+      offline_burst=offline_burst,
     ):
       print(f"| {batch} | {load:.1f} | {g:.0f} | {e:.0f} | {e / g:.2f} |", flush=True)
   b1 = batch1_decode(model, prompt_len=prompt_len, new_tokens=new_tokens)
@@ -555,6 +566,12 @@ def main(argv=None) -> None:
     "--server-timeout", type=float, default=900, help="--online: seconds a server may take to start"
   )
   p.add_argument("--burst", type=int, default=8, help="the engine's decode_burst")
+  p.add_argument(
+    "--offline-burst",
+    type=int,
+    default=32,
+    help="the engine's offline_burst (Engine.generate's bursts; --burst for the old length)",
+  )
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
   p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -589,7 +606,13 @@ def main(argv=None) -> None:
     )
   if args.only != "rest":
     print_ratio_tables(
-      model, args.batches, args.prompt_len, args.new_tokens, args.repeat, args.burst
+      model,
+      args.batches,
+      args.prompt_len,
+      args.new_tokens,
+      args.repeat,
+      args.burst,
+      args.offline_burst,
     )
   if args.only == "ratio":
     return
