@@ -792,6 +792,6 @@ class ModelRunner:
     progs = self.programs
     if kind in ("prefill", "decode"):
       return progs.forward_sample, x
-    if kind == "burst":
-      return progs.decode_burst, x, T, np.int32(T)
+    if kind == "burst":  # its T iterations at most; one runs (the count is an input)
+      return progs.decode_burst, x, T, np.int32(1)
     return progs.speculative_round, x, T - 1
