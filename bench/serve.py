@@ -4,10 +4,11 @@ Measurements in one run, on one randomly initialised model (the tiny preset's sh
 exported with `atlas_jax.hf.save` so both stacks use the same weights:
 
 0. engine vs generate: the same prompts and lengths through `Engine.generate` (continuous
-   batching, paged KV, decode bursts of --offline-burst iterations) and through the jitted static-batch `generate`, interleaved
-   and repeated, with the load average of each repetition; the ratio is what the engine's
-   scheduling costs. Then batch-1 decode: ms per step against the bound of reading the weights
-   once per step at the device's measured copy bandwidth.
+   batching, paged KV, decode bursts of --offline-burst iterations) and through the jitted
+   static-batch `generate`, interleaved and repeated, with the load average of each
+   repetition; the ratio is what the engine's scheduling costs. Then batch-1 decode: ms per
+   step against the bound of reading the weights once per step at the device's measured copy
+   bandwidth.
 1. online: requests arrive as a Poisson process with ShareGPT-like lengths (log-normal prompts
    and outputs, scaled to the context); the engine serves them with continuous batching. Reports
    request throughput, output tokens/s, TTFT and inter-token latency percentiles.
