@@ -10,12 +10,15 @@ and 10 ms (BENCHMARKS.md, "Sixth round").
 
 `keep_freed_memory` sets glibc's malloc (`mallopt`) to serve every allocation from its main heap
 and keep what is freed there for the next allocation: no mmap (`M_MMAP_MAX` 0), the heap's free
-top returned to the system only past 2 GiB (`M_TRIM_THRESHOLD`), and one arena (`M_ARENA_MAX`
-1), since a worker thread's own arena cannot hold a buffer past 64 MiB and maps it whatever
-`M_MMAP_MAX` says. The cost is resident memory: what was freed stays the process's, and glibc's
-best fit keeps a few copies of a large buffer (`train.py` on the tiny preset: 1.6 GB peak against
-1.1 GB). tcmalloc (`LD_PRELOAD=libtcmalloc_minimal.so.4`, Debian's `libtcmalloc-minimal4`) keeps
-freed memory too, without that cost, and was the fastest of the three (BENCHMARKS.md); jemalloc
+top never returned to the system (`M_TRIM_THRESHOLD` -1, which disables trimming; with 2 GiB,
+its largest positive value, the small preset's step of 4 x 256 tokens still took 280,000-360,000
+page faults and 1.4-2.5 s of kernel time every step, and none once its heap had grown with
+trimming off: BENCHMARKS.md, "Ninth round"), and one arena (`M_ARENA_MAX` 1), since a worker
+thread's own arena cannot hold a buffer past 64 MiB and maps it whatever `M_MMAP_MAX` says. The
+cost is resident memory: what was freed stays the process's, and glibc's best fit keeps a few
+copies of a large buffer (`train.py` on the tiny preset: 1.6 GB peak against 1.1 GB). tcmalloc
+(`LD_PRELOAD=libtcmalloc_minimal.so.4`, Debian's `libtcmalloc-minimal4`) keeps freed memory too,
+without that cost, and was the fastest of the three (BENCHMARKS.md); jemalloc
 returns large buffers to the system as glibc does.
 
 The setting is process-wide, so a program makes it (`train.py`, on the CPU backend, before the
@@ -35,7 +38,7 @@ import platform
 
 # mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, 2 GiB
+TRIM_THRESHOLD = -1  # never trim (mallopt(3)); 2 GiB, the largest positive int, was too low
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 _TUNABLES = (
   "MALLOC_ARENA_MAX",

@@ -67,6 +67,56 @@ def test_freed_temporaries_are_not_faulted_in_again():
   assert sum(f < pages // 50 for f in kept) >= 10, (kept, pages)
 
 
+# A buffer past 2 GiB, glibc's largest positive trim threshold, written, freed and taken again:
+# the child prints each pass's minor page faults.
+_TRIM_CHILD = textwrap.dedent(
+  """
+  import ctypes, json, resource, sys
+  from atlas_jax import host_memory
+  if sys.argv[1] == "keep":
+    assert host_memory.keep_freed_memory().startswith("glibc malloc keeps"), "not applied"
+  libc = ctypes.CDLL(None)
+  libc.malloc.restype = ctypes.c_void_p
+  libc.malloc.argtypes = [ctypes.c_size_t]
+  libc.free.argtypes = [ctypes.c_void_p]
+  libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+  n = 5 << 29  # 2.5 GiB
+  faults = []
+  for _ in range(2):
+    p = libc.malloc(n)
+    assert p, "malloc failed"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    libc.memset(p, 1, n)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    libc.free(p)
+  print(json.dumps(faults))
+  """
+)
+
+
+@pytest.mark.skipif(
+  platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+def test_a_freed_heap_top_past_2_gib_is_kept():
+  """Trimming is off, not merely at its largest threshold: a 2.5 GiB buffer freed at the heap's
+  top is taken again without a page fault (at a threshold of 2 GiB it would be returned to the
+  system and faulted in again, as the small preset's training step was)."""
+
+  def faults(mode):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    env.pop("LD_PRELOAD", None)
+    env["ATLAS_JAX_MALLOC"] = "auto" if mode == "keep" else "system"
+    out = subprocess.run(
+      [sys.executable, "-c", _TRIM_CHILD, mode], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+  first, again = faults("system")
+  assert again >= 0.9 * first > 0, (first, again)  # glibc's default maps it afresh each time
+  first, again = faults("keep")
+  assert first > 0 and again <= 0.01 * first, (first, again)
+
+
 def test_the_users_allocator_choice_is_left_alone():
   assert host_memory.users_choice({}) is None
   assert host_memory.users_choice({"ATLAS_JAX_MALLOC": "auto"}) is None
