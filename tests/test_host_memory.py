@@ -38,14 +38,20 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _faults(mode: str) -> tuple[int, list[int]]:
+def _run_child(script: str, mode: str):
+  """What `script` prints last (JSON), run in a fresh process with malloc's policy applied
+  ("keep") or left as glibc's default ("system"), whatever this environment sets."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
   env.pop("LD_PRELOAD", None)
   env["ATLAS_JAX_MALLOC"] = "auto" if mode == "keep" else "system"
   out = subprocess.run(
-    [sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, check=True
+    [sys.executable, "-c", script, mode], env=env, capture_output=True, text=True, check=True
   ).stdout
-  got = json.loads(out.strip().splitlines()[-1])
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _faults(mode: str) -> tuple[int, list[int]]:
+  got = _run_child(_CHILD, mode)
   return got["temp"] // os.sysconf("SC_PAGE_SIZE"), got["faults"]
 
 
@@ -101,19 +107,9 @@ def test_a_freed_heap_top_past_2_gib_is_kept():
   """Trimming is off, not merely at its largest threshold: a 2.5 GiB buffer freed at the heap's
   top is taken again without a page fault (at a threshold of 2 GiB it would be returned to the
   system and faulted in again, as the small preset's training step was)."""
-
-  def faults(mode):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
-    env.pop("LD_PRELOAD", None)
-    env["ATLAS_JAX_MALLOC"] = "auto" if mode == "keep" else "system"
-    out = subprocess.run(
-      [sys.executable, "-c", _TRIM_CHILD, mode], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-  first, again = faults("system")
+  first, again = _run_child(_TRIM_CHILD, "system")
   assert again >= 0.9 * first > 0, (first, again)  # glibc's default maps it afresh each time
-  first, again = faults("keep")
+  first, again = _run_child(_TRIM_CHILD, "keep")
   assert first > 0 and again <= 0.01 * first, (first, again)
 
 
