@@ -4,7 +4,7 @@ markdown.
 
 Implementations: "pallas" (ours, `atlas_jax.kernels.flash_attention`), "xla" and "cudnn"
 (`jax.nn.dot_product_attention`), "mgpu" (the experimental Hopper kernel in Mosaic GPU,
-`kernels/experimental/flash_mgpu.py`; sm_90 and on). FLOPs count the two matmuls,
+`atlas_jax/kernels/experimental/flash_mgpu.py`; sm_90 and on). FLOPs count the two matmuls,
 4 * B * N * T * S * H for the forward, halved when causal; the backward counts 2.5x the forward
 (five matmuls to two). Batch and head count follow from a fixed number of tokens per batch and a
 fixed hidden size, as in the FlashAttention-3 paper's sweep (Shah et al. 2024, section 4.1:

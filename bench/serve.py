@@ -75,8 +75,8 @@ vLLM lives in a virtualenv of its own beside ours, never a dependency of the pac
     .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds break import
     export VLLM_PYTHON=.venv-vllm/bin/python            # the default of --peer-python
 
-vLLM runs with its working directory outside the repository (our kernels/ folder would shadow a
-package it imports) and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set).
+vLLM runs with its working directory outside the repository (nothing there shadows a package it
+imports) and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (1 unless set).
 
 On a shared machine CPU ratios swing with load: compare only runs printed with a low load average.
 """

@@ -94,7 +94,7 @@ class PeerProcess:
       stdout=subprocess.PIPE,
       stderr=log,
       text=True,
-      cwd=Path(job["folder"]).parent,  # not the repository (its kernels/ shadows vLLM's import)
+      cwd=Path(job["folder"]).parent,  # not the repository: nothing there shadows vLLM's imports
       start_new_session=True,
     )
     try:
@@ -258,7 +258,7 @@ def online_server(kind: str, folder: Path, args, prompts_by_pass) -> dict:
   with tempfile.TemporaryFile("w+") as log:
     proc = subprocess.Popen(
       cmd,
-      cwd=folder.parent,  # not the repository: its kernels/ would shadow a package vLLM imports
+      cwd=folder.parent,  # not the repository: nothing there shadows vLLM's imports
       env={**os.environ, **env},
       stdout=log,
       stderr=subprocess.STDOUT,

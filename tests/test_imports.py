@@ -1,17 +1,17 @@
 """Imports run one way: no module, and no package, imports one that imports it back.
 
 The graph is read from the source with `ast` (every `import` and `from ... import`, inside
-functions too: a lazy import is still a dependency), over `atlas_jax/` and `kernels/` (installed as
-`atlas_jax.kernels`). A parent package's own `__init__` is not counted as a dependency of its
+functions too: a lazy import is still a dependency), over `atlas_jax/`. A parent package's own `__init__` is not counted as a dependency of its
 children (Python runs it first, but it only re-exports), and the top-level `atlas_jax/__init__.py`,
 the curated public API that imports everything, is left out of the package graph.
 """
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-SOURCES = {"atlas_jax": ROOT / "atlas_jax", "atlas_jax.kernels": ROOT / "kernels"}
+SOURCES = {"atlas_jax": ROOT / "atlas_jax"}
 
 
 def modules() -> dict[str, Path]:
@@ -121,3 +121,19 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_no_package_imports_one_that_imports_it_back():
   assert cycles(package_graph(graph())) == []
+
+
+def test_nothing_at_the_root_shadows_an_installed_package():
+  """A program run from the repository root has the root first on `sys.path`, so a package or
+  module there named like an installed one hides it: a top-level `kernels/` once hid Hugging
+  Face's `kernels`, which transformers imports."""
+  installed = importlib.metadata.packages_distributions()
+  assert "jax" in installed  # the table is read, not empty
+  importable = [p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+  shadowing = {
+    name: installed[name]
+    for name in importable
+    if name in installed and set(installed[name]) != {"atlas-jax"}
+  }
+  assert importable and not shadowing
+

@@ -42,7 +42,7 @@ matmuls); `attention(implementation=None)` never picks it. It needs sm_90 to run
 lower it (forward and gradient) for CUDA on a CPU, check its argument checks and check
 `backward_delta` against jax.grad, and `bench/gpu.py --only mgpu` checks its output and
 gradients against the reference and times it on a GPU. Nothing here has run on a GPU yet, so it
-lives in `kernels/experimental/` (`atlas_jax.kernels.experimental.flash_mgpu`) until
+lives in `atlas_jax/kernels/experimental/` (`atlas_jax.kernels.experimental.flash_mgpu`) until
 `python bench/gpu.py --only mgpu` passes once on a Hopper GPU.
 """
 
