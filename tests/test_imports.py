@@ -1,9 +1,10 @@
 """Imports run one way: no module, and no package, imports one that imports it back.
 
 The graph is read from the source with `ast` (every `import` and `from ... import`, inside
-functions too: a lazy import is still a dependency), over `atlas_jax/`. A parent package's own `__init__` is not counted as a dependency of its
-children (Python runs it first, but it only re-exports), and the top-level `atlas_jax/__init__.py`,
-the curated public API that imports everything, is left out of the package graph.
+functions too: a lazy import is still a dependency), over `atlas_jax/`. A parent package's own
+`__init__` is not counted as a dependency of its children (Python runs it first, but it only
+re-exports), and the top-level `atlas_jax/__init__.py`, the curated public API that imports
+everything, is left out of the package graph.
 """
 
 import ast
@@ -129,7 +130,7 @@ def test_nothing_at_the_root_shadows_an_installed_package():
   Face's `kernels`, which transformers imports."""
   installed = importlib.metadata.packages_distributions()
   assert "jax" in installed  # the table is read, not empty
-  importable = [p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+  importable = [p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
   shadowing = {
     name: installed[name]
     for name in importable
