@@ -9,10 +9,10 @@
   `bench/attention_sweep.py`, as for `bench/attention.py`).
 * mgpu: the experimental Hopper FlashAttention in Mosaic GPU
   (`atlas_jax/kernels/experimental/flash_mgpu.py`), in a section of its own so that a failure or
-  hang there costs nothing else: the error of its output and of its gradients (dq, dk, dv) against the
-  reference, and its TFLOP/s forward and forward + backward against cuDNN on sm_90; elsewhere
-  forward and gradient are only lowered for CUDA. Once it passes on a Hopper GPU, the kernel can
-  leave `atlas_jax/kernels/experimental/`.
+  hang there costs nothing else: the error of its output and of its gradients (dq, dk, dv)
+  against the reference, and its TFLOP/s forward and forward + backward against cuDNN on sm_90;
+  elsewhere forward and gradient are only lowered for CUDA. Once it passes on a Hopper GPU, the
+  kernel can leave `atlas_jax/kernels/experimental/`.
 * decode: both decode kernels' achieved bandwidth (cache bytes held / step time) against the
   XLA reference and against the card's measured device-to-device copy bandwidth.
 
