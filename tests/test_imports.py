@@ -137,4 +137,3 @@ def test_nothing_at_the_root_shadows_an_installed_package():
     if name in installed and set(installed[name]) != {"atlas-jax"}
   }
   assert importable and not shadowing
-
