@@ -410,6 +410,13 @@ CONFIG_FLAGS = {
     "whose dots a CPU's step programs use: ynnpack (XLA's default); xla (XLA's own); auto (on "
     "one CPU device, XLA's own for the decode batch sizes where they ran faster at start-up)",
   ),
+  "engine.cpu_reductions": (
+    ("--cpu-reductions",),
+    str,
+    "whose reductions a CPU's steps of up to 4 token rows use on one device: xla (XLA's "
+    "loops, the default); ynnpack (YNNPACK's, 32 keys an attention iteration; faster for "
+    "small heads)",
+  ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
   "limits.max_n": (("--max-n",), int, "largest n (choices per request) allowed"),

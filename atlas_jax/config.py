@@ -563,6 +563,7 @@ def _power_of_two(where: str, value: int) -> None:
 WARMUP_LEVELS = ("none", "default", "all")
 WEIGHT_LAYOUTS = ("auto", "stacked", "in_major", "out_major")
 CPU_MATMULS = ("auto", "xla", "ynnpack")
+CPU_REDUCTIONS = ("xla", "ynnpack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -634,6 +635,11 @@ class EngineConfig:
   # ran faster at start-up (a few rows, on some CPUs: BENCHMARKS.md), YNNPACK's above. Only
   # in-major weights take XLA's dots.
   cpu_matmul: str = "auto"
+  # Whose reductions a CPU's steps of a few token rows (up to `serving.steps.YNN_REDUCE_ROWS`)
+  # compile on one device: "xla" (XLA's own loops, as every larger step's) or "ynnpack"
+  # (YNNPACK's, the paged decode attention then scoring 32 keys an iteration). Which is faster
+  # depends on the heads (BENCHMARKS.md, "Tenth round"): small heads gain, larger ones lose.
+  cpu_reductions: str = "xla"
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"
@@ -645,6 +651,12 @@ class EngineConfig:
       )
     if self.cpu_matmul not in CPU_MATMULS:
       _fail(where("cpu_matmul"), self.cpu_matmul, f"must be one of {', '.join(CPU_MATMULS)}")
+    if self.cpu_reductions not in CPU_REDUCTIONS:
+      _fail(
+        where("cpu_reductions"),
+        self.cpu_reductions,
+        f"must be one of {', '.join(CPU_REDUCTIONS)}",
+      )
     for name in (
       "n_blocks",
       "block_size",

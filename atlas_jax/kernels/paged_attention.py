@@ -28,6 +28,8 @@ be powers of two >= 16 to fit Triton's tiles; the query rows are padded to such 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Literal
 
@@ -228,6 +230,24 @@ def paged_attention_pallas(
 # than the dense gather; 64 and more ran slower.
 XLA_KEYS_PER_STEP = 32
 
+# Keys per iteration for a few queries per row where the caller says (`decode_keys_per_step`),
+# read when a program is traced: a program compiled with YNNPACK's reductions scores a page step
+# as one YNNPACK call, which pays off over 32 keys and not over 16 (see `serving.steps`).
+_decode_keys: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+  "decode_keys_per_step", default=None
+)
+
+
+@contextlib.contextmanager
+def decode_keys_per_step(n: int | None):
+  """Within the block, `paged_attention_xla` traced with a few queries per row walks `n` keys
+  an iteration by default (None: half of `XLA_KEYS_PER_STEP`)."""
+  token = _decode_keys.set(n)
+  try:
+    yield
+  finally:
+    _decode_keys.reset(token)
+
 
 def paged_attention_xla(
   q: Array,
@@ -258,7 +278,8 @@ def paged_attention_xla(
   Beyond the reference: `q_positions` i32[B, T] places the queries explicitly (a right-padded
   prefill chunk; each query sees the keys at or before its position), instead of the last T
   positions. `keys_per_step` defaults to half of `XLA_KEYS_PER_STEP` (one page of 16) for a few
-  queries per row and to 4x it for prompt chunks, whose queries amortise a step's bookkeeping.
+  queries per row, or what `decode_keys_per_step` set, and to 4x it for prompt chunks, whose
+  queries amortise a step's bookkeeping.
   """
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
   decode = q.ndim == 3
@@ -269,7 +290,8 @@ def paged_attention_xla(
   scale = H**-0.5 if scale is None else scale
   few = T * G <= 16  # the queries of a kv head, too few rows for a GEMM
   if keys_per_step is None:
-    keys_per_step = XLA_KEYS_PER_STEP // 2 if few else XLA_KEYS_PER_STEP * 4
+    decode_keys = _decode_keys.get() or XLA_KEYS_PER_STEP // 2
+    keys_per_step = decode_keys if few else XLA_KEYS_PER_STEP * 4
   pages = max(1, keys_per_step // Z)
   C = pages * Z
   M = block_table.shape[1]

@@ -232,6 +232,7 @@ class Engine:
       min_batch_bucket=config.min_batch_bucket,
       weight_layout=config.weight_layout,
       cpu_matmul=config.cpu_matmul,
+      cpu_reductions=config.cpu_reductions,
       layout_rows=pow2(min(config.max_num_seqs or 32, 256)),
     )
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]

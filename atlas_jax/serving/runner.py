@@ -258,6 +258,7 @@ class ModelRunner:
     min_batch_bucket: int,
     weight_layout: str = "auto",
     cpu_matmul: str = "auto",
+    cpu_reductions: str = "xla",
     layout_rows: int = 32,
   ):
     cfg = model.cfg
@@ -284,6 +285,7 @@ class ModelRunner:
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
     out_major, self.xla_dots_rows = self._matmul_plan(weight_layout, cpu_matmul, state, layout_rows)
+    self.ynn_reduce_rows = self._reduce_plan(cpu_reductions, paged_loop and not dense_rows)
     # How the layer stacks are held (`stacked_layers`): as trained, sliced per layer by the layer
     # scan, or one array per layer (`model.scan.Unstacked`), run as a loop of layers.
     self.stacked = self.stacked_layers(weight_layout, out_major, layer_bytes(state))
@@ -374,6 +376,15 @@ class ModelRunner:
     )
     return out_major, xla_rows
 
+  def _reduce_plan(self, cpu_reductions: str, paged_loop: bool) -> int:
+    """The most token rows a step may have to compile with YNNPACK's reductions too
+    (`steps.ByRows`): `steps.YNN_REDUCE_ROWS` with `cpu_reductions` "ynnpack" on one CPU device
+    whose decode attention is XLA's paged loop over KV pages, else none."""
+    if cpu_reductions != "ynnpack" or not self._one_cpu() or not paged_loop:
+      return 0
+    log.info("decode steps: YNNPACK's reductions up to %d rows", steps.YNN_REDUCE_ROWS)
+    return steps.YNN_REDUCE_ROWS
+
   # -- memory ------------------------------------------------------------------------------------
 
   @property
@@ -433,7 +444,13 @@ class ModelRunner:
     """The step programs for pools laid out as `shardings` (None on one device)."""
     key = steps.sharding_key(shardings)
     return steps.programs(
-      self.graphdef, self.drafter, self.layout, self.d_layout, key, self.xla_dots_rows
+      self.graphdef,
+      self.drafter,
+      self.layout,
+      self.d_layout,
+      key,
+      self.xla_dots_rows,
+      self.ynn_reduce_rows,
     )
 
   def _zeros(self):

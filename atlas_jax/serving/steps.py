@@ -50,6 +50,7 @@ from atlas_jax.cache.paged import PagedCache, PoolLayout, copy_pages
 from atlas_jax.decoding.drafters import DraftCache, Drafter, Window
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, sample_rows, step_keys
 from atlas_jax.decoding.speculative import round_keys, top_logprobs, verify_drafts
+from atlas_jax.kernels.paged_attention import decode_keys_per_step
 
 Array = jax.Array
 
@@ -367,16 +368,18 @@ CPU_COMPILER_OPTIONS = {
 
 
 @functools.cache
-def compiler_options() -> dict:
-  """`CPU_COMPILER_OPTIONS` on the CPU backend, if this XLA knows them; {} elsewhere."""
+def compiler_options(options: tuple = ()) -> dict:
+  """`CPU_COMPILER_OPTIONS` (or the `options` items given) on the CPU backend, if this XLA knows
+  them; {} elsewhere."""
+  wanted = dict(options) or CPU_COMPILER_OPTIONS
   if jax.default_backend() != "cpu":
     return {}
   try:
-    jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(jnp.zeros(())).compile()
+    jax.jit(lambda x: x + 1, compiler_options=wanted).lower(jnp.zeros(())).compile()
   except Exception as e:  # an XLA that renamed or dropped the option: its defaults, said once
     log.info("serving programs: XLA's default CPU fusions (%s)", str(e).splitlines()[0])
     return {}
-  return dict(CPU_COMPILER_OPTIONS)
+  return dict(wanted)
 
 
 # The same with no YNNPACK at all: the dots are XLA's own. At a few rows a projection is a
@@ -386,17 +389,35 @@ def compiler_options() -> dict:
 CPU_XLA_DOTS_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
+# With YNNPACK's reductions too: at a decode step of a few rows (`YNN_REDUCE_ROWS` at most) the
+# paged attention's page step, scored over `YNN_REDUCE_KEYS` keys, is then one YNNPACK call where
+# XLA's loops spend more on each of the small products than they compute. Which wins depends on
+# the heads: on 2 Zen 4 cores at 4 rows, the tiny preset's attention (6 heads of 32, 2 kv heads)
+# took 0.82-0.94 ms a step this way against 1.2 ms, its whole 8-step burst 0.93 -> 1.06 of
+# `generate`'s loop; 8 heads of 64 over 4 kv heads took 1.6x longer, and at 8 rows and more the
+# tiny preset's burst lost too. So it is asked for (`serve.engine.cpu_reductions`), not default.
+CPU_YNN_REDUCE_OPTIONS = {
+  **CPU_COMPILER_OPTIONS,
+  "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
+  "LIBRARY_FUSION_TYPE_REDUCE",
+}
+YNN_REDUCE_ROWS = 4
+YNN_REDUCE_KEYS = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class ByRows:
-  """A step program compiled twice, called by its token rows (the step inputs' B x T): with
-  XLA's own dots (`few`) up to `rows` rows, with YNNPACK's (`many`) above."""
+  """A step program compiled several ways, called by its token rows (the step inputs' B x T):
+  the first of `tiers` (most rows, program) whose rows it does not exceed, else `many`. On CPU
+  the tiers are XLA's own dots (a few rows, `xla_dots_rows`), then YNNPACK's reductions
+  (`ynn_reduce_rows`); `many` is YNNPACK's dots alone."""
 
-  few: Callable
+  tiers: tuple[tuple[int, Callable], ...]
   many: Callable
-  rows: int
 
   def pick(self, x: StepInputs) -> Callable:
-    return self.few if x.tokens_BT.shape[0] * x.tokens_BT.shape[1] <= self.rows else self.many
+    rows = x.tokens_BT.shape[0] * x.tokens_BT.shape[1]
+    return next((f for most, f in self.tiers if rows <= most), self.many)
 
   def __call__(self, states, pools, x: StepInputs, *args):
     return self.pick(x)(states, pools, x, *args)
@@ -404,8 +425,8 @@ class ByRows:
   def lower(self, states, pools, x: StepInputs, *args):
     return self.pick(x).lower(states, pools, x, *args)
 
-  def _cache_size(self) -> int:  # as a jitted function's: the shapes compiled, both ways
-    return self.few._cache_size() + self.many._cache_size()
+  def _cache_size(self) -> int:  # as a jitted function's: the shapes compiled, every way
+    return self.many._cache_size() + sum(f._cache_size() for _, f in self.tiers)
 
 
 @functools.cache
@@ -416,36 +437,46 @@ def programs(
   d_layout: PoolLayout | None = None,
   pool_shardings: tuple | None = None,
   xla_dots_rows: int = 0,
+  ynn_reduce_rows: int = 0,
 ) -> Programs:
   """The step programs with the statics bound, compiled lazily per shape; one set per
   combination. `pool_shardings`: the pools' NamedShardings as a hashable (treedef, leaves)
   pair (`sharding_key`), or None on one device; every program returns its pools laid out so.
   `xla_dots_rows` > 0 (CPU only): a step of at most that many token rows compiles its dots as
-  XLA's own, not YNNPACK's (`ByRows`)."""
+  XLA's own, not YNNPACK's; `ynn_reduce_rows` > 0: a step of more rows, up to that many, hands
+  YNNPACK its reductions too and walks `YNN_REDUCE_KEYS` keys a decode attention iteration
+  (`ByRows`)."""
   b = _Bound(graphdef, drafter, layout, d_layout)
   shardings = None if pool_shardings is None else jax.tree.unflatten(*pool_shardings)
 
   def pinned(pools):
     return pools if shardings is None else jax.lax.with_sharding_constraint(pools, shardings)
 
-  def bind(f):
+  def bind(f, decode_keys=None):
     def run(states, pools, *args):
-      pools, *outs = f(b, states, pools, *args)
+      with decode_keys_per_step(decode_keys):  # read as the program is traced
+        pools, *outs = f(b, states, pools, *args)
       return (pinned(pools), *outs)
 
     return run
 
   speculate = drafter is not None
   options = compiler_options()
-  few = dict(CPU_XLA_DOTS_OPTIONS) if options and xla_dots_rows > 0 else None
+  tiers = []  # (most rows, compiler options, decode attention keys a step)
+  if options and xla_dots_rows > 0:
+    tiers.append((xla_dots_rows, CPU_XLA_DOTS_OPTIONS, None))
+  reduce_options = compiler_options(tuple(CPU_YNN_REDUCE_OPTIONS.items())) if options else {}
+  if reduce_options and ynn_reduce_rows > xla_dots_rows:
+    tiers.append((ynn_reduce_rows, reduce_options, YNN_REDUCE_KEYS))
 
   def jit(f, **kw):
     many = jax.jit(bind(f), donate_argnums=(1,), compiler_options=options, **kw)
-    if few is None:
+    if not tiers:
       return many
-    return ByRows(
-      jax.jit(bind(f), donate_argnums=(1,), compiler_options=few, **kw), many, xla_dots_rows
+    way = lambda opts, keys: jax.jit(
+      bind(f, keys), donate_argnums=(1,), compiler_options=dict(opts), **kw
     )
+    return ByRows(tuple((rows, way(opts, keys)) for rows, opts, keys in tiers), many)
 
   return Programs(
     forward_sample=jit(forward_sample),

@@ -305,6 +305,10 @@ def test_weight_layout_is_checked(tiny_model):
       Engine(tiny_model, config)
   with pytest.raises(ConfigError, match="cpu_matmul='blas' is not allowed: must be one of"):
     EngineConfig(cpu_matmul="blas")
+  with pytest.raises(
+    ConfigError, match="serve.engine.cpu_reductions='auto' is not allowed: must be one of xla, "
+  ):
+    EngineConfig(cpu_reductions="auto")
   config = EngineConfig(n_blocks=16, tensor_parallel_size=2, cpu_matmul="xla")
   with pytest.raises(
     ConfigError, match="serve.engine.cpu_matmul='xla' is not allowed on a mesh of 1 x 2 devices"
@@ -658,6 +662,34 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   runner = engine.runner
   program = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
   assert "__ynn_fusion" not in program.compile().as_text()
+
+
+def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, reference):
+  """`cpu_reductions="ynnpack"`: a step of up to `steps.YNN_REDUCE_ROWS` token rows compiles with
+  YNNPACK's reductions (a YNNPACK call that reduces, the paged attention's scores), a larger step
+  with its dots alone; the tokens are generate's."""
+  prompts, params, want = reference
+  config = dataclasses.replace(CONFIGS["roomy"], cpu_matmul="ynnpack", cpu_reductions="ynnpack")
+  got, engine = serve(tiny_model, config, prompts, params, "staggered")
+  assert got == want
+  runner = engine.runner
+  assert runner.ynn_reduce_rows == steps.YNN_REDUCE_ROWS == 4
+  for i in range(8):
+    engine.add_request(("rows", i), [1, 2, 3 + i], SamplingParams(max_new_tokens=4))
+  engine.step()  # the prompts: the requests now decode
+
+  def reducing_calls(n_rows: int) -> list[str]:
+    rows = [engine.scheduler.row(req, 1) for req in engine.running[:n_rows]]
+    x, _ = runner.inputs(rows, 1, penalties=False)
+    hlo = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
+    hlo = hlo.compile().as_text()
+    bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, flags=re.M | re.S))
+    called = re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
+    assert called, "no YNNPACK call at all: the matmuls should still be YNNPACK's"
+    return [name for name in called if " reduce(" in bodies[name]]
+
+  assert reducing_calls(4)
+  assert not reducing_calls(8)
 
 
 def test_warmup_levels_list_every_shape():
