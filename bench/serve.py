@@ -216,6 +216,7 @@ def engine_vs_generate(
   repeat: int,
   burst: int = 8,
   offline_burst: int = 32,
+  cpu_reductions: str = "xla",
 ) -> list[tuple[float, float, float]]:
   """[(load average, generate tok/s, engine tok/s)] per repetition, the two stacks interleaved.
 
@@ -237,6 +238,7 @@ def engine_vs_generate(
     max_model_len=max(max_len, cfg.max_seq_len),  # the model's context: tables follow real lengths
     decode_burst=burst,
     offline_burst=offline_burst,
+    cpu_reductions=cpu_reductions,
   )
 
   def run_generate():
@@ -320,7 +322,14 @@ def print_layout_table(model: Transformer, batches, prompt_len, new_tokens, repe
 
 
 def print_ratio_tables(
-  model: Transformer, batches, prompt_len, new_tokens, repeat, burst, offline_burst=32
+  model: Transformer,
+  batches,
+  prompt_len,
+  new_tokens,
+  repeat,
+  burst,
+  offline_burst=32,
+  cpu_reductions="xla",
 ) -> None:
   print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
   print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
@@ -334,6 +343,7 @@ def print_ratio_tables(
       repeat=repeat,
       burst=burst,
       offline_burst=offline_burst,
+      cpu_reductions=cpu_reductions,
     ):
       print(f"| {batch} | {load:.1f} | {g:.0f} | {e:.0f} | {e / g:.2f} |", flush=True)
   b1 = batch1_decode(model, prompt_len=prompt_len, new_tokens=new_tokens)
@@ -573,6 +583,11 @@ def main(argv=None) -> None:
     default=32,
     help="the engine's offline_burst (Engine.generate's bursts; --burst for the old length)",
   )
+  p.add_argument(
+    "--cpu-reductions",
+    default="xla",
+    help="the engine's cpu_reductions (ynnpack: YNNPACK's reductions at steps of up to 4 rows)",
+  )
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
   p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -614,6 +629,7 @@ def main(argv=None) -> None:
       args.repeat,
       args.burst,
       args.offline_burst,
+      args.cpu_reductions,
     )
   if args.only == "ratio":
     return
