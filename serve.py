@@ -413,9 +413,9 @@ CONFIG_FLAGS = {
   "engine.cpu_reductions": (
     ("--cpu-reductions",),
     str,
-    "whose reductions a CPU's steps of up to 4 token rows use on one device: xla (XLA's "
-    "loops, the default); ynnpack (YNNPACK's, 32 keys an attention iteration; faster for "
-    "small heads)",
+    "whose reductions a CPU's decode steps of up to 4 rows use on one device: xla (XLA's "
+    "loops); ynnpack (YNNPACK's, 32 keys an attention iteration); auto (YNNPACK's at the batch "
+    "sizes where the decode attention ran 1.1x faster so at start-up)",
   ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),

@@ -563,7 +563,7 @@ def _power_of_two(where: str, value: int) -> None:
 WARMUP_LEVELS = ("none", "default", "all")
 WEIGHT_LAYOUTS = ("auto", "stacked", "in_major", "out_major")
 CPU_MATMULS = ("auto", "xla", "ynnpack")
-CPU_REDUCTIONS = ("xla", "ynnpack")
+CPU_REDUCTIONS = ("auto", "xla", "ynnpack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,11 +635,12 @@ class EngineConfig:
   # ran faster at start-up (a few rows, on some CPUs: BENCHMARKS.md), YNNPACK's above. Only
   # in-major weights take XLA's dots.
   cpu_matmul: str = "auto"
-  # Whose reductions a CPU's steps of a few token rows (up to `serving.steps.YNN_REDUCE_ROWS`)
-  # compile on one device: "xla" (XLA's own loops, as every larger step's) or "ynnpack"
-  # (YNNPACK's, the paged decode attention then scoring 32 keys an iteration). Which is faster
-  # depends on the heads (BENCHMARKS.md, "Tenth round"): small heads gain, larger ones lose.
-  cpu_reductions: str = "xla"
+  # Whose reductions a CPU's decode steps of a few rows (up to `serving.steps.YNN_REDUCE_ROWS`)
+  # compile on one device: "xla" (XLA's own loops, as every larger step's), "ynnpack"
+  # (YNNPACK's, the paged decode attention then scoring 32 keys an iteration), or "auto":
+  # YNNPACK's at the batch sizes where the decode attention ran 1.1x faster so at start-up. Which
+  # wins depends on the heads (BENCHMARKS.md, "Tenth round"): small heads gain, larger ones lose.
+  cpu_reductions: str = "auto"
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"

@@ -216,7 +216,7 @@ def engine_vs_generate(
   repeat: int,
   burst: int = 8,
   offline_burst: int = 32,
-  cpu_reductions: str = "xla",
+  cpu_reductions: str = "auto",
 ) -> list[tuple[float, float, float]]:
   """[(load average, generate tok/s, engine tok/s)] per repetition, the two stacks interleaved.
 
@@ -329,7 +329,7 @@ def print_ratio_tables(
   repeat,
   burst,
   offline_burst=32,
-  cpu_reductions="xla",
+  cpu_reductions="auto",
 ) -> None:
   print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
   print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
@@ -585,8 +585,9 @@ def main(argv=None) -> None:
   )
   p.add_argument(
     "--cpu-reductions",
-    default="xla",
-    help="the engine's cpu_reductions (ynnpack: YNNPACK's reductions at steps of up to 4 rows)",
+    default="auto",
+    help="the engine's cpu_reductions (auto, xla, ynnpack: whose reductions decode steps of up "
+    "to 4 rows use)",
   )
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

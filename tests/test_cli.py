@@ -252,8 +252,8 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
       "--cpu-matmul='mkl' is not allowed: must be one of auto, xla, ynnpack",
     ),
     (
-      ["--cpu-reductions", "auto"],
-      "--cpu-reductions='auto' is not allowed: must be one of xla, ynnpack",
+      ["--cpu-reductions", "mkl"],
+      "--cpu-reductions='mkl' is not allowed: must be one of auto, xla, ynnpack",
     ),
     (["--set", "model.n_layers=2"], "--set model.n_layers=2 is not allowed: serve.py takes"),
     (

@@ -92,6 +92,11 @@ XLA_DOTS_PROBE_ROWS = 64
 # its 1-row tie; on the AVX2 EPYC where they win (BENCHMARKS.md) the probe times them 2-2.5x.
 XLA_DOTS_WIN = 1.5
 
+# YNNPACK's reductions are taken at a row count only where the probe times the decode attention
+# this much faster so: the probe times the attention alone, and inside a whole step the gain
+# was smaller (the tiny preset at 4 rows: 1.35x alone, 1.15x for the 8-step burst).
+REDUCE_WIN = 1.1
+
 # `weight_layout="auto"` on one CPU device keeps a model's layer stacks stacked (the layer scan
 # slicing each layer's weights, a copy a step) when no layer holds more than this many bytes, and
 # holds them one array per layer above. Engine.generate at batch 8 on 2 Zen 4 cores, stacked /
@@ -138,6 +143,57 @@ def time_matmuls(
       jax.block_until_ready(f(xs, ws))
       best[i] = min(best[i], time.perf_counter() - t0)
   return {k: b * 1e3 for k, b in zip(kinds, best)}
+
+
+def time_decode_attention(
+  rows: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int, rounds: int = 7
+) -> dict[str, float]:
+  """ms of 4 layers' paged decode attention for `rows` queries over 512-token contexts on
+  scattered pages, the step programs' way ("xla": XLA's loops, 16 keys an iteration) and with
+  YNNPACK's reductions (`steps.CPU_YNN_REDUCE_OPTIONS`, `steps.YNN_REDUCE_KEYS` keys an
+  iteration: "ynnpack"); each the best of `rounds` calls, the two alternating."""
+  from atlas_jax.kernels.paged_attention import decode_keys_per_step, paged_attention_xla
+
+  L, Z = 4, block_size
+  pages = -(-512 // Z)
+  rng = np.random.default_rng(0)
+  pool = jnp.asarray(rng.standard_normal((L, rows * pages, Z, kv_heads, head_dim)), dtype)
+  table = jnp.asarray(rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
+  lengths = jnp.full((rows,), pages * Z, jnp.int32)
+  q = jnp.asarray(rng.standard_normal((rows, heads, head_dim)), dtype)
+
+  def way(options, keys):
+    def layers(q):
+      def layer(i, q):
+        return q + paged_attention_xla(q, pool, pool, table, lengths, layer=i)
+
+      with decode_keys_per_step(keys):
+        return jax.lax.fori_loop(0, L, layer, q)
+
+    return jax.jit(layers, compiler_options=options)
+
+  reduce_options = steps.compiler_options(tuple(steps.CPU_YNN_REDUCE_OPTIONS.items()))
+  calls = {
+    "xla": way(steps.compiler_options(), None),
+    "ynnpack": way(reduce_options, steps.YNN_REDUCE_KEYS),
+  }
+  for f in calls.values():
+    jax.block_until_ready(f(q))  # compiles
+  best = dict.fromkeys(calls, math.inf)
+  for _ in range(rounds):
+    for name, f in calls.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(q))
+      best[name] = min(best[name], time.perf_counter() - t0)
+  return {k: b * 1e3 for k, b in best.items()}
+
+
+def reduce_plan(timings: dict[int, dict[str, float]]) -> tuple[int, ...]:
+  """The row counts at which a step takes YNNPACK's reductions, from the probe's `timings` per
+  row count: those where the decode attention ran `REDUCE_WIN` times faster that way."""
+  return tuple(
+    rows for rows, ms in sorted(timings.items()) if ms["ynnpack"] * REDUCE_WIN <= ms["xla"]
+  )
 
 
 def matmul_plan(
@@ -258,7 +314,7 @@ class ModelRunner:
     min_batch_bucket: int,
     weight_layout: str = "auto",
     cpu_matmul: str = "auto",
-    cpu_reductions: str = "xla",
+    cpu_reductions: str = "auto",
     layout_rows: int = 32,
   ):
     cfg = model.cfg
@@ -376,14 +432,41 @@ class ModelRunner:
     )
     return out_major, xla_rows
 
-  def _reduce_plan(self, cpu_reductions: str, paged_loop: bool) -> int:
-    """The most token rows a step may have to compile with YNNPACK's reductions too
-    (`steps.ByRows`): `steps.YNN_REDUCE_ROWS` with `cpu_reductions` "ynnpack" on one CPU device
-    whose decode attention is XLA's paged loop over KV pages, else none."""
-    if cpu_reductions != "ynnpack" or not self._one_cpu() or not paged_loop:
-      return 0
-    log.info("decode steps: YNNPACK's reductions up to %d rows", steps.YNN_REDUCE_ROWS)
-    return steps.YNN_REDUCE_ROWS
+  def _reduce_plan(self, cpu_reductions: str, paged_loop: bool) -> tuple[int, ...]:
+    """The token row counts of steps that compile with YNNPACK's reductions too
+    (`steps.ByRows`), among the decode batch buckets up to `steps.YNN_REDUCE_ROWS` above those
+    that take XLA's own dots: none with `cpu_reductions` "xla", off one CPU device, or where the
+    decode attention is not XLA's paged loop over KV pages; all of them with "ynnpack"; with
+    "auto", the largest of them if the start-up probe timed the decode attention faster that way
+    there (`time_decode_attention`, `reduce_plan`; it depends on the heads), once per process
+    for a shape."""
+    if cpu_reductions == "xla" or not self._one_cpu() or not paged_loop:
+      return ()
+    if not steps.compiler_options(tuple(steps.CPU_YNN_REDUCE_OPTIONS.items())):
+      return ()  # an XLA without the option
+    # The decode batch buckets up to YNN_REDUCE_ROWS above XLA's dots; "auto" times only the
+    # largest (at 1 and 2 rows the attention never ran faster so: BENCHMARKS.md).
+    top = steps.YNN_REDUCE_ROWS
+    buckets = sorted({pow2(n, self.min_batch_bucket) for n in range(1, top + 1)})
+    buckets = [rows for rows in buckets if self.xla_dots_rows < rows <= top]
+    if cpu_reductions == "ynnpack" or not buckets:
+      return tuple(buckets)
+    buckets = buckets[-1:]
+    cfg = self.model_config
+    shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, str(jnp.dtype(cfg.dtype)), self.block_size)
+    key = ("reductions", shape, tuple(buckets))
+    if key not in _probes:
+      _probes[key] = {rows: time_decode_attention(rows, *shape) for rows in buckets}
+    timings = _probes[key]
+    chosen = reduce_plan(timings)
+    log.info(
+      "decode attention: reductions %s (ms at %s rows: xla %s, ynnpack %s)",
+      f"YNNPACK's at {'/'.join(map(str, chosen))} rows, XLA's elsewhere" if chosen else "XLA's",
+      "/".join(map(str, buckets)),
+      "/".join(f"{timings[r]['xla']:.2f}" for r in buckets),
+      "/".join(f"{timings[r]['ynnpack']:.2f}" for r in buckets),
+    )
+    return chosen
 
   # -- memory ------------------------------------------------------------------------------------
 

@@ -395,7 +395,8 @@ CPU_XLA_DOTS_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_experimental_ynn_fusion
 # the heads: on 2 Zen 4 cores at 4 rows, the tiny preset's attention (6 heads of 32, 2 kv heads)
 # took 0.82-0.94 ms a step this way against 1.2 ms, its whole 8-step burst 0.93 -> 1.06 of
 # `generate`'s loop; 8 heads of 64 over 4 kv heads took 1.6x longer, and at 8 rows and more the
-# tiny preset's burst lost too. So it is asked for (`serve.engine.cpu_reductions`), not default.
+# tiny preset's burst lost too. So the runner times the decode attention both ways at start-up
+# (`serve.engine.cpu_reductions`, `runner.time_decode_attention`).
 CPU_YNN_REDUCE_OPTIONS = {
   **CPU_COMPILER_OPTIONS,
   "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
@@ -409,8 +410,8 @@ YNN_REDUCE_KEYS = 32
 class ByRows:
   """A step program compiled several ways, called by its token rows (the step inputs' B x T):
   the first of `tiers` (most rows, program) whose rows it does not exceed, else `many`. On CPU
-  the tiers are XLA's own dots (a few rows, `xla_dots_rows`), then YNNPACK's reductions
-  (`ynn_reduce_rows`); `many` is YNNPACK's dots alone."""
+  the tiers are XLA's own dots (a few rows, `xla_dots_rows`), then YNNPACK's reductions at the
+  row counts of `ynn_reduce_rows` (`many` at those between); `many` is YNNPACK's dots alone."""
 
   tiers: tuple[tuple[int, Callable], ...]
   many: Callable
@@ -426,7 +427,8 @@ class ByRows:
     return self.pick(x).lower(states, pools, x, *args)
 
   def _cache_size(self) -> int:  # as a jitted function's: the shapes compiled, every way
-    return self.many._cache_size() + sum(f._cache_size() for _, f in self.tiers)
+    ways = {id(f): f for f in (self.many, *(f for _, f in self.tiers))}
+    return sum(f._cache_size() for f in ways.values())
 
 
 @functools.cache
@@ -437,15 +439,15 @@ def programs(
   d_layout: PoolLayout | None = None,
   pool_shardings: tuple | None = None,
   xla_dots_rows: int = 0,
-  ynn_reduce_rows: int = 0,
+  ynn_reduce_rows: tuple[int, ...] = (),
 ) -> Programs:
   """The step programs with the statics bound, compiled lazily per shape; one set per
   combination. `pool_shardings`: the pools' NamedShardings as a hashable (treedef, leaves)
   pair (`sharding_key`), or None on one device; every program returns its pools laid out so.
   `xla_dots_rows` > 0 (CPU only): a step of at most that many token rows compiles its dots as
-  XLA's own, not YNNPACK's; `ynn_reduce_rows` > 0: a step of more rows, up to that many, hands
-  YNNPACK its reductions too and walks `YNN_REDUCE_KEYS` keys a decode attention iteration
-  (`ByRows`)."""
+  XLA's own, not YNNPACK's; a step of more rows, exactly as many as one of `ynn_reduce_rows`,
+  hands YNNPACK its reductions too and walks `YNN_REDUCE_KEYS` keys a decode attention
+  iteration (`ByRows`)."""
   b = _Bound(graphdef, drafter, layout, d_layout)
   shardings = None if pool_shardings is None else jax.tree.unflatten(*pool_shardings)
 
@@ -462,20 +464,33 @@ def programs(
 
   speculate = drafter is not None
   options = compiler_options()
-  tiers = []  # (most rows, compiler options, decode attention keys a step)
+  # (most rows, compiler options, decode attention keys an iteration); None: `many`'s way
+  tiers: list[tuple[int, dict | None, int | None]] = []
   if options and xla_dots_rows > 0:
     tiers.append((xla_dots_rows, CPU_XLA_DOTS_OPTIONS, None))
   reduce_options = compiler_options(tuple(CPU_YNN_REDUCE_OPTIONS.items())) if options else {}
-  if reduce_options and ynn_reduce_rows > xla_dots_rows:
-    tiers.append((ynn_reduce_rows, reduce_options, YNN_REDUCE_KEYS))
+  for rows in sorted(ynn_reduce_rows) if reduce_options else ():
+    below = tiers[-1][0] if tiers else 0
+    if rows <= below:
+      continue
+    if rows - 1 > below:  # the row counts in between: YNNPACK's dots alone
+      tiers.append((rows - 1, None, None))
+    tiers.append((rows, reduce_options, YNN_REDUCE_KEYS))
 
   def jit(f, **kw):
     many = jax.jit(bind(f), donate_argnums=(1,), compiler_options=options, **kw)
     if not tiers:
       return many
-    way = lambda opts, keys: jax.jit(
-      bind(f, keys), donate_argnums=(1,), compiler_options=dict(opts), **kw
-    )
+    ways = {}  # one jitted function per way, shared by its tiers
+
+    def way(opts, keys):
+      if opts is None:
+        return many
+      key = (tuple(sorted(opts.items())), keys)
+      if key not in ways:
+        ways[key] = jax.jit(bind(f, keys), donate_argnums=(1,), compiler_options=dict(opts), **kw)
+      return ways[key]
+
     return ByRows(tuple((rows, way(opts, keys)) for rows, opts, keys in tiers), many)
 
   return Programs(

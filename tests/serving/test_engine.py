@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import re
 import threading
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -198,7 +199,7 @@ def test_every_weight_layout_serves_what_generate_does(
   assert engine.runner.stacked == stacked
   assert is_unstacked(engine.runner.states[0]) == (not stacked)
   burst = engine.runner.programs.decode_burst
-  assert isinstance(burst, steps.ByRows) == (xla_rows > 0)
+  assert isinstance(burst, steps.ByRows) == (xla_rows > 0 or bool(engine.runner.ynn_reduce_rows))
 
 
 def _timings(in_ynn, out_ynn, in_xla):
@@ -306,9 +307,10 @@ def test_weight_layout_is_checked(tiny_model):
   with pytest.raises(ConfigError, match="cpu_matmul='blas' is not allowed: must be one of"):
     EngineConfig(cpu_matmul="blas")
   with pytest.raises(
-    ConfigError, match="serve.engine.cpu_reductions='auto' is not allowed: must be one of xla, "
+    ConfigError,
+    match="serve.engine.cpu_reductions='blas' is not allowed: must be one of auto, xla, ynnpack",
   ):
-    EngineConfig(cpu_reductions="auto")
+    EngineConfig(cpu_reductions="blas")
   config = EngineConfig(n_blocks=16, tensor_parallel_size=2, cpu_matmul="xla")
   with pytest.raises(
     ConfigError, match="serve.engine.cpu_matmul='xla' is not allowed on a mesh of 1 x 2 devices"
@@ -673,7 +675,7 @@ def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, r
   got, engine = serve(tiny_model, config, prompts, params, "staggered")
   assert got == want
   runner = engine.runner
-  assert runner.ynn_reduce_rows == steps.YNN_REDUCE_ROWS == 4
+  assert runner.ynn_reduce_rows == (1, 2, 4) and steps.YNN_REDUCE_ROWS == 4
   for i in range(8):
     engine.add_request(("rows", i), [1, 2, 3 + i], SamplingParams(max_new_tokens=4))
   engine.step()  # the prompts: the requests now decode
@@ -690,6 +692,37 @@ def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, r
 
   assert reducing_calls(4)
   assert not reducing_calls(8)
+
+
+def test_reductions_plan_and_the_programs_it_picks(tiny_model, caplog):
+  """`cpu_reductions="auto"`: the probe's timings decide the 4-row decode step (1.1x faster
+  with YNNPACK's reductions, or not), the engine logs them; `steps.programs` then picks XLA's
+  dots up to their rows, YNNPACK's reductions at exactly the rows chosen, and YNNPACK's dots
+  alone in between and above."""
+  assert runner.reduce_plan({4: {"xla": 1.2, "ynnpack": 1.0}}) == (4,)
+  assert runner.reduce_plan({4: {"xla": 1.05, "ynnpack": 1.0}}) == ()
+  assert runner.reduce_plan({2: {"xla": 1.0, "ynnpack": 1.0}, 4: {"xla": 3, "ynnpack": 1}}) == (4,)
+  graphdef = nnx.split(tiny_model)[0]
+  burst = steps.programs(graphdef, xla_dots_rows=1, ynn_reduce_rows=(4,)).decode_burst
+  assert [rows for rows, _ in burst.tiers] == [1, 3, 4]
+  xla, many, reduced = (burst.pick(SimpleNamespace(tokens_BT=np.zeros((n, 1)))) for n in (1, 2, 4))
+  assert len({id(xla), id(many), id(reduced)}) == 3 and many is burst.many
+  assert burst.pick(SimpleNamespace(tokens_BT=np.zeros((8, 1)))) is many
+  assert steps.programs(graphdef).decode_burst is not None  # no tiers: one jitted function
+  assert not isinstance(steps.programs(graphdef).decode_burst, steps.ByRows)
+  config = dataclasses.replace(CONFIGS["roomy"], cpu_matmul="ynnpack", cpu_reductions="auto")
+  with caplog.at_level(logging.INFO, logger="atlas_jax.serving"):
+    engine = Engine(tiny_model, config)
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode attention:")]
+  m = re.fullmatch(
+    r"decode attention: reductions (XLA's|YNNPACK's at 4 rows, XLA's elsewhere) "
+    r"\(ms at 4 rows: xla [0-9.]+, ynnpack [0-9.]+\)",
+    said[0],
+  )
+  assert m is not None, said
+  assert engine.runner.ynn_reduce_rows == (() if m[1] == "XLA's" else (4,))
+  plain = Engine(tiny_model, dataclasses.replace(config, cpu_reductions="xla"))
+  assert plain.runner.ynn_reduce_rows == ()
 
 
 def test_warmup_levels_list_every_shape():
