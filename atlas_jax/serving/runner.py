@@ -341,7 +341,9 @@ class ModelRunner:
     self.graphdef = graphdef
     d_params, self.d_rules, self.d_layout = None, None, None
     out_major, self.xla_dots_rows = self._matmul_plan(weight_layout, cpu_matmul, state, layout_rows)
-    self.ynn_reduce_rows = self._reduce_plan(cpu_reductions, paged_loop and not dense_rows)
+    self.ynn_reduce_rows = self._reduce_plan(
+      cpu_reductions, paged_loop and not dense_rows, layout_rows
+    )
     # How the layer stacks are held (`stacked_layers`): as trained, sliced per layer by the layer
     # scan, or one array per layer (`model.scan.Unstacked`), run as a loop of layers.
     self.stacked = self.stacked_layers(weight_layout, out_major, layer_bytes(state))
@@ -432,21 +434,21 @@ class ModelRunner:
     )
     return out_major, xla_rows
 
-  def _reduce_plan(self, cpu_reductions: str, paged_loop: bool) -> tuple[int, ...]:
+  def _reduce_plan(self, cpu_reductions: str, paged_loop: bool, max_rows: int) -> tuple[int, ...]:
     """The token row counts of steps that compile with YNNPACK's reductions too
-    (`steps.ByRows`), among the decode batch buckets up to `steps.YNN_REDUCE_ROWS` above those
-    that take XLA's own dots: none with `cpu_reductions` "xla", off one CPU device, or where the
-    decode attention is not XLA's paged loop over KV pages; all of them with "ynnpack"; with
-    "auto", the largest of them if the start-up probe timed the decode attention faster that way
-    there (`time_decode_attention`, `reduce_plan`; it depends on the heads), once per process
-    for a shape."""
+    (`steps.ByRows`), among the decode batch buckets up to `steps.YNN_REDUCE_ROWS` and
+    `max_rows` (the largest batch) above those that take XLA's own dots: none with
+    `cpu_reductions` "xla", off one CPU device, or where the decode attention is not XLA's paged
+    loop over KV pages; all of them with "ynnpack"; with "auto", the largest of them if the
+    start-up probe timed the decode attention faster that way there (`time_decode_attention`,
+    `reduce_plan`; it depends on the heads), once per process for a shape."""
     if cpu_reductions == "xla" or not self._one_cpu() or not paged_loop:
       return ()
     if not steps.compiler_options(tuple(steps.CPU_YNN_REDUCE_OPTIONS.items())):
       return ()  # an XLA without the option
     # The decode batch buckets up to YNN_REDUCE_ROWS above XLA's dots; "auto" times only the
     # largest (at 1 and 2 rows the attention never ran faster so: BENCHMARKS.md).
-    top = steps.YNN_REDUCE_ROWS
+    top = min(steps.YNN_REDUCE_ROWS, max_rows)
     buckets = sorted({pow2(n, self.min_batch_bucket) for n in range(1, top + 1)})
     buckets = [rows for rows in buckets if self.xla_dots_rows < rows <= top]
     if cpu_reductions == "ynnpack" or not buckets:
