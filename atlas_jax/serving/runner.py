@@ -94,7 +94,7 @@ XLA_DOTS_WIN = 1.5
 
 # YNNPACK's reductions are taken at a row count only where the probe times the decode attention
 # this much faster so: the probe times the attention alone, and inside a whole step the gain
-# was smaller (the tiny preset at 4 rows: 1.35x alone, 1.15x for the 8-step burst).
+# was smaller (the tiny preset at 4 rows: 1.3x alone, 1.15x for the 8-step burst).
 REDUCE_WIN = 1.1
 
 # `weight_layout="auto"` on one CPU device keeps a model's layer stacks stacked (the layer scan
