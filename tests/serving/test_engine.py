@@ -646,13 +646,8 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   for i in range(8):  # 8 rows: matmuls, not the matrix-vector products of one
     engine.add_request(i, [1, 2, 3 + i], SamplingParams(max_new_tokens=4))
   engine.step()  # the prompts: the requests now decode
-  runner = engine.runner
-  rows = [engine.scheduler.row(req, 1) for req in engine.running]
-  x, _ = runner.inputs(rows, 1, penalties=False)
-  program = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
-  hlo = program.compile().as_text()
-  bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, flags=re.M | re.S))
-  called = re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
+  x = _decode_inputs(engine, 8)
+  hlo, bodies, called = _compiled_step(engine.runner, x)
   assert called, "no YNNPACK call at all: the matmuls should still be YNNPACK's"
   assert all(" dot(" in bodies[name] for name in called), called
   # No reduction split into strided windows of 32 (XLA's tree reduction rewriter is off): the
@@ -661,9 +656,22 @@ def test_cpu_step_programs_hand_ynnpack_only_their_dots(tiny_model):
   assert re.search(r"reduce-window\(.*stride=", hlo) is None
   # `cpu_matmul="xla"`: the same step with XLA's own dots, no YNNPACK call left.
   engine = Engine(tiny_model, dataclasses.replace(CONFIGS["roomy"], cpu_matmul="xla"))
-  runner = engine.runner
+  assert "__ynn_fusion" not in _compiled_step(engine.runner, x)[0]
+
+
+def _decode_inputs(engine, n_rows: int):
+  """A one-token step's inputs for the first `n_rows` running requests."""
+  rows = [engine.scheduler.row(req, 1) for req in engine.running[:n_rows]]
+  return engine.runner.inputs(rows, 1, penalties=False)[0]
+
+
+def _compiled_step(runner, x) -> tuple[str, dict[str, str], list[str]]:
+  """The compiled one-token step for inputs `x`: its HLO text, its computations' bodies by
+  name, and the computations its YNNPACK calls run."""
   program = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
-  assert "__ynn_fusion" not in program.compile().as_text()
+  hlo = program.compile().as_text()
+  bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, flags=re.M | re.S))
+  return hlo, bodies, re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
 
 
 def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, reference):
@@ -681,12 +689,7 @@ def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, r
   engine.step()  # the prompts: the requests now decode
 
   def reducing_calls(n_rows: int) -> list[str]:
-    rows = [engine.scheduler.row(req, 1) for req in engine.running[:n_rows]]
-    x, _ = runner.inputs(rows, 1, penalties=False)
-    hlo = runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
-    hlo = hlo.compile().as_text()
-    bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, flags=re.M | re.S))
-    called = re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
+    _, bodies, called = _compiled_step(runner, _decode_inputs(engine, n_rows))
     assert called, "no YNNPACK call at all: the matmuls should still be YNNPACK's"
     return [name for name in called if " reduce(" in bodies[name]]
 
