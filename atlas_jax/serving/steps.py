@@ -376,8 +376,8 @@ def compiler_options(options: tuple = ()) -> dict:
     return {}
   try:
     jax.jit(lambda x: x + 1, compiler_options=wanted).lower(jnp.zeros(())).compile()
-  except Exception as e:  # an XLA that renamed or dropped the option: its defaults, said once
-    log.info("serving programs: XLA's default CPU fusions (%s)", str(e).splitlines()[0])
+  except Exception as e:  # an XLA that renamed or dropped an option: without them, said once
+    log.info("serving programs: without %s (%s)", sorted(wanted), str(e).splitlines()[0])
     return {}
   return dict(wanted)
 
