@@ -130,19 +130,26 @@ def time_matmuls(
   calls, the kinds alternating."""
   xs = {k: jnp.ones((rows, k), mats[0].dtype) for k in {m.shape[0] for m in mats}}
   held = [jnp.transpose(m) for m in mats] if any(k[0] == "out_major" for k in kinds) else None
-  calls = []
+  calls = {}
   for layout, dots in kinds:
     in_major, out_major = _matmul_programs(dots == "xla")
-    calls.append((in_major, list(mats)) if layout == "in_major" else (out_major, held))
-  for f, ws in calls:
-    jax.block_until_ready(f(xs, ws))  # compiles
-  best = [math.inf] * len(calls)
+    f, ws = (in_major, list(mats)) if layout == "in_major" else (out_major, held)
+    calls[layout, dots] = functools.partial(f, xs, ws)
+  return best_ms(calls, rounds)
+
+
+def best_ms(calls: dict, rounds: int) -> dict:
+  """ms of each of `calls` (no-argument callables), the best of `rounds` calls after one that
+  compiles, the calls alternating."""
+  for f in calls.values():
+    jax.block_until_ready(f())  # compiles
+  best = dict.fromkeys(calls, math.inf)
   for _ in range(rounds):
-    for i, (f, ws) in enumerate(calls):
+    for key, f in calls.items():
       t0 = time.perf_counter()
-      jax.block_until_ready(f(xs, ws))
-      best[i] = min(best[i], time.perf_counter() - t0)
-  return {k: b * 1e3 for k, b in zip(kinds, best)}
+      jax.block_until_ready(f())
+      best[key] = min(best[key], time.perf_counter() - t0)
+  return {k: b * 1e3 for k, b in best.items()}
 
 
 def time_decode_attention(
@@ -172,20 +179,11 @@ def time_decode_attention(
 
     return jax.jit(layers, compiler_options=options)
 
-  reduce_options = steps.compiler_options(tuple(steps.CPU_YNN_REDUCE_OPTIONS.items()))
   calls = {
     "xla": way(steps.compiler_options(), None),
-    "ynnpack": way(reduce_options, steps.YNN_REDUCE_KEYS),
+    "ynnpack": way(steps.reduce_compiler_options(), steps.YNN_REDUCE_KEYS),
   }
-  for f in calls.values():
-    jax.block_until_ready(f(q))  # compiles
-  best = dict.fromkeys(calls, math.inf)
-  for _ in range(rounds):
-    for name, f in calls.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(q))
-      best[name] = min(best[name], time.perf_counter() - t0)
-  return {k: b * 1e3 for k, b in best.items()}
+  return best_ms({name: functools.partial(f, q) for name, f in calls.items()}, rounds)
 
 
 def reduce_plan(timings: dict[int, dict[str, float]]) -> tuple[int, ...]:
@@ -444,7 +442,7 @@ class ModelRunner:
     `reduce_plan`; it depends on the heads), once per process for a shape."""
     if cpu_reductions == "xla" or not self._one_cpu() or not paged_loop:
       return ()
-    if not steps.compiler_options(tuple(steps.CPU_YNN_REDUCE_OPTIONS.items())):
+    if not steps.reduce_compiler_options():
       return ()  # an XLA without the option
     # The decode batch buckets up to YNN_REDUCE_ROWS above XLA's dots; "auto" times only the
     # largest (at 1 and 2 rows the attention never ran faster so: BENCHMARKS.md).

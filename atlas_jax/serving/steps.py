@@ -393,7 +393,7 @@ CPU_XLA_DOTS_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_experimental_ynn_fusion
 # paged attention's page step, scored over `YNN_REDUCE_KEYS` keys, is then one YNNPACK call where
 # XLA's loops spend more on each of the small products than they compute. Which wins depends on
 # the heads: on 2 Zen 4 cores at 4 rows, the tiny preset's attention (6 heads of 32, 2 kv heads)
-# took 0.82-0.94 ms a step this way against 1.2 ms, its whole 8-step burst 0.93 -> 1.06 of
+# took 0.94 ms a step this way against 1.18-1.28 ms, its whole 8-step burst 0.93 -> 1.06 of
 # `generate`'s loop; 8 heads of 64 over 4 kv heads took 1.6x longer, and at 8 rows and more the
 # tiny preset's burst lost too. So the runner times the decode attention both ways at start-up
 # (`serve.engine.cpu_reductions`, `runner.time_decode_attention`).
@@ -404,6 +404,11 @@ CPU_YNN_REDUCE_OPTIONS = {
 }
 YNN_REDUCE_ROWS = 4
 YNN_REDUCE_KEYS = 32
+
+
+def reduce_compiler_options() -> dict:
+  """`CPU_YNN_REDUCE_OPTIONS` on the CPU backend, if this XLA knows them; {} elsewhere."""
+  return compiler_options(tuple(CPU_YNN_REDUCE_OPTIONS.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,7 +473,7 @@ def programs(
   tiers: list[tuple[int, dict | None, int | None]] = []
   if options and xla_dots_rows > 0:
     tiers.append((xla_dots_rows, CPU_XLA_DOTS_OPTIONS, None))
-  reduce_options = compiler_options(tuple(CPU_YNN_REDUCE_OPTIONS.items())) if options else {}
+  reduce_options = reduce_compiler_options() if options else {}
   for rows in sorted(ynn_reduce_rows) if reduce_options else ():
     below = tiers[-1][0] if tiers else 0
     if rows <= below:
