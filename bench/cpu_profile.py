@@ -185,7 +185,7 @@ def train_runs(config: str, overrides: list[str]):
 
   from atlas_jax.config import load_config
 
-  cfg = load_config(config, ["mesh.fsdp=1", *overrides])
+  cfg = load_config(config, [*train_step.PEER_DEFAULTS, *overrides])
   step, state = train_step.build(cfg)
   batches = train_step.random_batches(cfg, 2)
   holder = {"state": state}

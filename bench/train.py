@@ -135,8 +135,7 @@ def main():
   args = p.parse_args()
   cpu = expected_platform() == "cpu"  # asked before the backend starts
   malloc = host_memory.keep_freed_memory() if cpu else "unchanged"
-  defaults = ["mesh.fsdp=1", "train.precision=fp32", "train.remat=none"]
-  cfg = load_config(args.config, [*defaults, *args.set])
+  cfg = load_config(args.config, [*train_step.PEER_DEFAULTS, *args.set])
   bf16 = cfg.train.precision == "bf16"
   B, T = cfg.train.batch_size, cfg.train.seq_len
   batches = train_step.random_batches(cfg, args.warmup + args.steps)

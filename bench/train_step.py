@@ -16,6 +16,10 @@ from atlas_jax.training.checkpoint import single_device_mesh
 from atlas_jax.training.step import make_train_step, make_trainer
 
 
+# What the PyTorch peer runs, whatever the preset says: one device, float32, nothing recomputed.
+PEER_DEFAULTS = ("mesh.fsdp=1", "train.precision=fp32", "train.remat=none")
+
+
 def random_batches(cfg: Config, n: int) -> list[np.ndarray]:
   """n batches of i32[B, T + 1] uniform random tokens (inputs and shifted targets), seed 0."""
   rng = np.random.default_rng(0)

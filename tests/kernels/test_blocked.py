@@ -1,6 +1,8 @@
 """Causal attention in query blocks (`kernels.blocked`) against the reference: values and
 gradients, every mask it takes, and the scores it skips counted in the compiled program."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +145,17 @@ def test_rejects_cross_attention_and_bad_blocks():
     blocked_causal_attention(q, k2, v2)
   with pytest.raises(ValueError, match="block=0"):
     blocked_causal_attention(q, k, v, block=0)
+
+
+def test_every_compiled_product_of_the_gradient_contracts_a_minor_axis():
+  """dk = ds^T q and dv = p^T dout contract the query axis; XLA folds a plain transpose into the
+  dot, and its CPU backend runs a dot whose left operand contracts a major axis with its own
+  loops, not YNNPACK's GEMM. The backward keeps the transposes as copies instead."""
+  q, k, v = qkv(B=2, T=64, N=6, K=2, H=16)
+  loss = lambda q, k, v: jnp.sum(jnp.sin(blocked_causal_attention(q, k, v, block=16)))
+  grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+  hlo = grad.lower(q, k, v).compile().as_text()
+  dots = re.findall(r"dot\(.*?lhs_batch_dims=\{0,1\}, lhs_contracting_dims=\{(\d+)\}", hlo)
+  # 4 blocks: the scores and the output forward, dp, dq, dk and dv backward.
+  assert len(dots) == 4 * 6, hlo
+  assert set(dots) == {"3"}, dots
