@@ -10,7 +10,7 @@
 * paged: `kernels.paged_attention_xla` decoding batch 32 over 6 layers of a pool of 1,296 pages
   (cold in cache, as in an engine step), contexts of 120-140 tokens, with and without the
   serving programs' CPU compile options (`serving.steps.CPU_COMPILER_OPTIONS`).
-* adamw: one optimizer update (`training.optimizer.make_optimizer`: clipping and AdamW) of the
+* adamw: one optimizer update (`training.optimizer.adamw`: clipping and AdamW) of the
   small preset's 76M float32 parameters, against PyTorch's fused AdamW with the same clipping.
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
@@ -127,7 +127,7 @@ def adamw() -> dict:
     torch.nn.utils.clip_grad_norm_(tp, cfg.train.grad_clip)
     fused.step()
 
-  return best_ms({"ours (optax, jit)": run_ours, "PyTorch fused AdamW": run_torch}, calls=1)
+  return best_ms({"ours (adamw, jit)": run_ours, "PyTorch fused AdamW": run_torch}, calls=1)
 
 
 def main(argv=None) -> None:

@@ -2,8 +2,8 @@
 strategy, and the activations each remat policy saves, from the config alone.
 
 State. The trainer keeps float32 master weights whatever the compute precision, float32 gradients
-(they arrive through the bf16/fp16 cast in float32) and AdamW's two float32 moments, plus two int32
-step counters: 4 + 4 + 8 = 16 bytes per parameter. (The ZeRO paper's 16 bytes for mixed-precision
+(they arrive through the bf16/fp16 cast in float32) and AdamW's two float32 moments, plus an int32
+update count: 4 + 4 + 8 = 16 bytes per parameter. (The ZeRO paper's 16 bytes for mixed-precision
 Adam split differently, 2 + 2 + 12: fp16 weights and gradients beside fp32 master weights and
 moments; here the low-precision weight copies are made at use, and counted with the activations.)
 Each strategy splits some of it over the `fsdp` mesh axis, tensor parallelism splits heads,
@@ -73,7 +73,7 @@ FSDP_AXES = ("embed", "q_lora", "kv_lora")
 # Pipeline stages split the stacked-layer axis (as training.sharding.STAGE_RULES).
 STAGE_AXIS = "layers"
 _ZERO = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tensor": 0}
-_ADAM_COUNTERS = 2 * 4  # int32 step counts of scale_by_adam and the learning-rate schedule
+_ADAM_COUNTERS = 4  # the int32 update count (`training.optimizer.AdamWState`)
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:

@@ -49,7 +49,3 @@ class LossScale:
     )
     good = jnp.where(grads_finite & ~grow, self.good_steps + 1, 0)
     return LossScale(scale, good.astype(jnp.int32), self.growth_interval)
-
-
-def all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

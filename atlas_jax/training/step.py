@@ -37,7 +37,7 @@ from atlas_jax.training import sharding as shd
 from atlas_jax.training.experts import COUNTS, load_metrics, router_terms, update_router_bias
 from atlas_jax.training.loss import chunked_cross_entropy, cross_entropy
 from atlas_jax.training.optimizer import learning_rate_schedule, make_optimizer
-from atlas_jax.training.precision import LossScale, all_finite, training_model_config
+from atlas_jax.training.precision import LossScale, training_model_config
 
 Array = jax.Array
 
@@ -281,11 +281,15 @@ def make_train_step(trainer: Trainer) -> Callable:
     grads = jax.lax.with_sharding_constraint(grads, trainer.grad_shardings)
     # Named, so a step's profile (`bench/step_profile.py`) can price the update.
     with jax.named_scope("optimizer"):
-      finite = all_finite(grads) & jnp.isfinite(loss)
+      # One pass over the gradient for its norm, which clipping, the metric and the finite check
+      # share: a NaN or an infinity anywhere makes it non-finite (so does a norm past float32's
+      # range, 1.8e19, which no step worth taking has).
+      grad_norm = optax.tree.norm(grads)
+      finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
       trainable, frozen = split_trainable(trainer.cfg, state.params)
 
       def update(trainable, opt_state):
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable, grad_norm=grad_norm)
         return optax.apply_updates(trainable, updates), opt_state
 
       # A non-finite step never touches parameters or optimizer state: fp16 overflow and
@@ -314,7 +318,7 @@ def make_train_step(trainer: Trainer) -> Callable:
       # z-loss; the objective the gradients came from beside it.
       "loss": aux["ce"],
       "loss_total": loss,
-      "grad_norm": optax.tree.norm(grads),
+      "grad_norm": grad_norm,
       "learning_rate": schedule(state.step),
       "skipped": skip.astype(jnp.int32),
     }

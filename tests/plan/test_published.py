@@ -77,8 +77,8 @@ def test_7b_mixed_precision_adam_is_16_bytes_per_parameter():
   n = 6_738_415_616
   st = memory.state_bytes(cfg, strategy="dp", devices=1)
   assert (st.params, st.grads) == (4 * n, 4 * n)
-  assert st.opt_state == 8 * n + 8  # + two int32 step counters
-  assert st.total == 16 * n + 8
+  assert st.opt_state == 8 * n + 4  # + the int32 update count
+  assert st.total == 16 * n + 4
   # The trainer's own state for this config, on one device, by eval_shape.
   real = measure.train_state_bytes(
     Config(model=cfg, train=TrainConfig(precision="bf16", seq_len=128)), single_device_mesh()
