@@ -5,9 +5,10 @@
       --set train.seq_len=256 --steps 5 --warmup 2
 
 The second is the `small` preset's model (76M parameters, 12 layers) at a batch a CPU steps
-through in seconds. Both run in float32 without remat, like the peer, whatever the preset says
-(its bf16 is emulated on a CPU); `--set train.precision=bf16` computes ours in bfloat16 and
-autocasts the peer's.
+through in seconds. Both run in float32 without remat and with the layers unrolled, like the
+peer, whatever the preset says (`train_step.PEER_DEFAULTS`; its bf16 is emulated on a CPU);
+`--set train.precision=bf16` computes ours in bfloat16 and autocasts the peer's, `--set
+train.scan_layers=true` runs the preset's scanned stack.
 
 Both sides train the same architecture (RMSNorm, RoPE, GQA attention, SwiGLU, the config's head)
 with AdamW at the same batch and sequence length, on the same machine in the same run,
