@@ -15,7 +15,6 @@ from atlas_jax.config import Config
 from atlas_jax.training.checkpoint import single_device_mesh
 from atlas_jax.training.step import make_train_step, make_trainer
 
-
 # What the PyTorch peer runs, whatever the preset says: one device, float32, nothing recomputed,
 # the layers unrolled (a scanned stack slices each layer's weights and saved activations out of
 # the stacked arrays and writes its gradients back, copies that took about a tenth of the small
