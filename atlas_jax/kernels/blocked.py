@@ -164,8 +164,8 @@ def _attend_bwd(scale, spans, residuals, dout_BKTGH):
     dqs.append(jnp.einsum("BKQS,BKSH->BKQH", ds_BKQS, k_BKsH).reshape(B, K, rows, G, H))
     # dk = ds^T q and dv = p^T dout contract the query axis, which is not ds's and p's minor
     # one. XLA folds a plain transpose back into the dot's dimension numbers, and its CPU backend
-    # then runs that dot with its own loops, not YNNPACK's GEMM: 2.4 ms a block in the tiny
-    # train step against PyTorch's whole attention of 38 ms. The barrier keeps the transposes
+    # then runs that dot with its own loops, not YNNPACK's GEMM: 1.9-2.5 ms a block in the tiny
+    # train step, against PyTorch's whole attention of 38 ms. The barrier keeps the transposes
     # as copies, so both dots contract a minor axis.
     dsT_BKSQ, pT_BKSQ = jax.lax.optimization_barrier(
       (jnp.swapaxes(ds_BKQS, -1, -2), jnp.swapaxes(p_BKQS, -1, -2))
