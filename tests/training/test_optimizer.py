@@ -52,12 +52,13 @@ def test_updates_equal_optax_clipping_and_adamw(grad_clip):
   ours, theirs = make_optimizer(cfg), optax_reference(cfg)
   got, want = params, params
   ours_state, theirs_state = ours.init(params), theirs.init(params)
+  update = jax.jit(ours.update)
   norms = [float(optax.tree.norm(g)) for g in grads]
   assert min(norms) < 1 < max(norms)  # both sides of the clip
   for i, g in enumerate(grads):
     # The norm passed in (as the train step does) on odd steps, computed inside on even ones.
     extra = {"grad_norm": optax.tree.norm(g)} if i % 2 else {}
-    u, ours_state = jax.jit(ours.update)(g, ours_state, got, **extra)
+    u, ours_state = update(g, ours_state, got, **extra)
     got = optax.apply_updates(got, u)
     u, theirs_state = theirs.update(g, theirs_state, want)
     want = optax.apply_updates(want, u)
