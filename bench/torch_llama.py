@@ -27,11 +27,20 @@ def rope(x, cos, sin):
   return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def attention_stand_in(q, k, v):
+  """q + k + v, the kv heads repeated: what `bench/train.py --without-attention` runs in place of
+  attention, so the projections, RoPE and the gradients into q, k and v stay and the attention's
+  own work goes."""
+  G = q.shape[1] // k.shape[1]
+  return q + k.repeat_interleave(G, dim=1) + v.repeat_interleave(G, dim=1)
+
+
 class Block(nn.Module):
-  def __init__(self, c: ModelConfig):
+  def __init__(self, c: ModelConfig, attention: bool = True):
     super().__init__()
     D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     self.N, self.K, self.H = N, K, H
+    self.attention = attention
     self.attn_norm = nn.RMSNorm(D, eps=c.norm_eps)
     self.mlp_norm = nn.RMSNorm(D, eps=c.norm_eps)
     self.wqkv = nn.Linear(D, (N + 2 * K) * H, bias=False)  # one GEMM for q, k and v
@@ -46,19 +55,24 @@ class Block(nn.Module):
     q = rope(q.view(B, T, N, H).transpose(1, 2), cos, sin)
     k = rope(k.view(B, T, K, H).transpose(1, 2), cos, sin)
     v = v.view(B, T, K, H).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=K != N)
+    if self.attention:
+      o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=K != N)
+    else:
+      o = attention_stand_in(q, k, v)
     x = x + self.wo(o.transpose(1, 2).reshape(B, T, N * H))
     gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
     return x + self.w_down(F.silu(gate) * up)
 
 
 class Llama(nn.Module):
-  """forward(tokens [B, T], targets [B, T]) -> the mean next-token cross-entropy."""
+  """forward(tokens [B, T], targets [B, T]) -> the mean next-token cross-entropy.
 
-  def __init__(self, c: ModelConfig):
+  `attention=False`: every block runs `attention_stand_in` in place of its attention."""
+
+  def __init__(self, c: ModelConfig, attention: bool = True):
     super().__init__()
     self.embed = nn.Embedding(c.vocab_size, c.d_model)
-    self.blocks = nn.ModuleList([Block(c) for _ in range(c.n_layers)])
+    self.blocks = nn.ModuleList([Block(c, attention) for _ in range(c.n_layers)])
     self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
     self.head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
     H = c.head_dim

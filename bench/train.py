@@ -19,6 +19,11 @@ prints each round's tokens/s (and each stack's minor page faults and kernel time
 showed malloc mapping XLA's temporaries afresh every step) with the load average before it, each
 stack's best round and the ratio of the bests (ours / PyTorch).
 
+`--without-attention` adds both steps again with the attention core replaced by q + k + v (the
+kv heads repeated; `train_step.attention_stand_in`, `torch_llama.attention_stand_in`), all four
+alternating, and prints what the attention costs each step: the profile's busy times
+(`bench/cpu_profile.py`) overstate ops that run beside others on XLA's threads.
+
 Malloc is set as `train.py` sets it on a CPU (`atlas_jax.host_memory`: freed memory kept, not
 mapped afresh each step; `ATLAS_JAX_MALLOC=system` leaves glibc's default), for both stacks,
 since they share the process; the header line says which.
@@ -133,6 +138,11 @@ def main():
   p.add_argument("--repeat", type=int, default=3, help="rounds, the two stacks alternating")
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--breakdown", action="store_true", help="also time the step's pieces")
+  p.add_argument(
+    "--without-attention",
+    action="store_true",
+    help="also run both steps with q + k + v for attention: the attention's cost in each step",
+  )
   args = p.parse_args()
   cpu = expected_platform() == "cpu"  # asked before the backend starts
   malloc = host_memory.keep_freed_memory() if cpu else "unchanged"
@@ -147,21 +157,23 @@ def main():
     f"jax={jax.__version__} torch={torch.__version__} "
     f"threads={torch.get_num_threads()} backend={jax.default_backend()}\nhost memory: {malloc}"
   )
-  ours = train_step.stepper(*train_step.build(cfg))
-  torch.manual_seed(0)
-  peer = torch_llama.train_step(
-    torch_llama.Llama(cfg.model), cfg.train, device="cpu", bf16=bf16, compile_backend=None
-  )
-  seconds_for(ours, batches[: args.warmup])  # compiles
-  seconds_for(peer, batches[: args.warmup])
-  # Rounds alternate, so both stacks see the same machine; each keeps its best round.
-  best = {"atlas_jax": float("inf"), "PyTorch": float("inf")}
+
+  def peer(attention: bool):
+    torch.manual_seed(0)
+    model = torch_llama.Llama(cfg.model, attention=attention)
+    return torch_llama.train_step(model, cfg.train, device="cpu", bf16=bf16, compile_backend=None)
+
+  stacks = {"atlas_jax": train_step.stepper(*train_step.build(cfg)), "PyTorch": peer(True)}
+  if args.without_attention:
+    ablated = train_step.stepper(*train_step.build(cfg, attention=False))
+    stacks |= {"atlas_jax, no attention": ablated, "PyTorch, no attention": peer(False)}
+  for step in stacks.values():
+    seconds_for(step, batches[: args.warmup])  # compiles
+  # Rounds alternate, so every stack sees the same machine; each keeps its best round.
+  best = dict.fromkeys(stacks, float("inf"))
   for r in range(args.repeat):
     load = os.getloadavg()[0]
-    got = {
-      "atlas_jax": timed_with_faults(ours, batches[args.warmup :]),
-      "PyTorch": timed_with_faults(peer, batches[args.warmup :]),
-    }
+    got = {k: timed_with_faults(step, batches[args.warmup :]) for k, step in stacks.items()}
     print(
       f"round {r + 1}: load {load:.2f}, "
       + ", ".join(
@@ -170,12 +182,18 @@ def main():
       )
     )
     best = {k: min(best[k], got[k][0]) for k in best}
-  ours_tps, theirs = tokens / best["atlas_jax"], tokens / best["PyTorch"]
   print("| implementation | tokens/s (best round) |")
   print("|---|---|")
-  print(f"| atlas_jax (jit, donated state) | {ours_tps:,.0f} |")
-  print(f"| PyTorch eager (same model) | {theirs:,.0f} |")
-  print(f"ratio atlas_jax / PyTorch = {ours_tps / theirs:.2f}")
+  names = {"atlas_jax": "atlas_jax (jit, donated state)", "PyTorch": "PyTorch eager (same model)"}
+  for k, seconds in best.items():
+    print(f"| {names.get(k, k)} | {tokens / seconds:,.0f} |")
+  print(f"ratio atlas_jax / PyTorch = {best['PyTorch'] / best['atlas_jax']:.2f}")
+  if args.without_attention:
+    ms = {k: seconds * 1e3 / args.steps for k, seconds in best.items()}
+    print(
+      "the attention's cost, ms a step (best rounds, with it less without it): "
+      + ", ".join(f"{k} {ms[k] - ms[k + ', no attention']:.1f}" for k in ("atlas_jax", "PyTorch"))
+    )
   if args.breakdown:
     breakdown(cfg)
 

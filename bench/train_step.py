@@ -7,11 +7,16 @@ test compile it for the op-class account.
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from timing import seconds_for
 
 from atlas_jax.config import Config
+from atlas_jax.model import attention as attention_layer
 from atlas_jax.training.checkpoint import single_device_mesh
 from atlas_jax.training.step import make_train_step, make_trainer
 
@@ -34,10 +39,39 @@ def random_batches(cfg: Config, n: int) -> list[np.ndarray]:
   return [rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32) for _ in range(n)]
 
 
-def build(cfg: Config):
-  """(the jitted step(state, batch) -> (state, metrics), the initial state), on one device."""
+def attention_stand_in(q, k, v, **_):
+  """q + k + v, the kv heads repeated ([B, T, N, H], attention's output shape): what
+  `bench/train.py --without-attention` runs in place of the attention core, as
+  `torch_llama.attention_stand_in` does for the peer."""
+  G = q.shape[2] // k.shape[2]
+  return q + jnp.repeat(k, G, axis=2) + jnp.repeat(v, G, axis=2)
+
+
+@contextlib.contextmanager
+def without_attention():
+  """While tracing: the attention layers call `attention_stand_in` for their attention core."""
+  kernels = attention_layer.kernels
+  stand_in = {**vars(kernels), "attention": attention_stand_in}
+  attention_layer.kernels = types.SimpleNamespace(**stand_in)
+  try:
+    yield
+  finally:
+    attention_layer.kernels = kernels
+
+
+def build(cfg: Config, *, attention: bool = True):
+  """(the jitted step(state, batch) -> (state, metrics), the initial state), on one device.
+
+  `attention=False`: the step compiled here (jit would trace it at its first call) with
+  `attention_stand_in` for every attention core."""
   trainer = make_trainer(cfg, mesh=single_device_mesh())
-  return make_train_step(trainer), trainer.init(jax.random.key(0))
+  step, state = make_train_step(trainer), trainer.init(jax.random.key(0))
+  if attention:
+    return step, state
+  B, T = cfg.train.batch_size, cfg.train.seq_len
+  batch = {"tokens": jax.ShapeDtypeStruct((B, T + 1), jnp.int32)}
+  with without_attention():
+    return step.lower(state, batch).compile(), state
 
 
 def stepper(step, state):
