@@ -135,7 +135,7 @@ def main():
   p.add_argument("--config", default="configs/tiny.yaml")
   p.add_argument("--steps", type=int, default=20, help="steps a round")
   p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--repeat", type=int, default=3, help="rounds, the two stacks alternating")
+  p.add_argument("--repeat", type=int, default=3, help="rounds, the stacks alternating")
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--breakdown", action="store_true", help="also time the step's pieces")
   p.add_argument(
