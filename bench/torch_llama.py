@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flax import nnx
 from timing import seconds_for
 from torch import nn
 
@@ -28,21 +30,35 @@ def rope(x, cos, sin):
 
 
 def attention_stand_in(q, k, v):
-  """q + k + v, the kv heads repeated: what `bench/train.py --without-attention` runs in place of
+  """q + k + v, the kv heads repeated: what `bench/train.py --without attention` runs in place of
   attention, so the projections, RoPE and the gradients into q, k and v stay and the attention's
   own work goes."""
   G = q.shape[1] // k.shape[1]
   return q + k.repeat_interleave(G, dim=1) + v.repeat_interleave(G, dim=1)
 
 
+class Norm(nn.RMSNorm):
+  """RMSNorm, or with `normalise=False` only its scale (`--without norm`)."""
+
+  def __init__(self, dim: int, eps: float, normalise: bool):
+    super().__init__(dim, eps=eps)
+    self.normalise = normalise
+
+  def forward(self, x):
+    return super().forward(x) if self.normalise else self.weight * x
+
+
 class Block(nn.Module):
-  def __init__(self, c: ModelConfig, attention: bool = True):
+  """`without`: the pieces (`train_step.PIECES`) run as the stand-ins `train_step.without`
+  puts in our step."""
+
+  def __init__(self, c: ModelConfig, without: frozenset[str] = frozenset()):
     super().__init__()
     D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     self.N, self.K, self.H = N, K, H
-    self.attention = attention
-    self.attn_norm = nn.RMSNorm(D, eps=c.norm_eps)
-    self.mlp_norm = nn.RMSNorm(D, eps=c.norm_eps)
+    self.without = without
+    self.attn_norm = Norm(D, c.norm_eps, "norm" not in without)
+    self.mlp_norm = Norm(D, c.norm_eps, "norm" not in without)
     self.wqkv = nn.Linear(D, (N + 2 * K) * H, bias=False)  # one GEMM for q, k and v
     self.wo = nn.Linear(N * H, D, bias=False)
     self.w_gate_up = nn.Linear(D, 2 * c.ffn_dim, bias=False)
@@ -52,28 +68,32 @@ class Block(nn.Module):
     B, T, _ = x.shape
     N, K, H = self.N, self.K, self.H
     q, k, v = self.wqkv(self.attn_norm(x)).split([N * H, K * H, K * H], dim=-1)
-    q = rope(q.view(B, T, N, H).transpose(1, 2), cos, sin)
-    k = rope(k.view(B, T, K, H).transpose(1, 2), cos, sin)
+    q, k = q.view(B, T, N, H).transpose(1, 2), k.view(B, T, K, H).transpose(1, 2)
+    if "rope" not in self.without:
+      q, k = rope(q, cos, sin), rope(k, cos, sin)
     v = v.view(B, T, K, H).transpose(1, 2)
-    if self.attention:
-      o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=K != N)
-    else:
+    if "attention" in self.without:
       o = attention_stand_in(q, k, v)
+    else:
+      o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=K != N)
     x = x + self.wo(o.transpose(1, 2).reshape(B, T, N * H))
     gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-    return x + self.w_down(F.silu(gate) * up)
+    gate = gate if "activation" in self.without else F.silu(gate)
+    return x + self.w_down(gate * up)
 
 
 class Llama(nn.Module):
   """forward(tokens [B, T], targets [B, T]) -> the mean next-token cross-entropy.
 
-  `attention=False`: every block runs `attention_stand_in` in place of its attention."""
+  `without`: pieces (`train_step.PIECES`) replaced by the stand-ins our step runs for them
+  under `train_step.without`."""
 
-  def __init__(self, c: ModelConfig, attention: bool = True):
+  def __init__(self, c: ModelConfig, without: frozenset[str] = frozenset()):
     super().__init__()
+    self.without = without
     self.embed = nn.Embedding(c.vocab_size, c.d_model)
-    self.blocks = nn.ModuleList([Block(c, attention) for _ in range(c.n_layers)])
-    self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+    self.blocks = nn.ModuleList([Block(c, without) for _ in range(c.n_layers)])
+    self.norm = Norm(c.d_model, c.norm_eps, "norm" not in without)
     self.head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
     H = c.head_dim
     # Plain RoPE frequencies: Llama-3 scaling changes the numbers, not the work.
@@ -84,12 +104,37 @@ class Llama(nn.Module):
     T = tokens.shape[1]
     ang = torch.arange(T, device=tokens.device, dtype=torch.float32)[:, None] * self.inv_freq
     cos, sin = ang.cos(), ang.sin()
-    x = self.embed(tokens)
+    if "embedding" in self.without:  # row 0 at every position
+      x = self.embed.weight[0].expand(*tokens.shape, -1)
+    else:
+      x = self.embed(tokens)
     for block in self.blocks:
       x = block(x, cos, sin)
     x = self.norm(x)
     logits = x @ self.embed.weight.T if self.head is None else self.head(x)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+  @torch.no_grad()
+  def load_params(self, params) -> Llama:
+    """Our model's parameters (the nested dict of a `Transformer`'s `nnx.State`, layers stacked
+    [L, ...]) copied in, so both stacks compute the same function: the tests compare losses."""
+    p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+    copy = lambda dst, src: dst.copy_(torch.from_numpy(np.array(src)))
+    copy(self.embed.weight, p["embed"])
+    copy(self.norm.weight, p["final_norm"]["scale"])
+    if self.head is not None:
+      copy(self.head.weight, p["lm_head"].T)
+    b = p["blocks"]
+    for i, block in enumerate(self.blocks):
+      a, m = b["attn"], b["mlp"]
+      flat = lambda w: w[i].reshape(w.shape[1], -1)  # [D, n, H] -> [D, n * H]
+      copy(block.wqkv.weight, np.concatenate([flat(a["wq"]), flat(a["wk"]), flat(a["wv"])], 1).T)
+      copy(block.wo.weight, a["wo"][i].reshape(-1, a["wo"].shape[-1]).T)
+      copy(block.w_gate_up.weight, np.concatenate([m["w_gate"][i], m["w_up"][i]], 1).T)
+      copy(block.w_down.weight, m["w_down"][i].T)
+      copy(block.attn_norm.weight, b["attn_norm"]["scale"][i])
+      copy(block.mlp_norm.weight, b["mlp_norm"]["scale"][i])
+    return self
 
 
 def train_step(model: Llama, t: TrainConfig, *, device: str, bf16: bool, compile_backend):

@@ -19,10 +19,13 @@ prints each round's tokens/s (and each stack's minor page faults and kernel time
 showed malloc mapping XLA's temporaries afresh every step) with the load average before it, each
 stack's best round and the ratio of the bests (ours / PyTorch).
 
-`--without-attention` adds both steps again with the attention core replaced by q + k + v (the
-kv heads repeated; `train_step.attention_stand_in`, `torch_llama.attention_stand_in`), all four
-alternating, and prints what the attention costs each step: the profile's busy times
-(`bench/cpu_profile.py`) overstate ops that run beside others on XLA's threads.
+`--without PIECE[,PIECE...]` (repeatable) adds both steps again with those pieces
+(`train_step.PIECES`: attention, norm, rope, activation, embedding) replaced by cheap stand-ins
+that keep the shapes and a gradient into what they read (`train_step.without`; the peer's
+`torch_llama.Block` computes the same functions, which the tests check loss for loss), all the
+steps alternating, and prints what each set of pieces costs each step: the profile's busy times
+(`bench/cpu_profile.py`) overstate ops that run beside others on XLA's threads, so taking a
+piece out is the measure. `--without-attention` is `--without attention`.
 
 Malloc is set as `train.py` sets it on a CPU (`atlas_jax.host_memory`: freed memory kept, not
 mapped afresh each step; `ATLAS_JAX_MALLOC=system` leaves glibc's default), for both stacks,
@@ -139,11 +142,20 @@ def main():
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--breakdown", action="store_true", help="also time the step's pieces")
   p.add_argument(
-    "--without-attention",
-    action="store_true",
-    help="also run both steps with q + k + v for attention: the attention's cost in each step",
+    "--without",
+    action="append",
+    default=[],
+    metavar="PIECE[,PIECE...]",
+    help=f"also run both steps with these pieces as stand-ins ({', '.join(train_step.PIECES)}): "
+    "their cost in each step",
   )
+  p.add_argument("--without-attention", action="append_const", dest="without", const="attention")
   args = p.parse_args()
+  ablations = [tuple(pieces.split(",")) for pieces in args.without]
+  for pieces in ablations:
+    for piece in pieces:
+      if piece not in train_step.PIECES:
+        p.error(f"--without {piece!r}: expected pieces from {', '.join(train_step.PIECES)}")
   cpu = expected_platform() == "cpu"  # asked before the backend starts
   malloc = host_memory.keep_freed_memory() if cpu else "unchanged"
   cfg = load_config(args.config, [*train_step.PEER_DEFAULTS, *args.set])
@@ -158,15 +170,18 @@ def main():
     f"threads={torch.get_num_threads()} backend={jax.default_backend()}\nhost memory: {malloc}"
   )
 
-  def peer(attention: bool):
+  def peer(without: tuple[str, ...] = ()):
     torch.manual_seed(0)
-    model = torch_llama.Llama(cfg.model, attention=attention)
+    model = torch_llama.Llama(cfg.model, frozenset(without))
     return torch_llama.train_step(model, cfg.train, device="cpu", bf16=bf16, compile_backend=None)
 
-  stacks = {"atlas_jax": train_step.stepper(*train_step.build(cfg)), "PyTorch": peer(True)}
-  if args.without_attention:
-    ablated = train_step.stepper(*train_step.build(cfg, attention=False))
-    stacks |= {"atlas_jax, no attention": ablated, "PyTorch, no attention": peer(False)}
+  stacks = {"atlas_jax": train_step.stepper(*train_step.build(cfg)), "PyTorch": peer()}
+  for pieces in ablations:
+    without = f", without {'+'.join(pieces)}"
+    stacks[f"atlas_jax{without}"] = train_step.stepper(
+      *train_step.build(cfg, without_pieces=pieces)
+    )
+    stacks[f"PyTorch{without}"] = peer(pieces)
   for step in stacks.values():
     seconds_for(step, batches[: args.warmup])  # compiles
   # Rounds alternate, so every stack sees the same machine; each keeps its best round.
@@ -188,11 +203,15 @@ def main():
   for k, seconds in best.items():
     print(f"| {names.get(k, k)} | {tokens / seconds:,.0f} |")
   print(f"ratio atlas_jax / PyTorch = {best['PyTorch'] / best['atlas_jax']:.2f}")
-  if args.without_attention:
-    ms = {k: seconds * 1e3 / args.steps for k, seconds in best.items()}
+  ms = {k: seconds * 1e3 / args.steps for k, seconds in best.items()}
+  for pieces in ablations:
+    without = f", without {'+'.join(pieces)}"
+    cost = {k: ms[k] - ms[k + without] for k in ("atlas_jax", "PyTorch")}
     print(
-      "the attention's cost, ms a step (best rounds, with it less without it): "
-      + ", ".join(f"{k} {ms[k] - ms[k + ', no attention']:.1f}" for k in ("atlas_jax", "PyTorch"))
+      f"{'+'.join(pieces)} costs, ms a step (best rounds, with less without): "
+      f"atlas_jax {cost['atlas_jax']:.1f}, PyTorch {cost['PyTorch']:.1f}; "
+      f"the rest of the step: atlas_jax {ms['atlas_jax' + without]:.1f}, "
+      f"PyTorch {ms['PyTorch' + without]:.1f}"
     )
   if args.breakdown:
     breakdown(cfg)

@@ -17,6 +17,7 @@ from timing import seconds_for
 
 from atlas_jax.config import Config
 from atlas_jax.model import attention as attention_layer
+from atlas_jax.model import layers, transformer
 from atlas_jax.training.checkpoint import single_device_mesh
 from atlas_jax.training.step import make_train_step, make_trainer
 
@@ -32,6 +33,11 @@ PEER_DEFAULTS = (
 )
 
 
+# What `--without` can take out of both steps, one stand-in each (`without`,
+# `torch_llama.Block`).
+PIECES = ("attention", "norm", "rope", "activation", "embedding")
+
+
 def random_batches(cfg: Config, n: int) -> list[np.ndarray]:
   """n batches of i32[B, T + 1] uniform random tokens (inputs and shifted targets), seed 0."""
   rng = np.random.default_rng(0)
@@ -41,36 +47,68 @@ def random_batches(cfg: Config, n: int) -> list[np.ndarray]:
 
 def attention_stand_in(q, k, v, **_):
   """q + k + v, the kv heads repeated ([B, T, N, H], attention's output shape): what
-  `bench/train.py --without-attention` runs in place of the attention core, as
+  `bench/train.py --without attention` runs in place of the attention core, as
   `torch_llama.attention_stand_in` does for the peer."""
   G = q.shape[2] // k.shape[2]
   return q + jnp.repeat(k, G, axis=2) + jnp.repeat(v, G, axis=2)
 
 
+def _embedding_stand_in(table_VD, tokens_BT, axis=0):
+  """Row 0 of the table at every position: the embedding's gather (and its gradient's
+  scatter-add) gone, a gradient into the table kept."""
+  assert axis == 0
+  return jnp.broadcast_to(table_VD[0], (*tokens_BT.shape, table_VD.shape[1]))
+
+
+def _replaced(module, name: str, **members):
+  """`module`'s attribute `name` (a module or namespace) with `members` swapped in."""
+  return (module, name, types.SimpleNamespace(**{**vars(getattr(module, name)), **members}))
+
+
+def _patches(piece: str) -> list[tuple]:
+  """(module, attribute, stand-in) for each swap that takes `piece` out of the step; each
+  stand-in keeps the piece's output shape and a gradient into what it read, and the peer's
+  (`torch_llama.Block`) computes the same function."""
+  if piece == "attention":  # q + k + v
+    return [_replaced(attention_layer, "kernels", attention=attention_stand_in)]
+  if piece == "norm":  # RMSNorm without the normalisation: scale * x
+    return [(layers, "rms_norm", lambda x, scale, eps: scale.astype(x.dtype) * x)]
+  if piece == "rope":  # q and k unrotated
+    return [(attention_layer, "apply_rope", lambda x, positions, inv_freq: x)]
+  if piece == "activation":  # the MLP's gate unactivated: gate * up
+    nn = types.SimpleNamespace(**{**vars(jax.nn), "silu": lambda x: x})
+    return [_replaced(layers, "jax", nn=nn)]
+  if piece == "embedding":  # row 0 of the table at every position
+    return [_replaced(transformer, "jnp", take=_embedding_stand_in)]
+  raise ValueError(f"piece {piece!r}: expected one of {PIECES}")
+
+
 @contextlib.contextmanager
-def without_attention():
-  """While tracing: the attention layers call `attention_stand_in` for their attention core."""
-  kernels = attention_layer.kernels
-  stand_in = {**vars(kernels), "attention": attention_stand_in}
-  attention_layer.kernels = types.SimpleNamespace(**stand_in)
+def without(*pieces: str):
+  """While tracing: the model runs a stand-in for each of `pieces` (`PIECES`)."""
+  patches = [patch for piece in pieces for patch in _patches(piece)]
+  originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
   try:
+    for module, name, stand_in in patches:
+      setattr(module, name, stand_in)
     yield
   finally:
-    attention_layer.kernels = kernels
+    for module, name, original in reversed(originals):
+      setattr(module, name, original)
 
 
-def build(cfg: Config, *, attention: bool = True):
+def build(cfg: Config, *, without_pieces: tuple[str, ...] = ()):
   """(the jitted step(state, batch) -> (state, metrics), the initial state), on one device.
 
-  `attention=False`: the step compiled here (jit would trace it at its first call) with
-  `attention_stand_in` for every attention core."""
+  `without_pieces`: the step compiled here (jit would trace it at its first call) with a
+  stand-in for each of those pieces (`without`)."""
   trainer = make_trainer(cfg, mesh=single_device_mesh())
   step, state = make_train_step(trainer), trainer.init(jax.random.key(0))
-  if attention:
+  if not without_pieces:
     return step, state
   B, T = cfg.train.batch_size, cfg.train.seq_len
   batch = {"tokens": jax.ShapeDtypeStruct((B, T + 1), jnp.int32)}
-  with without_attention():
+  with without(*without_pieces):
     return step.lower(state, batch).compile(), state
 
 

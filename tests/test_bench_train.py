@@ -1,16 +1,16 @@
-"""`bench/train.py --without-attention`: the stand-in replaces the attention core in both stacks,
-only in the steps built for it, and computes the same function in both."""
+"""`bench/train.py --without PIECE`: each stand-in replaces its piece only in the step built for
+it, and our step and the PyTorch peer compute the same loss with and without every piece."""
 
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import torch
 
 from atlas_jax.config import load_config
 from atlas_jax.model import attention as attention_layer
+from atlas_jax.model import layers, transformer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import torch_llama  # noqa: E402
@@ -24,40 +24,49 @@ def cfg():
   return load_config("configs/tiny.yaml", [*train_step.PEER_DEFAULTS, *SHAPE])
 
 
-def first_loss(step, state, batch) -> float:
-  return float(step(state, {"tokens": batch})[1]["loss"])
+@pytest.fixture(scope="module")
+def batch(cfg):
+  return train_step.random_batches(cfg, 1)[0]
 
 
-def test_only_the_step_built_without_attention_runs_the_stand_in(cfg):
-  batch = train_step.random_batches(cfg, 1)[0]
-  kernels = attention_layer.kernels
-  real = first_loss(*train_step.build(cfg), batch)
-  ablated = first_loss(*train_step.build(cfg, attention=False), batch)
-  assert attention_layer.kernels is kernels  # put back after the build
-  again = first_loss(*train_step.build(cfg), batch)
-  assert again == real
-  assert abs(ablated - real) > 1e-4
+def losses(cfg, batch, pieces: tuple[str, ...]) -> tuple[float, float]:
+  """(our step's loss, the peer's loss) on `batch` from the same weights, both without `pieces`."""
+  step, state = train_step.build(cfg, without_pieces=pieces)
+  peer = torch_llama.Llama(cfg.model, frozenset(pieces)).load_params(state.params)
+  tokens = torch.from_numpy(batch).long()
+  with torch.no_grad():
+    theirs = float(peer(tokens[:, :-1], tokens[:, 1:]))
+  return float(step(state, {"tokens": batch})[1]["loss"]), theirs
 
 
-def test_the_peer_without_attention_runs_the_stand_in(cfg):
-  tokens = torch.from_numpy(train_step.random_batches(cfg, 1)[0]).long()
-  losses = []
-  for attention in (True, False):
-    torch.manual_seed(0)
-    model = torch_llama.Llama(cfg.model, attention=attention)
-    with torch.no_grad():
-      losses.append(float(model(tokens[:, :-1], tokens[:, 1:])))
-  assert abs(losses[0] - losses[1]) > 1e-4
+@pytest.fixture(scope="module")
+def full(cfg, batch):
+  return losses(cfg, batch, ())
 
 
-def test_both_stand_ins_compute_the_same_function():
-  B, T, N, K, H = 2, 8, 6, 2, 4
-  q, k, v = (
-    np.array(jax.random.normal(key, (B, T, n, H)))
-    for key, n in zip(jax.random.split(jax.random.key(0), 3), (N, K, K))
-  )
-  ours = np.asarray(train_step.attention_stand_in(q, k, v, causal=True))
-  to_bnth = lambda x: torch.from_numpy(x).transpose(1, 2)
-  theirs = torch_llama.attention_stand_in(to_bnth(q), to_bnth(k), to_bnth(v))
-  np.testing.assert_allclose(ours, theirs.transpose(1, 2).numpy(), rtol=1e-6)
-  assert ours.shape == (B, T, N, H)
+def test_the_peer_computes_our_loss(full):
+  ours, theirs = full
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "pieces", [*((piece,) for piece in train_step.PIECES), train_step.PIECES], ids=str
+)
+def test_without_pieces_both_stacks_run_the_same_stand_ins(cfg, batch, full, pieces):
+  swapped = [attention_layer.kernels, attention_layer.apply_rope, layers.rms_norm, layers.jax]
+  swapped.append(transformer.jnp)
+  ours, theirs = losses(cfg, batch, pieces)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  assert abs(ours - full[0]) > 1e-4  # the stand-in ran
+  after = [attention_layer.kernels, attention_layer.apply_rope, layers.rms_norm, layers.jax]
+  assert after + [transformer.jnp] == swapped  # every module put back after the build
+
+
+def test_a_step_built_after_the_stand_ins_runs_every_piece(cfg, batch, full):
+  losses(cfg, batch, train_step.PIECES)
+  assert losses(cfg, batch, ()) == full
+
+
+def test_an_unknown_piece_is_refused(cfg):
+  with pytest.raises(ValueError, match="'softmax'.*attention"):
+    train_step.build(cfg, without_pieces=("softmax",))
