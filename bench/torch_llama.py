@@ -125,10 +125,10 @@ class Llama(nn.Module):
     if self.head is not None:
       copy(self.head.weight, p["lm_head"].T)
     b = p["blocks"]
+    a, m = b["attn"], b["mlp"]
     for i, block in enumerate(self.blocks):
-      a, m = b["attn"], b["mlp"]
-      flat = lambda w: w[i].reshape(w.shape[1], -1)  # [D, n, H] -> [D, n * H]
-      copy(block.wqkv.weight, np.concatenate([flat(a["wq"]), flat(a["wk"]), flat(a["wv"])], 1).T)
+      qkv = [a[w][i].reshape(a[w].shape[1], -1) for w in ("wq", "wk", "wv")]  # [D, n * H] each
+      copy(block.wqkv.weight, np.concatenate(qkv, 1).T)
       copy(block.wo.weight, a["wo"][i].reshape(-1, a["wo"].shape[-1]).T)
       copy(block.w_gate_up.weight, np.concatenate([m["w_gate"][i], m["w_up"][i]], 1).T)
       copy(block.w_down.weight, m["w_down"][i].T)
