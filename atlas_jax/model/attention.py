@@ -20,7 +20,7 @@ from atlas_jax.cache.contiguous import KVCache
 from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, normal, output_projection, param, rms_norm
+from atlas_jax.model.layers import RMSNorm, dense, normal, output_projection, param, rms_norm
 from atlas_jax.model.lora import Adapters, adapter, plus
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -106,15 +106,15 @@ class Attention(nnx.Module):
     dtype = x_BTD.dtype
     # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
     q_BTNH = checkpoint_name(
-      plus(jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
+      plus(dense(x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
       "q_proj",
     )
     k_BTKH = checkpoint_name(
-      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
+      plus(dense(x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
       "k_proj",
     )
     v_BTKH = checkpoint_name(
-      plus(jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
+      plus(dense(x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
       "v_proj",
     )
     if self.bq is not None:
