@@ -1,6 +1,6 @@
 """The CPU micro-benchmarks behind the serving and optimizer figures in BENCHMARKS.md.
 
-    python bench/cpu_micro.py [--only gemm|paged|adamw] [--rows 32]
+    python bench/cpu_micro.py [--only gemm|paged|adamw|weight_grads] [--rows 32]
 
 * gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
   gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
@@ -12,6 +12,10 @@
   serving programs' CPU compile options (`serving.steps.CPU_COMPILER_OPTIONS`).
 * adamw: one optimizer update (`training.optimizer.adamw`: clipping and AdamW) of the
   small preset's 76M float32 parameters, against PyTorch's fused AdamW with the same clipping.
+* weight_grads: the weight gradients of one layer of the small preset's training step at batch
+  4 x 256 (1,024 rows; q, k, v, o, gate, up, down): `model.layers.dense`'s, which multiplies an
+  explicitly transposed activation, against XLA's dot with the transpose left to the GEMM (x^T
+  dy), against PyTorch's (`nn.Linear`'s backward, dy^T x).
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
 """
@@ -19,6 +23,7 @@ Best of 7 interleaved repeats; the load average is printed. Timings swing with m
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -130,19 +135,53 @@ def adamw() -> dict:
   return best_ms({"ours (adamw, jit)": run_ours, "PyTorch fused AdamW": run_torch}, calls=1)
 
 
+def weight_grads() -> dict:
+  import torch
+
+  from atlas_jax.model.layers import dense
+
+  D, F, KH, M = 768, 2048, 256, 1024
+  shapes = [(D, D), (D, KH), (D, KH), (D, D), (D, F), (D, F), (F, D)]
+  r = np.random.default_rng(0)
+  xs = [np.asarray(r.standard_normal((M, k)), np.float32) for k, _ in shapes]
+  dys = [np.asarray(r.standard_normal((M, n)), np.float32) for _, n in shapes]
+  ws = [jnp.zeros(s, jnp.float32) for s in shapes]
+  xj, dyj = [jnp.asarray(x) for x in xs], [jnp.asarray(dy) for dy in dys]
+  # One program a projection: in one program XLA runs independent dots side by side on its
+  # threads, which hides what each costs.
+  weight_grad = jax.jit(lambda x, w, dy: jax.vjp(functools.partial(dense, x), w)[1](dy)[0])
+  in_dot = jax.jit(lambda x, dy: x.T @ dy)
+  xt, dyt = [torch.from_numpy(x) for x in xs], [torch.from_numpy(dy) for dy in dys]
+  ours = lambda: [jax.block_until_ready(weight_grad(*a)) for a in zip(xj, ws, dyj)]
+  xla = lambda: [jax.block_until_ready(in_dot(*a)) for a in zip(xj, dyj)]
+  return best_ms(
+    {
+      "ours (dense)": ours,
+      "XLA, x^T dy in the dot": xla,
+      "PyTorch, dy^T x": lambda: [dy.T @ x for x, dy in zip(xt, dyt)],
+    },
+    calls=3,
+  )
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--only", action="append", choices=["gemm", "paged", "adamw"])
+  p.add_argument("--only", action="append", choices=["gemm", "paged", "adamw", "weight_grads"])
   p.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
   args = p.parse_args(argv)
   import torch
 
   torch.set_num_threads(os.cpu_count() or 1)
   print(f"# jax {jax.__version__}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}")
-  runs = {"gemm": lambda: gemm(args.rows), "paged": paged, "adamw": adamw}
+  runs = {
+    "gemm": lambda: gemm(args.rows),
+    "paged": paged,
+    "adamw": adamw,
+    "weight_grads": weight_grads,
+  }
   for name in args.only or list(runs):
     for label, ms in runs[name]().items():
-      print(f"{name:6s} {label:26s} {ms:9.2f} ms")
+      print(f"{name:12s} {label:26s} {ms:9.2f} ms")
 
 
 if __name__ == "__main__":

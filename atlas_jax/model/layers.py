@@ -1,4 +1,4 @@
-"""Parameters with logical axes, and the small layers: RMSNorm and the SwiGLU MLP.
+"""Parameters with logical axes, and the small layers: `dense`, RMSNorm and the SwiGLU MLP.
 
 Every parameter is created by `param`, which records one logical axis name per dimension. The
 sharding rules (`atlas_jax.training.sharding`) map logical names to mesh axes, so a parameter's

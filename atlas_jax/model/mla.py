@@ -40,7 +40,7 @@ from atlas_jax.cache.contiguous import LatentCache
 from atlas_jax.cache.paged import LatentPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, normal, output_projection, param, rms_norm
+from atlas_jax.model.layers import RMSNorm, dense, normal, output_projection, param, rms_norm
 from atlas_jax.model.lora import Adapters, adapted, adapter, plus
 from atlas_jax.model.rope import (
   apply_rope,
@@ -142,18 +142,18 @@ class MLA(nnx.Module):
     dtype = x_BTD.dtype
     # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
-      q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
+      q_BTNH = dense(x_BTD, self.wq[...].astype(dtype))
       q_BTNH = plus(q_BTNH, self.wq_lora, x_BTD)
     else:
-      cq_BTA = jnp.einsum("BTD,DA->BTA", x_BTD, self.wq_a[...].astype(dtype))
+      cq_BTA = dense(x_BTD, self.wq_a[...].astype(dtype))
       cq_BTA = checkpoint_name(plus(cq_BTA, self.wq_a_lora, x_BTD), "q_lora_proj")
       cq_BTA = self.q_norm(cq_BTA)
-      q_BTNH = jnp.einsum("BTA,ANH->BTNH", cq_BTA, self.wq_b[...].astype(dtype))
+      q_BTNH = dense(cq_BTA, self.wq_b[...].astype(dtype))
       q_BTNH = plus(q_BTNH, self.wq_b_lora, cq_BTA)
     q_BTNH = checkpoint_name(q_BTNH, "q_proj")
     q_nope_BTNh, q_rope_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTY = jnp.einsum("BTD,DY->BTY", x_BTD, self.wkv_a[...].astype(dtype))
+    kv_BTY = dense(x_BTD, self.wkv_a[...].astype(dtype))
     kv_BTY = checkpoint_name(plus(kv_BTY, self.wkv_a_lora, x_BTD), "kv_lora_proj")
     c_BTC = rms_norm(kv_BTY[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
     k_rope_BTR = self._rope(kv_BTY[:, :, None, C:], positions_BT)[:, :, 0]
@@ -168,9 +168,9 @@ class MLA(nnx.Module):
     dtype = q_nope_BTNh.dtype
     N = q_nope_BTNh.shape[2]
     c_BSC, k_rope_BSR = latent_BSY[..., :C], latent_BSY[..., C:]
-    k_nope_BSNh = jnp.einsum("BSC,CNh->BSNh", c_BSC, self.wk_b[...].astype(dtype))
+    k_nope_BSNh = dense(c_BSC, self.wk_b[...].astype(dtype))
     k_nope_BSNh = checkpoint_name(plus(k_nope_BSNh, self.wk_b_lora, c_BSC), "k_proj")
-    v_BSNv = jnp.einsum("BSC,CNv->BSNv", c_BSC, self.wv_b[...].astype(dtype))
+    v_BSNv = dense(c_BSC, self.wv_b[...].astype(dtype))
     v_BSNv = checkpoint_name(plus(v_BSNv, self.wv_b_lora, c_BSC), "v_proj")
     k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
     q_BTNH = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
