@@ -58,10 +58,11 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale[...], self.eps)
 
 
-# On XLA's CPU backend a weight's gradient, x^T dy, ran 1.1-1.45x slower than PyTorch's with the
-# transpose left to the GEMM (the dot contracting both operands' major axis): `dense` transposes
-# the activation first, a copy of a fifth of the GEMM's bytes, and multiplies in the plain
-# layout. The barrier keeps XLA's layout assignment from folding the transpose back into the dot.
+# A weight's gradient is x^T dy. Left to autodiff, XLA folds the transpose into the dot, which
+# then contracts x's major axis, and its CPU backend runs such a dot with its own loops, not
+# YNNPACK's GEMM: 1.1-1.4x PyTorch's time for the small preset's projections (BENCHMARKS.md,
+# thirteenth round). `dense` copies x transposed first (one pass over x, cheap beside the GEMM) and
+# multiplies in the plain layout; the barrier keeps layout assignment from folding the copy back.
 # Other backends' GEMMs read transposed operands natively and skip the copy.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense(x: Array, w: Array, contract: int = 1) -> Array:
