@@ -60,7 +60,7 @@ class RMSNorm(nnx.Module):
 
 # A weight's gradient is x^T dy. Left to autodiff, XLA folds the transpose into the dot, which
 # then contracts x's major axis, and its CPU backend runs such a dot with its own loops, not
-# YNNPACK's GEMM: 1.1-1.4x PyTorch's time for the small preset's projections (BENCHMARKS.md,
+# YNNPACK's GEMM: 1.08-1.38x PyTorch's time for the small preset's projections (BENCHMARKS.md,
 # thirteenth round). `dense` copies x transposed first (one pass over x, cheap beside the GEMM) and
 # multiplies in the plain layout; the barrier keeps layout assignment from folding the copy back.
 # Other backends' GEMMs read transposed operands natively and skip the copy.
