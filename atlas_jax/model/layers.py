@@ -101,7 +101,8 @@ def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool) -> Array
   Serving (a forward over a cache) multiplies as one [N * H, D] matmul: as an einsum, XLA's CPU
   layout assignment copied W_O transposed to the activation's layout every decode step, and a
   served model may hold W_O out-major (`model.scan.OutMajor`), which only a 2-D product reads in
-  place. Training keeps the einsum, whose saved residuals the planner counts exactly."""
+  place. Training goes through `dense`, for its CPU weight gradient; its saved residuals are the
+  einsum's (the input and W_O), which the planner counts."""
   if not serving:
     return dense(out_BTNH, wo_NHD, 2)
   B, T, N, H = out_BTNH.shape
