@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import contextlib
 
-import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flax import nnx
 from timing import seconds_for
 from torch import nn
 
 from atlas_jax.config import Config, ModelConfig, TrainConfig
+from atlas_jax.hf import llama
+from atlas_jax.hf.weights import tensors_from_params
+from atlas_jax.model.transformer import Transformer
 
 
 def rope(x, cos, sin):
@@ -115,25 +116,24 @@ class Llama(nn.Module):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
   @torch.no_grad()
-  def load_params(self, params) -> Llama:
-    """Our model's parameters (the nested dict of a `Transformer`'s `nnx.State`, layers stacked
-    [L, ...]) copied in, so both stacks compute the same function: the tests compare losses."""
-    p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
-    copy = lambda dst, src: dst.copy_(torch.from_numpy(np.array(src)))
-    copy(self.embed.weight, p["embed"])
-    copy(self.norm.weight, p["final_norm"]["scale"])
+  def load_params(self, model: Transformer) -> Llama:
+    """Our model's weights copied in, named as `atlas_jax.hf` exports them for transformers
+    (whose layout is PyTorch's), so both stacks compute the same function: the tests compare
+    losses."""
+    t = tensors_from_params(model, llama.spec(model.cfg))
+    copy = lambda dst, *names: dst.copy_(torch.from_numpy(np.concatenate([t[n] for n in names])))
+    copy(self.embed.weight, "model.embed_tokens.weight")
+    copy(self.norm.weight, "model.norm.weight")
     if self.head is not None:
-      copy(self.head.weight, p["lm_head"].T)
-    b = p["blocks"]
-    a, m = b["attn"], b["mlp"]
+      copy(self.head.weight, "lm_head.weight")
     for i, block in enumerate(self.blocks):
-      qkv = [a[w][i].reshape(a[w].shape[1], -1) for w in ("wq", "wk", "wv")]  # [D, n * H] each
-      copy(block.wqkv.weight, np.concatenate(qkv, 1).T)
-      copy(block.wo.weight, a["wo"][i].reshape(-1, a["wo"].shape[-1]).T)
-      copy(block.w_gate_up.weight, np.concatenate([m["w_gate"][i], m["w_up"][i]], 1).T)
-      copy(block.w_down.weight, m["w_down"][i].T)
-      copy(block.attn_norm.weight, b["attn_norm"]["scale"][i])
-      copy(block.mlp_norm.weight, b["mlp_norm"]["scale"][i])
+      at = f"model.layers.{i}."
+      copy(block.wqkv.weight, *(f"{at}self_attn.{w}_proj.weight" for w in "qkv"))
+      copy(block.wo.weight, f"{at}self_attn.o_proj.weight")
+      copy(block.w_gate_up.weight, f"{at}mlp.gate_proj.weight", f"{at}mlp.up_proj.weight")
+      copy(block.w_down.weight, f"{at}mlp.down_proj.weight")
+      copy(block.attn_norm.weight, f"{at}input_layernorm.weight")
+      copy(block.mlp_norm.weight, f"{at}post_attention_layernorm.weight")
     return self
 
 

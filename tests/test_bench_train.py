@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from atlas_jax.config import load_config
 from atlas_jax.model import attention as attention_layer
-from atlas_jax.model import layers, transformer
+from atlas_jax.model import build, layers, transformer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import torch_llama  # noqa: E402
@@ -32,7 +33,9 @@ def batch(cfg):
 def losses(cfg, batch, pieces: tuple[str, ...]) -> tuple[float, float]:
   """(our step's loss, the peer's loss) on `batch` from the same weights, both without `pieces`."""
   step, state = train_step.build(cfg, without_pieces=pieces)
-  peer = torch_llama.Llama(cfg.model, frozenset(pieces)).load_params(state.params)
+  model = build(cfg.model, rngs=nnx.Rngs(0))
+  nnx.update(model, state.params)
+  peer = torch_llama.Llama(cfg.model, frozenset(pieces)).load_params(model)
   tokens = torch.from_numpy(batch).long()
   with torch.no_grad():
     theirs = float(peer(tokens[:, :-1], tokens[:, 1:]))
