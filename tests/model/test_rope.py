@@ -1,7 +1,8 @@
 """RoPE: rotations keep norms, scores depend only on relative position, the hand-written gradient
-equals autodiff's, Llama-3 scaling bands."""
+equals autodiff's, cos and sin computed once per angle on a CPU, Llama-3 scaling bands."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,37 @@ def test_the_gradient_is_autodiffs_of_the_rotation(dtype):
   assert dx.dtype == dtype
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(want_dx, np.float32), atol=tol)
+
+
+def trig_evaluations(hlo: str) -> int:
+  """An upper bound on the cos and sin a compiled CPU program evaluates: in each computation,
+  its cos and sin instructions times its result's element count (a loop fusion evaluates its
+  instructions once per element it writes; a broadcast inside re-evaluates its operand)."""
+  total = 0
+  for computation in re.split(r"\n(?=%\S+ \(|ENTRY)", hlo):
+    trig = len(re.findall(r" (?:cosine|sine)\(", computation))
+    root = re.search(r"ROOT %\S+ = \(?\w+\[([0-9,]*)\]", computation)
+    if trig and root:
+      total += trig * math.prod(int(d) for d in root.group(1).split(",") if d)
+  return total
+
+
+def test_cos_and_sin_are_computed_once_per_angle_not_per_head():
+  """The rotation of [B, T, N, H] (forward and backward, compiled for the CPU) evaluates the
+  B * T * H/2 angles' cos and sin a bounded number of times, not once per head: XLA's CPU fusion
+  puts them inside each rotation's loop, where the broadcast over the N heads re-evaluates them,
+  unless the tables are written once (`rotation_tables`)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the tables are written once on the CPU backend only")
+  B, T, N, H = 2, 32, 8, 16
+  inv = inverse_frequencies(H, 10000.0, None)
+  x = jax.random.normal(jax.random.key(0), (B, T, N, H))
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  grad = jax.jit(jax.grad(lambda x, p: jnp.sum(apply_rope(x, p, inv) * x)))
+  angles = B * T * H // 2
+  # cos and sin, each at most twice per angle (the count bounds a concatenation of the two by
+  # its whole size); once per head would be 2 * N per angle in the forward and again backward.
+  assert trig_evaluations(grad.lower(x, positions).compile().as_text()) <= 4 * angles
 
 
 def test_llama3_scaling_bands():
