@@ -1,6 +1,6 @@
 """The CPU micro-benchmarks behind the serving and optimizer figures in BENCHMARKS.md.
 
-    python bench/cpu_micro.py [--only gemm|paged|adamw|weight_grads] [--rows 32]
+    python bench/cpu_micro.py [--only gemm|paged|adamw|weight_grads|rope] [--rows 32]
 
 * gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
   gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
@@ -16,6 +16,10 @@
   4 x 256 (1,024 rows; q, k, v, o, gate, up, down): `model.layers.dense`'s, which multiplies an
   explicitly transposed activation, against XLA's dot with the transpose left to the GEMM (x^T
   dy), against PyTorch's (`nn.Linear`'s backward, dy^T x).
+* rope: one small-preset layer's rotations of q and k ([4, 256, 12, 64] and [4, 256, 4, 64]),
+  forward and backward: `model.rope.apply_rope`, whose cos and sin tables are written once,
+  against the same rotation with cos and sin left for XLA to fuse into it (evaluated once per
+  head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out [B, N, T, H]).
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
 """
@@ -164,9 +168,51 @@ def weight_grads() -> dict:
   )
 
 
+def rope() -> dict:
+  import torch
+  import torch_llama
+
+  from atlas_jax.model import rope as ours
+
+  B, T, N, K, H = 4, 256, 12, 4, 64
+  inv = ours.inverse_frequencies(H, 500000.0, None)
+  r = np.random.default_rng(0)
+  qk = [np.asarray(r.standard_normal((B, T, n, H)), np.float32) for n in (N, K)]
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+  def fused(x, p):  # the rotation with cos and sin computed inside it, as before the tables
+    angles = p.astype(jnp.float32)[:, :, None] * jnp.asarray(inv)
+    return ours._rotate(x, jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None])
+
+  def fwd_bwd(rotate):  # the rotations' forward and their gradient into q and k
+    loss = lambda xs, p: sum(jnp.sum(rotate(x, p) * x) for x in xs)
+    return jax.jit(jax.grad(loss))
+
+  tables = fwd_bwd(lambda x, p: ours.apply_rope(x, p, inv))
+  in_fusion = fwd_bwd(fused)
+  xj = [jnp.asarray(x) for x in qk]
+  ang = torch.arange(T, dtype=torch.float32)[:, None] * torch.from_numpy(inv)
+  cos, sin = ang.cos(), ang.sin()
+  xt = [torch.from_numpy(x).transpose(1, 2).detach().requires_grad_() for x in qk]
+
+  def torch_step():
+    loss = sum((torch_llama.rope(x, cos, sin) * x).sum() for x in xt)
+    loss.backward()
+
+  return best_ms(
+    {
+      "ours (tables once)": lambda: jax.block_until_ready(tables(xj, positions)),
+      "XLA, cos/sin in the fusion": lambda: jax.block_until_ready(in_fusion(xj, positions)),
+      "PyTorch": torch_step,
+    }
+  )
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--only", action="append", choices=["gemm", "paged", "adamw", "weight_grads"])
+  p.add_argument(
+    "--only", action="append", choices=["gemm", "paged", "adamw", "weight_grads", "rope"]
+  )
   p.add_argument("--rows", type=int, default=32, help="gemm: rows of x")
   args = p.parse_args(argv)
   import torch
@@ -178,6 +224,7 @@ def main(argv=None) -> None:
     "paged": paged,
     "adamw": adamw,
     "weight_grads": weight_grads,
+    "rope": rope,
   }
   for name in args.only or list(runs):
     for label, ms in runs[name]().items():

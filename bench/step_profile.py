@@ -15,9 +15,11 @@ Two sources, joined on the optimized HLO's instruction names:
 
 Op classes, first match wins for each instruction: collectives; attention (ops under the
 `attention_core` named scope the model puts around its attention kernel call, or cuDNN / Pallas
-custom calls); matmuls (dot, convolution, cuBLAS custom calls); optimizer and loss (ops under the
-`optimizer` and `loss` named scopes, matmuls excepted: the LM head inside the chunked loss counts
-as a matmul); reductions; elementwise; data movement (copies, slices, transposes: no FLOPs).
+custom calls); elementwise for RoPE's tables (the `rope_tables` scope: on a CPU, a product with
+the identity that writes cos and sin once, `model.rope.rotation_tables`); matmuls (dot,
+convolution, cuBLAS custom calls); optimizer and loss (ops under the `optimizer` and `loss` named
+scopes, matmuls excepted: the LM head inside the chunked loss counts as a matmul); reductions;
+elementwise; data movement (copies, slices, transposes: no FLOPs).
 A fusion's FLOPs are split over the instructions inside it; its bytes and its measured time go to
 one class: that of its costliest instruction.
 """
@@ -45,7 +47,7 @@ CLASSES = (
 # Named scopes the model, the loss and the train step put around their ops; the caches around
 # their writes and the sampler around its draw.
 ATTENTION_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE = "attention_core", "loss", "optimizer"
-CACHE_WRITE_SCOPE, SAMPLING_SCOPE = "kv_cache_write", "sampling"
+CACHE_WRITE_SCOPE, SAMPLING_SCOPE, ROPE_TABLES_SCOPE = "kv_cache_write", "sampling", "rope_tables"
 
 _DTYPE_BYTES = {
   "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -236,6 +238,8 @@ class _Walker:
     target = _custom_call_target(inst.attrs) if op == "custom-call" else ""
     if _in_scope(ATTENTION_SCOPE, name) or any(t in target for t in _ATTENTION_TARGETS):
       return "attention"
+    if _in_scope(ROPE_TABLES_SCOPE, name):
+      return "elementwise"
     if op in ("dot", "convolution") or target in _GEMM_TARGETS:
       return "matmul"
     if _in_scope(CACHE_WRITE_SCOPE, name):

@@ -59,13 +59,18 @@ def rotation_tables(positions_BT: Array, inv_freq: np.ndarray) -> tuple[Array, A
   if jax.default_backend() != "cpu":
     return cos_BTh, sin_BTh
   # XLA's CPU backend fuses cos and sin into each rotation, where the broadcast over heads makes
-  # its loop evaluate them once per head: for q a [4, 256, 12, 64] rotation's forward and
-  # backward took 4.1 ms, 0.8 with the tables written once (BENCHMARKS.md, fourteenth round). An
-  # `optimization_barrier` does not stop that fusion; a dot is never fused into its consumers, so
-  # the tables go through a product with the identity (exact: one term per output is nonzero).
+  # its loop evaluate them once per head: one small-preset layer's rotations of q and k, forward
+  # and backward, took 4.0 ms, 0.7 with the tables written once (BENCHMARKS.md, fourteenth round;
+  # `bench/cpu_micro.py --only rope`). An
+  # `optimization_barrier` does not stop that fusion. A dot runs as its own GEMM, whose result its
+  # consumers read, so the tables go through a product with the identity (exact: one term per
+  # output is nonzero) and are written once.
+  # The scope tells profiles (`bench/step_profile.py`) that this product is RoPE's, not a model
+  # matmul.
   h = angles_BTh.shape[-1]
-  both = jnp.concatenate([cos_BTh, sin_BTh], axis=-1)
-  both = jnp.dot(both, jnp.eye(2 * h, dtype=jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  with jax.named_scope("rope_tables"):
+    both = jnp.concatenate([cos_BTh, sin_BTh], axis=-1)
+    both = jnp.dot(both, jnp.eye(2 * h, dtype=jnp.float32), precision=jax.lax.Precision.HIGHEST)
   return both[..., :h], both[..., h:]
 
 
