@@ -61,12 +61,10 @@ def rotation_tables(positions_BT: Array, inv_freq: np.ndarray) -> tuple[Array, A
   # XLA's CPU backend fuses cos and sin into each rotation, where the broadcast over heads makes
   # its loop evaluate them once per head: one small-preset layer's rotations of q and k, forward
   # and backward, took 4.0 ms, 0.7 with the tables written once (BENCHMARKS.md, fourteenth round;
-  # `bench/cpu_micro.py --only rope`). An
-  # `optimization_barrier` does not stop that fusion. A dot runs as its own GEMM, whose result its
-  # consumers read, so the tables go through a product with the identity (exact: one term per
-  # output is nonzero) and are written once.
-  # The scope tells profiles (`bench/step_profile.py`) that this product is RoPE's, not a model
-  # matmul.
+  # `bench/cpu_micro.py --only rope`). An `optimization_barrier` does not stop that fusion. A dot
+  # runs as its own GEMM, whose result its consumers read, so the tables go through a product
+  # with the identity (exact: one term per output is nonzero) and are written once. The scope
+  # tells profiles (`bench/step_profile.py`) that this product is RoPE's, not a model matmul.
   h = angles_BTh.shape[-1]
   with jax.named_scope("rope_tables"):
     both = jnp.concatenate([cos_BTh, sin_BTh], axis=-1)
