@@ -28,8 +28,6 @@ be powers of two >= 16 to fit Triton's tiles; the query rows are padded to such 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from typing import Literal
 
@@ -225,28 +223,10 @@ def paged_attention_pallas(
   return out_BTNH[:, 0] if decode else out_BTNH
 
 
-# Keys per iteration of the XLA path: measured on 2 CPU cores at batch 32, GQA 8/4 heads of 64,
-# 16-token pages, 32 keys per iteration ran 1.7x (full table) to 2.3x (half-full table) faster
-# than the dense gather; 64 and more ran slower.
+# Keys per iteration of the XLA path for prompt chunks (4x this) and a few queries per row (half
+# of it, one page of 16): enough keys that the loop's bookkeeping is small beside the products,
+# few enough that a step's gathered pages stay in cache.
 XLA_KEYS_PER_STEP = 32
-
-# Keys per iteration for a few queries per row where the caller says (`decode_keys_per_step`),
-# read when a program is traced: a program compiled with YNNPACK's reductions scores a page step
-# as one YNNPACK call, which pays off over 32 keys and not over 16 (see `serving.steps`).
-_decode_keys: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-  "decode_keys_per_step", default=None
-)
-
-
-@contextlib.contextmanager
-def decode_keys_per_step(n: int | None):
-  """Within the block, `paged_attention_xla` traced with a few queries per row walks `n` keys
-  an iteration by default (None: half of `XLA_KEYS_PER_STEP`)."""
-  token = _decode_keys.set(n)
-  try:
-    yield
-  finally:
-    _decode_keys.reset(token)
 
 
 def paged_attention_xla(
@@ -260,6 +240,8 @@ def paged_attention_xla(
   scale: float | None = None,
   q_positions: Array | None = None,
   keys_per_step: int | None = None,
+  sliding_window: int | None = None,
+  soft_cap: float | None = None,
 ) -> Array:
   """Paged attention in plain jnp for XLA backends, with `paged_attention_reference`'s semantics.
 
@@ -278,8 +260,9 @@ def paged_attention_xla(
   Beyond the reference: `q_positions` i32[B, T] places the queries explicitly (a right-padded
   prefill chunk; each query sees the keys at or before its position), instead of the last T
   positions. `keys_per_step` defaults to half of `XLA_KEYS_PER_STEP` (one page of 16) for a few
-  queries per row, or what `decode_keys_per_step` set, and to 4x it for prompt chunks, whose
-  queries amortise a step's bookkeeping.
+  queries per row and to 4x it for prompt chunks, whose queries amortise a step's bookkeeping.
+  `sliding_window` W hides keys W or more positions before a query (the loop starts at the first
+  step any query sees); `soft_cap` c passes scores through c * tanh(s / c).
   """
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
   decode = q.ndim == 3
@@ -290,8 +273,7 @@ def paged_attention_xla(
   scale = H**-0.5 if scale is None else scale
   few = T * G <= 16  # the queries of a kv head, too few rows for a GEMM
   if keys_per_step is None:
-    decode_keys = _decode_keys.get() or XLA_KEYS_PER_STEP // 2
-    keys_per_step = decode_keys if few else XLA_KEYS_PER_STEP * 4
+    keys_per_step = XLA_KEYS_PER_STEP // 2 if few else XLA_KEYS_PER_STEP * 4
   pages = max(1, keys_per_step // Z)
   C = pages * Z
   M = block_table.shape[1]
@@ -313,12 +295,15 @@ def paged_attention_xla(
   # [B, K, Q, C]. Either way the running max and sum are [B, K, Q], the output [B, K, Q, H].
   c_axis = 1 if few else -1
 
+  def capped(s):
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
   def scores(k_BCKH, visible_BQC):
     if few:
-      s = jnp.sum(k_BCKH[:, :, :, None, :] * q_BKQH[:, None], axis=-1)
+      s = capped(jnp.sum(k_BCKH[:, :, :, None, :] * q_BKQH[:, None], axis=-1))
       return jnp.where(visible_BQC.transpose(0, 2, 1)[:, :, None, :], s, -jnp.inf)
     s = jnp.einsum("BKQH,BCKH->BKQC", q_BKQH, k_BCKH, preferred_element_type=jnp.float32)
-    return jnp.where(visible_BQC[:, None], s, -jnp.inf)
+    return jnp.where(visible_BQC[:, None], capped(s), -jnp.inf)
 
   def weighted(p, v_BCKH):
     if few:
@@ -340,6 +325,8 @@ def paged_attention_xla(
     held_BC = kpos_C[None, :] < lengths[:, None]
     v_BCKH = jnp.where(held_BC[:, :, None, None], pages_of(pool_v, ids_BP), 0).astype(jnp.float32)
     visible_BQC = kpos_C[None, None, :] <= qpos_BQ[:, :, None]  # causal; hides the unheld tail
+    if sliding_window is not None:
+      visible_BQC &= kpos_C[None, None, :] > qpos_BQ[:, :, None] - sliding_window
     s = scores(pages_of(pool_k, ids_BP), visible_BQC)
     m_new = jnp.maximum(m_BKQ, jnp.max(s, axis=c_axis))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet stay at 0
@@ -349,12 +336,17 @@ def paged_attention_xla(
     return m_new, l_BKQ * alpha + jnp.sum(p, axis=c_axis), acc_BKQH
 
   steps = jnp.clip(-(-jnp.max(lengths) // C), 0, n_max)
+  first = 0
+  if sliding_window is not None:  # the first step any row's window reaches
+    seen_BQ = qpos_BQ >= 0
+    lowest = jnp.min(jnp.where(seen_BQ, qpos_BQ - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+    first = jnp.clip(lowest // C, 0, steps)
   init = (
     jnp.full((B, K, Q), -jnp.inf, jnp.float32),
     jnp.zeros((B, K, Q), jnp.float32),
     jnp.zeros((B, K, Q, H), jnp.float32),
   )
-  _, l_BKQ, acc_BKQH = jax.lax.fori_loop(0, steps, body, init)
+  _, l_BKQ, acc_BKQH = jax.lax.fori_loop(first, steps, body, init)
   out_BKQH = acc_BKQH / jnp.where(l_BKQ > 0, l_BKQ, 1.0)[..., None]  # no key seen: zeros
   out_BKTGH = out_BKQH.reshape(B, K, T, G, H)
   out_BTNH = out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
