@@ -159,7 +159,7 @@ def time_decode_attention(
   scattered pages, the step programs' way ("xla": XLA's loops, 16 keys an iteration) and with
   YNNPACK's reductions (`steps.CPU_YNN_REDUCE_OPTIONS`, `steps.YNN_REDUCE_KEYS` keys an
   iteration: "ynnpack"); each the best of `rounds` calls, the two alternating."""
-  from atlas_jax.kernels.paged_attention import decode_keys_per_step, paged_attention_xla
+  from atlas_jax.kernels.paged_attention import paged_attention_xla
 
   L, Z = 4, block_size
   pages = -(-512 // Z)
@@ -172,10 +172,9 @@ def time_decode_attention(
   def way(options, keys):
     def layers(q):
       def layer(i, q):
-        return q + paged_attention_xla(q, pool, pool, table, lengths, layer=i)
+        return q + paged_attention_xla(q, pool, pool, table, lengths, layer=i, keys_per_step=keys)
 
-      with decode_keys_per_step(keys):
-        return jax.lax.fori_loop(0, L, layer, q)
+      return jax.lax.fori_loop(0, L, layer, q)
 
     return jax.jit(layers, compiler_options=options)
 

@@ -50,7 +50,6 @@ from atlas_jax.cache.paged import PagedCache, PoolLayout, copy_pages
 from atlas_jax.decoding.drafters import DraftCache, Drafter, Window
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, sample_rows, step_keys
 from atlas_jax.decoding.speculative import round_keys, top_logprobs, verify_drafts
-from atlas_jax.kernels.paged_attention import decode_keys_per_step
 
 Array = jax.Array
 
@@ -461,8 +460,8 @@ def programs(
 
   def bind(f, decode_keys=None):
     def run(states, pools, *args):
-      with decode_keys_per_step(decode_keys):  # read as the program is traced
-        pools, *outs = f(b, states, pools, *args)
+      del decode_keys
+      pools, *outs = f(b, states, pools, *args)
       return (pinned(pools), *outs)
 
     return run
