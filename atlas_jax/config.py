@@ -564,6 +564,39 @@ WARMUP_LEVELS = ("none", "default", "all")
 WEIGHT_LAYOUTS = ("auto", "stacked", "in_major", "out_major")
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 CPU_REDUCTIONS = ("auto", "xla", "ynnpack")
+RUNNERS = ("auto", "ragged", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUConfig:
+  """serve.engine.cpu: the CPU runner's own settings (`atlas_jax.serving.cpu`), for XLA's CPU
+  backend; no other runner reads them."""
+
+  # How one device holds the weights: "stacked" as trained (each layer stack one array, which
+  # the layer scan slices layer by layer); one array per layer (`serving.cpu.weights.Unstacked`),
+  # the projections "in_major" as trained ([in, out]) or "out_major" transposed ([out, in], each
+  # output's weights contiguous, as `nn.Linear` holds them); or "auto": out-major where the
+  # start-up probe times its GEMMs faster, else stacked for small layers and in-major per layer
+  # above (`serving.cpu.runner.STACKED_LAYER_BYTES`).
+  weight_layout: str = "auto"
+  # Whose dots the step programs compile: "ynnpack" (YNNPACK's, XLA's CPU default), "xla" (XLA's
+  # own), or "auto": XLA's own for the decode batch sizes where the start-up probe times them
+  # faster, YNNPACK's above. Only in-major weights take XLA's dots.
+  matmul: str = "auto"
+  # Whose reductions a decode step of a few rows (up to `serving.cpu.compile.YNN_REDUCE_ROWS`)
+  # compiles: "xla" (XLA's own loops, as every larger step's), "ynnpack" (YNNPACK's, the paged
+  # decode attention then scoring 32 keys an iteration), or "auto": as the start-up probe times
+  # the decode attention.
+  reductions: str = "auto"
+
+  def __post_init__(self):
+    for name, allowed in (
+      ("weight_layout", WEIGHT_LAYOUTS),
+      ("matmul", CPU_MATMULS),
+      ("reductions", CPU_REDUCTIONS),
+    ):
+      if getattr(self, name) not in allowed:
+        _fail(f"serve.engine.cpu.{name}", getattr(self, name), f"must be one of {', '.join(allowed)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,53 +644,32 @@ class EngineConfig:
   # The same for a batch with a guided row, whose rounds pay a host walk of the drafts and
   # accept fewer of them; measured: bench/speculative.py --engine-guided.
   guided_speculative_max_batch: int = 4
-  # Rows of a step are padded to a power of two, at least this many: each bucket is one more
-  # compiled shape of every program (warm-up time), each padded row wasted work.
-  min_batch_bucket: int = 1
+  # A burst's or speculative round's rows are padded to a power of two, at least this many:
+  # each bucket is one more compiled shape of every program (warm-up time), each padded row
+  # wasted work. None: the runner's (8 on the ragged runner, whose decode steps read every
+  # weight once whatever their rows; 1 on the CPU runner, whose rows each cost their own work).
+  min_batch_bucket: int | None = None
   tensor_parallel_size: int = 1  # devices per replica: heads, FFN and vocabulary split over them
   data_parallel_size: int = 1  # replicas, each with its own requests and pages of the pool
   # Which step shapes `Engine.warmup` compiles at start-up (`Engine.warmup_shapes` lists them):
-  # "none"; "default": every decode, burst and speculative shape and every batch of fresh
-  # prompts; "all": also prefills over a context already in the pool (a prompt's chunks past
-  # `prefill_chunk`, a prompt after a cached prefix).
+  # "none"; "default": every shape a step, burst or speculative round can take (the CPU runner:
+  # every decode, burst and speculative shape and every batch of fresh prompts); "all": on the
+  # CPU runner also prefills over a context already in the pool. The first few compile before
+  # the server answers, the rest on a background thread.
   warmup: str = "default"
-  # How one device holds the weights: "stacked" as trained (each layer stack one array, which
-  # the layer scan slices layer by layer); one array per layer (`model.scan.Unstacked`), the
-  # projections "in_major" as trained ([in, out]) or "out_major" transposed ([out, in], each
-  # output's weights contiguous, as `nn.Linear` holds them); or "auto": on a CPU, out-major
-  # per layer where its GEMMs read them faster, timed at start-up (it differs between CPUs;
-  # BENCHMARKS.md), else stacked for layers of up to 8 MiB (`serving.runner.STACKED_LAYER_BYTES`)
-  # and in-major per layer above; elsewhere in-major per layer. A mesh holds them in-major per
-  # layer.
-  weight_layout: str = "auto"
-  # Whose dots a CPU's step programs compile: "ynnpack" (YNNPACK's, XLA's CPU default), "xla"
-  # (XLA's own), or "auto": on one CPU device, XLA's own for the decode batch sizes where they
-  # ran faster at start-up (a few rows, on some CPUs: BENCHMARKS.md), YNNPACK's above. Only
-  # in-major weights take XLA's dots.
-  cpu_matmul: str = "auto"
-  # Whose reductions a CPU's decode steps of a few rows (up to `serving.steps.YNN_REDUCE_ROWS`)
-  # compile on one device: "xla" (XLA's own loops, as every larger step's), "ynnpack"
-  # (YNNPACK's, the paged decode attention then scoring 32 keys an iteration), or "auto":
-  # YNNPACK's at the batch sizes where the decode attention ran 1.1x faster so at start-up. Which
-  # wins depends on the heads (BENCHMARKS.md, "Tenth round"): small heads gain, larger ones lose.
-  cpu_reductions: str = "auto"
+  # Which model runner: "ragged" (`serving.runner.ModelRunner`: one ragged step per engine
+  # iteration over the ragged paged-attention kernels, the accelerator path), "cpu"
+  # (`serving.cpu.CPUModelRunner`: its specialisation for XLA's CPU backend), or "auto": the CPU
+  # runner on a CPU backend, the ragged one elsewhere.
+  runner: str = "auto"
+  cpu: CPUConfig = dataclasses.field(default_factory=CPUConfig)
 
   def __post_init__(self):
     where = lambda name: f"serve.engine.{name}"
     if self.warmup not in WARMUP_LEVELS:
       _fail(where("warmup"), self.warmup, f"must be one of {', '.join(WARMUP_LEVELS)}")
-    if self.weight_layout not in WEIGHT_LAYOUTS:
-      _fail(
-        where("weight_layout"), self.weight_layout, f"must be one of {', '.join(WEIGHT_LAYOUTS)}"
-      )
-    if self.cpu_matmul not in CPU_MATMULS:
-      _fail(where("cpu_matmul"), self.cpu_matmul, f"must be one of {', '.join(CPU_MATMULS)}")
-    if self.cpu_reductions not in CPU_REDUCTIONS:
-      _fail(
-        where("cpu_reductions"),
-        self.cpu_reductions,
-        f"must be one of {', '.join(CPU_REDUCTIONS)}",
-      )
+    if self.runner not in RUNNERS:
+      _fail(where("runner"), self.runner, f"must be one of {', '.join(RUNNERS)}")
     for name in (
       "n_blocks",
       "block_size",
@@ -680,6 +692,8 @@ class EngineConfig:
         _fail(where(name), getattr(self, name), "must be true or false")
     for name in ("prefill_chunk", "min_batch_bucket"):
       value = getattr(self, name)
+      if value is None and name == "min_batch_bucket":
+        continue
       if isinstance(value, bool) or not isinstance(value, int):
         _fail(where(name), value, "must be a power of two")
       _power_of_two(where(name), value)
@@ -768,11 +782,24 @@ LEGACY_SERVE_FIELDS = {
 }
 
 
+# Engine fields that moved into `serve.engine.cpu`, by their old names.
+LEGACY_ENGINE_FIELDS = {"weight_layout": "weight_layout", "cpu_matmul": "matmul"}
+LEGACY_ENGINE_FIELDS["cpu_reductions"] = "reductions"
+
+
 def _migrate_serve(data: dict[str, Any]) -> None:
-  """Moves a flat `serve:` section's fields into their sections, in place."""
+  """Moves a flat `serve:` section's fields into their sections, and the CPU runner's old
+  engine fields into `serve.engine.cpu`, in place."""
   serve = data.get("serve")
   if not isinstance(serve, dict):
     return
+  engine = serve.get("engine")
+  if isinstance(engine, dict):
+    for old, new in LEGACY_ENGINE_FIELDS.items():
+      if old in engine:
+        cpu = engine.setdefault("cpu", {})
+        if isinstance(cpu, dict):
+          cpu.setdefault(new, engine.pop(old))
   for name, target in LEGACY_SERVE_FIELDS.items():
     if name in serve:
       section, _, field = target.partition(".")

@@ -18,11 +18,13 @@ The layer axis leads. The model's layer scan carries the whole pool, and each la
 new tokens into its own slice and reads it in place (the kernels take the stacked pool and a
 layer index), so no layer of the pool is ever copied out or stacked back.
 `PagedCache(pool, block_table, lengths)` is what the model takes for a batch of sequences
-(`atlas_jax.cache.protocol`); its per-layer views write new tokens with a scatter by slot (the
-pool donated under `jit`, so in place) and attend through the paged kernels, which read pages
-in place through the block table: `kernels.paged_attention` for one KV decode token,
-`kernels.mla_decode` for one latent decode token. Several tokens per row (prefill chunks, padded)
-gather the pages densely and mask by position.
+(`atlas_jax.cache.protocol`), in rows (one sequence per row, right-padded) or ragged (every new
+token of a serving step on one flat axis, `query_start` and `query_len` per sequence). Its
+per-layer views write new tokens with a scatter by slot (the pool donated under `jit`, so in
+place) and attend through `kernels.ragged_paged_attention`, which reads each sequence's pages in
+place through its block table for any number of new tokens: a decode token, a speculative
+round, a prompt chunk after a cached prefix. No call copies a sequence's pages into a dense
+array; `read` does, for callers that want one.
 
 On a device mesh (`PoolLayout`), a pool's pages are split over the `data` axis (each replica
 holds its own, and its rows' block tables name only them: global ids, replica r owning
@@ -45,7 +47,6 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
 from atlas_jax.cache.protocol import added_tokens
-from atlas_jax.kernels.mla_decode import mla_decode
 
 Array = jax.Array
 
@@ -250,8 +251,8 @@ class KVPool:
   def with_arrays(self, arrays) -> KVPool:
     return KVPool(*arrays)
 
-  def layer(self, storage, layer, block_table, kv_lengths, layout=None) -> PagedKVLayer:
-    return PagedKVLayer(*storage, layer, block_table, kv_lengths, layout)
+  def layer(self, storage, layer, block_table, queries, layout=None) -> PagedKVLayer:
+    return PagedKVLayer(*storage, layer, block_table, queries, layout)
 
 
 @jax.tree_util.register_dataclass
@@ -294,9 +295,9 @@ class LatentPool:
     (c,) = arrays
     return LatentPool(c, self.rope_dim)
 
-  def layer(self, storage, layer, block_table, kv_lengths, layout=None) -> PagedLatentLayer:
+  def layer(self, storage, layer, block_table, queries, layout=None) -> PagedLatentLayer:
     (c,) = storage
-    return PagedLatentLayer(c, layer, block_table, kv_lengths, self.rope_dim, layout)
+    return PagedLatentLayer(c, layer, block_table, queries, self.rope_dim, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -328,25 +329,104 @@ def _static(default=None):
   return dataclasses.field(default=default, metadata=dict(static=True))
 
 
+def token_slots(
+  block_table_BM: Array,
+  query_start_B: Array,
+  query_len_B: Array,
+  positions_RT: Array,
+  *,
+  block_size: int,
+) -> Array:
+  """i32[R, T]: the pool slot of each token of a ragged call, -1 for padding.
+
+  The call's tokens are R rows of T; its B sequences are the rows' in order, B / R per row,
+  sequence b's tokens at `query_start[b]` .. + `query_len[b]` of its row. A token no sequence
+  owns, or at a negative position, is padding.
+  """
+  R, T = positions_RT.shape
+  B = block_table_BM.shape[0]
+  per_row = B // R
+  start_RB = query_start_B.reshape(R, per_row)
+  end_RB = start_RB + query_len_B.reshape(R, per_row)
+  t_1T1 = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  owns_RTB = (t_1T1 >= start_RB[:, None]) & (t_1T1 < end_RB[:, None])
+  seq_RT = jnp.argmax(owns_RTB, axis=-1) + (jnp.arange(R, dtype=jnp.int32) * per_row)[:, None]
+  valid_RT = owns_RTB.any(-1) & (positions_RT >= 0)
+  index_RT = jnp.where(valid_RT, positions_RT // block_size, 0)
+  block_RT = block_table_BM.astype(jnp.int32)[seq_RT, index_RT]
+  return jnp.where(valid_RT, block_RT * block_size + positions_RT % block_size, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Queries:
+  """Where one call's new tokens are, per sequence, on the rows of tokens it takes ([R, T]).
+
+  Rows form (`ragged` False): sequence b is row b, its tokens the row's first non-padding
+  ones. Ragged form: each row holds B / R sequences' runs, sequence b's at `start[b]` of its
+  row (one row without a mesh; one per data-parallel replica on one)."""
+
+  start: Array  # i32[B] the index in its row of each sequence's first new token
+  length: Array  # i32[B] its new tokens
+  kv_lengths: Array  # i32[B] tokens held, the new ones included
+  max_length: int | None = _static()  # the most new tokens any sequence has, if known
+
+  def flat_starts(self, R: int, T: int) -> Array:
+    """i32[B] each sequence's first token on the call's flattened [R * T] axis."""
+    per_row = self.start.shape[0] // R
+    return self.start + (jnp.arange(self.start.shape[0], dtype=jnp.int32) // per_row) * T
+
+
+def _attend(q_RTN_, storage, table_BM, queries: Queries, layer, **kw):
+  """Ragged paged attention of a call's [R, T] tokens (one shard's)."""
+  R, T = q_RTN_.shape[:2]
+  out = kernels.ragged_paged_attention(
+    q_RTN_.reshape(R * T, *q_RTN_.shape[2:]),
+    *storage,
+    table_BM,
+    queries.flat_starts(R, T),
+    queries.length,
+    queries.kv_lengths,
+    layer=layer,
+    max_query_len=queries.max_length,
+    **kw,
+  )
+  return out.reshape(R, T, *out.shape[1:])
+
+
+def _implementation(implementation):
+  # The model's attention choice names FlashAttention's too ("cudnn"); the paged kernels have
+  # their Pallas kernel and an XLA path, and the dispatcher picks per platform for the rest.
+  return implementation if implementation in ("pallas", "xla") else None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVLayer:
-  """Layer `layer` of a paged KV pool, for the rows of one call; the pool of every layer is
+  """Layer `layer` of a paged KV pool, for the tokens of one call; the pool of every layer is
   carried through the model's layer scan and this layer is written and read in place."""
 
   k: Array  # [L, P, Z, K, H]
   v: Array  # [L, P, Z, K, H]
   layer: Array  # i32[]
   block_table: Array  # i32[B, M]
-  kv_lengths: Array  # i32[B] tokens held including the new ones
+  queries: Queries  # [B] where each sequence's new tokens are and what it holds with them
   layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
+  options: tuple = _static(())  # (name, value) pairs for the attention kernel's dispatcher
+
+  # Attention reads the pool in place for any number of new tokens: no dense `read` is needed.
+  attends_in_place = True
+
+  @property
+  def kv_lengths(self) -> Array:
+    return self.queries.kv_lengths
 
   @property
   def storage(self) -> tuple[Array, Array]:
     return self.k, self.v
 
   def _specs(self):
-    """(pool, rows [B, ...] of rank n, per-head [B, T, heads, H]) specs under the layout."""
+    """(pool, sequences [B, ...] of rank n, per-head [R, T, heads, H]) specs under the layout."""
     lay = self.layout
     if lay is None:
       return None, lambda n: None, lambda heads: None
@@ -359,81 +439,52 @@ class PagedKVLayer:
   def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
     layout = self.layout
 
-    def local(k, v, table_BM, positions_BT, k_BTKH, v_BTKH, layer):
+    def local(k, v, table_BM, queries, positions_RT, k_RTKH, v_RTKH, layer):
       table_BM = local_table(table_BM, layout, k.shape[1])
-      slots_BT = slot_mapping(table_BM, positions_BT, block_size=k.shape[2])
+      slots_RT = token_slots(
+        table_BM, queries.start, queries.length, positions_RT, block_size=k.shape[2]
+      )
       return (
-        write_slots(k, slots_BT, k_BTKH, layer=layer),
-        write_slots(v, slots_BT, v_BTKH, layer=layer),
+        write_slots(k, slots_RT, k_RTKH, layer=layer),
+        write_slots(v, slots_RT, v_RTKH, layer=layer),
       )
 
-    pool, rows, heads = self._specs()
-    specs = (pool, pool, rows(2), rows(2), heads("kv_heads"), heads("kv_heads"), P())
+    pool, seqs, heads = self._specs()
+    q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
+    specs = (pool, pool, seqs(2), q_specs, seqs(2), heads("kv_heads"), heads("kv_heads"), P())
     k, v = per_shard(layout, local, specs, (pool, pool))(
-      self.k, self.v, self.block_table, positions_BT, k_BTKH, v_BTKH, self.layer
+      self.k, self.v, self.block_table, self.queries, positions_BT, k_BTKH, v_BTKH, self.layer
     )
     return dataclasses.replace(self, k=k, v=v)
 
   def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+    """Causal attention of the call's tokens over their sequences' pages (the ragged kernel),
+    in the pool's dtype; padding tokens get zeros."""
+    del positions_BT  # each token's position follows from its sequence's `queries`
     dtype = q_BTNH.dtype
     layout = self.layout
-
-    def local(q_BTNH, k, v, table_BM, kv_lengths_B, positions_BT, layer):
-      table_BM = local_table(table_BM, layout, k.shape[1])
-      if q_BTNH.shape[1] == 1 and sliding_window is None:
-        # Decoding: the query is the last token held (bottom-right aligned), the paged kernel's
-        # contract; it reads pages in place. Padding rows have kv_lengths 0 and give zeros. The
-        # query takes the pool's dtype, so the pool is never converted.
-        out_BNH = kernels.paged_attention(
-          q_BTNH[:, 0].astype(k.dtype),
-          k,
-          v,
-          table_BM,
-          kv_lengths_B,
-          layer=layer,
-          scale=scale,
-          implementation=implementation if implementation in ("pallas", "xla") else None,
-        )
-        return out_BNH[:, None].astype(dtype)
-      if sliding_window is None and (
-        implementation == "xla" or (implementation is None and jax.default_backend() == "cpu")
-      ):
-        # Several tokens per row on XLA's CPU backend: the paged loop, queries at their
-        # positions (padding, -1, sees nothing; callers discard those rows).
-        return kernels.paged_attention_xla(
-          q_BTNH.astype(k.dtype),
-          k,
-          v,
-          table_BM,
-          kv_lengths_B,
-          layer=layer,
-          scale=scale,
-          q_positions=positions_BT,
-        ).astype(dtype)
-      # Several tokens per row (prefill chunks, right-padded) elsewhere: gather the pages densely
-      # and mask by absolute position, for the attention kernels. Padding queries (position -1)
-      # are clamped; callers discard their rows.
-      k_BSKH = gather_pages(k, table_BM, kv_lengths_B, layer=layer)
-      v_BSKH = gather_pages(v, table_BM, kv_lengths_B, layer=layer)
-      return kernels.attention(
-        q_BTNH,
-        k_BSKH.astype(dtype),
-        v_BSKH.astype(dtype),
-        causal=True,
-        scale=scale,
-        sliding_window=sliding_window,
-        q_positions=jnp.maximum(positions_BT, 0),
-        kv_lengths=kv_lengths_B,
-        implementation=implementation,
-      )
-
-    pool, rows, heads = self._specs()
-    specs = (heads("q_heads"), pool, pool, rows(2), rows(1), rows(2), P())
-    return per_shard(layout, local, specs, heads("q_heads"))(
-      q_BTNH, self.k, self.v, self.block_table, self.kv_lengths, positions_BT, self.layer
+    kw = dict(
+      scale=scale,
+      sliding_window=sliding_window,
+      implementation=_implementation(implementation),
+      **dict(self.options),
     )
 
+    def local(q_RTNH, k, v, table_BM, queries, layer):
+      table_BM = local_table(table_BM, layout, k.shape[1])
+      return _attend(q_RTNH.astype(k.dtype), (k, v), table_BM, queries, layer, **kw)
+
+    pool, seqs, heads = self._specs()
+    q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
+    specs = (heads("q_heads"), pool, pool, seqs(2), q_specs, P())
+    out = per_shard(layout, local, specs, heads("q_heads"))(
+      q_BTNH, self.k, self.v, self.block_table, self.queries, self.layer
+    )
+    return out.astype(dtype)
+
   def read(self) -> tuple[Array, Array]:
+    """Every sequence's entries densely, [B, S, K, H] each (a copy of its pages: for callers
+    off the serving path)."""
     layout = self.layout
 
     def local(k, v, table_BM, lengths_B, layer):
@@ -443,9 +494,9 @@ class PagedKVLayer:
         gather_pages(v, table_BM, lengths_B, layer=layer),
       )
 
-    pool, rows, heads = self._specs()
+    pool, seqs, heads = self._specs()
     dense = heads("kv_heads")
-    return per_shard(layout, local, (pool, pool, rows(2), rows(1), P()), (dense, dense))(
+    return per_shard(layout, local, (pool, pool, seqs(2), seqs(1), P()), (dense, dense))(
       self.k, self.v, self.block_table, self.kv_lengths, self.layer
     )
 
@@ -453,21 +504,28 @@ class PagedKVLayer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedLatentLayer:
-  """Layer `layer` of a paged MLA latent pool, for the rows of one call."""
+  """Layer `layer` of a paged MLA latent pool, for the tokens of one call."""
 
   c: Array  # [L, P, Z, C + R]
   layer: Array  # i32[]
   block_table: Array  # i32[B, M]
-  kv_lengths: Array  # i32[B]
+  queries: Queries  # [B]
   rope_dim: int = _static(0)  # R
   layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
+  options: tuple = _static(())
+
+  attends_in_place = True
+
+  @property
+  def kv_lengths(self) -> Array:
+    return self.queries.kv_lengths
 
   @property
   def storage(self) -> tuple[Array]:
     return (self.c,)
 
   def _specs(self):
-    """(pool, rows [B, ...] of rank n, per-head queries [B, T, N, _]) specs under the layout."""
+    """(pool, sequences [B, ...] of rank n, per-head queries [R, T, N, _]) specs."""
     lay = self.layout
     if lay is None:
       return None, lambda n: None, None
@@ -480,65 +538,41 @@ class PagedLatentLayer:
   def write(self, positions_BT: Array, latent_BTY: Array) -> PagedLatentLayer:
     layout = self.layout
 
-    def local(c, table_BM, positions_BT, latent_BTY, layer):
+    def local(c, table_BM, queries, positions_RT, latent_RTY, layer):
       table_BM = local_table(table_BM, layout, c.shape[1])
-      slots_BT = slot_mapping(table_BM, positions_BT, block_size=c.shape[2])
-      return write_slots(c, slots_BT, latent_BTY, layer=layer)
+      slots_RT = token_slots(
+        table_BM, queries.start, queries.length, positions_RT, block_size=c.shape[2]
+      )
+      return write_slots(c, slots_RT, latent_RTY, layer=layer)
 
-    pool, rows, _ = self._specs()
-    c = per_shard(layout, local, (pool, rows(2), rows(2), rows(3), P()), pool)(
-      self.c, self.block_table, positions_BT, latent_BTY, self.layer
+    pool, seqs, _ = self._specs()
+    q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
+    c = per_shard(layout, local, (pool, seqs(2), q_specs, seqs(2), seqs(3), P()), pool)(
+      self.c, self.block_table, self.queries, positions_BT, latent_BTY, self.layer
     )
     return dataclasses.replace(self, c=c)
 
   def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
-    """Absorbed MLA attention over the latents: [B, T, N, C]."""
+    """Absorbed MLA attention over the latents, read in place: [R, T, N, C]."""
+    del positions_BT
     if sliding_window is not None:
       raise ValueError("PagedLatentLayer.attend: MLA has no sliding window")
     dtype = q_BTNY.dtype
     C = self.c.shape[-1] - self.rope_dim
     layout = self.layout
+    kw = dict(scale=scale, implementation=_implementation(implementation), **dict(self.options))
 
-    def local(q_BTNY, c, table_BM, kv_lengths_B, positions_BT, layer):
+    def local(q_RTNY, c, table_BM, queries, layer):
       table_BM = local_table(table_BM, layout, c.shape[1])
-      if q_BTNY.shape[1] == 1:
-        # Decoding: the MLA kernel walks each sequence's pages in place; every head shares a
-        # load.
-        impl = implementation if implementation in ("pallas", "xla") else None
-        q_BTNE_c = q_BTNY.astype(c.dtype)
-        out_BTNC = mla_decode(
-          q_BTNE_c[..., :C],
-          q_BTNE_c[..., C:],
-          c,
-          kv_lengths_B,
-          scale=scale,
-          block_table=table_BM,
-          layer=layer,
-          implementation=impl,
-        )
-        return out_BTNC.astype(dtype)
-      # Absorbed MLA is multi-query attention with the latent as both key and value (one kv
-      # head): the first C dims of the output are the weighted latent sum. Padded rows need the
-      # positions, so several tokens per row take the dense path.
-      c_BSY = gather_pages(c, table_BM, kv_lengths_B, layer=layer)
-      c_BS1Y = c_BSY[:, :, None, :].astype(dtype)
-      out_BTNY = kernels.attention(
-        q_BTNY,
-        c_BS1Y,
-        c_BS1Y,
-        causal=True,
-        scale=scale,
-        q_positions=jnp.maximum(positions_BT, 0),
-        kv_lengths=kv_lengths_B,
-        implementation=implementation,
-      )
-      return out_BTNY[..., :C]
+      return _attend(q_RTNY.astype(c.dtype), (c, None), table_BM, queries, layer, value_dim=C, **kw)
 
-    pool, rows, heads = self._specs()
-    specs = (heads, pool, rows(2), rows(1), rows(2), P())
-    return per_shard(layout, local, specs, heads)(
-      q_BTNY, self.c, self.block_table, self.kv_lengths, positions_BT, self.layer
+    pool, seqs, heads = self._specs()
+    q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
+    specs = (heads, pool, seqs(2), q_specs, P())
+    out = per_shard(layout, local, specs, heads)(
+      q_BTNY, self.c, self.block_table, self.queries, self.layer
     )
+    return out.astype(dtype)
 
   def read(self) -> tuple[Array]:
     layout = self.layout
@@ -547,8 +581,8 @@ class PagedLatentLayer:
       table_BM = local_table(table_BM, layout, c.shape[1])
       return gather_pages(c, table_BM, lengths_B, layer=layer)
 
-    pool, rows, _ = self._specs()
-    dense = per_shard(layout, local, (pool, rows(2), rows(1), P()), rows(3))(
+    pool, seqs, _ = self._specs()
+    dense = per_shard(layout, local, (pool, seqs(2), seqs(1), P()), seqs(3))(
       self.c, self.block_table, self.kv_lengths, self.layer
     )
     return (dense,)
@@ -559,33 +593,60 @@ class PagedLatentLayer:
 class PagedCache:
   """A batch of sequences over a shared block pool (KV or latent).
 
-  The new tokens of row b are written at their positions (by default `lengths[b] + t`); a
-  negative position marks a padding token, which is neither written nor counted, so rows of one
-  call may add different numbers of tokens.
+  Two layouts of a call's tokens [R, T]:
+
+  * rows (`query_start` None): row b is sequence b; its new tokens are written at their
+    positions (by default `lengths[b] + t`), and a negative position marks a padding token,
+    neither written nor counted, so rows of one call may add different numbers of tokens (right
+    padding: a row's real tokens come first);
+  * ragged (`query_start` and `query_len` given): every new token of the call on one flat axis
+    per row, as a serving step lays them out (`atlas_jax.kernels.ragged_paged_attention`):
+    sequence b's `query_len[b]` tokens start at `query_start[b]` of its row, the B sequences
+    split evenly over the R rows in order (R = 1, or one row per data-parallel replica).
+
+  Either way attention reads each sequence's pages in place, whatever the number of new tokens.
   """
 
   pool: KVPool | LatentPool
   block_table: Array  # i32[B, M] global block ids; entries past a sequence's blocks are never read
   lengths: Array  # i32[B] tokens held before this call
   layout: PoolLayout | None = _static()  # the pool on a device mesh; None: one device
+  query_start: Array | None = None  # i32[B] ragged: each sequence's first token in its row
+  query_len: Array | None = None  # i32[B] ragged: its new tokens
+  max_query_len: int | None = _static()  # the most new tokens a sequence has, if known
+  options: tuple = _static(())  # (name, value) pairs for `kernels.ragged_paged_attention`
 
   @property
   def layers(self) -> tuple[Array, ...]:
     return self.pool.arrays
 
+  def _added(self, positions_BT) -> Array:
+    return added_tokens(positions_BT) if self.query_len is None else self.query_len
+
+  def queries(self, positions_BT: Array) -> Queries:
+    """Where the call's tokens are per sequence (`Queries`)."""
+    added_B = self._added(positions_BT)
+    if self.query_start is None:
+      return Queries(jnp.zeros_like(added_B), added_B, self.lengths + added_B, positions_BT.shape[1])
+    return Queries(self.query_start, added_B, self.lengths + added_B, self.max_query_len)
+
   def layer(self, storage, layer, positions_BT):
-    kv_lengths_B = self.lengths + added_tokens(positions_BT)
-    return self.pool.layer(storage, layer, self.block_table, kv_lengths_B, self.layout)
+    queries = self.queries(positions_BT)
+    view = self.pool.layer(storage, layer, self.block_table, queries, self.layout)
+    return dataclasses.replace(view, options=self.options)
 
   def advance(self, layers, positions_BT) -> PagedCache:
     return dataclasses.replace(
-      self, pool=self.pool.with_arrays(layers), lengths=self.lengths + added_tokens(positions_BT)
+      self, pool=self.pool.with_arrays(layers), lengths=self.lengths + self._added(positions_BT)
     )
 
   def replace(self, **fields) -> PagedCache:
     return dataclasses.replace(self, **fields)
 
   def slots(self, positions_BT: Array) -> Array:
-    """i32[B, T] each position's slot in a [P * Z] flattening of the pool; -1 where padding."""
+    """i32[R, T] each token's slot in a [P * Z] flattening of the pool; -1 where padding."""
     Z = self.pool.arrays[0].shape[2]
-    return slot_mapping(self.block_table, positions_BT, block_size=Z)
+    if self.query_start is None:
+      return slot_mapping(self.block_table, positions_BT, block_size=Z)
+    q = self.queries(positions_BT)
+    return token_slots(self.block_table, q.start, q.length, positions_BT, block_size=Z)

@@ -41,6 +41,9 @@ class LayerCache(Protocol):
   """One layer's slice of a cache, as the attention module sees it."""
 
   kv_lengths: Array  # i32[B] tokens held per row, including this call's
+  # Whether `attend` reads the stored entries in place for any number of new tokens (paged
+  # pools): attention modules then never ask for a dense `read`. Absent means False.
+  attends_in_place: bool
 
   @property
   def storage(self) -> tuple[Array, ...]:

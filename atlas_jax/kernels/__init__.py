@@ -2,13 +2,16 @@
 
 Installed as `atlas_jax.kernels`. Models call `attention`, which dispatches to "xla" (the
 reference), "pallas" (FlashAttention) or "cudnn" (`attention.select_implementation` picks one
-per call when none is named); caches call the decode kernels `paged_attention` and
-`kernels.mla_decode.mla_decode`.
+per call when none is named); paged caches call `ragged_paged_attention` (every new token of a
+call over its sequence's pages, read in place: decode tokens, speculative rounds and prompt
+chunks alike). `paged_attention` and `kernels.mla_decode.mla_decode` are the decode-only kernels
+(one or a few tokens per sequence), kept for callers with a rows layout.
 """
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation
 from .flash_attention import flash_attention
 from .paged_attention import paged_attention, paged_attention_reference, paged_attention_xla
+from .ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from .reference import attention_mask, attention_reference
 
 __all__ = [
@@ -21,4 +24,6 @@ __all__ = [
   "paged_attention",
   "paged_attention_reference",
   "paged_attention_xla",
+  "ragged_paged_attention",
+  "ragged_paged_attention_reference",
 ]

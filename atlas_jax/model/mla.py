@@ -224,7 +224,9 @@ class MLA(nnx.Module):
       segment_ids_BT: i32[B, T] packed-document ids (no cache).
       cache: this layer's view of a latent cache; the new tokens' latents are written at their
         positions. Up to `absorb_max_tokens` new tokens use the absorbed path, longer chunks
-        (prefill) reconstruct K and V from the cached latents.
+        (prefill) reconstruct K and V from the cached latents, except over a cache that attends
+        in place (a paged pool), which stays absorbed: more FLOPs per query (scores over C + R,
+        sums over C), no dense copy of any sequence's latents.
 
     Returns:
       [B, T, D] and the updated layer cache (None without).
@@ -243,7 +245,9 @@ class MLA(nnx.Module):
     else:
       with jax.named_scope("kv_cache_write"):  # named for step profiles
         cache = cache.write(positions_BT, latent_BTY)
-      if T <= self.absorb_max_tokens:
+      # A paged view reads the latents in place for any number of tokens, so it stays absorbed:
+      # the expanded path would copy every sequence's latents out densely first.
+      if T <= self.absorb_max_tokens or getattr(cache, "attends_in_place", False):
         out_BTNv = self.attend_absorbed(q_nope_BTNh, q_rope_BTNR, cache, positions_BT)
       else:
         (latent_BSY,) = cache.read()

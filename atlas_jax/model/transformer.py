@@ -335,7 +335,8 @@ class Transformer(nnx.Module):
     hidden = (h_BTD, trunk_BTD)
     if logits_at_B is not None:
       # Only the rows' chosen positions reach the head: [B, 1, V] logits, not [B, T, V].
-      h_BTD = jnp.take_along_axis(h_BTD, logits_at_B[:, None, None], axis=1)
+      at_BJ = logits_at_B[:, None] if logits_at_B.ndim == 1 else logits_at_B
+      h_BTD = jnp.take_along_axis(h_BTD, at_BJ[:, :, None], axis=1)
     logits_BTV = self._logits(h_BTD)
     out = (logits_BTV,) if cache is None else (logits_BTV, new_cache)
     out += (hidden,) if return_hidden else ()

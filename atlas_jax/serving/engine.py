@@ -116,7 +116,8 @@ from atlas_jax.serving import mesh as placement
 from atlas_jax.serving.faults import PoolLost
 from atlas_jax.serving.outputs import OutputProcessor, finished
 from atlas_jax.serving.requests import Intake, Request, RequestError, RequestId, RequestOutput
-from atlas_jax.serving.runner import Drawn, ModelRunner, Row, pow2
+from atlas_jax.serving.batch import Row, pow2
+from atlas_jax.serving.runner import Drawn, ModelRunner
 from atlas_jax.serving.scheduler import BurstPlan, MixedPlan, RoundPlan, Scheduler, burst_capacity
 
 log = logging.getLogger("atlas_jax.serving")
@@ -193,17 +194,9 @@ class Engine:
       )
     mesh = _mesh_for(config, mesh)
     dp, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
-    if mesh is not None and config.weight_layout in ("out_major", "stacked"):
-      raise ConfigError(
-        f"serve.engine.weight_layout={config.weight_layout!r} is not allowed on a mesh of "
-        f"{dp} x {tp} devices: a mesh holds its layers one array each, in-major; use 'auto' or "
-        "'in_major'"
-      )
-    if mesh is not None and config.cpu_matmul == "xla":
-      raise ConfigError(
-        f"serve.engine.cpu_matmul='xla' is not allowed on a mesh of {dp} x {tp} devices: "
-        "XLA's own dots are chosen for one device; use 'auto' or 'ynnpack'"
-      )
+    runner_class = _runner_class(config)
+    if runner_class is not ModelRunner:
+      _check_cpu_mesh(config, mesh, dp, tp)
     placement.check_heads(cfg, tp)
     model = placement.repeat_kv_heads(model, tp)
     served_draft = None
@@ -222,7 +215,10 @@ class Engine:
     Z = config.block_size
     ahead = max(burst_capacity(config), k + 1)
     max_blocks = -(-(max_model_len + ahead) // Z)
-    self.runner = ModelRunner(
+    specialised = {}
+    if runner_class is not ModelRunner:
+      specialised = dict(cpu=config.cpu, layout_rows=pow2(min(config.max_num_seqs or 32, 256)))
+    self.runner = runner_class(
       model,
       draft=served_draft,
       drafter=drafter,
@@ -230,10 +226,7 @@ class Engine:
       block_size=Z,
       max_blocks=max_blocks,
       min_batch_bucket=config.min_batch_bucket,
-      weight_layout=config.weight_layout,
-      cpu_matmul=config.cpu_matmul,
-      cpu_reductions=config.cpu_reductions,
-      layout_rows=pow2(min(config.max_num_seqs or 32, 256)),
+      **specialised,
     )
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     self.pool_size = sizing.size_pool(
@@ -241,7 +234,7 @@ class Engine:
       block_bytes=self.runner.block_bytes(),
       weight_bytes=self.runner.weight_bytes,
       memory=sizing.device_memory(device),
-      activations=lambda: self._largest_step_bytes(config),
+      activations=lambda: self.runner.largest_step_bytes(config),
       max_model_len=max_model_len,
       platform=device.platform,
     )
@@ -251,7 +244,7 @@ class Engine:
       data_parallel_size=dp,
       tensor_parallel_size=tp,
     )
-    self.runner.allocate(n_blocks)
+    self.runner.allocate(n_blocks, self.config)
     self.scheduler = Scheduler(self.config, dp, speculates=drafter is not None)
     self.intake = Intake(cfg.vocab_size, max_model_len, n_blocks, Z, self.eos_ids, detokenize)
     self.outputs = OutputProcessor(self._prompt_logprobs)
@@ -340,15 +333,6 @@ class Engine:
 
   # -- start-up ----------------------------------------------------------------------------------
 
-  def _largest_step_bytes(self, config: EngineConfig) -> int:
-    """Per-device temporaries of the largest step: the token budget in prefill chunks."""
-    T = config.prefill_chunk
-    budget = config.max_num_batched_tokens or sizing.DEFAULT_BATCHED_TOKENS
-    r = self.runner
-    if r.segment is not None:  # the budget in segments
-      return r.step_bytes(r.segment_bucket(-(-budget // r.segment)), r.segment)
-    return r.step_bytes(r.bucket(-(-budget // T)), T)
-
   def _log_start(self, *, seqs_given: bool) -> None:
     """The start-up lines: the mesh, weights and pool per device, the pool, the largest batch."""
     c, s, r = self.config, self.pool_size, self.runner
@@ -383,19 +367,11 @@ class Engine:
       note,
     )
 
-  def warmup_shapes(
-    self, level: str | None = None
-  ) -> tuple[list[tuple[str, int, int, int]], list[str]]:
-    """(the step shapes `warmup` compiles at `level`, as (program, rows B per replica, tokens T,
-    block-table columns M); what it leaves to first use). Level (default: `config.warmup`):
-
-    - "none": nothing.
-    - "default": decode steps, bursts and speculative rounds at every batch bucket and every
-      block-table width (a context grows through them all); prefills at every batch bucket and
-      chunk bucket T over the narrowest table holding T tokens (prompts computed whole from
-      position 0, one or many per step).
-    - "all": also prefills over every wider table: a prompt's chunks past `prefill_chunk`, and a
-      prompt after a cached prefix, which start past position 0.
+  def warmup_shapes(self, level: str | None = None) -> tuple[list, list[str]]:
+    """(the step shapes `warmup` compiles at `level` (`runner.Shape`s), what it leaves to first
+    use). Level (default: `config.warmup`): "none"; "default": every shape the runner's calls
+    take (`ModelRunner.shapes`); "all": on the CPU runner also prefills over a context already in
+    the pool (a prompt's chunks past `prefill_chunk`, a prompt after a cached prefix).
 
     Penalties, logit bias, guided masks, min_tokens, prompt logprobs and the block copies of
     n > 1 completions are left to first use at every level: each is one more variant of a shape.
@@ -405,40 +381,29 @@ class Engine:
       raise ConfigError(
         f"warmup level {level!r} is not allowed: must be one of {', '.join(WARMUP_LEVELS)}"
       )
-    c, r = self.config, self.runner
-    always = ["penalties, logit bias, guided masks, min_tokens, prompt logprobs, n > 1 copies"]
-    if level == "none":
-      return [], ["every step shape", *always]
-    buckets = sorted({r.bucket(n) for n in range(1, c.max_num_seqs + 1)})
-    widths = r.widths()
-    budget = c.max_num_batched_tokens
-    prefills = r.prefill_shapes(c.max_num_seqs, budget, c.prefill_chunk, level)
-    shapes = [("prefill", B, T, M) for B, T, M in prefills]
-    shapes += [("decode", B, 1, M) for B in buckets for M in widths]
-    if c.decode_burst >= 2:
-      shapes += [("burst", B, burst_capacity(c), M) for B in buckets for M in widths]
-    if self.draft is not None:
-      k, most = c.num_speculative_tokens, pow2(c.speculative_max_batch)
-      shapes += [("speculate", B, k + 1, M) for B in buckets if B <= most for M in widths]
-    if level == "default" and r.segment is None:
-      always.insert(0, "prefills over a context already in the pool (warmup=all compiles them)")
-    return shapes, always
+    capacity = burst_capacity(self.config) if self.config.decode_burst >= 2 else 1
+    return self.runner.shapes(self.config, level, capacity=capacity)
 
   def warmup(
     self,
     progress: Callable[[int, int, str], None] | None = None,
     level: str | None = None,
     threads: int | None = None,
-  ) -> None:
+    *,
+    first: int | None = None,
+  ):
     """Compiles (and runs once, on padding rows that write nothing) every shape of
     `warmup_shapes(level)`, so no request of those shapes waits for XLA.
 
     Args:
-      progress: called as each shape's compile ends with (count, total, "prefill B=4 T=32 M=4");
+      progress: called as each shape's compile ends with (count, total, "step b=8 T=64 M=4").
       level: "none", "default" or "all" (default: `config.warmup`).
       threads: compiles at once (default: one per core on a CPU, else one).
+      first: compile only this many before returning, the rest on a background thread
+        (returned; `runner.wait_compiled` waits for it). None: all of them now.
     """
-    self.runner.warmup(self.warmup_shapes(level)[0], progress, threads)
+    shapes = self.warmup_shapes(level)[0]
+    return self.runner.warmup(shapes, progress, threads, first=first)
 
   # -- requests ----------------------------------------------------------------------------------
 
@@ -638,21 +603,8 @@ class Engine:
     self.n_steps += 1
     self.n_computed_tokens += sum(row.n for row in plan.rows)
     self.runner.copy(self.scheduler.take_copies(plan.copies))
-    prefill = [row for row in plan.rows if row.n > 1]
-    decode = [row for row in plan.rows if row.n == 1]
-    results: dict[RequestId, tuple] = {}
-    failed: dict[RequestId, str] = {}
-    chunk = self.config.prefill_chunk
-    calls = ((prefill, None), (decode, 1))
-    if self.runner.carries(prefill, decode):
-      calls = (([*prefill, *decode], None),)
     try:
-      for rows, T in calls:
-        if rows:
-          run = lambda group, T=T: self.runner.forward(group, T, chunk)
-          got, bad = faults.run_isolated(run, rows, self.runner)
-          results.update(got)
-          failed.update(bad)
+      results, failed = faults.run_isolated(self.runner.execute, plan.rows, self.runner)
     except PoolLost as lost:
       return self._recover(lost)
     outputs = []
@@ -784,6 +736,37 @@ class Engine:
       [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])] for t in range(n - 1)
     ]
     return lps, tops
+
+
+def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+  """The runner `config.runner` names: "auto" is the CPU runner on a CPU backend."""
+  on_cpu = jax.default_backend() == "cpu"
+  if config.runner == "cpu" and not on_cpu:
+    raise ConfigError(
+      f"serve.engine.runner='cpu' is not allowed on a {jax.default_backend()} backend: the CPU "
+      "runner specialises XLA's CPU backend; use 'auto' or 'ragged'"
+    )
+  if config.runner == "cpu" or (config.runner == "auto" and on_cpu):
+    from atlas_jax.serving.cpu import CPUModelRunner
+
+    return CPUModelRunner
+  return ModelRunner
+
+
+def _check_cpu_mesh(config: EngineConfig, mesh: Mesh | None, dp: int, tp: int) -> None:
+  if mesh is None:
+    return
+  if config.cpu.weight_layout in ("out_major", "stacked"):
+    raise ConfigError(
+      f"serve.engine.cpu.weight_layout={config.cpu.weight_layout!r} is not allowed on a mesh of "
+      f"{dp} x {tp} devices: a mesh holds its layers one array each, in-major; use 'auto' or "
+      "'in_major'"
+    )
+  if config.cpu.matmul == "xla":
+    raise ConfigError(
+      f"serve.engine.cpu.matmul='xla' is not allowed on a mesh of {dp} x {tp} devices: XLA's "
+      "own dots are chosen for one device; use 'auto' or 'ynnpack'"
+    )
 
 
 def _log_finished(req: Request, reason: str | None) -> None:
