@@ -83,6 +83,11 @@ class BlockPlan:
   kv_len_J: Array  # i32[J] its sequence's tokens held
 
 
+def _fit(block_q: int, max_query_len: int | None) -> int:
+  """No block longer than the longest sequence's queries (a decode step's blocks hold one)."""
+  return block_q if max_query_len is None else max(1, min(block_q, max_query_len))
+
+
 def n_blocks(n_tokens: int, n_seqs: int, block_q: int, max_query_len: int | None) -> int:
   """J: the most query blocks T tokens of B sequences cut into (one per sequence when no
   sequence has more than `block_q` queries)."""
@@ -329,7 +334,7 @@ def ragged_paged_attention_xla(
   if latent:  # a free reshape: one kv head, the latent as key and value
     k_pages = v_pages = k_pages[..., None, :]
   T = q.shape[0]
-  block_q = 16 if block_q is None else block_q
+  block_q = _fit(16 if block_q is None else block_q, max_query_len)
   J = n_blocks(T, block_tables.shape[0], block_q, max_query_len)
   plan = plan_blocks(query_start, query_len, kv_len, block_q=block_q, n_blocks=J)
   q_JQNH = _gather_queries(q, plan, block_q)
@@ -763,7 +768,7 @@ def ragged_paged_attention_pallas(
   k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
   T, N, H = q.shape
   group = N if v_pages is None else N // k_pages.shape[3]
-  block_q = _gpu_block_q(group) if block_q is None else block_q
+  block_q = _fit(_gpu_block_q(group) if block_q is None else block_q, max_query_len)
   J = n_blocks(T, block_tables.shape[0], block_q, max_query_len)
   plan = plan_blocks(query_start, query_len, kv_len, block_q=block_q, n_blocks=J)
   scale = H**-0.5 if scale is None else scale
