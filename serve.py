@@ -1,4 +1,4 @@
-"""Generate completions from a trained checkpoint or a Hugging Face folder.
+r"""Generate completions from a trained checkpoint or a Hugging Face folder.
 
     python serve.py --checkpoint checkpoints/tiny --prompt "def " --prompt "import "
     python serve.py --checkpoint path/to/hf_folder --prompts prompts.jsonl --output out.jsonl
@@ -117,12 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   for path, (names, kind, what) in CONFIG_FLAGS.items():
     default = getattr(getattr(d, path.split(".")[0]), path.split(".")[1])
-    p.add_argument(
-      *names,
-      dest=flag_dest(path),
-      type=kind,
-      help=f"{what} (serve.{path}; default: {default if default is not None else 'sized'})",
-    )
+    text = f"{what} (serve.{path}; default: {default if default is not None else 'sized'})"
+    # argparse %-formats help (for `%(default)s`), so the table's plain text doubles its "%".
+    p.add_argument(*names, dest=flag_dest(path), type=kind, help=text.replace("%", "%%"))
   p.add_argument(
     "--draft",
     help="speculative decoding: a smaller model with the same tokenizer (a train.py run directory "

@@ -1,0 +1,83 @@
+"""Every program's --help prints: train.py, serve.py, the package's `-m` programs, bench/*.py.
+
+argparse builds the help only when asked, so a help string it cannot format (a bare "%") breaks
+--help and nothing else. Each program runs in its own process, all at once (each imports jax).
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+# name -> (arguments after `python`, the source whose literal flags the help must show, flags
+# the source builds from tables and so cannot be read off it).
+PROGRAMS = {
+  "train.py": (["train.py", "--help"], "train.py", ["--config", "--set"]),
+  "serve.py": (
+    ["serve.py", "--help"],
+    "serve.py",
+    ["--max-num-seqs", "--tensor-parallel-size", "--max-model-len", "--temperature"],
+  ),
+  "atlas_jax.plan": (["-m", "atlas_jax.plan", "--help"], "atlas_jax/plan/cli.py", []),
+  "atlas_jax.hf": (["-m", "atlas_jax.hf", "--help"], None, ["export"]),
+  "atlas_jax.hf export": (
+    ["-m", "atlas_jax.hf", "export", "--help"],
+    "atlas_jax/hf/__main__.py",
+    [],
+  ),
+}
+BENCH = sorted(p for p in (ROOT / "bench").glob("*.py") if "ArgumentParser(" in p.read_text())
+for path in BENCH:
+  PROGRAMS[f"bench/{path.name}"] = ([f"bench/{path.name}", "--help"], f"bench/{path.name}", [])
+
+
+def defined_flags(source: Path) -> set[str]:
+  """The --flags that `source` passes to add_argument as literals, less the hidden ones."""
+  flags = set()
+  for node in ast.walk(ast.parse(source.read_text())):
+    if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
+      continue
+    hidden = any(
+      k.arg == "help" and getattr(k.value, "attr", "") == "SUPPRESS" for k in node.keywords
+    )
+    names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+    if not hidden:
+      flags.update(n for n in names if isinstance(n, str) and n.startswith("--"))
+  return flags
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+  """Each program's --help, run in parallel against this tree (not an installed copy)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  env["JAX_PLATFORMS"] = "cpu"  # --help needs no accelerator
+
+  def run(args):
+    cmd = [sys.executable, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+  with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    results = pool.map(run, [args for args, _, _ in PROGRAMS.values()])
+    return dict(zip(PROGRAMS, results))
+
+
+def test_every_argparse_bench_is_covered():
+  assert len(BENCH) >= 20  # the glob found the bench programs, not an empty folder
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_help_prints_the_flags(name, helps):
+  _, source, extra = PROGRAMS[name]
+  result = helps[name]
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("usage:"), result.stdout[:500]
+  expected = set(extra) | (defined_flags(ROOT / source) if source else set())
+  assert expected, f"{name}: no flags to look for"
+  missing = sorted(f for f in expected if f not in result.stdout)
+  assert not missing, f"{name}: --help does not show {missing}"
