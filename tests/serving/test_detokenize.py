@@ -80,7 +80,9 @@ def test_engine_streams_whole_characters(tiny_model):
 
   engine = Engine(
     tiny_model,
-    EngineConfig(n_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64),
+    EngineConfig(
+      runner="ragged", n_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64
+    ),
     detokenize=decode,
   )
   rng = np.random.default_rng(0)

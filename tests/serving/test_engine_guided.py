@@ -55,7 +55,7 @@ def _engine(model, tok, draft=None, **kw):
   cfg = dict(
     n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=64, min_batch_bucket=8
   )
-  config = EngineConfig(**(cfg | kw))
+  config = EngineConfig(runner="ragged", **(cfg | kw))
   return Engine(model, config, draft=draft, eos_id=tok.eos_id, detokenize=tok.decode)
 
 

@@ -17,6 +17,7 @@ from .conftest import TINY
 from .test_engine import workload
 
 ROOMY = EngineConfig(
+  runner="ragged",
   n_blocks=128,
   block_size=4,
   max_num_seqs=8,

@@ -12,7 +12,12 @@ from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 from .conftest import byte_model
 
 ROOMY = EngineConfig(
-  n_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=32
+  runner="ragged",
+  n_blocks=128,
+  block_size=4,
+  max_num_seqs=8,
+  max_num_batched_tokens=64,
+  prefill_chunk=32,
 )
 
 

@@ -11,7 +11,12 @@ from atlas_jax.serving.engine import Engine, EngineConfig, RequestError
 
 POISON_SEED = 13  # a request with this seed makes the jitted step raise
 CONFIG = EngineConfig(
-  n_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=96, prefill_chunk=32
+  runner="ragged",
+  n_blocks=64,
+  block_size=4,
+  max_num_seqs=8,
+  max_num_batched_tokens=96,
+  prefill_chunk=32,
 )
 
 

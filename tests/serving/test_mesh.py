@@ -24,6 +24,7 @@ SHAPE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=8, ffn_dim=64, max_s
 # 16 blocks of 4 tokens per replica for 4 running requests of up to ~50 tokens: preemption;
 # chunks of 8 tokens: prompts take several steps; one batch bucket: each program compiles once.
 CONFIG = EngineConfig(
+  runner="ragged",
   n_blocks=16,
   block_size=4,
   max_num_seqs=4,

@@ -15,7 +15,13 @@ from atlas_jax.serving.engine import Engine, EngineConfig
 SHAPE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 # 64-token contexts of 4 blocks each; 14 blocks seat 3 pre-allocated requests (2 blocks spare).
 CONFIG = EngineConfig(
-  n_blocks=14, block_size=16, max_model_len=64, max_num_seqs=8, prefill_chunk=16, decode_burst=4
+  runner="ragged",
+  n_blocks=14,
+  block_size=16,
+  max_model_len=64,
+  max_num_seqs=8,
+  prefill_chunk=16,
+  decode_burst=4,
 )
 
 

@@ -23,7 +23,12 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 def server():
   model, tok = byte_model(2)
   config = EngineConfig(
-    n_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk=32
+    runner="ragged",
+    n_blocks=96,
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    prefill_chunk=32,
   )
   limits = ServerLimits(max_prompt_tokens=96, max_tokens=16, max_n=2, max_body_bytes=2048)
   with serving(model, tok, config, "critical", model_name="m", limits=limits) as (url, _, runner):

@@ -62,7 +62,9 @@ def test_deepseek_v2_lite_shaped_folder_over_http_matches_transformers_and_gener
     want.append(out[0, len(p) :].tolist())
   assert generate(model, prompts, SamplingParams(max_new_tokens=8)) == want
   text = HFTokenizer(tok)
-  config = EngineConfig(n_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+  config = EngineConfig(
+    runner="ragged", n_blocks=32, block_size=8, max_num_seqs=4, max_num_batched_tokens=64
+  )
   with serving(model, text, config, model_name="m") as (url, _, _):
     for p, w in zip(prompts, want):
       body = {
@@ -139,7 +141,9 @@ def test_guided_decoding_on_an_moe_model():
   grammar = GrammarCompiler(tok, vocab_size=cfg.vocab_size).compile(
     spec_from_request(guided_choice=choices)
   )
-  config = EngineConfig(n_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+  config = EngineConfig(
+    runner="ragged", n_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64
+  )
   engine = Engine(model, config, eos_id=tok.eos_id, detokenize=tok.decode)
   for seed in range(4):
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed, guided=grammar)

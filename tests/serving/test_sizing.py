@@ -14,7 +14,7 @@ from atlas_jax.serving import sizing
 from atlas_jax.serving.engine import Engine, EngineConfig
 
 SHAPE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=8, ffn_dim=64, max_seq_len=128)
-CONFIG = EngineConfig(block_size=4, prefill_chunk=16, max_num_batched_tokens=32)
+CONFIG = EngineConfig(runner="ragged", block_size=4, prefill_chunk=16, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,9 @@ def test_sizing_without_device_memory_and_its_errors(model, caplog):
     engine = Engine(model, CONFIG)  # CPU devices report no memory: 8 full contexts
   assert engine.config.n_blocks == sizing.FULL_CONTEXTS_WITHOUT_MEMORY * 128 // 4
   assert engine.config.max_num_seqs == 8 and engine.config.max_num_batched_tokens == 32
-  assert Engine(model, EngineConfig(block_size=4)).config.max_num_batched_tokens == 512
+  assert (
+    Engine(model, EngineConfig(runner="ragged", block_size=4)).config.max_num_batched_tokens == 512
+  )
   text = " ".join(r.getMessage() for r in caplog.records)
   assert "pool: 256 blocks of 4 tokens per replica (1024 tokens" in text
   assert "per device: weights" in text and "largest batch 8 sequences" in text
