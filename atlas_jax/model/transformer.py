@@ -297,7 +297,11 @@ class Transformer(nnx.Module):
       # gather into a copy of the whole layer's pool, then a gather from it.
       index = lambda i: jax.lax.optimization_barrier(jnp.int32(first + i))
       return run_unstacked(step, carry, state, [index(i) for i in range(n)])
-    return jax.lax.scan(step, carry, (state, first + jnp.arange(n, dtype=jnp.int32)))
+    if n == 1:  # one layer: no loop around it
+      carry, ys = step(carry, (jax.tree.map(lambda a: a[0], state), jnp.int32(first)))
+      return carry, jax.tree.map(lambda y: y[None], ys)
+    unroll = self.remat[2]  # `unroll_layers`: XLA's cost analysis then counts every layer
+    return jax.lax.scan(step, carry, (state, first + jnp.arange(n, dtype=jnp.int32)), unroll=unroll)
 
   def __call__(
     self,

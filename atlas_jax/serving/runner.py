@@ -272,7 +272,8 @@ class ModelRunner:
     its compiled program (nothing runs or is kept)."""
     budget = config.max_num_batched_tokens or sizing.DEFAULT_BATCHED_TOKENS
     T = self.token_bucket(budget)
-    b = T if config.max_num_seqs is None else self.step_slots(T, config)
+    seqs = config.max_num_seqs or sizing.MAX_DEFAULT_SEQS  # not sized yet: the most it can be
+    b = min(T, self.bucket(seqs))
     return self.step_bytes(Shape("step", b, T, self.max_blocks))
 
   def step_bytes(self, shape: Shape) -> int:

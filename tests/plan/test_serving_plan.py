@@ -36,7 +36,9 @@ MODELS = {
 def test_serving_bytes_per_device_are_the_engines(kind, mesh):
   cfg = MODELS[kind]
   dp, tp = mesh
-  config = EngineConfig(n_blocks=8, block_size=4, data_parallel_size=dp, tensor_parallel_size=tp)
+  config = EngineConfig(
+    runner="ragged", n_blocks=8, block_size=4, data_parallel_size=dp, tensor_parallel_size=tp
+  )
   engine = Engine(build(cfg, rngs=nnx.Rngs(0)), config)
   runner = engine.runner
   assert memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=4) == runner.weight_bytes
@@ -93,21 +95,26 @@ def test_the_collective_bytes_are_the_compiled_decode_steps(kind, mesh):
   cfg = MODELS[kind]
   dp, tp = mesh
   config = EngineConfig(
-    n_blocks=16, block_size=4, data_parallel_size=dp, tensor_parallel_size=tp, min_batch_bucket=4
+    runner="ragged",
+    n_blocks=16,
+    block_size=4,
+    data_parallel_size=dp,
+    tensor_parallel_size=tp,
+    min_batch_bucket=4,
   )
-  engine = Engine(build(cfg, rngs=nnx.Rngs(0)), config)
+  # Layers unrolled (`unroll_layers`): every layer's collectives in the program's text, once.
+  engine = Engine(build(cfg, rngs=nnx.Rngs(0), unroll_layers=True), config)
   runner = engine.runner
   engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
   engine.step()  # the prompt: the request now decodes
-  x, _ = runner.inputs([engine.scheduler.row(engine.running[0], 1)], 1, penalties=False)
-  rows = x.tokens_BT.shape[0] // dp  # one replica's rows, as each device computes them
+  x, _ = runner.decode_record([engine.scheduler.row(engine.running[0], 1)], penalties=False)
+  rows = x.tokens_RT.shape[0] // dp  # one replica's rows, as each device computes them
   hlo = (
     runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
     .compile()
     .as_text()
   )
   BD = rows * cfg.d_model
-  # A served model runs its layers one by one (`Unstacked`): no collective inside a loop.
   if cfg.moe is None:  # two row-parallel outputs per layer, and the embedding
     reduced = [m for m in collectives(hlo, "all-reduce") if m[0] == BD]
     assert sorted(reduced) == (1 + 2 * cfg.n_layers) * [(BD, False)]

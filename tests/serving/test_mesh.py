@@ -117,10 +117,9 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
   if model.cfg.moe is not None:  # each device holds 1/tp of every expert
     mlp = engine.runner.states[0]["blocks"]["mlp"]
     for name in ("w_gate", "w_up", "w_down"):
-      layers = mlp[name][...]  # held one array per layer (`unstack_layers`): [E, D, F] each
-      assert len(layers) == sum(model.cfg.sparse_layers()), name
-      for w in layers.arrays:
-        assert w.addressable_shards[0].data.size == w.size // tp, name
+      w = mlp[name][...]  # the layer stack, as the model holds it: [L, E, D, F]
+      assert w.shape[0] == sum(model.cfg.sparse_layers()), name
+      assert w.addressable_shards[0].data.size == w.size // tp, name
   s = engine.kv_stats()
   assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == 16 * dp
   if dp <= 2:  # 8 replicas hold the 6 requests without preempting or sharing a prefix
@@ -164,8 +163,8 @@ def test_the_pool_lies_per_shard(kind):
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_the_decode_step_gathers_no_pool(kind):
-  """The compiled tensor-parallel decode step all-reduces activations and never all-gathers a
-  pool (or any array of a pool shard's size)."""
+  """The compiled tensor-parallel step (ragged, a decode token) all-reduces activations and
+  never all-gathers a pool (or any array of a pool shard's size)."""
   model = model_of(kind)
   tp = 4
   config = dataclasses.replace(CONFIG, n_blocks=128, tensor_parallel_size=tp)
@@ -174,7 +173,7 @@ def test_the_decode_step_gathers_no_pool(kind):
   engine.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
   engine.step()  # the prompt: now the request decodes
   rows = [engine.scheduler.row(engine.running[0], 1)]
-  x, _ = runner.inputs(rows, 1, penalties=False)
+  x, _ = runner.step_record(rows)
   hlo = (
     runner.programs.forward_sample.lower(runner.states, runner.pools, runner.on_devices(x))
     .compile()
