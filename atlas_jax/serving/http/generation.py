@@ -118,7 +118,9 @@ def max_tokens_of(state: ServerState, body: RequestFields, n_prompt: int, where:
     )
   max_tokens = body.max_completion_tokens or body.max_tokens
   if max_tokens is None:
-    return max(1, min(state.defaults.max_new_tokens, state.max_tokens_limit, state.context - n_prompt))
+    return max(
+      1, min(state.defaults.max_new_tokens, state.max_tokens_limit, state.context - n_prompt)
+    )
   if max_tokens > state.max_tokens_limit:
     raise APIError(
       400, f"max_tokens={max_tokens} exceeds the limit {state.max_tokens_limit}", "max_tokens"
@@ -175,7 +177,7 @@ def error_of(out: RequestOutput) -> str | None:
 class Generation:
   """A request's choices (n per prompt, in order) as they are served."""
 
-  format: ChoiceFormat
+  fmt: ChoiceFormat
   subs: list[tuple[str, asyncio.Queue]]  # (engine request id, its outputs) per choice
   choices: list[Choice]
   id: str  # the response's
@@ -186,7 +188,7 @@ class Generation:
   n_prompt_tokens: int
 
   def envelope(self, choices: list[dict], **extra) -> Response:
-    kind = self.format.chunk_object if self.stream else self.format.object
+    kind = self.fmt.chunk_object if self.stream else self.fmt.object
     head = {"id": self.id, "object": kind, "created": int(time.time()), "model": self.model}
     return {**head, "choices": choices, **extra}
 
@@ -204,7 +206,7 @@ class Generation:
     first, choice.started = not choice.started, True
     text, lp = out.text, None
     if self.logprobs is not None:
-      lp = self.format.logprobs(choice, out, with_prompt=first and self.echo)
+      lp = self.fmt.logprobs(choice, out, with_prompt=first and self.echo)
     if first and self.echo:
       text = choice.prompt_text + text
     choice.text += text
@@ -216,7 +218,7 @@ async def respond(
   state: ServerState,
   body: RequestFields,
   prompts: list[Prompt],
-  format: ChoiceFormat,
+  fmt: ChoiceFormat,
   *,
   logprobs: int | None,
   echo: bool = False,
@@ -230,13 +232,13 @@ async def respond(
     logprobs=logprobs,
     prompt_logprobs=logprobs if echo else None,
     grammar=grammar,
-    where=format.prompt_field,
+    where=fmt.prompt_field,
   )
   gen = Generation(
-    format=format,
+    fmt=fmt,
     subs=subs,
     choices=[Choice(ids, text) for ids, text in prompts for _ in range(body.n)],
-    id=format.id_prefix + subs[0][0],  # the first choice's, as logged
+    id=fmt.id_prefix + subs[0][0],  # the first choice's, as logged
     model=body.model or state.names[0],
     stream=body.stream,
     logprobs=logprobs,
@@ -258,7 +260,7 @@ async def stream_events(
   string) sends no event of its own unless logprobs are asked for. A request the engine fails
   sends an error event, and the stream goes on with the other choices.
   """
-  for choice in gen.format.stream_start(len(gen.choices)):
+  for choice in gen.fmt.stream_start(len(gen.choices)):
     yield sse(gen.envelope([choice]))
   async for i, whole in merged(state.runner, gen.subs):
     if error_of(whole):
@@ -269,7 +271,7 @@ async def stream_events(
       if not text and not out.finished and not (lp and out.new_token_ids):
         continue  # a token whose text is held back (half a character, a possible stop)
       reason = out.finish_reason if out.finished else None
-      yield sse(gen.envelope([gen.format.chunk_choice(i, text, lp, reason)]))
+      yield sse(gen.envelope([gen.fmt.chunk_choice(i, text, lp, reason)]))
   if include_usage:
     yield sse(gen.envelope([], usage=gen.usage()))
   yield DONE
@@ -286,9 +288,7 @@ async def whole_response(state: ServerState, gen: Generation) -> JSONResponse:
     if out.finished:
       gen.choices[i].finish_reason = out.finish_reason
   choices = [
-    gen.format.final_choice(
-      i, c, None if gen.logprobs is None else merge_logprobs(c.logprobs)
-    )
+    gen.fmt.final_choice(i, c, None if gen.logprobs is None else merge_logprobs(c.logprobs))
     for i, c in enumerate(gen.choices)
   ]
   return JSONResponse(gen.envelope(choices, usage=gen.usage()))
