@@ -509,7 +509,7 @@ class ModelRunner:
       index[slot] = [prev[id(r.req)] for r in rows]
       # On the device: the host has not seen these yet.
       tokens_RT, counts, prompt_mask = _carried(
-        chained.tok_IB, chained.counts_BV, chained.prompt_mask_BV, index, chained.n_steps
+        chained.tok_IB, chained.counts_BV, chained.prompt_mask_BV, index, np.int32(chained.n_steps)
       )
       x = dataclasses.replace(x, tokens_RT=tokens_RT, counts_BV=counts, prompt_mask_BV=prompt_mask)
     self.pools, *outs = self.programs.decode_burst(
