@@ -45,6 +45,7 @@ from atlas_jax.config import (
   apply_overrides,
   build,
   load_config,
+  migrate_serve,
 )
 from atlas_jax.data.corpus import iter_json_objects
 from atlas_jax.decoding.sampling import SamplingParams
@@ -116,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     "flags below are aliases of these fields",
   )
   for path, (names, kind, what) in CONFIG_FLAGS.items():
-    default = getattr(getattr(d, path.split(".")[0]), path.split(".")[1])
+    default = config_default(d, path)
     text = f"{what} (serve.{path}; default: {default if default is not None else 'sized'})"
     # argparse %-formats help (for `%(default)s`), so the table's plain text doubles its "%".
     p.add_argument(*names, dest=flag_dest(path), type=kind, help=text.replace("%", "%%"))
@@ -393,26 +394,35 @@ CONFIG_FLAGS = {
     "fresh prompts); all (also prefills over a context already in the pool: chunks past "
     "--prefill-chunk, prompts after a cached prefix)",
   ),
-  "engine.weight_layout": (
+  "engine.runner": (
+    ("--runner",),
+    str,
+    "the model runner: ragged (one ragged step per engine iteration over the ragged "
+    "paged-attention kernels: the accelerator path, on any backend); cpu (its specialisation "
+    "for XLA's CPU backend: weight layouts, segmented prompts, compiler options); auto (cpu on a "
+    "CPU backend, ragged elsewhere)",
+  ),
+  "engine.cpu.weight_layout": (
     ("--weight-layout",),
     str,
-    "how one device holds the weights: stacked (as trained, the layer scan slicing each "
-    "layer); one array per layer, in_major ([in, out], as trained) or out_major ([out, in], "
-    "as nn.Linear); auto (on a CPU, out_major where its GEMMs ran 5% faster, timed at "
-    "start-up, else stacked for layers of up to 8 MiB; in_major elsewhere)",
+    "the CPU runner: how one device holds the weights: stacked (as trained, the layer scan "
+    "slicing each layer); one array per layer, in_major ([in, out], as trained) or out_major "
+    "([out, in], as nn.Linear); auto (out_major where its GEMMs ran 5% faster, timed once per "
+    "machine, else stacked for layers of up to 8 MiB, in_major above)",
   ),
-  "engine.cpu_matmul": (
+  "engine.cpu.matmul": (
     ("--cpu-matmul",),
     str,
-    "whose dots a CPU's step programs use: ynnpack (XLA's default); xla (XLA's own); auto (on "
-    "one CPU device, XLA's own for the decode batch sizes where they ran faster at start-up)",
+    "the CPU runner: whose dots the step programs use: ynnpack (XLA's default); xla (XLA's "
+    "own); auto (XLA's own for the decode batch sizes where they ran faster, timed once per "
+    "machine)",
   ),
-  "engine.cpu_reductions": (
+  "engine.cpu.reductions": (
     ("--cpu-reductions",),
     str,
-    "whose reductions a CPU's decode steps of up to 4 rows use on one device: xla (XLA's "
-    "loops); ynnpack (YNNPACK's, 32 keys an attention iteration); auto (YNNPACK's at the batch "
-    "sizes where the decode attention ran 1.1x faster so at start-up)",
+    "the CPU runner: whose reductions decode steps of up to 4 rows use on one device: xla "
+    "(XLA's loops); ynnpack (YNNPACK's, 32 keys an attention iteration); auto (YNNPACK's at the "
+    "batch sizes where the decode attention ran 1.1x faster so, timed once per machine)",
   ),
   "limits.max_prompt_tokens": (("--max-prompt-tokens",), int, "longest prompt allowed"),
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
@@ -422,7 +432,15 @@ CONFIG_FLAGS = {
 
 
 def flag_dest(path: str) -> str:
-  return "max_tokens_limit" if path == "limits.max_tokens" else path.split(".")[1]
+  """The argparse name of a config flag: its field, prefixed by a subsection (cpu_matmul)."""
+  return "max_tokens_limit" if path == "limits.max_tokens" else "_".join(path.split(".")[1:])
+
+
+def config_default(config, path: str):
+  """The default of a dotted field of a ServeConfig."""
+  for name in path.split("."):
+    config = getattr(config, name)
+  return config
 
 
 def typed_flags(argv) -> dict[str, str]:
@@ -477,10 +495,15 @@ def serve_config(args) -> ServeConfig:
   for path in CONFIG_FLAGS:
     value = getattr(args, flag_dest(path))
     if value is not None:
-      section, field = path.split(".")
-      data.setdefault(section, {})[field] = value
+      *sections, field = path.split(".")
+      node = data
+      for section in sections:
+        node = node.setdefault(section, {})
+      node[field] = value
   data["sampling"] = {name: getattr(args, name) for name in SAMPLING_FLAGS}
-  return build(ServeConfig, data, prefix="serve")
+  holder = {"serve": data}
+  migrate_serve(holder)  # the CPU runner's fields under their old engine names
+  return build(ServeConfig, holder["serve"], prefix="serve")
 
 
 def fill_defaults(args) -> None:
@@ -650,15 +673,20 @@ def build_server(args, engine: Engine, tokenizer, chat_template):
 
 
 def warmup(engine: Engine) -> None:
-  """Compiles the step shapes of the engine's warm-up level, one progress line each."""
+  """Compiles the first step shapes of the engine's warm-up level (one of each kind: what the
+  first requests run) before returning, the rest on a background thread; a progress line each."""
   shapes, deferred = engine.warmup_shapes()
   start = time.perf_counter()
-  engine.warmup(lambda i, n, shape: log.info("compiled step shape %d/%d: %s", i, n, shape))
+  first = len({shape.kind for shape in shapes})  # `warmup_shapes` lists one of each first
+  progress = lambda i, n, shape: log.info("compiled step shape %d/%d: %s", i, n, shape)
+  thread = engine.warmup(progress, first=first)
   log.info(
-    "warmup=%s: compiled %d step shapes in %.1f s; compiled on first use: %s",
+    "warmup=%s: compiled %d of %d step shapes in %.1f s%s; compiled on first use: %s",
     engine.config.warmup,
+    first,
     len(shapes),
     time.perf_counter() - start,
+    ", the rest compiling in the background" if thread is not None else "",
     "; ".join(deferred),
   )
 

@@ -596,7 +596,9 @@ class CPUConfig:
       ("reductions", CPU_REDUCTIONS),
     ):
       if getattr(self, name) not in allowed:
-        _fail(f"serve.engine.cpu.{name}", getattr(self, name), f"must be one of {', '.join(allowed)}")
+        _fail(
+          f"serve.engine.cpu.{name}", getattr(self, name), f"must be one of {', '.join(allowed)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -787,7 +789,7 @@ LEGACY_ENGINE_FIELDS = {"weight_layout": "weight_layout", "cpu_matmul": "matmul"
 LEGACY_ENGINE_FIELDS["cpu_reductions"] = "reductions"
 
 
-def _migrate_serve(data: dict[str, Any]) -> None:
+def migrate_serve(data: dict[str, Any]) -> None:
   """Moves a flat `serve:` section's fields into their sections, and the CPU runner's old
   engine fields into `serve.engine.cpu`, in place."""
   serve = data.get("serve")
@@ -1090,7 +1092,7 @@ def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     data = loaded
   apply_overrides(data, overrides)
-  _migrate_serve(data)
+  migrate_serve(data)
   return data
 
 

@@ -627,7 +627,9 @@ class PagedCache:
     """Where the call's tokens are per sequence (`Queries`)."""
     added_B = self._added(positions_BT)
     if self.query_start is None:
-      return Queries(jnp.zeros_like(added_B), added_B, self.lengths + added_B, positions_BT.shape[1])
+      return Queries(
+        jnp.zeros_like(added_B), added_B, self.lengths + added_B, positions_BT.shape[1]
+      )
     return Queries(self.query_start, added_B, self.lengths + added_B, self.max_query_len)
 
   def layer(self, storage, layer, positions_BT):

@@ -113,10 +113,10 @@ from atlas_jax.decoding.sampling import SamplingParams, eos_ids
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving import faults, sizing
 from atlas_jax.serving import mesh as placement
+from atlas_jax.serving.batch import Row, pow2
 from atlas_jax.serving.faults import PoolLost
 from atlas_jax.serving.outputs import OutputProcessor, finished
 from atlas_jax.serving.requests import Intake, Request, RequestError, RequestId, RequestOutput
-from atlas_jax.serving.batch import Row, pow2
 from atlas_jax.serving.runner import Drawn, ModelRunner
 from atlas_jax.serving.scheduler import BurstPlan, MixedPlan, RoundPlan, Scheduler, burst_capacity
 

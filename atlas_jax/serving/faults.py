@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from atlas_jax.serving.requests import Request, RequestId, RequestOutput
 from atlas_jax.serving.batch import Row
+from atlas_jax.serving.requests import Request, RequestId, RequestOutput
 from atlas_jax.serving.runner import ModelRunner
 from atlas_jax.serving.scheduler import Scheduler
 

@@ -13,7 +13,7 @@ Compiled shapes are bounded: a step's tokens per replica round up to a power of 
 `MIN_STEP_TOKENS`), its sequence slots are min(its tokens, the largest batch), and block tables
 come in a few widths (`WIDTH_GROWTH` apart); bursts and rounds take a power-of-two batch. So the
 programs a server compiles are known at start-up (`shapes`), and `warmup` compiles them: the
-first few before the server answers, the rest on a background thread.
+first of each kind before the server answers, the rest on a background thread.
 
 The weights are held as the model holds them: each layer stack one array, run by the model's
 layer scan, so a program's size and its compile time do not grow with depth. On a mesh
@@ -59,8 +59,6 @@ WIDTH_GROWTH = 4
 # The decode batch of an accelerator step: a decode step reads every weight once whatever its
 # rows, so rows up to this many cost about the same and need no buckets of their own.
 MIN_DECODE_BATCH = 8
-# Shapes compiled before the server answers; the rest compile on a background thread.
-FIRST_SHAPES = 2
 
 
 @jax.jit
@@ -351,7 +349,7 @@ class ModelRunner:
     if self.draft is not None:
       k, most = config.num_speculative_tokens, pow2(config.speculative_max_batch)
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
-    return out, always
+    return first_of_each_kind(out), always
 
   def _met(self, kind: str, x: StepRecord, T: int | None = None) -> None:
     B, M = x.block_table_BM.shape
@@ -639,6 +637,14 @@ class ModelRunner:
       self._background.join(timeout)
       return not self._background.is_alive()
     return True
+
+
+def first_of_each_kind(shapes: list[Shape]) -> list[Shape]:
+  """The shapes with the first of each kind first (a short prompt's step, a small batch's burst:
+  what the first requests run), the rest in their order after."""
+  firsts = list({s.kind: s for s in reversed(shapes)}.values())[::-1]
+  firsts.sort(key=shapes.index)
+  return firsts + [s for s in shapes if s not in firsts]
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:

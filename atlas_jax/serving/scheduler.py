@@ -39,8 +39,8 @@ from collections.abc import Sequence
 
 from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator, OutOfBlocksError
 from atlas_jax.config import EngineConfig
-from atlas_jax.serving.requests import Request, RequestId
 from atlas_jax.serving.batch import Row
+from atlas_jax.serving.requests import Request, RequestId
 
 
 @dataclasses.dataclass

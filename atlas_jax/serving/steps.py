@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding
 
 from atlas_jax.cache.paged import PagedCache, PoolLayout, copy_pages
 from atlas_jax.decoding.drafters import DraftCache, Drafter, Window
-from atlas_jax.decoding.sampling import MAX_LOGPROBS, SamplingArrays, sample_rows, step_keys
+from atlas_jax.decoding.sampling import MAX_LOGPROBS, sample_rows, step_keys
 from atlas_jax.decoding.speculative import round_keys, top_logprobs, verify_drafts
 from atlas_jax.serving.batch import StepRecord
 
@@ -161,7 +161,12 @@ def forward_sample(b: _Bound, states, pools, x: StepRecord):
   # The drafter's heads read no logits while following: any index of each row will do.
   at_R = x.last_B if x.rows_form else jnp.zeros((R,), jnp.int32)
   window = Window(
-    x.tokens_RT, x.positions_RT, start_B, _next_tokens(x, out[0]), at_R, hidden[0] if hidden else None
+    x.tokens_RT,
+    x.positions_RT,
+    start_B,
+    _next_tokens(x, out[0]),
+    at_R,
+    hidden[0] if hidden else None,
   )
   d_pool = b.follow(d_params, model, d_pool, x, window)
   return ((cache.pool, d_pool), *out)

@@ -182,6 +182,7 @@ def test_auto_plan_is_probed_once_and_remembered(tiny_model, monkeypatch, tmp_pa
   monkeypatch.setattr(probes, "_memory", {})  # a new process: the file's timings, no probe
   assert Engine(tiny_model, config).runner.xla_dots_rows == 8 and timed == [1, 2, 4, 8]
 
+
 def test_auto_keeps_small_layers_stacked(tiny_model, monkeypatch):
   """`weight_layout="auto"` on one CPU device with in-major projections: layers of at most
   `runner.STACKED_LAYER_BYTES` stay stacked (the layer scan slices them), larger ones are held
@@ -417,21 +418,23 @@ def test_warmup_levels_list_every_shape():
   # On CPU prompts run as 16-token segments over the widest table: two rows of a 32-token chunk
   # are 4 segments at most, and every prefill, past a cached prefix too, is one of 3 shapes.
   assert engine.runner.segment == 16
-  assert shapes[:3] == [Shape("prefill", B, 16, 34) for B in (1, 2, 4)]
-  assert shapes[3:7] == [Shape("decode", B, 1, M) for M in widths for B in (1, 2)]
+  prefills = [Shape("prefill", B, 16, 34) for B in (1, 2, 4)]
+  decodes = [Shape("decode", B, 1, M) for M in widths for B in (1, 2)]
   # One burst program per shape, 8 iterations at most (online bursts run 4 of them)
-  assert shapes[7:] == [Shape("burst", B, 8, M) for M in widths for B in (1, 2)]
+  bursts = [Shape("burst", B, 8, M) for M in widths for B in (1, 2)]
+  # The first of each kind first (what the first requests run), then the rest in order.
+  firsts = [prefills[0], decodes[0], bursts[0]]
+  assert shapes == firsts + prefills[1:] + decodes[1:] + bursts[1:]
   assert engine.warmup_shapes("all") == (shapes, deferred)
   assert not any(d.startswith("prefills over a context") for d in deferred)
   engine.runner.segment = None  # prompt rows padded to their chunk, as where attention is dense
   shapes, deferred = engine.warmup_shapes()
-  assert shapes[:4] == [Shape("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
-  assert shapes[4:8] == [Shape("decode", B, 1, M) for M in widths for B in (1, 2)]
-  assert shapes[8:] == [Shape("burst", B, 8, M) for M in widths for B in (1, 2)]
+  prefills = [Shape("prefill", B, T, 16) for B in (1, 2) for T in (16, 32)]
+  assert shapes == [prefills[0], decodes[0], bursts[0], *prefills[1:], *decodes[1:], *bursts[1:]]
   assert deferred[0].startswith("prefills over a context already in the pool")
   every, _ = engine.warmup_shapes("all")
   prefills = [Shape("prefill", B, T, M) for B in (1, 2) for T in (16, 32) for M in widths]
-  assert every == prefills + shapes[4:]
+  assert every == [prefills[0], decodes[0], bursts[0], *prefills[1:], *decodes[1:], *bursts[1:]]
   assert engine.warmup_shapes("none") == ([], ["every step shape", *deferred[1:]])
   allowed = "must be one of none, default, all"
   with pytest.raises(ValueError, match=f"serve.engine.warmup='some' is not allowed: {allowed}"):

@@ -8,7 +8,6 @@ import logging
 import os
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -18,7 +17,7 @@ from atlas_jax.serving.batch import Row, pow2
 from atlas_jax.serving.cpu import compile as cpu_compile
 from atlas_jax.serving.cpu import probes
 from atlas_jax.serving.cpu.weights import layer_bytes, out_major_candidates, unstack_layers
-from atlas_jax.serving.runner import ModelRunner, Shape
+from atlas_jax.serving.runner import ModelRunner, Shape, first_of_each_kind
 
 log = logging.getLogger("atlas_jax.serving")
 
@@ -268,7 +267,7 @@ class CPUModelRunner(ModelRunner):
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
     if level == "default" and self.segment is None:
       always.insert(0, "prefills over a context already in the pool (warmup=all compiles them)")
-    return out, always
+    return first_of_each_kind(out), always
 
   def _warmup_call(self, shape: Shape) -> tuple:
     if shape.kind in ("prefill", "decode"):
