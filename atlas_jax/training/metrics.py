@@ -5,6 +5,15 @@ the weight matmuls (forward 2N, backward 4N; N excludes the embedding lookup but
 head) plus attention: 6 * 2 * L * T * N_heads * H for the QK^T and PV matmuls over a T-token
 context, halved when causal since half the score matrix is masked. The formula and the device
 table are the planner's (`atlas_jax.plan.compute`, `atlas_jax.devices`).
+
+What a run logs, to the terminal, `metrics.jsonl` and TensorBoard files (`tensorboard/`) in its
+directory (`train.py`'s `step_record` builds each line): `loss` and `eval_loss`, always the
+next-token cross-entropy; `loss_total` where the objective adds to it (MTP heads, z-loss, router
+losses), with each MTP head's `loss_mtp_J`; `grad_norm`, `learning_rate`, `tokens_per_s`,
+`peak_memory_gb` where the device reports it, and `mfu` only where the device's peak is known or
+given (`train.peak_tflops`; never on a CPU). A mixture of experts adds its router losses and its
+experts' load: `moe_load_max` (the busiest expert's tokens over the mean),
+`moe_tokens_per_expert` and `moe_dropped` (the share of assignments a capacity factor dropped).
 """
 
 from __future__ import annotations
