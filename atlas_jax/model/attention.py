@@ -20,7 +20,16 @@ from atlas_jax.cache.contiguous import KVCache
 from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, dense, normal, output_projection, param, rms_norm
+from atlas_jax.model.layers import (
+  PLAIN,
+  Ops,
+  RMSNorm,
+  dense,
+  normal,
+  output_projection,
+  param,
+  rms_norm,
+)
 from atlas_jax.model.lora import Adapters, adapter, plus
 from atlas_jax.model.rope import apply_rope, inverse_frequencies
 
@@ -35,8 +44,10 @@ class Attention(nnx.Module):
     rngs: nnx.Rngs,
     implementation: str | None = None,
     adapters: Adapters | None = None,
+    ops: Ops = PLAIN,
   ):
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.ops = ops  # static
     pdt = jnp.dtype(cfg.param_dtype)
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.wq = param(
@@ -106,15 +117,15 @@ class Attention(nnx.Module):
     dtype = x_BTD.dtype
     # Named so remat policies can keep matmul outputs and recompute the cheap elementwise rest.
     q_BTNH = checkpoint_name(
-      plus(dense(x_BTD, self.wq[...].astype(dtype)), self.wq_lora, x_BTD),
+      plus(dense(x_BTD, self.wq[...].astype(dtype), 1, self.ops), self.wq_lora, x_BTD),
       "q_proj",
     )
     k_BTKH = checkpoint_name(
-      plus(dense(x_BTD, self.wk[...].astype(dtype)), self.wk_lora, x_BTD),
+      plus(dense(x_BTD, self.wk[...].astype(dtype), 1, self.ops), self.wk_lora, x_BTD),
       "k_proj",
     )
     v_BTKH = checkpoint_name(
-      plus(dense(x_BTD, self.wv[...].astype(dtype)), self.wv_lora, x_BTD),
+      plus(dense(x_BTD, self.wv[...].astype(dtype), 1, self.ops), self.wv_lora, x_BTD),
       "v_proj",
     )
     if self.bq is not None:
@@ -128,8 +139,9 @@ class Attention(nnx.Module):
       q_BTNH = rms_norm(q_BTNH, self.q_norm.scale[...], self.q_norm.eps)
       k_BTKH = rms_norm(k_BTKH, self.k_norm.scale[...], self.k_norm.eps)
     inv_freq = inverse_frequencies(*self.rope)
-    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
-    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+    by_product = self.ops.rope_tables_by_product
+    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, by_product=by_product)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, by_product=by_product)
 
     if cache is None:
       # The causal mask follows the index in the row; packed documents restart their RoPE
@@ -160,7 +172,9 @@ class Attention(nnx.Module):
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
       plus(
-        output_projection(out_BTNH, self.wo[...].astype(dtype), serving=cache is not None),
+        output_projection(
+          out_BTNH, self.wo[...].astype(dtype), serving=cache is not None, ops=self.ops
+        ),
         self.wo_lora,
         out_BTNH,
       ),

@@ -11,7 +11,7 @@ from flax import nnx
 
 from atlas_jax.config import ModelConfig
 from atlas_jax.model.attention import Attention
-from atlas_jax.model.layers import MLP, RMSNorm
+from atlas_jax.model.layers import MLP, PLAIN, Ops, RMSNorm
 from atlas_jax.model.lora import Adapters
 from atlas_jax.model.mla import MLA
 from atlas_jax.model.moe import MoE, RouterStats
@@ -34,11 +34,12 @@ class Block(nnx.Module):
     implementation: str | None = None,
     sparse: bool = False,
     adapters: Adapters | None = None,
+    ops: Ops = PLAIN,
   ):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.attn = attention_class(cfg)(
-      cfg, rngs=rngs, implementation=implementation, adapters=adapters
+      cfg, rngs=rngs, implementation=implementation, adapters=adapters, ops=ops
     )
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     if sparse:  # LoRA adapts no expert: `atlas_jax.model.lora.resolve` refuses MLP targets
@@ -52,6 +53,7 @@ class Block(nnx.Module):
         rngs=rngs,
         param_dtype=pdt,
         adapters=adapters,
+        ops=ops,
       )
 
   def __call__(

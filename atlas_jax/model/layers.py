@@ -20,6 +20,7 @@ layout is declared where it is created and never inferred from its name. The nam
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -58,17 +59,34 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale[...], self.eps)
 
 
-# A weight's gradient is x^T dy. Left to autodiff, XLA folds the transpose into the dot, which
-# then contracts x's major axis, and its CPU backend runs such a dot with its own loops, not
-# YNNPACK's GEMM: 1.08-1.38x PyTorch's time for the small preset's projections (BENCHMARKS.md,
-# thirteenth round). `dense` copies x transposed first (one pass over x, cheap beside the GEMM) and
-# multiplies in the plain layout; the barrier keeps layout assignment from folding the copy back.
-# Other backends' GEMMs read transposed operands natively and skip the copy.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dense(x: Array, w: Array, contract: int = 1) -> Array:
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """How the model spells out two computations whose plain form some compilers run badly,
+  chosen once when the model is built (`Transformer(ops=)`; `atlas_jax.platforms.model_ops`
+  picks per backend). Both compute the same numbers either way.
+
+  * `copied_weight_grads`: a weight's gradient x^T dy multiplies an explicitly transposed copy of
+    x, fenced by an optimization barrier so layout assignment cannot fold the copy back: left to
+    autodiff, the transpose folds into a dot that contracts x's major axis, which a backend may
+    run as a loop rather than its GEMM. The copy is one pass over x, small beside the GEMM.
+  * `rope_tables_by_product`: RoPE's cos and sin are written once, as the product of the tables
+    with the identity (exact: one nonzero term per output), where a fusing compiler would
+    evaluate them inside every rotation, once per head of the broadcast.
+  """
+
+  copied_weight_grads: bool = False
+  rope_tables_by_product: bool = False
+
+
+PLAIN = Ops()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dense(x: Array, w: Array, contract: int = 1, ops: Ops = PLAIN) -> Array:
   """x's last `contract` axes against w's first: [..., C] x [C, ...] -> [..., ...] as one 2-D
-  matmul, and its gradient as two (the weight's from an explicitly transposed x on a CPU)."""
-  return _dense_fwd(x, w, contract)[0]
+  matmul, and its gradient as two (the weight's from a copied x^T with
+  `ops.copied_weight_grads`)."""
+  return _dense_fwd(x, w, contract, ops)[0]
 
 
 def _flat(x: Array, w: Array, contract: int) -> tuple[Array, Array]:
@@ -76,18 +94,18 @@ def _flat(x: Array, w: Array, contract: int) -> tuple[Array, Array]:
   return x.reshape(-1, C), w.reshape(C, -1)
 
 
-def _dense_fwd(x, w, contract):
+def _dense_fwd(x, w, contract, ops):
   x_MC, w_CO = _flat(x, w, contract)
   y = (x_MC @ w_CO).reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
   return y, (x, w)
 
 
-def _dense_bwd(contract, residuals, dy):
+def _dense_bwd(contract, ops, residuals, dy):
   x, w = residuals
   x_MC, w_CO = _flat(x, w, contract)
   dy_MO = dy.reshape(x_MC.shape[0], w_CO.shape[1])
   x_CM = x_MC.T
-  if jax.default_backend() == "cpu":
+  if ops.copied_weight_grads:
     x_CM = jax.lax.optimization_barrier(x_CM)
   return (dy_MO @ w_CO.T).reshape(x.shape), (x_CM @ dy_MO).reshape(w.shape)
 
@@ -95,16 +113,15 @@ def _dense_bwd(contract, residuals, dy):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool) -> Array:
+def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool, ops: Ops = PLAIN) -> Array:
   """[B, T, N, H] x W_O [N, H, D] -> [B, T, D].
 
-  Serving (a forward over a cache) multiplies as one [N * H, D] matmul: as an einsum, XLA's CPU
-  layout assignment copied W_O transposed to the activation's layout every decode step, and a
-  served model may hold W_O out-major (`model.scan.OutMajor`), which only a 2-D product reads in
-  place. Training goes through `dense`, for its CPU weight gradient; its saved residuals are the
-  einsum's (the input and W_O), which the planner counts."""
+  Serving (a forward over a cache) multiplies as one [N * H, D] matmul, a 2-D product that reads
+  W_O as it is held (a serving runner may hold it transposed: `serving.cpu.weights.OutMajor`)
+  with no layout copy of it. Training goes through `dense`, for its weight gradient; its saved
+  residuals are the einsum's (the input and W_O), which the planner counts."""
   if not serving:
-    return dense(out_BTNH, wo_NHD, 2)
+    return dense(out_BTNH, wo_NHD, 2, ops)
   B, T, N, H = out_BTNH.shape
   return out_BTNH.reshape(B, T, N * H) @ wo_NHD.reshape(N * H, -1)
 
@@ -126,8 +143,10 @@ class MLP(nnx.Module):
     rngs,
     param_dtype=jnp.float32,
     adapters=None,
+    ops: Ops = PLAIN,
   ):
     D, F = d_model, ffn_dim
+    self.ops = ops  # static
     self.w_gate = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_up = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_down = param(normal(rngs, (F, D), out_std, param_dtype), ("mlp", "embed"))  # [F, D]
@@ -139,17 +158,18 @@ class MLP(nnx.Module):
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
     B, T, D = x_BTD.shape
-    # Flattened to 2-D matmuls: XLA's CPU backend fuses the SwiGLU product into a [B, T, F]
-    # dot_general and falls off its fast GEMM path, making the backward pass ~3x slower.
+    # Flattened to 2-D matmuls: a [B, T, F] dot_general with the SwiGLU product fused into it
+    # leaves a compiler's plain GEMM path, in the backward pass above all.
     x_MD = x_BTD.reshape(B * T, D)
+    ops = self.ops
     gate_MF = checkpoint_name(
-      plus(dense(x_MD, self.w_gate[...].astype(dtype)), self.w_gate_lora, x_MD), "mlp_gate"
+      plus(dense(x_MD, self.w_gate[...].astype(dtype), 1, ops), self.w_gate_lora, x_MD), "mlp_gate"
     )
     up_MF = checkpoint_name(
-      plus(dense(x_MD, self.w_up[...].astype(dtype)), self.w_up_lora, x_MD), "mlp_up"
+      plus(dense(x_MD, self.w_up[...].astype(dtype), 1, ops), self.w_up_lora, x_MD), "mlp_up"
     )
     h_MF = jax.nn.silu(gate_MF) * up_MF
     out_MD = checkpoint_name(
-      plus(dense(h_MF, self.w_down[...].astype(dtype)), self.w_down_lora, h_MF), "mlp_down"
+      plus(dense(h_MF, self.w_down[...].astype(dtype), 1, ops), self.w_down_lora, h_MF), "mlp_down"
     )
     return out_MD.reshape(B, T, D)

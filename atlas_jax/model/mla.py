@@ -40,7 +40,16 @@ from atlas_jax.cache.contiguous import LatentCache
 from atlas_jax.cache.paged import LatentPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
-from atlas_jax.model.layers import RMSNorm, dense, normal, output_projection, param, rms_norm
+from atlas_jax.model.layers import (
+  PLAIN,
+  Ops,
+  RMSNorm,
+  dense,
+  normal,
+  output_projection,
+  param,
+  rms_norm,
+)
 from atlas_jax.model.lora import Adapters, adapted, adapter, plus
 from atlas_jax.model.rope import (
   apply_rope,
@@ -81,7 +90,9 @@ class MLA(nnx.Module):
     implementation: str | None = None,
     absorb_max_tokens: int = 16,
     adapters: Adapters | None = None,
+    ops: Ops = PLAIN,
   ):
+    self.ops = ops  # static
     m = cfg.mla
     D, N = cfg.d_model, cfg.n_heads
     C, R, Hn, Hv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
@@ -130,7 +141,7 @@ class MLA(nnx.Module):
 
   def _rope(self, x, positions_BT):
     inv_freq, factor, _ = mla_rope(self.cfg)
-    x = apply_rope(x, positions_BT, inv_freq)
+    x = apply_rope(x, positions_BT, inv_freq, by_product=self.ops.rope_tables_by_product)
     return x if factor == 1.0 else x * jnp.asarray(factor, x.dtype)
 
   def project(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
@@ -142,18 +153,18 @@ class MLA(nnx.Module):
     dtype = x_BTD.dtype
     # Matmul outputs are named so that remat policies can keep them (atlas_jax.model.scan).
     if self.wq is not None:
-      q_BTNH = dense(x_BTD, self.wq[...].astype(dtype))
+      q_BTNH = dense(x_BTD, self.wq[...].astype(dtype), 1, self.ops)
       q_BTNH = plus(q_BTNH, self.wq_lora, x_BTD)
     else:
-      cq_BTA = dense(x_BTD, self.wq_a[...].astype(dtype))
+      cq_BTA = dense(x_BTD, self.wq_a[...].astype(dtype), 1, self.ops)
       cq_BTA = checkpoint_name(plus(cq_BTA, self.wq_a_lora, x_BTD), "q_lora_proj")
       cq_BTA = self.q_norm(cq_BTA)
-      q_BTNH = dense(cq_BTA, self.wq_b[...].astype(dtype))
+      q_BTNH = dense(cq_BTA, self.wq_b[...].astype(dtype), 1, self.ops)
       q_BTNH = plus(q_BTNH, self.wq_b_lora, cq_BTA)
     q_BTNH = checkpoint_name(q_BTNH, "q_proj")
     q_nope_BTNh, q_rope_BTNR = q_BTNH[..., :Hn], q_BTNH[..., Hn:]
     q_rope_BTNR = self._rope(q_rope_BTNR, positions_BT)
-    kv_BTY = dense(x_BTD, self.wkv_a[...].astype(dtype))
+    kv_BTY = dense(x_BTD, self.wkv_a[...].astype(dtype), 1, self.ops)
     kv_BTY = checkpoint_name(plus(kv_BTY, self.wkv_a_lora, x_BTD), "kv_lora_proj")
     c_BTC = rms_norm(kv_BTY[..., :C], self.kv_norm.scale[...], LATENT_NORM_EPS)
     k_rope_BTR = self._rope(kv_BTY[:, :, None, C:], positions_BT)[:, :, 0]
@@ -168,9 +179,9 @@ class MLA(nnx.Module):
     dtype = q_nope_BTNh.dtype
     N = q_nope_BTNh.shape[2]
     c_BSC, k_rope_BSR = latent_BSY[..., :C], latent_BSY[..., C:]
-    k_nope_BSNh = dense(c_BSC, self.wk_b[...].astype(dtype))
+    k_nope_BSNh = dense(c_BSC, self.wk_b[...].astype(dtype), 1, self.ops)
     k_nope_BSNh = checkpoint_name(plus(k_nope_BSNh, self.wk_b_lora, c_BSC), "k_proj")
-    v_BSNv = dense(c_BSC, self.wv_b[...].astype(dtype))
+    v_BSNv = dense(c_BSC, self.wv_b[...].astype(dtype), 1, self.ops)
     v_BSNv = checkpoint_name(plus(v_BSNv, self.wv_b_lora, c_BSC), "v_proj")
     k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_rope_BSR.shape[:2], N, R))
     q_BTNH = jnp.concatenate([q_nope_BTNh, q_rope_BTNR], axis=-1)
@@ -261,7 +272,7 @@ class MLA(nnx.Module):
         )
     out_BTNv = checkpoint_name(out_BTNv, "attn_out")
     out_BTD = output_projection(
-      out_BTNv, self.wo[...].astype(x_BTD.dtype), serving=cache is not None
+      out_BTNv, self.wo[...].astype(x_BTD.dtype), serving=cache is not None, ops=self.ops
     )
     out_BTD = checkpoint_name(plus(out_BTD, self.wo_lora, out_BTNv), "o_proj")
     return out_BTD, cache

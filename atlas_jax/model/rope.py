@@ -41,30 +41,34 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
   return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x_BTNH: Array, positions_BT: Array, inv_freq: np.ndarray) -> Array:
-  """Rotates each (i, i + H/2) pair of `x` by position * inv_freq[i]."""
-  cos_BTh, sin_BTh = rotation_tables(positions_BT, inv_freq)
+def apply_rope(
+  x_BTNH: Array, positions_BT: Array, inv_freq: np.ndarray, *, by_product: bool = False
+) -> Array:
+  """Rotates each (i, i + H/2) pair of `x` by position * inv_freq[i] (`by_product`: the tables
+  written once first, `rotation_tables`)."""
+  cos_BTh, sin_BTh = rotation_tables(positions_BT, inv_freq, by_product=by_product)
   cos_BT1h = cos_BTh[:, :, None, :].astype(x_BTNH.dtype)
   sin_BT1h = sin_BTh[:, :, None, :].astype(x_BTNH.dtype)
   return _rotate(x_BTNH, cos_BT1h, sin_BT1h)
 
 
-def rotation_tables(positions_BT: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
-  """(f32[B, T, H/2] cos, sin) of the angles position * inv_freq, each computed once.
+def rotation_tables(
+  positions_BT: Array, inv_freq: np.ndarray, *, by_product: bool = False
+) -> tuple[Array, Array]:
+  """(f32[B, T, H/2] cos, sin) of the angles position * inv_freq.
 
-  Angles and their cos/sin are float32: bf16 positions lose integer precision past 256.
+  Angles and their cos/sin are float32: bf16 positions lose integer precision past 256. With
+  `by_product` (`layers.Ops.rope_tables_by_product`) the tables go through a product with the
+  identity (exact: one term per output is nonzero), which a compiler runs as a GEMM of its own
+  whose result its consumers read, so they are written once: a fusing compiler would otherwise
+  evaluate cos and sin inside each rotation, once per head of its broadcast (an
+  `optimization_barrier` does not stop that fusion). The scope tells profiles
+  (`bench/step_profile.py`) that the product is RoPE's, not a model matmul.
   """
   angles_BTh = positions_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
   cos_BTh, sin_BTh = jnp.cos(angles_BTh), jnp.sin(angles_BTh)
-  if jax.default_backend() != "cpu":
+  if not by_product:
     return cos_BTh, sin_BTh
-  # XLA's CPU backend fuses cos and sin into each rotation, where the broadcast over heads makes
-  # its loop evaluate them once per head: one small-preset layer's rotations of q and k, forward
-  # and backward, took 4.0 ms, 0.7 with the tables written once (BENCHMARKS.md, fourteenth round;
-  # `bench/cpu_micro.py --only rope`). An `optimization_barrier` does not stop that fusion. A dot
-  # runs as its own GEMM, whose result its consumers read, so the tables go through a product
-  # with the identity (exact: one term per output is nonzero) and are written once. The scope
-  # tells profiles (`bench/step_profile.py`) that this product is RoPE's, not a model matmul.
   h = angles_BTh.shape[-1]
   with jax.named_scope("rope_tables"):
     both = jnp.concatenate([cos_BTh, sin_BTh], axis=-1)
@@ -80,8 +84,8 @@ def _rotate_halves(x_BTNH: Array, cos_BT1h: Array, sin_BT1h: Array) -> Array:
 
 # The gradient of a rotation is the rotation by the opposite angle. Written out, it is one pass
 # like the forward; left to autodiff, each half's slice transposes to a pad of the whole head dim
-# and the pads are summed, which XLA's CPU backend ran as a slow fusion of four full-size inputs
-# (BENCHMARKS.md, the training profile). The same products are summed, so the gradient is equal.
+# and the pads are summed: a fusion reading four full-size inputs to write one. The same products
+# are summed, so the gradient is equal.
 @jax.custom_vjp
 def _rotate(x_BTNH: Array, cos_BT1h: Array, sin_BT1h: Array) -> Array:
   return _rotate_halves(x_BTNH, cos_BT1h, sin_BT1h)

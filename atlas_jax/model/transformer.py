@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from atlas_jax import platforms
 from atlas_jax.cache.contiguous import KVCache, LatentCache
 from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import LoRAConfig, ModelConfig
 from atlas_jax.model import lora as lora_lib
 from atlas_jax.model.block import Block, attention_class
-from atlas_jax.model.layers import RMSNorm, normal, param
+from atlas_jax.model.layers import Ops, RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
 from atlas_jax.model.mtp import MTPHeads
 from atlas_jax.model.scan import (
@@ -81,6 +82,8 @@ class Transformer(nnx.Module):
       each layer's stats on each of its U micro-batches, [L, U, ...], or None), and lays out the
       token ids the embedding reads (`pipeline.gather(tokens_BT)`): pipeline stages over a mesh
       (`atlas_jax.training.pipeline.Pipeline`). None: one scan.
+    ops: how the model spells out the computations some compilers run badly (`layers.Ops`);
+      None: as `atlas_jax.platforms.model_ops` says for the default backend.
   """
 
   def __init__(
@@ -94,8 +97,10 @@ class Transformer(nnx.Module):
     unroll_layers: bool = False,
     lora: LoRAConfig | None = None,
     pipeline: Callable | None = None,
+    ops: Ops | None = None,
   ):
     V, D = cfg.vocab_size, cfg.d_model
+    ops = Ops(**platforms.model_ops(jax.default_backend())) if ops is None else ops
     adapters = lora_lib.resolve(cfg, lora)
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
@@ -104,7 +109,7 @@ class Transformer(nnx.Module):
 
     def block_factory(sparse: bool):
       return lambda r: Block(
-        cfg, rngs=r, implementation=implementation, sparse=sparse, adapters=adapters
+        cfg, rngs=r, implementation=implementation, sparse=sparse, adapters=adapters, ops=ops
       )
 
     self.embed = param(normal(rngs, (V, D), cfg.init_std, pdt), ("vocab", "embed"))  # [V, D]
@@ -191,9 +196,9 @@ class Transformer(nnx.Module):
     return self._trunk(tokens_BT, positions_BT, segment_ids_BT, None)[1]
 
   def _logits(self, h_BTD: Array, *, flat: bool = False) -> Array:
-    """f32[B, T, V]. `flat` (training): one [B x T, D] x [D, V] matmul, where the backward of
-    the 3-D einsum ran the head's weight gradient over a transposed copy of dlogits on XLA's
-    CPU backend. Serving keeps the einsum: over a vocabulary-parallel head the partitioner
+    """f32[B, T, V]. `flat` (training): one [B x T, D] x [D, V] matmul, whose backward takes
+    the head's weight gradient from dlogits as they lie (the 3-D einsum's made a transposed copy
+    of them first). Serving keeps the einsum: over a vocabulary-parallel head the partitioner
     gathers its [B, V] logits, where for the 2-D form it gathered the whole head."""
     head_DV = self._head_DV().astype(h_BTD.dtype)
     if not flat:

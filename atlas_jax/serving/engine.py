@@ -613,22 +613,7 @@ class Engine:
       outputs += faults.fail_rows(self.scheduler, rows, failed, self._finish)
       running = set(map(id, self.scheduler.running))
       rows = [row for row in rows if id(row.req) in running]  # not failed or preempted
-    for row in rows:
-      req = row.req
-      req.n_computed += row.n
-      if req.id in self.scheduler.followers and req.n_computed == len(req.prompt):
-        self.scheduler.fork_followers(req)  # before `accept` may finish and free the leader
-      if req.n_pending == 0:  # the row ended on the sequence's last token: its draw counts
-        token, logprob, top_ids, top_lp = results[req.id]
-        try:
-          out, _ = self.outputs.accept(req, [token], [logprob], [top_ids], [top_lp])
-        except Exception as e:  # e.g. the detokenizer: this request's fault only
-          outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
-          continue
-        outputs.append(out)
-        if out.finished:
-          self.scheduler.release(req)
-    return outputs
+    return outputs + self.scheduler.update_from_output(rows, results, self._accept)
 
   def _dispatch(self, plan: BurstPlan, chained: Drawn | None = None) -> Drawn | None:
     """Dispatches a burst; None when it raised without taking the pools (a mixed step then
@@ -692,20 +677,11 @@ class Engine:
       self._inflight = None  # a chained burst read this one's draws: it failed too
       raise PoolLost([row.req for row in drawn.rows], e) from e
     chained = set() if self._inflight is None else {id(r.req) for r in self._inflight.rows}
-    outputs = []
+    draws = {}
     for i, (row, b) in enumerate(zip(drawn.rows, drawn.slot)):
-      req = row.req
-      if self.scheduler.requests.get(req.id) is not req:
-        continue  # aborted while the burst ran
       n = drawn.n_steps if drawn.n_draws is None else int(drawn.n_draws[i])
-      try:
-        out, n_kept = self.outputs.accept(req, tok[:n, b], lp[:n, b], top_ids[:n, b], top_lp[:n, b])
-      except Exception as e:  # e.g. the detokenizer: this request's fault only
-        outputs.append(self._finish(req, "error", f"{type(e).__name__}: {e}"))
-        continue
-      outputs.append(out)
-      self.scheduler.settle(row, n_kept, finished=out.finished, chained=id(req) in chained)
-    return outputs
+      draws[row.req.id] = (tok[:n, b], lp[:n, b], top_ids[:n, b], top_lp[:n, b])
+    return self.scheduler.update_from_draws(drawn.rows, draws, self._accept, chained=chained)
 
   def _recover(self, lost: PoolLost) -> list[RequestOutput]:
     self._inflight = None
@@ -724,6 +700,15 @@ class Engine:
   def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
     self.scheduler.release(req)
     return finished(req, reason, error)
+
+  def _accept(self, req: Request, draws) -> tuple[RequestOutput, int]:
+    """The output processor on a request's draws (tokens, logprobs, top ids, top logprobs):
+    (its output, the draws kept); a request whose output fails (its detokenizer, say) ends
+    alone with finish reason "error", nothing kept."""
+    try:
+      return self.outputs.accept(req, *draws)
+    except Exception as e:  # e.g. the detokenizer: this request's fault only
+      return self._finish(req, "error", f"{type(e).__name__}: {e}"), 0
 
   def _prompt_logprobs(self, req: Request):
     """(per prompt token its logprob, per prompt token its top `prompt_logprobs` pairs), None

@@ -98,7 +98,7 @@ def fail_rows(
   for rid in tainted:
     req = by_id[rid]
     if rid in failed:
-      scheduler.allocator(req).free(rid, computed=req.n_computed)
+      scheduler.fail(req)
       outputs.append(finish(req, "error", failed[rid]))
     else:
       readers.append(req)

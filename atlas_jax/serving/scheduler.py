@@ -365,6 +365,50 @@ class Scheduler:
       return None  # the batch has shrunk enough to speculate
     return self._burst(reqs, keep, done)
 
+  # -- progress: the one place a step's results advance a request -------------------------------
+
+  def update_from_output(self, rows: list[Row], draws: dict, accept) -> list:
+    """After a mixed step: each row's tokens are computed; a row that ended on its sequence's
+    last pending token takes its draw, through `accept(req, (tokens, logprobs, top ids, top
+    logprobs)) -> (output, kept)` (the output processor: stops, detokenisation); a finished
+    request's blocks are released. Returns the outputs."""
+    outputs = []
+    for row in rows:
+      req = row.req
+      req.n_computed += row.n
+      if req.id in self.followers and req.n_computed == len(req.prompt):
+        self.fork_followers(req)  # before `accept` may finish and free the leader
+      if req.n_pending:  # a prompt chunk before the last: its draw is not a token yet
+        continue
+      token, logprob, top_ids, top_lp = draws[req.id]
+      out, _ = accept(req, ([token], [logprob], [top_ids], [top_lp]))
+      outputs.append(out)
+      if out.finished:
+        self.release(req)
+    return outputs
+
+  def update_from_draws(self, rows: list[Row], draws: dict, accept, *, chained: set) -> list:
+    """After a burst or a speculative round: each live row's draws (cut at its first stop by
+    `accept`, as `update_from_output`'s) are registered (`settle`). `chained`: the ids of the
+    requests running on in a burst already dispatched. Returns the outputs."""
+    outputs = []
+    for row in rows:
+      req = row.req
+      if self.requests.get(req.id) is not req:
+        continue  # aborted while the burst ran
+      out, n_kept = accept(req, draws[req.id])
+      outputs.append(out)
+      if req.id in self.requests:  # not ended by `accept` (an output error)
+        self.settle(row, n_kept, finished=out.finished, chained=id(req) in chained)
+    return outputs
+
+  def fail(self, req: Request) -> None:
+    """A request whose step failed: its blocks freed, the full ones it computed before the
+    step kept in the prefix cache (their entries are real)."""
+    alloc = self.allocator(req)
+    if req.id in alloc:
+      alloc.free(req.id, computed=req.n_computed)
+
   def truncate(self, rows: list[Row]) -> None:
     """Gives back what a burst or round that did not run had reserved."""
     for row in rows:

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlas_jax.model.layers import dense
+from atlas_jax import platforms
+from atlas_jax.model.layers import Ops, dense
 
 
 @pytest.mark.parametrize(
@@ -36,13 +37,17 @@ def compiled_dots(f, *args) -> list[str]:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the transpose is copied on a CPU only")
-def test_the_weight_gradient_contracts_no_major_axis_on_a_cpu():
+def test_copied_weight_grads_contract_no_major_axis():
   # x^T dy with the transpose folded into the dot contracts x's major axis, which XLA's CPU
-  # backend runs with its own loops, not a GEMM library's (BENCHMARKS.md, thirteenth round).
+  # backend runs with its own loops, not a GEMM library's: `Ops.copied_weight_grads` copies x
+  # transposed first, and a CPU model is built with it (`platforms.model_ops`).
   x, w, dy = jnp.ones((64, 32)), jnp.ones((32, 48)), jnp.ones((64, 48))
   folded = compiled_dots(lambda x, dy: x.T @ dy, x, dy)
-  assert any("lhs_contracting_dims={0}" in line for line in folded)  # what dense avoids
-  weight_grad = lambda x, w, dy: jax.vjp(functools.partial(dense, x), w)[1](dy)[0]
+  assert any("lhs_contracting_dims={0}" in line for line in folded)  # what the copy avoids
+  copied = Ops(copied_weight_grads=True)
+  weight_grad = lambda x, w, dy: jax.vjp(lambda w: dense(x, w, 1, copied), w)[1](dy)[0]
   assert not any(
     "lhs_contracting_dims={0}" in line for line in compiled_dots(weight_grad, x, w, dy)
   )
+  assert Ops(**platforms.model_ops("cpu")) == Ops(True, True)
+  assert Ops(**platforms.model_ops("gpu")) == Ops() == Ops(**platforms.model_ops("tpu"))

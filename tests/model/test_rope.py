@@ -72,18 +72,22 @@ def test_cos_and_sin_are_computed_once_per_angle_not_per_head():
   """The rotation of [B, T, N, H] (forward and backward, compiled for the CPU) evaluates the
   B * T * H/2 angles' cos and sin a bounded number of times, not once per head: XLA's CPU fusion
   puts them inside each rotation's loop, where the broadcast over the N heads re-evaluates them,
-  unless the tables are written once (`rotation_tables`)."""
+  unless the tables are written once (`rotation_tables(by_product=True)`, as a CPU model is
+  built: `platforms.model_ops`)."""
   if jax.default_backend() != "cpu":
-    pytest.skip("the tables are written once on the CPU backend only")
+    pytest.skip("the count is of XLA's CPU fusions")
   B, T, N, H = 2, 32, 8, 16
   inv = inverse_frequencies(H, 10000.0, None)
   x = jax.random.normal(jax.random.key(0), (B, T, N, H))
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-  grad = jax.jit(jax.grad(lambda x, p: jnp.sum(apply_rope(x, p, inv) * x)))
+  rope = lambda x, p, by_product: apply_rope(x, p, inv, by_product=by_product)
+  grad = jax.jit(jax.grad(lambda x, p: jnp.sum(rope(x, p, True) * x)))
+  plain = jax.jit(jax.grad(lambda x, p: jnp.sum(rope(x, p, False) * x)))
   angles = B * T * H // 2
   # cos and sin, each at most twice per angle (the count bounds a concatenation of the two by
   # its whole size); once per head would be 2 * N per angle in the forward and again backward.
   assert trig_evaluations(grad.lower(x, positions).compile().as_text()) <= 4 * angles
+  assert trig_evaluations(plain.lower(x, positions).compile().as_text()) > 4 * angles
 
 
 def test_llama3_scaling_bands():
