@@ -389,10 +389,11 @@ CONFIG_FLAGS = {
   "engine.warmup": (
     ("--warmup",),
     str,
-    "step shapes compiled at start-up, so no request waits for XLA: none; default (every "
-    "decode, burst and speculative shape at every batch and block-table width, and batches of "
-    "fresh prompts); all (also prefills over a context already in the pool: chunks past "
-    "--prefill-chunk, prompts after a cached prefix)",
+    "step shapes compiled ahead, one of each kind before the server answers and the rest on a "
+    "background thread (a request that needs one before it is done compiles it): none; default "
+    "(every shape the runner's steps, bursts and speculative rounds take); all (the CPU runner "
+    "also compiles prefills over a context already in the pool: chunks past --prefill-chunk, "
+    "prompts after a cached prefix)",
   ),
   "engine.runner": (
     ("--runner",),

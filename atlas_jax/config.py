@@ -573,7 +573,7 @@ class CPUConfig:
   backend; no other runner reads them."""
 
   # How one device holds the weights: "stacked" as trained (each layer stack one array, which
-  # the layer scan slices layer by layer); one array per layer (`serving.cpu.weights.Unstacked`),
+  # the layer scan slices layer by layer); one array per layer (`model.scan.Unstacked`),
   # the projections "in_major" as trained ([in, out]) or "out_major" transposed ([out, in], each
   # output's weights contiguous, as `nn.Linear` holds them); or "auto": out-major where the
   # start-up probe times its GEMMs faster, else stacked for small layers and in-major per layer
