@@ -5,21 +5,23 @@
          preemption; a block allocator with prefix cache per data-parallel replica)
       -> a step plan (rows, tokens, blocks to copy: a mixed step, a burst, a speculative round)
       -> model runner (`runner.ModelRunner`: the device mesh, the placed weights, the pools and
-         the jitted programs, run from one `steps.StepInputs` pytree)
+         the jitted programs, run from one `batch.StepRecord`; XLA's CPU backend has its own,
+         `serving.cpu.CPUModelRunner`, chosen once by `serve.engine.runner`)
       -> sampler / speculative verifier (one drafter interface) / grammar mask, on the device
       -> output processor (`outputs.OutputProcessor`: detokenisation, stops, logprobs)
-      -> the scheduler settles the blocks of what was kept.
+      -> the scheduler advances each request from the step's results (`update_from_output`,
+         `update_from_draws`) and settles the blocks of what was kept.
 
 Fault isolation (`faults`) wraps the runner's calls: a request whose rows make a step raise
 fails alone, and a step that loses the donated pools rebuilds them.
 
-Each `step()` is one of the scheduler's plans. A mixed step runs the jitted step twice at most: once
-over the prefill rows [B, T] and once over the decode rows [B, 1], with B and T rounded up to powers
-of two so that a few compiled shapes serve every step (on CPU the prompts run as 16-token segments
-instead, `ModelRunner.segments`: padded per prompt, not to the longest, in finer batch buckets, and
-the decode rows join them as one-token segments when the segment bucket's padding has room for them,
-`ModelRunner.carries`, making the step one call); prefill runs first, so a request admitted this
-step whose prefix blocks another row is computing reads them after they are written. When every
+Each `step()` is one of the scheduler's plans. A mixed step is one model call: every row's prompt
+chunk and every decoding row's token on one ragged token axis (`runner.ModelRunner.execute`), its
+tokens rounded up to a power of two so that a few compiled shapes serve every step; every layer
+writes all the step's keys and values before any token attends, so a request admitted this step
+whose prefix blocks another row is computing reads them after they are written. (The CPU runner
+cuts prompts into 16-token rows and may run the decode rows as a second call:
+`serving.cpu.CPUModelRunner.execute`.) When every
 running request is decoding and nothing waits that could be admitted, a step is a burst instead:
 `decode_burst` iterations in one jitted call, each sampled token fed back on the device. The host
 reads the I tokens of every row once, cuts each at its first stop (eos, stop token, max_tokens, stop
@@ -82,11 +84,11 @@ one) and a KV pool's kv heads over the tensor axis; attention over the pools run
 pool is sized from device memory unless `n_blocks` is given (`atlas_jax.serving.sizing`), and
 the batch from the pool unless `max_num_seqs` is; the start-up log says what each came to.
 
-`warmup()` compiles the step shapes a server meets (`warmup_shapes`: by default every decode step,
-burst and speculative round at every batch bucket and block-table width, and every batch of fresh
-prompts at every chunk bucket; `config.warmup="all"` adds prefills over a context already in the
-pool), so that requests do not pay for compilation; it names the variants it leaves to first
-use. Each finished request is logged on one line (logger
+`warmup()` compiles the step shapes a server meets (`warmup_shapes`, the runner's `shapes`: a step
+per token bucket and block-table width, a burst and a speculative round per batch bucket and
+width), so that requests do not pay for compilation, all at once or the first of each kind now
+and the rest on a background thread (`first=`); it names the variants it leaves to first use.
+Each finished request is logged on one line (logger
 `atlas_jax.serving`, INFO): its id, prompt and output tokens, time to first token, total time and
 finish reason.
 
