@@ -4,12 +4,12 @@
 
 * gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
   gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
-  ([in, out]), against W held out-major ([out, in], `model.scan.OutMajor`'s layout), against
-  x @ W with XLA's own dots, not YNNPACK's (`serving.steps.CPU_XLA_DOTS_OPTIONS`), against
+  ([in, out]), against W held out-major ([out, in], `serving.cpu.weights.OutMajor`'s layout),
+  against x @ W with XLA's own dots, not YNNPACK's (`serving.cpu.compile.CPU_XLA_DOTS_OPTIONS`), against
   PyTorch's `F.linear` (which holds weights that way too).
 * paged: `kernels.paged_attention_xla` decoding batch 32 over 6 layers of a pool of 1,296 pages
   (cold in cache, as in an engine step), contexts of 120-140 tokens, with and without the
-  serving programs' CPU compile options (`serving.steps.CPU_COMPILER_OPTIONS`).
+  serving programs' CPU compile options (`serving.cpu.compile.CPU_COMPILER_OPTIONS`).
 * adamw: one optimizer update (`training.optimizer.adamw`: clipping and AdamW) of the
   small preset's 76M float32 parameters, against PyTorch's fused AdamW with the same clipping.
 * weight_grads: the weight gradients of one layer of the small preset's training step at batch
@@ -17,8 +17,8 @@
   explicitly transposed activation, against XLA's dot with the transpose left to the GEMM (x^T
   dy), against PyTorch's (`nn.Linear`'s backward, dy^T x).
 * rope: one small-preset layer's rotations of q and k ([4, 256, 12, 64] and [4, 256, 4, 64]),
-  forward and backward: `model.rope.apply_rope`, whose cos and sin tables are written once,
-  against the same rotation with cos and sin left for XLA to fuse into it (evaluated once per
+  forward and backward: `model.rope.apply_rope(by_product=True)`, whose cos and sin tables are
+  written once, against the same rotation with cos and sin left for XLA to fuse into it (evaluated once per
   head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out [B, N, T, H]).
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
@@ -52,7 +52,7 @@ def best_ms(fns: dict, calls: int = 10, repeat: int = 7) -> dict:
 def gemm(rows: int) -> dict:
   import torch
 
-  from atlas_jax.serving.steps import CPU_XLA_DOTS_OPTIONS
+  from atlas_jax.serving.cpu.compile import CPU_XLA_DOTS_OPTIONS
 
   r = np.random.default_rng(0)
   shapes = [(512, 512), (512, 256), (512, 256), (512, 512), (512, 1408), (512, 1408), (1408, 512)]
@@ -79,7 +79,7 @@ def gemm(rows: int) -> dict:
 
 def paged() -> dict:
   from atlas_jax.kernels import paged_attention_xla
-  from atlas_jax.serving.steps import CPU_COMPILER_OPTIONS
+  from atlas_jax.serving.cpu.compile import CPU_COMPILER_OPTIONS
 
   B, N, K, H, Z, L, P = 32, 8, 4, 64, 16, 6, 1296
   r = np.random.default_rng(0)
@@ -180,15 +180,14 @@ def rope() -> dict:
   qk = [np.asarray(r.standard_normal((B, T, n, H)), np.float32) for n in (N, K)]
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-  def fused(x, p):  # the rotation with cos and sin computed inside it, as before the tables
-    angles = p.astype(jnp.float32)[:, :, None] * jnp.asarray(inv)
-    return ours._rotate(x, jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None])
+  def fused(x, p):  # the rotation with cos and sin left inside it (the plain form)
+    return ours.apply_rope(x, p, inv, by_product=False)
 
   def fwd_bwd(rotate):  # the rotations' forward and their gradient into q and k
     loss = lambda xs, p: sum(jnp.sum(rotate(x, p) * x) for x in xs)
     return jax.jit(jax.grad(loss))
 
-  tables = fwd_bwd(lambda x, p: ours.apply_rope(x, p, inv))
+  tables = fwd_bwd(lambda x, p: ours.apply_rope(x, p, inv, by_product=True))
   in_fusion = fwd_bwd(fused)
   xj = [jnp.asarray(x) for x in qk]
   ang = torch.arange(T, dtype=torch.float32)[:, None] * torch.from_numpy(inv)

@@ -66,7 +66,7 @@ exported with `atlas_jax.hf.save` so both stacks use the same weights:
 9. layouts (`--only layouts`): `Engine.generate` with the model's layers held stacked (the layer
    scan slicing each layer's weights) against one array per layer, interleaved, a row per
    --repeat: 32 prompts of 32 to --prompt-len tokens, --new-tokens each, at each --batches size.
-   Which is faster depends on a layer's bytes (`serving.runner.STACKED_LAYER_BYTES`).
+   Which is faster depends on a layer's bytes (`serving.cpu.runner.STACKED_LAYER_BYTES`).
 
 vLLM lives in a virtualenv of its own beside ours, never a dependency of the package:
 
@@ -107,12 +107,13 @@ from timing import seconds_per_call
 
 import atlas_jax
 from atlas_jax import hf
-from atlas_jax.config import load_config
+from atlas_jax.config import CPUConfig, load_config
 from atlas_jax.decoding.generate import generate
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.plan import memory
-from atlas_jax.serving import runner
+from atlas_jax.serving.cpu import runner as cpu_runner
+from atlas_jax.serving.cpu.weights import layer_bytes
 from atlas_jax.serving.engine import Engine, EngineConfig
 
 
@@ -217,6 +218,7 @@ def engine_vs_generate(
   burst: int = 8,
   offline_burst: int = 32,
   cpu_reductions: str = "auto",
+  runner: str = "auto",
 ) -> list[tuple[float, float, float]]:
   """[(load average, generate tok/s, engine tok/s)] per repetition, the two stacks interleaved.
 
@@ -238,7 +240,8 @@ def engine_vs_generate(
     max_model_len=max(max_len, cfg.max_seq_len),  # the model's context: tables follow real lengths
     decode_burst=burst,
     offline_burst=offline_burst,
-    cpu_reductions=cpu_reductions,
+    runner=runner,
+    cpu=CPUConfig(reductions=cpu_reductions),
   )
 
   def run_generate():
@@ -292,22 +295,25 @@ def batch1_decode(model: Transformer, *, prompt_len: int, new_tokens: int) -> di
 
 def print_layout_table(model: Transformer, batches, prompt_len, new_tokens, repeat) -> None:
   """`Engine.generate` with the layer stacks held stacked (the layer scan slicing each layer's
-  weights) against one array per layer (`serve.engine.weight_layout` "stacked" and "in_major"),
+  weights) against one array per layer (`serve.engine.cpu.weight_layout` "stacked" and "in_major"),
   interleaved, a row per repetition: 32 prompts of 32-`prompt_len` random tokens,
   `new_tokens` each (greedy, ignore_eos), `batch` running at once. `auto` on one CPU device picks
-  by a layer's bytes (`runner.STACKED_LAYER_BYTES`)."""
+  by a layer's bytes (`cpu_runner.STACKED_LAYER_BYTES`)."""
   cfg = model.cfg
   rng = np.random.default_rng(0)
   lengths = rng.integers(min(32, prompt_len), prompt_len + 1, 32)
   prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lengths]
   params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-  layer_mb = runner.layer_bytes(nnx.state(model)) / 1e6
+  layer_mb = layer_bytes(nnx.state(model)) / 1e6
   print(f"\n## layers stacked against one array per layer ({layer_mb:.1f} MB a layer)")
   print("| batch | load | stacked tok/s | per-layer tok/s | stacked / per-layer |")
   print("|---|---|---|---|---|")
   for batch in batches:
     base = serve_peer.engine_config(batch, prompt_len, new_tokens, cfg.max_seq_len, 8)
-    configs = [dataclasses.replace(base, weight_layout=lay) for lay in ("stacked", "in_major")]
+    configs = [
+      dataclasses.replace(base, runner="cpu", cpu=CPUConfig(weight_layout=lay))
+      for lay in ("stacked", "in_major")
+    ]
     for config in configs:
       Engine(model, config).generate(prompts, params)  # compiles every shape it will use
     for _ in range(repeat):
@@ -330,8 +336,12 @@ def print_ratio_tables(
   burst,
   offline_burst=32,
   cpu_reductions="auto",
+  runner="auto",
 ) -> None:
-  print(f"\n## engine vs generate (prompt {prompt_len}, {new_tokens} new tokens, greedy)")
+  print(
+    f"\n## engine ({runner} runner) vs generate (prompt {prompt_len}, {new_tokens} new tokens, "
+    "greedy)"
+  )
   print("| batch | load | generate tok/s | engine tok/s | engine / generate |")
   print("|---|---|---|---|---|")
   for batch in batches:
@@ -344,6 +354,7 @@ def print_ratio_tables(
       burst=burst,
       offline_burst=offline_burst,
       cpu_reductions=cpu_reductions,
+      runner=runner,
     ):
       print(f"| {batch} | {load:.1f} | {g:.0f} | {e:.0f} | {e / g:.2f} |", flush=True)
   b1 = batch1_decode(model, prompt_len=prompt_len, new_tokens=new_tokens)
@@ -410,7 +421,7 @@ def startup(cfg, n_requests: int = 6) -> None:
   )
   print("| engine | warm-up s | first requests s | the next ones s |")
   print("|---|---|---|---|")
-  for extra, threads in enumerate((None, 1, runner.cores())):
+  for extra, threads in enumerate((None, 1, cpu_runner.cores())):
     model = Transformer(
       dataclasses.replace(cfg, vocab_size=cfg.vocab_size + extra), rngs=nnx.Rngs(0)
     )
@@ -586,8 +597,13 @@ def main(argv=None) -> None:
   p.add_argument(
     "--cpu-reductions",
     default="auto",
-    help="the engine's cpu_reductions (auto, xla, ynnpack: whose reductions decode steps of up "
-    "to 4 rows use)",
+    help="the CPU runner's reductions (serve.engine.cpu.reductions: auto, xla, ynnpack: whose "
+    "reductions decode steps of up to 4 rows use)",
+  )
+  p.add_argument(
+    "--runner",
+    default="auto",
+    help="the engine's runner (serve.engine.runner: auto, ragged, cpu) for the engine tables",
   )
   p.add_argument("--set", action="append", default=[], help="model overrides: model.d_model=2048")
   p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -631,6 +647,7 @@ def main(argv=None) -> None:
       args.burst,
       args.offline_burst,
       args.cpu_reductions,
+      args.runner,
     )
   if args.only == "ratio":
     return
