@@ -5,8 +5,8 @@
 * gemm: a decode step's 42 projections of the vLLM-comparison model (6 layers of q, k, v, o,
   gate, up, down at d_model 512, FFN 1408) on `--rows` rows: x @ W as stored in training
   ([in, out]), against W held out-major ([out, in], `serving.cpu.weights.OutMajor`'s layout),
-  against x @ W with XLA's own dots, not YNNPACK's (`serving.cpu.compile.CPU_XLA_DOTS_OPTIONS`), against
-  PyTorch's `F.linear` (which holds weights that way too).
+  against x @ W with XLA's own dots, not YNNPACK's (`serving.cpu.compile.CPU_XLA_DOTS_OPTIONS`),
+  against PyTorch's `F.linear` (which holds weights that way too).
 * paged: `kernels.paged_attention_xla` decoding batch 32 over 6 layers of a pool of 1,296 pages
   (cold in cache, as in an engine step), contexts of 120-140 tokens, with and without the
   serving programs' CPU compile options (`serving.cpu.compile.CPU_COMPILER_OPTIONS`).
@@ -18,8 +18,8 @@
   dy), against PyTorch's (`nn.Linear`'s backward, dy^T x).
 * rope: one small-preset layer's rotations of q and k ([4, 256, 12, 64] and [4, 256, 4, 64]),
   forward and backward: `model.rope.apply_rope(by_product=True)`, whose cos and sin tables are
-  written once, against the same rotation with cos and sin left for XLA to fuse into it (evaluated once per
-  head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out [B, N, T, H]).
+  written once, against the same rotation with cos and sin left for XLA to fuse into it
+  (evaluated once per head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out [B, N, T, H]).
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
 """
