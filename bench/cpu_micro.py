@@ -19,7 +19,8 @@
 * rope: one small-preset layer's rotations of q and k ([4, 256, 12, 64] and [4, 256, 4, 64]),
   forward and backward: `model.rope.apply_rope(by_product=True)`, whose cos and sin tables are
   written once, against the same rotation with cos and sin left for XLA to fuse into it
-  (evaluated once per head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out [B, N, T, H]).
+  (evaluated once per head), against PyTorch's (`bench/torch_llama.py`'s, on q and k laid out
+  [B, N, T, H]).
 
 Best of 7 interleaved repeats; the load average is printed. Timings swing with machine load.
 """
