@@ -93,3 +93,14 @@ def keep_freed_memory(env: dict[str, str] | None = None) -> str:
   if tcmalloc:
     done += f"; tcmalloc is installed: LD_PRELOAD={tcmalloc} keeps it with less memory"
   return done
+
+
+def return_freed_memory() -> bool:
+  """Hands the C allocator's free memory back to the system (glibc's `malloc_trim(0)`, every
+  arena); whether anything was returned. For a process past a burst of large, short-lived
+  allocations it will not repeat, as compiling XLA programs is: each compile's working memory is
+  freed into the arena of the thread that compiled, where glibc keeps it (a worker thread's
+  arena is never trimmed on its own). A no-op off glibc."""
+  if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    return False
+  return bool(ctypes.CDLL(None).malloc_trim(0))

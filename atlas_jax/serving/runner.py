@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from atlas_jax import host_memory
 from atlas_jax.decoding.drafters import Drafter, hidden_store
 from atlas_jax.decoding.sampling import PADDING, SamplingArrays
 from atlas_jax.serving import batch, sizing, steps
@@ -602,6 +603,9 @@ class ModelRunner:
       }
       for n, future in enumerate(concurrent.futures.as_completed(pending)):
         future.result()
+        # A compile's working memory, freed into its thread's malloc arena, goes back to the
+        # system: what stays resident is the compiled program.
+        host_memory.return_freed_memory()
         if progress is not None:
           progress(done + n + 1, total, str(shapes[pending[future]]))
 
