@@ -217,6 +217,12 @@ class CPUModelRunner(ModelRunner):
   def record_rows(self, shape: Shape) -> int:
     return shape.b * self.n_replicas  # one row per sequence slot, every kind
 
+  def widths(self) -> list[int]:
+    """One block-table width, the context's: XLA's paged loop walks each row's pages up to the
+    longest length held, whatever the table's width, so a narrower table would save no work
+    and cost a compiled program (each is tens of MB of machine code on a CPU)."""
+    return [self.max_blocks]
+
   def largest_step_bytes(self, config) -> int:
     budget = config.max_num_batched_tokens or sizing.DEFAULT_BATCHED_TOKENS
     if self.segment is not None:  # the budget in segments
@@ -227,8 +233,8 @@ class CPUModelRunner(ModelRunner):
 
   def prefill_shapes(self, max_rows: int, budget: int, prefill_chunk: int, level: str):
     """Every (rows b per replica, tokens T, block-table columns M) a prefill call of at most
-    `max_rows` rows and `budget` tokens per replica can have: at level "default" only tables
-    holding T tokens from position 0 for padded rows; every shape for segments."""
+    `max_rows` rows and `budget` tokens per replica can have (one table width: `widths`)."""
+    del level  # every level: a prompt after a cached prefix takes the same shapes
     if self.segment is not None:
       C = self.segment
       # Each row pads less than a segment; no row is longer than a chunk.
@@ -237,19 +243,12 @@ class CPUModelRunner(ModelRunner):
       return [(b, C, self.max_blocks) for b in buckets]
     buckets = sorted({self.bucket(n) for n in range(1, max_rows + 1)})
     chunks = sorted({min(pow2(n, 16), prefill_chunk) for n in range(2, prefill_chunk + 1)})
-    fresh = lambda T: self.width(-(-T // self.block_size))  # T tokens from position 0
-    return [
-      (B, T, M)
-      for B in buckets
-      for T in chunks
-      for M in self.widths()
-      if M == fresh(T) or (level == "all" and M > fresh(T))
-    ]
+    return [(B, T, self.max_blocks) for B in buckets for T in chunks]
 
   def shapes(self, config, level: str, *, capacity: int) -> tuple[list[Shape], list[str]]:
     """(every shape of the CPU runner's calls at warm-up `level`, what is left to first use):
-    prefills (segments, or rows padded to their chunk: at level "default" only from position
-    0), decode steps, bursts and rounds at every batch bucket and width."""
+    prefills (segments, or rows padded to their chunk), decode steps, bursts and rounds at
+    every batch bucket, over the one table width."""
     always = ["penalties, logit bias, guided masks, min_tokens, prompt logprobs, n > 1 copies"]
     if level == "none":
       return [], ["every step shape", *always]
@@ -265,8 +264,6 @@ class CPUModelRunner(ModelRunner):
     if self.draft is not None:
       k, most = config.num_speculative_tokens, pow2(config.speculative_max_batch)
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
-    if level == "default" and self.segment is None:
-      always.insert(0, "prefills over a context already in the pool (warmup=all compiles them)")
     return first_of_each_kind(out), always
 
   def _warmup_call(self, shape: Shape) -> tuple:
