@@ -33,6 +33,13 @@ PREFILL_SEGMENT = 16
 # CPUs measured (`python bench/serve.py --only layouts` times both).
 STACKED_LAYER_BYTES = 8 << 20
 
+# `weight_layout="auto"` keeps a deeper model stacked whatever its layers' bytes: a program of
+# layers held one array each is unrolled, its machine code growing with the depth (on the
+# 135M-parameter, 30-layer shape of `bench/startup.py`: about 80 MB resident and 600-1,100 memory
+# maps per compiled step program, against about 20 MB and 300 stacked), and a server holds a few
+# dozen programs: deep unrolled programs would exhaust its memory and its maps.
+UNROLLED_MAX_LAYERS = 8
+
 
 def cores() -> int:
   """The CPU cores this process may run on."""
@@ -81,14 +88,15 @@ class CPUModelRunner(ModelRunner):
     paged_loop = attn.implementation in (None, "xla")
     self.segment = PREFILL_SEGMENT if paged_loop and drafter is None else None
     state = nnx.state(model)
-    out_major, self.xla_dots_rows = self._matmul_plan(
-      cpu.weight_layout, cpu.matmul, state, layout_rows
-    )
+    layout = cpu.weight_layout
+    if layout == "auto" and cfg.n_layers > UNROLLED_MAX_LAYERS:
+      layout = "stacked"  # `UNROLLED_MAX_LAYERS`
+    out_major, self.xla_dots_rows = self._matmul_plan(layout, cpu.matmul, state, layout_rows)
     self.ynn_reduce_rows = self._reduce_plan(cpu.reductions, paged_loop, layout_rows)
     self.out_major = out_major
     # How the layer stacks are held (`stacked_layers`): as trained, sliced per layer by the layer
     # scan, or one array per layer (`model.scan.Unstacked`), run as a loop of layers.
-    self.stacked = self.stacked_layers(cpu.weight_layout, out_major, layer_bytes(state))
+    self.stacked = self.stacked_layers(layout, out_major, layer_bytes(state))
     log.info("weights: layers %s", "stacked" if self.stacked else "one array each")
     super().__init__(
       model,
@@ -118,8 +126,9 @@ class CPUModelRunner(ModelRunner):
     return self.mesh is None and bool(cpu_compile.compiler_options())
 
   def stacked_layers(self, layout: str, out_major: bool, layer_bytes: int) -> bool:
-    """Whether the layer stacks stay stacked: with `layout` "stacked", or "auto" on one device
-    with in-major projections and layers of at most `STACKED_LAYER_BYTES`."""
+    """Whether the layer stacks stay stacked: with `layout` "stacked" (which "auto" becomes past
+    `UNROLLED_MAX_LAYERS` layers), or "auto" on one device with in-major projections and layers
+    of at most `STACKED_LAYER_BYTES`."""
     if layout == "stacked":
       return True
     small = layer_bytes <= STACKED_LAYER_BYTES
@@ -334,4 +343,4 @@ class CPUModelRunner(ModelRunner):
     return self._forward(rows, x, layout.slot)
 
 
-__all__ = ["CPUModelRunner", "STACKED_LAYER_BYTES", "cores", "fine_bucket"]
+__all__ = ["CPUModelRunner", "STACKED_LAYER_BYTES", "UNROLLED_MAX_LAYERS", "cores", "fine_bucket"]
