@@ -74,7 +74,7 @@ def _patches(piece: str) -> list[tuple]:
   if piece == "norm":  # RMSNorm without the normalisation: scale * x
     return [(layers, "rms_norm", lambda x, scale, eps: scale.astype(x.dtype) * x)]
   if piece == "rope":  # q and k unrotated
-    return [(attention_layer, "apply_rope", lambda x, positions, inv_freq: x)]
+    return [(attention_layer, "apply_rope", lambda x, positions, inv_freq, **_: x)]
   if piece == "activation":  # the MLP's gate unactivated: gate * up
     nn = types.SimpleNamespace(**{**vars(jax.nn), "silu": lambda x: x})
     return [_replaced(layers, "jax", nn=nn)]

@@ -33,8 +33,11 @@ PROGRAMS = {
   ),
 }
 BENCH = sorted(p for p in (ROOT / "bench").glob("*.py") if "ArgumentParser(" in p.read_text())
-for path in BENCH:
-  PROGRAMS[f"bench/{path.name}"] = ([f"bench/{path.name}", "--help"], f"bench/{path.name}", [])
+# The bench programs' (each a process importing jax: under -m slow).
+BENCH_PROGRAMS = {
+  f"bench/{path.name}": ([f"bench/{path.name}", "--help"], f"bench/{path.name}", [])
+  for path in BENCH
+}
 
 
 def defined_flags(source: Path) -> set[str]:
@@ -52,8 +55,7 @@ def defined_flags(source: Path) -> set[str]:
   return flags
 
 
-@pytest.fixture(scope="module")
-def helps() -> dict[str, subprocess.CompletedProcess]:
+def run_helps(programs: dict) -> dict[str, subprocess.CompletedProcess]:
   """Each program's --help, run in parallel against this tree (not an installed copy)."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
   env["JAX_PLATFORMS"] = "cpu"  # --help needs no accelerator
@@ -63,21 +65,40 @@ def helps() -> dict[str, subprocess.CompletedProcess]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
   with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-    results = pool.map(run, [args for args, _, _ in PROGRAMS.values()])
-    return dict(zip(PROGRAMS, results))
+    results = pool.map(run, [args for args, _, _ in programs.values()])
+    return dict(zip(programs, results))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+  return run_helps(PROGRAMS)
+
+
+@pytest.fixture(scope="module")
+def bench_helps() -> dict[str, subprocess.CompletedProcess]:
+  return run_helps(BENCH_PROGRAMS)
 
 
 def test_every_argparse_bench_is_covered():
   assert len(BENCH) >= 20  # the glob found the bench programs, not an empty folder
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
-def test_help_prints_the_flags(name, helps):
-  _, source, extra = PROGRAMS[name]
-  result = helps[name]
+def check_help(name: str, program, result) -> None:
+  _, source, extra = program
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("usage:"), result.stdout[:500]
   expected = set(extra) | (defined_flags(ROOT / source) if source else set())
   assert expected, f"{name}: no flags to look for"
   missing = sorted(f for f in expected if f not in result.stdout)
   assert not missing, f"{name}: --help does not show {missing}"
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_help_prints_the_flags(name, helps):
+  check_help(name, PROGRAMS[name], helps[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BENCH_PROGRAMS))
+def test_bench_help_prints_the_flags(name, bench_helps):
+  check_help(name, BENCH_PROGRAMS[name], bench_helps[name])

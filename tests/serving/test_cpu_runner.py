@@ -45,7 +45,9 @@ def reference(tiny_model):
   return prompts, params, generate(tiny_model, prompts, params)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+  "name", ["roomy", pytest.param("tight", marks=pytest.mark.slow)]
+)  # the tight pool's preemption: the ragged runner's suite
 def test_cpu_runner_equals_generate(tiny_model, reference, name):
   prompts, params, want = reference
   got, engine = serve(tiny_model, CONFIGS[name], prompts, params, "staggered")
@@ -68,10 +70,10 @@ def _held_out_major(engine) -> int:
 @pytest.mark.parametrize(
   "layout, matmul",
   [
-    ("in_major", "ynnpack"),
+    pytest.param("in_major", "ynnpack", marks=pytest.mark.slow),
     ("out_major", "ynnpack"),
-    ("in_major", "xla"),
-    ("stacked", "ynnpack"),
+    pytest.param("in_major", "xla", marks=pytest.mark.slow),
+    pytest.param("stacked", "ynnpack", marks=pytest.mark.slow),
     ("auto", "auto"),
   ],
 )
