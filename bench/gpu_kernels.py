@@ -40,6 +40,10 @@ from atlas_jax.kernels.attention import (
 from atlas_jax.kernels.experimental.flash_mgpu import flash_attention_mgpu
 from atlas_jax.kernels.mla_decode import mla_decode
 from atlas_jax.kernels.paged_attention import paged_attention
+from atlas_jax.kernels.ragged_paged_attention import (
+  ragged_paged_attention_pallas,
+  ragged_paged_attention_xla,
+)
 
 # Max |ours - reference| allowed, outputs and gradients of unit-scale inputs.
 TOLERANCE = {"float32": 5e-3, "bfloat16": 4e-2, "float16": 1e-2}
@@ -171,6 +175,14 @@ def correctness(smoke: bool) -> None:
         num_splits=x,
       )
       check("paged_attention", f"G={G}, Z={Z}, splits={x or 'auto'}", dtype, got, want)
+    # The serving step's ragged kernel on the same decode tokens (one query per sequence).
+    start, qlen = jnp.arange(B, dtype=jnp.int32), jnp.minimum(lengths, 1).astype(jnp.int32)
+    for x in splits:
+      got = ragged_paged_attention_pallas(
+        q, pool_k, pool_v, table, start, qlen, lengths, interpret=interpret, num_splits=x
+      )
+      got = jnp.where(qlen[:, None, None] > 0, got, want)  # a row with no token: no query
+      check("ragged_paged_attention", f"G={G}, Z={Z}, splits={x or 'auto'}", dtype, got, want)
 
   # MLA decode, contiguous and paged, DeepSeek-V3's latent and rope dims.
   B, length, N, C, R, Z = (2, 24, 4, 32, 8, 8) if smoke else (8, 1000, 128, 512, 64, 64)
@@ -293,6 +305,12 @@ def decode(smoke: bool) -> None:
     ours = functools.partial(paged_attention, implementation="pallas", interpret=interpret)
     args = (q, pool_k, pool_v, table, lengths)
     rows("paged_attention", shape, nbytes, ours, xla, args)
+    # The serving step's ragged kernel, each sequence one decode token.
+    start, qlen = jnp.arange(B, dtype=jnp.int32), jnp.ones((B,), jnp.int32)
+    xla = functools.partial(ragged_paged_attention_xla, max_query_len=1)
+    ours = functools.partial(ragged_paged_attention_pallas, max_query_len=1, interpret=interpret)
+    args = (q, pool_k, pool_v, table, start, qlen, lengths)
+    rows("ragged_paged_attention", shape, nbytes, ours, xla, args)
 
   # MLA decode: DeepSeek-V3's shape (batch 32, 4k context, 128 heads, latent 512 + rope 64),
   # contiguous (viewed as pages of 64) and paged (pages of 64, as FlashMLA), and batch 4.

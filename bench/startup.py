@@ -11,12 +11,18 @@ last "compiled step shape n/n") before reading /proc for its memory.
 
     python bench/startup.py                    # the CPU runner (serve.py's default on a CPU)
     python bench/startup.py --runner ragged    # the accelerator runner, its XLA paths on a CPU
+    python bench/startup.py --peer-python .venv-vllm/bin/python   # and vLLM's OpenAI server
+
+The peer, vLLM's OpenAI server on the same folder (`serve_peer.server_command`: 32 sequences, a
+2,048-token context, its CPU KV cache of 1 GiB), is timed to /health once, its resident memory
+summed over its processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -26,6 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import serve_http
 import serve_peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,11 +156,41 @@ def start(folder: Path, cache: Path, runner: str, extra: list[str], timeout: flo
       proc.kill()
 
 
+def group_rss_mb(pgid: int) -> float:
+  """Resident MB of every process in a process group."""
+  total = 0.0
+  for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+      if int(fields[2]) == pgid:  # the process group, after the state and the parent
+        total += proc_status(int(stat.parent.name))["rss_mb"]
+    except (OSError, ValueError, IndexError, TypeError):
+      continue
+  return total
+
+
+def peer_start(folder: Path, python: str, timeout: float) -> dict:
+  """vLLM's OpenAI server on `folder`: seconds to /health, resident MB then."""
+  port = free_port()
+  cmd, extra = serve_peer.server_command("vllm", folder, port, 32, SHAPE["max_seq_len"], python)
+  log = tempfile.TemporaryFile()
+  env = {**os.environ, **extra}
+  proc = subprocess.Popen(
+    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=folder.parent, start_new_session=True
+  )
+  try:
+    ready = serve_http.wait_ready(proc, "127.0.0.1", port, timeout)
+    return dict(ready_s=ready, rss_mb=group_rss_mb(proc.pid))
+  finally:
+    serve_http.stop(proc)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--folder", default=str(ROOT / "runs" / "startup-135m"))
   p.add_argument("--runner", default="auto", help="serve.py --runner")
   p.add_argument("--timeout", type=float, default=1800)
+  p.add_argument("--peer-python", help="vLLM's python (a virtualenv's), to start its server too")
   p.add_argument(
     "--serve-args", default="", help="more serve.py flags, one string (e.g. '--max-num-seqs 32')"
   )
@@ -161,6 +198,7 @@ def main(argv=None) -> int:
   folder = make_folder(Path(args.folder))
   cache = Path(tempfile.mkdtemp(prefix="startup-cache-"))
   rows = []
+  print(f"# load {os.getloadavg()[0]:.2f} before the starts")
   for which in ("empty cache", "filled cache"):
     before = cache_entries(cache)
     got = start(folder, cache, args.runner, args.serve_args.split(), args.timeout)
@@ -176,6 +214,9 @@ def main(argv=None) -> int:
       f"{g['rss_ready_mb']:.0f} / {g['rss_end_mb']:.0f} | {g['weights_pool_mb']:.0f} | "
       f"{ratio:.2f} | {g['maps_end']} |"
     )
+  if args.peer_python:
+    peer = peer_start(folder, serve_peer.check_peer_python(args.peer_python), args.timeout)
+    print(f"| vLLM's OpenAI server | {peer['ready_s']:.1f} | resident MB {peer['rss_mb']:.0f} |")
   return 0
 
 
