@@ -134,6 +134,26 @@ def _scatter_outputs(out_JQ_: Array, plan: BlockPlan, n_tokens: int) -> Array:
   return out.at[index_JQ.reshape(-1)].set(out_JQ_.reshape(J * Qb, *out_JQ_.shape[2:]), mode="drop")
 
 
+def _rows_of_blocks(q_TNH: Array, plan: BlockPlan, block_q: int, K: int, rows: int) -> Array:
+  """[J, K, rows, H]: each block's queries as rows (token, head of the group) per kv head,
+  padded to `rows`."""
+  J, (N, H) = plan.n_J.shape[0], q_TNH.shape[1:]
+  q_JQNH = _gather_queries(q_TNH, plan, block_q)
+  q_JKQH = q_JQNH.reshape(J, block_q, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(J, K, -1, H)
+  return jnp.pad(q_JKQH, ((0, 0), (0, 0), (0, rows - block_q * (N // K)), (0, 0)))
+
+
+def _tokens_of_rows(out_JKQW: Array, plan: BlockPlan, block_q: int, N: int, T: int) -> Array:
+  """[T, N, W]: `_rows_of_blocks`' inverse on the kernel's output, scattered to the tokens."""
+  J, K, _, W = out_JKQW.shape
+  G = N // K
+  out_JKQW = out_JKQW[:, :, : block_q * G]
+  out_JQNW = (
+    out_JKQW.reshape(J, K, block_q, G, W).transpose(0, 2, 1, 3, 4).reshape(J, block_q, N, W)
+  )
+  return _scatter_outputs(out_JQNW, plan, T)
+
+
 def _page_range(plan: BlockPlan, page_size: int, window: int | None) -> tuple[Array, Array]:
   """(first, end) i32[J]: the pages a block's queries can see, [first, end)."""
   last_J = plan.pos0_J + plan.n_J - 1
@@ -474,10 +494,8 @@ def _ragged_triton(
     pages_per_step=pages_per_step,
   )
   # Rows (token, head of the group): [J, K, block_q * G, H], padded to a tile.
-  q_JQNH = _gather_queries(q, plan, block_q)
-  q_JKQH = q_JQNH.reshape(J, block_q, K, G, H).transpose(0, 2, 1, 3, 4).reshape(J, K, -1, H)
   Q = _pow2_rows(block_q * G)
-  q_JKQH = jnp.pad(q_JKQH, ((0, 0), (0, 0), (0, Q - block_q * G), (0, 0)))
+  q_JKQH = _rows_of_blocks(q, plan, block_q, K, Q)
   Hv = value_dim if latent else H
   kernel = functools.partial(
     _ragged_gpu_kernel,
@@ -531,11 +549,8 @@ def _ragged_triton(
     *q_args,
     *pool_args,
   )
-  out_JKQH = fd.combine_splits(out_JKXQH, lse_JKXQ1, axis=2, dtype=q.dtype)[:, :, : block_q * G]
-  out_JQNH = (
-    out_JKQH.reshape(J, K, block_q, G, Hv).transpose(0, 2, 1, 3, 4).reshape(J, block_q, N, Hv)
-  )
-  return _scatter_outputs(out_JQNH, plan, T)
+  out_JKQH = fd.combine_splits(out_JKXQH, lse_JKXQ1, axis=2, dtype=q.dtype)
+  return _tokens_of_rows(out_JKQH, plan, block_q, N, T)
 
 
 # -- Pallas on a TPU (Mosaic) ---------------------------------------------------------------------
@@ -642,10 +657,8 @@ def _ragged_mosaic(
   J = plan.n_J.shape[0]
   per_step = min(pages_per_step or TPU_PAGES_PER_STEP, M)
   n_steps = -(-M // per_step)
-  q_JQNH = _gather_queries(q, plan, block_q)
-  q_JKQH = q_JQNH.reshape(J, block_q, K, G, H).transpose(0, 2, 1, 3, 4).reshape(J, K, -1, H)
   Q = -(-block_q * G // 8) * 8  # rows fill whole sublanes
-  q_JKQH = jnp.pad(q_JKQH, ((0, 0), (0, 0), (0, Q - block_q * G), (0, 0)))
+  q_JKQH = _rows_of_blocks(q, plan, block_q, K, Q)
   first_J, end_J = _page_range(plan, Z, window)
   Hv = value_dim if latent else H
 
@@ -705,11 +718,7 @@ def _ragged_mosaic(
     q_JKQH,
     *pool_args,
   )
-  out_JKQH = out_JKQH[:, :, : block_q * G]
-  out_JQNH = (
-    out_JKQH.reshape(J, K, block_q, G, Hv).transpose(0, 2, 1, 3, 4).reshape(J, block_q, N, Hv)
-  )
-  return _scatter_outputs(out_JQNH, plan, T)
+  return _tokens_of_rows(out_JKQH, plan, block_q, N, T)
 
 
 @functools.partial(

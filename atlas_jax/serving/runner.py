@@ -342,15 +342,19 @@ class ModelRunner:
     budget = config.max_num_batched_tokens
     tokens = sorted({self.token_bucket(n) for n in (1, budget)} | set(_pow2_range(16, budget)))
     tokens = [T for T in tokens if T <= self.token_bucket(budget)]
-    widths = self.widths()
-    out = [Shape("step", self.step_slots(T, config), T, M) for M in widths for T in tokens]
+    out = [Shape("step", self.step_slots(T, config), T, M) for M in self.widths() for T in tokens]
+    return first_of_each_kind(out + self.decode_shapes(config, capacity)), always
+
+  def decode_shapes(self, config, capacity: int) -> list[Shape]:
+    """A burst (`capacity` iterations) and a speculative round per batch bucket and width."""
     buckets = sorted({self.bucket(n) for n in range(1, config.max_num_seqs + 1)})
+    widths, out = self.widths(), []
     if capacity >= 2:
       out += [Shape("burst", b, capacity, M) for M in widths for b in buckets]
     if self.draft is not None:
       k, most = config.num_speculative_tokens, pow2(config.speculative_max_batch)
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
-    return first_of_each_kind(out), always
+    return out
 
   def _met(self, kind: str, x: StepRecord, T: int | None = None) -> None:
     B, M = x.block_table_BM.shape

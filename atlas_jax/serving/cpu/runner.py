@@ -268,12 +268,7 @@ class CPUModelRunner(ModelRunner):
     )
     out = [Shape("prefill", b, T, M) for b, T, M in prefills]
     out += [Shape("decode", b, 1, M) for M in widths for b in buckets]
-    if capacity >= 2:
-      out += [Shape("burst", b, capacity, M) for M in widths for b in buckets]
-    if self.draft is not None:
-      k, most = config.num_speculative_tokens, pow2(config.speculative_max_batch)
-      out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
-    return first_of_each_kind(out), always
+    return first_of_each_kind(out + self.decode_shapes(config, capacity)), always
 
   def _warmup_call(self, shape: Shape) -> tuple:
     if shape.kind in ("prefill", "decode"):
