@@ -5,20 +5,19 @@ XLA's CPU runtime takes each execution's temporaries (one buffer, the compiled p
 serves an allocation past its mmap threshold (32 MiB at most) with a fresh mapping and unmaps it
 on free, so every call of a program with larger temporaries faults every page of them in again,
 each zeroed by the kernel: the tiny preset's training step (186 MiB of temporaries) took 48,000
-page faults and 100 ms of kernel time a step on 2 cores, PyTorch's eager step 2,000-4,000 faults
-and 10 ms (BENCHMARKS.md, "Sixth round").
+page faults a step, PyTorch's eager step 2,000-4,000 (its caching allocator keeps freed blocks).
 
 `keep_freed_memory` sets glibc's malloc (`mallopt`) to serve every allocation from its main heap
 and keep what is freed there for the next allocation: no mmap (`M_MMAP_MAX` 0), the heap's free
 top never returned to the system (`M_TRIM_THRESHOLD` -1, which disables trimming; with 2 GiB,
 its largest positive value, the small preset's step of 4 x 256 tokens still took 280,000-360,000
-page faults and 1.4-2.5 s of kernel time every step, and none once its heap had grown with
-trimming off: BENCHMARKS.md, "Ninth round"), and one arena (`M_ARENA_MAX` 1), since a worker
+page faults every step, since glibc trims whatever lies above the threshold at the heap's top, and
+none once its heap had grown with trimming off), and one arena (`M_ARENA_MAX` 1), since a worker
 thread's own arena cannot hold a buffer past 64 MiB and maps it whatever `M_MMAP_MAX` says. The
 cost is resident memory: what was freed stays the process's, and glibc's best fit keeps a few
 copies of a large buffer (`train.py` on the tiny preset: 1.6 GB peak against 1.1 GB). tcmalloc
 (`LD_PRELOAD=libtcmalloc_minimal.so.4`, Debian's `libtcmalloc-minimal4`) keeps freed memory too,
-without that cost, and was the fastest of the three (BENCHMARKS.md); jemalloc
+without that cost (its size classes hold freed spans per thread, not one best-fit heap); jemalloc
 returns large buffers to the system as glibc does.
 
 The setting is process-wide, so a program makes it (`train.py`, on the CPU backend, before the

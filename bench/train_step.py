@@ -23,8 +23,8 @@ from atlas_jax.training.step import make_train_step, make_trainer
 
 # What the PyTorch peer runs, whatever the preset says: one device, float32, nothing recomputed,
 # the layers unrolled (a scanned stack slices each layer's weights and saved activations out of
-# the stacked arrays and writes its gradients back, copies that took about a tenth of the small
-# preset's step on 2 CPU cores; BENCHMARKS.md). `--set` after these overrides them.
+# the stacked arrays and writes its gradients back, copies an unrolled stack does not make).
+# `--set` after these overrides them.
 PEER_DEFAULTS = (
   "mesh.fsdp=1",
   "train.precision=fp32",

@@ -63,9 +63,9 @@ def adamw(
   the learning rate `learning_rate(count)` before this update is counted. Written so that every
   per-element factor is a scalar computed once (the clip factor and the bias corrections
   multiply, not divide), which lets XLA fuse each leaf into three passes (mu, nu, the update
-  with its parameter) with nothing else materialised: on 2 CPU cores the small preset's 76M
-  parameters took 50 ms an update this way, optax's chain 155 and PyTorch's fused AdamW 47-59
-  (`bench/cpu_micro.py --only adamw`; BENCHMARKS.md, "Eleventh round").
+  with its parameter) with nothing else materialised, where optax's chain writes each
+  transformation's output to memory before the next reads it (`bench/cpu_micro.py --only adamw`
+  times the two beside PyTorch's fused AdamW).
 
   `update(grads, state, params, grad_norm=None)`: `grad_norm` is the gradient's global norm if
   the caller has it (the train step computes it once for the finite check, the metric and here).
