@@ -10,7 +10,7 @@ through two calls, over a `DraftCache` that they roll back with the target's:
   per row from its pending token (drawn, not yet in any cache, at position `lengths_B`), and the
   distributions they were drawn from.
 
-Two drafters:
+Three drafters:
 
 * `DraftModel`: a smaller model with the target's vocabulary and its own cache (contiguous, or
   a paged pool indexed by the target's block tables). `follow` runs it over the window's tokens;
@@ -19,13 +19,15 @@ Two drafters:
 * `MTPDrafter`: the target's own multi-token-prediction heads (`atlas_jax.model.mtp`). Their
   cache holds the heads' blocks; beside it, `DraftCache.hidden` keeps the target's hidden
   states per slot of that cache (the final one and the last block's input). `follow` runs the
-  heads over the window from the target's hidden states and stores them; `propose` re-runs the
-  heads at each row's last computed position from the stored states (an idempotent rewrite of
-  that position's entry), with the pending token as its next, and draws from their logits.
+  heads over the window from the target's hidden states and stores them; `propose` runs a chain
+  of k head steps from each row's last computed position (its first rewrites that position's
+  entry, idempotently), with the pending token as its next, and draws from their logits.
+* `NGramDrafter`: prompt lookup, no model. Its cache is the row's tokens per slot; `propose`
+  finds the row's longest recent n-gram earlier in its prompt and output and proposes what
+  followed it (one-hot proposals; fewer than k, or none, where nothing matches).
 
-Either way every cache entry a round reads was written by `follow` or `propose` from verified
-tokens, and entries past a row's length are never read, so rolling back lengths rolls back the
-drafter too.
+Every cache entry a round reads was written by `follow` or `propose`, and entries past a row's
+length are never read, so rolling back lengths rolls back the drafter too.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from atlas_jax.cache.paged import PagedCache
 from atlas_jax.decoding.sampling import SamplingArrays, mask_logits, probabilities
 
 Array = jax.Array
@@ -129,7 +132,8 @@ class DraftModel:
 
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter:
-  """The target's MTP heads drafting for it; `n_heads` (k) of them run, one draft each."""
+  """The target's MTP heads drafting for it: `n_heads` of them hold a cache (k for parallel
+  heads, min(k, J) for sequential ones, which chain)."""
 
   n_heads: int
   needs_hidden = True  # the heads draft from the target's hidden states
@@ -165,31 +169,181 @@ class MTPDrafter:
     return self._heads(target, dcache, window, store=True)[0]
 
   def propose(self, params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k):
-    """(dcache, i32[B, k] drafts, f32[B, k, V] their distributions), from the heads at each
-    row's last computed position (lengths - 1), its hidden states read back from their slot."""
+    """(dcache, i32[B, k] drafts, f32[B, k, V] their distributions): a chain of k links
+    (`MTPHeads.draft_step`) from each row's last computed position (lengths - 1), its hidden
+    states read back from their slot.
+
+    Link j runs head i = j mod n_heads. Parallel heads (k <= n_heads) all sit at the last
+    position and read the trunk: their drafts do not read each other's. Sequential heads chain:
+    head i drafts token j + 1 from the previous link's output and draft at position
+    last + j - i, so the first n_heads links are the training-time depths at the last position,
+    and past them the first head runs again one step further on, on the chain's own output (a
+    stand-in for the trunk's state there, as vLLM drafts from DeepSeek-V3's one module). Links
+    past the last position write entries the round's `follow` rewrites from verified states.
+    """
     del params
-    last_B1 = jnp.where(lengths_B >= 1, lengths_B - 1, -1)[:, None]
+    last_B = jnp.where(lengths_B >= 1, lengths_B - 1, -1)
     _, X, Y, D = dcache.hidden.shape
-    slots_B1 = jnp.maximum(dcache.cache.slots(last_B1), 0)
-    final_B1D, trunk_B1D = dcache.hidden.reshape(2, X * Y, D)[:, slots_B1]
-    window = Window(
-      tokens_BT=pending_B[:, None],
-      positions_BT=last_B1,
-      lengths_B=jnp.maximum(last_B1[:, 0], 0),
-      next_BT=pending_B[:, None],
-      at_B=jnp.zeros_like(lengths_B),
-      hidden=(final_B1D, trunk_B1D),
+    slots_B = jnp.maximum(dcache.cache.slots(last_B[:, None])[:, 0], 0)
+    final_BD, trunk_BD = dcache.hidden.reshape(2, X * Y, D)[:, slots_B]
+    mtp, J = target.mtp, self.n_heads
+    embed_VD, head_DV = target.embed[...], target._head_DV()
+
+    def link(carry, j):
+      cache, h_BD, token_B = carry
+      head = j % J
+      position_B = jnp.where(last_B >= 0, last_B + j - head, -1)
+      logits_BV, h_BD, cache = mtp.draft_step(
+        cache,
+        head=head,
+        token_B=token_B,
+        h_BD=h_BD,
+        trunk_BD=trunk_BD,
+        position_B=position_B,
+        embed_VD=embed_VD,
+        head_DV=head_DV,
+      )
+      q_BV = probabilities(first_masked(logits_BV, arrays, j), arrays)
+      d_B = draw(keys_BT[:, j], q_BV)
+      return (cache, h_BD, d_B), (d_B, q_BV)
+
+    carry = (dcache.cache, final_BD, pending_B)
+    (cache, _, _), (d_JB, q_JBV) = jax.lax.scan(link, carry, jnp.arange(k, dtype=jnp.int32))
+    return dcache.replace(cache=cache), d_JB.T, q_JBV.transpose(1, 0, 2)
+
+
+# -- prompt lookup -------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenPool:
+  """Every token at each slot of a cache: the n-gram drafter's whole state. A one-"layer" pool
+  ([1, P, Z] blocks indexed by the target's block tables, or a contiguous cache's [B, S] rows as
+  blocks), so a `PagedCache` maps its positions to slots and block copies copy it too."""
+
+  tokens: Array  # i32[1, X, Y]
+
+  @property
+  def arrays(self) -> tuple[Array]:
+    return (self.tokens,)
+
+  def with_arrays(self, arrays) -> TokenPool:
+    return TokenPool(*arrays)
+
+
+def ngram_match(buf_BS: Array, end_B: Array, *, min_n: int, max_n: int) -> tuple[Array, Array]:
+  """The longest n-gram (min_n <= n <= max_n) ending at each row's `end_B` that also ends
+  earlier in the row, and the earliest place it does (as vLLM's and transformers' prompt
+  lookup pick it): one vectorised pass over the buffer, O(S * max_n) per row.
+
+  Args:
+    buf_BS: i32[B, S] each row's tokens (prompt and output) at their positions.
+    end_B: i32[B] the position of each row's last token (-1: an empty row).
+
+  Returns:
+    (i32[B] e, the position where the earlier occurrence ends (its next token at e + 1 <= end),
+    i32[B] its length n; 0 where no n-gram of at least min_n tokens recurs).
+  """
+  B, S = buf_BS.shape
+  e_1S = jnp.arange(S, dtype=jnp.int32)[None, :]
+  run_BS = jnp.zeros((B, S), jnp.int32)  # how many tokens ending at e match those ending at end
+  alive_BS = jnp.ones((B, S), bool)
+  for t in range(max_n):
+    tail_B = jnp.take_along_axis(buf_BS, jnp.maximum(end_B - t, 0)[:, None], axis=1)
+    back_BS = jnp.roll(buf_BS, t, axis=1)  # position e holds the token at e - t
+    alive_BS &= (back_BS == tail_B) & (e_1S >= t) & (end_B - t >= 0)[:, None]
+    run_BS += alive_BS
+  run_BS = jnp.where((e_1S < end_B[:, None]) & (run_BS >= min_n), run_BS, 0)
+  n_B = run_BS.max(axis=1)
+  e_B = jnp.argmax(run_BS == n_B[:, None], axis=1).astype(jnp.int32)  # the first: earliest
+  return e_B, n_B
+
+
+def ngram_drafts(buf_BS: Array, end_B: Array, *, min_n: int, max_n: int, k: int):
+  """(i32[B, k] the up to k tokens after the match `ngram_match` finds, 0 past them; i32[B]
+  how many there are: none without a match, fewer than k where the match ends near `end`)."""
+  S = buf_BS.shape[1]
+  e_B, n_B = ngram_match(buf_BS, end_B, min_n=min_n, max_n=max_n)
+  count_B = jnp.where(n_B > 0, jnp.minimum(k, end_B - e_B), 0)
+  at_BJ = e_B[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+  tokens_BJ = jnp.take_along_axis(buf_BS, jnp.minimum(at_BJ, S - 1), axis=1)
+  has_BJ = jnp.arange(k)[None, :] < count_B[:, None]
+  return jnp.where(has_BJ, tokens_BJ, 0), count_B
+
+
+@dataclasses.dataclass(frozen=True)
+class NGramDrafter:
+  """Prompt lookup (n-gram) drafting: no model. Each row drafts the tokens that followed the
+  earliest earlier occurrence of its longest recent n-gram, `prompt_lookup_min` <= n <=
+  `prompt_lookup_max` (vLLM's names), found in its own prompt and output on the device.
+
+  Its cache is a `TokenPool` over the target's slots: `follow` writes the window's tokens;
+  `propose` reads each row's tokens back through its block table. A draft is a deterministic
+  proposal, q = one-hot: the verifier accepts it with probability p(x) and after a rejection
+  draws from p without x, renormalised, exactly as `verify` treats any q. A row with fewer than
+  k drafts (no match, or a match near its end) pads with q = 0: a position with nothing
+  proposed is never accepted, and the residual there is p itself, the plain draw.
+  """
+
+  prompt_lookup_min: int = 5  # vLLM's defaults when neither is given
+  prompt_lookup_max: int = 5
+  needs_hidden = False
+
+  def __post_init__(self):
+    lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+    for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: must be a positive int")
+    if lo > hi:
+      raise ValueError(f"prompt_lookup_min={lo} is not allowed: must be <= prompt_lookup_max={hi}")
+
+  def init_cache(self, batch: int, max_len: int) -> Any:
+    """A cache of `batch` rows of `max_len` tokens: the rows as blocks of a `PagedCache`."""
+    Z = next(z for z in (64, 32, 16, 8, 4, 2, 1) if max_len % z == 0)
+    table_BM = jnp.arange(batch * (max_len // Z), dtype=jnp.int32).reshape(batch, -1)
+    pool = TokenPool(jnp.zeros((1, batch * (max_len // Z), Z), jnp.int32))
+    return PagedCache(pool, table_BM, jnp.zeros((batch,), jnp.int32))
+
+  def init_pool(self, n_blocks: int, block_size: int) -> TokenPool:
+    return TokenPool(jnp.zeros((1, n_blocks, block_size), jnp.int32))
+
+  def follow(self, params, target, dcache: DraftCache, window: Window, *, in_round=False):
+    """The window's tokens written at their slots (a round's: the pending token and every
+    draft; those past the kept ones are never read)."""
+    del params, target, in_round
+    cache = dcache.cache
+    tokens = cache.pool.tokens
+    _, X, Y = tokens.shape
+    slots_BT = cache.slots(window.positions_BT)
+    slots_BT = jnp.where(slots_BT >= 0, slots_BT, X * Y)  # padding: out of range, dropped
+    flat = tokens.reshape(X * Y).at[slots_BT].set(window.tokens_BT, mode="drop")
+    return dcache.replace(cache=cache.replace(pool=TokenPool(flat.reshape(tokens.shape))))
+
+  def propose(self, params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k):
+    """(dcache, i32[B, k] drafts, f32[B, k, V] their one-hot proposals, zero rows where a row
+    has fewer than k drafts); padding rows (length -1) draft nothing."""
+    del params, keys_BT, arrays
+    cache = dcache.cache
+    table_BM = cache.block_table
+    B, M = table_BM.shape
+    buf_BS = cache.pool.tokens[0][table_BM].reshape(B, -1)
+    valid_B = lengths_B >= 0
+    at_B = jnp.where(valid_B, lengths_B, buf_BS.shape[1])  # the pending token's position
+    buf_BS = buf_BS.at[jnp.arange(B), at_B].set(pending_B, mode="drop")
+    draft_BJ, count_B = ngram_drafts(
+      buf_BS,
+      jnp.where(valid_B, lengths_B, -1),
+      min_n=self.prompt_lookup_min,
+      max_n=self.prompt_lookup_max,
+      k=k,
     )
-    dcache, logits_JBV = self._heads(target, dcache, window, store=False)
-    logits_JBV = logits_JBV[:k].at[0].set(first_masked(logits_JBV[0], arrays, 0))
-    # The heads do not read each other's draws: every draft comes from one pass.
-    q_BJV = jax.vmap(lambda logits_BV: probabilities(logits_BV, arrays))(logits_JBV)
-    q_BJV = q_BJV.transpose(1, 0, 2)
-    draft_BJ = jnp.stack([draw(keys_BT[:, j], q_BJV[:, j]) for j in range(k)], axis=1)
-    return dcache, draft_BJ, q_BJV
+    has_BJ = jnp.arange(k)[None, :] < count_B[:, None]
+    q_BJV = jax.nn.one_hot(draft_BJ, target.cfg.vocab_size, dtype=jnp.float32)
+    return dcache, draft_BJ, q_BJV * has_BJ[..., None]
 
 
-Drafter = DraftModel | MTPDrafter
+Drafter = DraftModel | MTPDrafter | NGramDrafter
 
 
 def check_k(k) -> None:
@@ -198,28 +352,34 @@ def check_k(k) -> None:
 
 
 def make_drafter(model, draft, k: int, *, max_len: int | None = None) -> Drafter:
-  """The drafter for `draft` ("mtp", or a model with `model`'s vocabulary) proposing k tokens.
+  """The drafter for `draft` proposing k tokens: "mtp" (the model's own heads), "ngram" or an
+  `NGramDrafter` (prompt lookup), or a model with `model`'s vocabulary.
 
   Raises:
-    ValueError naming the argument: a draft that is neither, another vocabulary, too short a
-    context (`max_len`, the served one), no MTP heads or fewer than k drafting ones.
+    ValueError naming the argument: a draft that is none of these, another vocabulary, too short
+    a context (`max_len`, the served one), no MTP heads, or more drafts than parallel heads.
   """
   check_k(k)
+  if isinstance(draft, NGramDrafter):
+    return draft
   if isinstance(draft, str):
+    if draft == "ngram":
+      return NGramDrafter()
     if draft != "mtp":
-      raise ValueError(f"draft={draft!r} is not allowed: expected a model or 'mtp'")
+      raise ValueError(f"draft={draft!r} is not allowed: expected a model, 'mtp' or 'ngram'")
     if model.mtp is None:
       raise ValueError("draft='mtp': the model has no MTP heads (model.mtp is null)")
-    if k > model.mtp.n_draft_heads:
+    J = model.mtp.n_draft_heads
+    if model.mtp.kind == "parallel" and k > J:
       raise ValueError(
-        f"num_speculative_tokens={k} with draft='mtp' must be <= {model.mtp.n_draft_heads}: "
-        f"each {model.mtp.kind} MTP head drafts one token"
-        + (" (only the first sequential head drafts)" if model.mtp.kind == "sequential" else "")
+        f"num_speculative_tokens={k} with draft='mtp' must be <= {J}: each parallel MTP head "
+        "drafts one token from the trunk"
       )
-    return MTPDrafter(k)
+    return MTPDrafter(min(k, J))
   if not hasattr(draft, "init_cache") or not hasattr(draft, "cfg"):
     raise ValueError(
-      f"draft={draft!r} is not allowed: expected a model (atlas_jax.model.Transformer) or 'mtp'"
+      f"draft={draft!r} is not allowed: expected a model (atlas_jax.model.Transformer), 'mtp' "
+      "or 'ngram'"
     )
   if draft.cfg.vocab_size != model.cfg.vocab_size:
     raise ValueError(

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.decoding import batching, speculative
+from atlas_jax.decoding.drafters import NGramDrafter
 from atlas_jax.decoding.sampling import (
   SamplingArrays,
   SamplingParams,
@@ -114,7 +115,7 @@ def generate(
   *,
   eos_id: int | Sequence[int] | None = None,
   return_logprobs: bool = False,
-  draft: Transformer | str | None = None,
+  draft: Transformer | str | NGramDrafter | None = None,
   num_speculative_tokens: int = 4,
 ):
   """Completes each prompt; returns the new tokens per prompt (ending at the stop token drawn).
@@ -128,10 +129,11 @@ def generate(
       unless its ignore_eos.
     return_logprobs: also return each generated token's logprob (f32 lists).
     draft: speculative decoding (`atlas_jax.decoding.speculative`): a model with the same
-      vocabulary that proposes `num_speculative_tokens` tokens per target pass, or "mtp" for the
-      model's own multi-token-prediction heads. The output has the same law as without it (and
-      the same tokens when greedy). Rows with repetition/presence/frequency penalties decode
-      without it.
+      vocabulary that proposes `num_speculative_tokens` tokens per target pass, "mtp" for the
+      model's own multi-token-prediction heads, or "ngram" / `drafters.NGramDrafter(min, max)`
+      for prompt lookup (drafts copied from the row's own prompt and output). The output has
+      the same law as without it (and the same tokens when greedy). Rows with
+      repetition/presence/frequency penalties decode without it.
     num_speculative_tokens: k, draft tokens per round.
 
   Returns:

@@ -31,7 +31,15 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.decoding import batching
-from atlas_jax.decoding.drafters import DraftCache, Drafter, Window, hidden_store, make_drafter
+from atlas_jax.decoding.drafters import (
+  DraftCache,
+  Drafter,
+  MTPDrafter,
+  NGramDrafter,
+  Window,
+  hidden_store,
+  make_drafter,
+)
 from atlas_jax.decoding.sampling import (
   MAX_LOGPROBS,
   SamplingArrays,
@@ -69,7 +77,8 @@ def verify(p_BJV: Array, q_BJV: Array, draft_BJ: Array, key_B: Array) -> tuple[A
 
   Args:
     p_BJV: f32[B, J + 1, V] the target's distributions at the pending token and each draft token.
-    q_BJV: f32[B, J, V] the draft's distributions each draft token was drawn from.
+    q_BJV: f32[B, J, V] the draft's distributions each draft token was drawn from (one-hot for a
+      deterministic proposal; all zeros where nothing was proposed).
     draft_BJ: i32[B, J] the draft tokens (J draft positions).
     key_B: [B] one key per row.
 
@@ -82,8 +91,10 @@ def verify(p_BJV: Array, q_BJV: Array, draft_BJ: Array, key_B: Array) -> tuple[A
   u_BJ = jax.vmap(lambda k: jax.random.uniform(k, (J,)))(k_accept)
   p_at_BJ = jnp.take_along_axis(p_BJV[:, :J], draft_BJ[..., None], axis=-1)[..., 0]
   q_at_BJ = jnp.take_along_axis(q_BJV, draft_BJ[..., None], axis=-1)[..., 0]
-  # u < p / q without the division; q > 0 for a token drawn from q.
-  accept_BJ = u_BJ * q_at_BJ < p_at_BJ
+  # u < p / q without the division; q > 0 for a token drawn from q. A position where q is all
+  # zeros proposed nothing (a prompt-lookup row with fewer than J drafts): never accepted, and
+  # its residual max(p - 0, 0) is p, the plain draw.
+  accept_BJ = (u_BJ * q_at_BJ < p_at_BJ) & (q_at_BJ > 0)
   a_B = jnp.sum(jnp.cumprod(accept_BJ, axis=1), axis=1).astype(jnp.int32)
   # A zero row after the last draft makes the bonus case the residual of p_J against nothing.
   q_pad_BJV = jnp.concatenate([q_BJV, jnp.zeros_like(q_BJV[:, :1])], axis=1)
@@ -385,11 +396,14 @@ def speculative_generate(
   arrays = SamplingArrays.from_params(per_row)
   seed_B = jnp.asarray([p.seed for p in per_row], jnp.int32)
   t_graphdef, t_state = nnx.split(model)
-  if isinstance(draft, str):  # "mtp": the model's own heads, and the hidden states they read
+  d_params = None
+  if isinstance(drafter, MTPDrafter):  # the model's own heads, and the hidden states they read
     cfg = model.cfg
-    cache = model.mtp.init_cache(cfg, B, capacity, jnp.dtype(cfg.dtype), n_heads=k)
+    cache = model.mtp.init_cache(cfg, B, capacity, jnp.dtype(cfg.dtype), n_heads=drafter.n_heads)
     store = hidden_store(cfg, B, capacity, cfg.dtype)
-    dcache, d_params = DraftCache(cache, jnp.zeros(store.shape, store.dtype)), None
+    dcache = DraftCache(cache, jnp.zeros(store.shape, store.dtype))
+  elif isinstance(drafter, NGramDrafter):  # the rows' tokens, looked up on the device
+    dcache = DraftCache(drafter.init_cache(B, capacity))
   else:
     d_params = nnx.state(draft)
     dcache = DraftCache(draft.init_cache(B, capacity))

@@ -145,9 +145,11 @@ class MTPHeads(nnx.Module):
 
   @property
   def n_draft_heads(self) -> int:
-    """Heads that draft with a cache: every parallel head; the first sequential one (a deeper
-    sequential head would read embeddings of tokens not yet verified)."""
-    return self.n_predict if self.kind == "parallel" else 1
+    """Heads that draft with a cache: every head. Parallel heads draft side by side from the
+    trunk, one token each; sequential heads chain (head i drafts token i + 1 from head i - 1's
+    output and draft), and past the last one the first runs again on the chain's own draft, as
+    vLLM drafts k > 1 tokens from DeepSeek-V3's single module."""
+    return self.n_predict
 
   def init_cache(
     self, cfg: ModelConfig, batch: int, max_len: int, dtype, n_heads: int | None = None
@@ -191,7 +193,13 @@ class MTPHeads(nnx.Module):
     n_heads: int | None = None,
   ):
     """Runs the drafting heads over a window of verified positions, extending their cache, and
-    returns each head's next-token logits at window index `at_B`.
+    returns each head's logits at window index `at_B`.
+
+    Sequential heads chain as in training: head i (0-based) at position t reads head i - 1's
+    output there and the token t + 1 + i, here `next_tokens_BT` shifted by i within the window.
+    Where that token lies past the window (a deeper head's last i positions) it is not known
+    yet: those entries are approximate, which costs draft quality, never correctness (the
+    verifier decides every token), and `MTPHeads.draft_step` rewrites the one a round drafts at.
 
     Args:
       cache: from `init_cache`; holds the heads' entries for every position before the window.
@@ -215,21 +223,66 @@ class MTPHeads(nnx.Module):
     state = jax.tree.map(lambda a: a[:J], state)
     take = lambda x_BTD: jnp.take_along_axis(x_BTD, at_B[:, None, None], axis=1)[:, 0]
 
-    def body(storage, layer):
+    def body(carry, layer):
+      storage, h_BTD = carry
       state, j = layer
       view = cache.layer(storage, j, positions_BT)
       head = nnx.merge(graphdef, state)
       if self.kind == "parallel":
         out_BTD, view = head(trunk_BTD, positions_BT, None, cache=view)
       else:
-        emb_BTD = jnp.take(embed_VD, next_tokens_BT, axis=0).astype(dtype)
-        # Training places module 1 at positions t + 1; RoPE sees only differences, so the cache
-        # keeps the window's own positions (they also order its causal mask).
-        _, out_BTD, view = head(emb_BTD, final_BTD, positions_BT, None, cache=view)
+        tokens_BT = jnp.roll(next_tokens_BT, -j, axis=1)
+        emb_BTD = jnp.take(embed_VD, tokens_BT, axis=0).astype(dtype)
+        # Training places module i at positions t + 1 + i; RoPE sees only differences, so the
+        # cache keeps the window's own positions (they also order its causal mask).
+        h_BTD, out_BTD, view = head(emb_BTD, h_BTD, positions_BT, None, cache=view)
       logits_BV = jnp.einsum(
         "BD,DV->BV", take(out_BTD), head_DV, preferred_element_type=jnp.float32
       )
-      return view.storage, logits_BV
+      return (view.storage, h_BTD), logits_BV
 
-    storage, logits_JBV = jax.lax.scan(body, cache.layers, (state, jnp.arange(J, dtype=jnp.int32)))
+    layers = (state, jnp.arange(J, dtype=jnp.int32))
+    (storage, _), logits_JBV = jax.lax.scan(body, (cache.layers, final_BTD), layers)
     return logits_JBV, cache.advance(storage, positions_BT)
+
+  def draft_step(
+    self,
+    cache,
+    *,
+    head: Array,
+    token_B: Array,
+    h_BD: Array,
+    trunk_BD: Array,
+    position_B: Array,
+    embed_VD: Array,
+    head_DV: Array,
+  ):
+    """One drafting head at one position per row: a link of a round's drafting chain.
+
+    Head `head` (i32[], traced) writes its cache entry at `position_B` and predicts from it: a
+    parallel head from the trunk `trunk_BD`, a sequential one from `h_BD` (the trunk's final
+    state, or the previous link's output) and the embedding of `token_B`, the token after
+    `position_B` (the pending token, or the previous link's draft).
+
+    Args:
+      cache: from `init_cache` / `init_pool`, its entries before `position_B` written.
+      position_B: i32[B]; -1 marks a padding row, which writes nothing.
+
+    Returns:
+      (f32[B, V] logits, [B, D] the head's output (the next link's `h_BD`), the cache).
+    """
+    graphdef, state = nnx.split(self.heads)
+    dtype = h_BD.dtype
+    module = nnx.merge(graphdef, jax.tree.map(lambda a: a[head], state))
+    positions_B1 = position_B[:, None]
+    cache = cache.replace(lengths=jnp.maximum(position_B, 0))
+    view = cache.layer(cache.layers, head, positions_B1)
+    if self.kind == "parallel":
+      out_B1D, view = module(trunk_BD[:, None], positions_B1, None, cache=view)
+    else:
+      emb_B1D = jnp.take(embed_VD, token_B[:, None], axis=0).astype(dtype)
+      _, out_B1D, view = module(emb_B1D, h_BD[:, None], positions_B1, None, cache=view)
+    logits_BV = jnp.einsum(
+      "BD,DV->BV", out_B1D[:, 0], head_DV.astype(dtype), preferred_element_type=jnp.float32
+    )
+    return logits_BV, out_B1D[:, 0], cache.advance(view.storage, positions_B1)

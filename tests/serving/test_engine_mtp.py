@@ -53,5 +53,5 @@ def test_mtp_self_speculation_in_the_engine(kind, n_predict, k, mla):
 def test_mtp_drafting_needs_heads(tiny_model):
   with pytest.raises(ValueError, match="the model has no MTP heads"):
     Engine(tiny_model, ROOMY, draft="mtp")
-  with pytest.raises(ValueError, match="num_speculative_tokens=3 with draft='mtp' must be <= 1"):
-    Engine(mtp_model("sequential", 2, False), ROOMY, draft="mtp")
+  with pytest.raises(ValueError, match="num_speculative_tokens=3 with draft='mtp' must be <= 2"):
+    Engine(mtp_model("parallel", 2, False), ROOMY, draft="mtp")
