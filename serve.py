@@ -330,6 +330,12 @@ CONFIG_FLAGS = {
     "pool blocks per data-parallel replica",
   ),
   "engine.block_size": (("--block-size",), int, "tokens per pool block"),
+  "engine.kv_cache_dtype": (
+    ("--kv-cache-dtype",),
+    str,
+    "the pool's storage: auto (the model's dtype), int8 or fp8 (8-bit codes with a scale per "
+    "token and kv head)",
+  ),
   "engine.max_num_batched_tokens": (("--max-num-batched-tokens",), int, "per-step token budget"),
   "engine.prefill_chunk": (("--prefill-chunk",), int, "prompt tokens per request per step"),
   "engine.max_model_len": (("--max-model-len",), int, "context length (default: the model's)"),

@@ -565,6 +565,8 @@ WEIGHT_LAYOUTS = ("auto", "stacked", "in_major", "out_major")
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 CPU_REDUCTIONS = ("auto", "xla", "ynnpack")
 RUNNERS = ("auto", "ragged", "cpu")
+# `serve.engine.kv_cache_dtype` (`atlas_jax.kernels.quantized_kv` stores the 8-bit ones).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,6 +615,10 @@ class EngineConfig:
 
   n_blocks: int | None = None  # P per replica; None: sized from memory
   block_size: int = 16  # Z, token slots per block
+  # vLLM's `--kv-cache-dtype`: "auto" stores the pool in the model's dtype; "int8" or "fp8"
+  # (e4m3) store 8-bit codes with a float32 scale per token and kv head
+  # (`atlas_jax.kernels.quantized_kv`), about twice the tokens of bf16 in the same memory.
+  kv_cache_dtype: str = "auto"
   # Pool bytes per device (a number > 1), or a fraction in (0, 1] of the memory the weights and
   # the largest step's activations leave; None: `gpu_memory_utilization`.
   kv_cache_memory: float | None = None
@@ -672,6 +678,10 @@ class EngineConfig:
       _fail(where("warmup"), self.warmup, f"must be one of {', '.join(WARMUP_LEVELS)}")
     if self.runner not in RUNNERS:
       _fail(where("runner"), self.runner, f"must be one of {', '.join(RUNNERS)}")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      _fail(
+        where("kv_cache_dtype"), self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}"
+      )
     for name in (
       "n_blocks",
       "block_size",

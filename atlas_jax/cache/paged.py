@@ -14,6 +14,10 @@ Pools (L layers, P blocks, Z slots per block, K kv heads, H head dim, C + R late
 * `KVPool`: k and v [L, P, Z, K, H] (MHA, GQA, MQA).
 * `LatentPool`: the MLA latent [L, P, Z, C + R] (compressed KV plus the shared rope key).
 
+Either may hold 8-bit codes (int8 or FP8 e4m3, `--kv-cache-dtype`) beside a float32 scale per
+token and kv head (`kernels.quantized_kv`): new tokens are quantized as they are written and the
+kernels dequantize pages as they read them.
+
 The layer axis leads. The model's layer scan carries the whole pool, and each layer scatters its
 new tokens into its own slice and reads it in place (the kernels take the stacked pool and a
 layer index), so no layer of the pool is ever copied out or stacked back.
@@ -47,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
 from atlas_jax.cache.protocol import added_tokens
+from atlas_jax.kernels.quantized_kv import SCALE_DTYPE, dequantize, is_quantized, quantize
 
 Array = jax.Array
 
@@ -223,6 +228,8 @@ class KVPool:
 
   k: Array  # [L, P, Z, K, H]
   v: Array  # [L, P, Z, K, H]
+  k_scale: Array | None = None  # f32[L, P, Z, K] when k and v hold 8-bit codes
+  v_scale: Array | None = None  # f32[L, P, Z, K]
 
   # Every array's logical axes, which the serving rules table maps to the mesh.
   logical_axes = ("layers", "pages", "page_slots", "kv_heads", "head_dim")
@@ -238,21 +245,28 @@ class KVPool:
     head_dim: int,
     dtype=jnp.bfloat16,
   ) -> KVPool:
-    """A zeroed pool."""
+    """A zeroed pool; an 8-bit `dtype` (int8, float8_e4m3fn) adds the scales."""
     shape = (n_layers, n_blocks, block_size, n_kv_heads, head_dim)
     for name, value in zip(("n_layers", "n_blocks", "block_size", "n_kv_heads", "head_dim"), shape):
       _check_positive(name, value)
-    return cls(*_zeros((shape, shape), jnp.dtype(dtype)))
+    k, v = _zeros((shape, shape), jnp.dtype(dtype))
+    if not is_quantized(dtype):
+      return cls(k, v)
+    return cls(k, v, *_zeros((shape[:-1], shape[:-1]), SCALE_DTYPE))
 
   @property
-  def arrays(self) -> tuple[Array, Array]:
-    return self.k, self.v
+  def arrays(self) -> tuple[Array, ...]:
+    """(k, v), then (k_scale, v_scale) for 8-bit pools."""
+    return (
+      (self.k, self.v) if self.k_scale is None else (self.k, self.v, self.k_scale, self.v_scale)
+    )
 
   def with_arrays(self, arrays) -> KVPool:
     return KVPool(*arrays)
 
   def layer(self, storage, layer, block_table, queries, layout=None) -> PagedKVLayer:
-    return PagedKVLayer(*storage, layer, block_table, queries, layout)
+    k, v, *scales = storage
+    return PagedKVLayer(k, v, layer, block_table, queries, layout, (), *scales)
 
 
 @jax.tree_util.register_dataclass
@@ -262,6 +276,7 @@ class LatentPool:
 
   c: Array  # [L, P, Z, C + R]
   rope_dim: int = dataclasses.field(metadata=dict(static=True))  # R
+  c_scale: Array | None = None  # f32[L, P, Z, 1] when c holds 8-bit codes
 
   # One latent serves every head: no head axis, so every tensor device holds the whole pool.
   logical_axes = ("layers", "pages", "page_slots", "kv_lora")
@@ -285,19 +300,22 @@ class LatentPool:
       _check_positive(name, value)
     shape = (n_layers, n_blocks, block_size, kv_lora_rank + rope_dim)
     (c,) = _zeros((shape,), jnp.dtype(dtype))
-    return cls(c, rope_dim)
+    if not is_quantized(dtype):
+      return cls(c, rope_dim)
+    (scale,) = _zeros((shape[:-1] + (1,),), SCALE_DTYPE)
+    return cls(c, rope_dim, scale)
 
   @property
-  def arrays(self) -> tuple[Array]:
-    return (self.c,)
+  def arrays(self) -> tuple[Array, ...]:
+    """(c,), then (c_scale,) for an 8-bit pool."""
+    return (self.c,) if self.c_scale is None else (self.c, self.c_scale)
 
   def with_arrays(self, arrays) -> LatentPool:
-    (c,) = arrays
-    return LatentPool(c, self.rope_dim)
+    return LatentPool(arrays[0], self.rope_dim, *arrays[1:])
 
   def layer(self, storage, layer, block_table, queries, layout=None) -> PagedLatentLayer:
-    (c,) = storage
-    return PagedLatentLayer(c, layer, block_table, queries, self.rope_dim, layout)
+    c, *scale = storage
+    return PagedLatentLayer(c, layer, block_table, queries, self.rope_dim, layout, (), *scale)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -413,6 +431,8 @@ class PagedKVLayer:
   queries: Queries  # [B] where each sequence's new tokens are and what it holds with them
   layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
   options: tuple = _static(())  # (name, value) pairs for the attention kernel's dispatcher
+  k_scale: Array | None = None  # f32[L, P, Z, K] when k and v hold 8-bit codes
+  v_scale: Array | None = None  # f32[L, P, Z, K]
 
   # Attention reads the pool in place for any number of new tokens: no dense `read` is needed.
   attends_in_place = True
@@ -422,8 +442,10 @@ class PagedKVLayer:
     return self.queries.kv_lengths
 
   @property
-  def storage(self) -> tuple[Array, Array]:
-    return self.k, self.v
+  def storage(self) -> tuple[Array, ...]:
+    if self.k_scale is None:
+      return self.k, self.v
+    return self.k, self.v, self.k_scale, self.v_scale
 
   def _specs(self):
     """(pool, sequences [B, ...] of rank n, per-head [R, T, heads, H]) specs under the layout."""
@@ -438,24 +460,36 @@ class PagedKVLayer:
 
   def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> PagedKVLayer:
     layout = self.layout
+    scaled = self.k_scale is not None
 
-    def local(k, v, table_BM, queries, positions_RT, k_RTKH, v_RTKH, layer):
+    def local(table_BM, queries, positions_RT, k_RTKH, v_RTKH, layer, *arrays):
+      k = arrays[0]
       table_BM = local_table(table_BM, layout, k.shape[1])
       slots_RT = token_slots(
         table_BM, queries.start, queries.length, positions_RT, block_size=k.shape[2]
       )
-      return (
-        write_slots(k, slots_RT, k_RTKH, layer=layer),
-        write_slots(v, slots_RT, v_RTKH, layer=layer),
-      )
+      new = (k_RTKH, v_RTKH)
+      if scaled:  # codes into k and v, their scales into k_scale and v_scale
+        (kq, ks), (vq, vs) = (quantize(x, k.dtype) for x in new)
+        new = (kq, vq, ks, vs)
+      return tuple(write_slots(a, slots_RT, x, layer=layer) for a, x in zip(arrays, new))
 
     pool, seqs, heads = self._specs()
+    scale = self._scale_spec()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
-    specs = (pool, pool, seqs(2), q_specs, seqs(2), heads("kv_heads"), heads("kv_heads"), P())
-    k, v = per_shard(layout, local, specs, (pool, pool))(
-      self.k, self.v, self.block_table, self.queries, positions_BT, k_BTKH, v_BTKH, self.layer
+    pools = (pool, pool) + ((scale, scale) if scaled else ())
+    specs = (seqs(2), q_specs, seqs(2), heads("kv_heads"), heads("kv_heads"), P(), *pools)
+    arrays = per_shard(layout, local, specs, pools)(
+      self.block_table, self.queries, positions_BT, k_BTKH, v_BTKH, self.layer, *self.storage
     )
+    if scaled:
+      k, v, ks, vs = arrays
+      return dataclasses.replace(self, k=k, v=v, k_scale=ks, v_scale=vs)
+    k, v = arrays
     return dataclasses.replace(self, k=k, v=v)
+
+  def _scale_spec(self):
+    return None if self.layout is None else self.layout.spec(None, "pages", None, "kv_heads")
 
   def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Causal attention of the call's tokens over their sequences' pages (the ragged kernel),
@@ -470,15 +504,20 @@ class PagedKVLayer:
       **dict(self.options),
     )
 
-    def local(q_RTNH, k, v, table_BM, queries, layer):
+    def local(q_RTNH, table_BM, queries, layer, k, v, *scales):
       table_BM = local_table(table_BM, layout, k.shape[1])
+      if scales:  # 8-bit codes: the queries stay in the model's dtype
+        scaled = dict(k_scale=scales[0], v_scale=scales[1])
+        return _attend(q_RTNH, (k, v), table_BM, queries, layer, **scaled, **kw)
       return _attend(q_RTNH.astype(k.dtype), (k, v), table_BM, queries, layer, **kw)
 
     pool, seqs, heads = self._specs()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
-    specs = (heads("q_heads"), pool, pool, seqs(2), q_specs, P())
+    scale = self._scale_spec()
+    pools = (pool, pool) + ((scale, scale) if self.k_scale is not None else ())
+    specs = (heads("q_heads"), seqs(2), q_specs, P(), *pools)
     out = per_shard(layout, local, specs, heads("q_heads"))(
-      q_BTNH, self.k, self.v, self.block_table, self.queries, self.layer
+      q_BTNH, self.block_table, self.queries, self.layer, *self.storage
     )
     return out.astype(dtype)
 
@@ -487,17 +526,20 @@ class PagedKVLayer:
     off the serving path)."""
     layout = self.layout
 
-    def local(k, v, table_BM, lengths_B, layer):
+    def local(table_BM, lengths_B, layer, k, v, *scales):
       table_BM = local_table(table_BM, layout, k.shape[1])
-      return (
-        gather_pages(k, table_BM, lengths_B, layer=layer),
-        gather_pages(v, table_BM, lengths_B, layer=layer),
-      )
+      k_BSKH, v_BSKH = (gather_pages(x, table_BM, lengths_B, layer=layer) for x in (k, v))
+      if not scales:
+        return k_BSKH, v_BSKH
+      ks_BSK, vs_BSK = (gather_pages(x, table_BM, lengths_B, layer=layer) for x in scales)
+      return dequantize(k_BSKH, ks_BSK), dequantize(v_BSKH, vs_BSK)
 
     pool, seqs, heads = self._specs()
     dense = heads("kv_heads")
-    return per_shard(layout, local, (pool, pool, seqs(2), seqs(1), P()), (dense, dense))(
-      self.k, self.v, self.block_table, self.kv_lengths, self.layer
+    scale = self._scale_spec()
+    pools = (pool, pool) + ((scale, scale) if self.k_scale is not None else ())
+    return per_shard(layout, local, (seqs(2), seqs(1), P(), *pools), (dense, dense))(
+      self.block_table, self.kv_lengths, self.layer, *self.storage
     )
 
 
@@ -513,6 +555,7 @@ class PagedLatentLayer:
   rope_dim: int = _static(0)  # R
   layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
   options: tuple = _static(())
+  c_scale: Array | None = None  # f32[L, P, Z, 1] when c holds 8-bit codes
 
   attends_in_place = True
 
@@ -521,8 +564,11 @@ class PagedLatentLayer:
     return self.queries.kv_lengths
 
   @property
-  def storage(self) -> tuple[Array]:
-    return (self.c,)
+  def storage(self) -> tuple[Array, ...]:
+    return (self.c,) if self.c_scale is None else (self.c, self.c_scale)
+
+  def _scale_spec(self):
+    return None if self.layout is None else self.layout.spec(None, "pages", None, None)
 
   def _specs(self):
     """(pool, sequences [B, ...] of rank n, per-head queries [R, T, N, _]) specs."""
@@ -538,19 +584,31 @@ class PagedLatentLayer:
   def write(self, positions_BT: Array, latent_BTY: Array) -> PagedLatentLayer:
     layout = self.layout
 
-    def local(c, table_BM, queries, positions_RT, latent_RTY, layer):
+    scaled = self.c_scale is not None
+
+    def local(table_BM, queries, positions_RT, latent_RTY, layer, c, *scale):
       table_BM = local_table(table_BM, layout, c.shape[1])
       slots_RT = token_slots(
         table_BM, queries.start, queries.length, positions_RT, block_size=c.shape[2]
       )
-      return write_slots(c, slots_RT, latent_RTY, layer=layer)
+      if not scaled:
+        return (write_slots(c, slots_RT, latent_RTY, layer=layer),)
+      codes, s_RT = quantize(latent_RTY, c.dtype)
+      return (
+        write_slots(c, slots_RT, codes, layer=layer),
+        write_slots(scale[0], slots_RT, s_RT[..., None], layer=layer),
+      )
 
     pool, seqs, _ = self._specs()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
-    c = per_shard(layout, local, (pool, seqs(2), q_specs, seqs(2), seqs(3), P()), pool)(
-      self.c, self.block_table, self.queries, positions_BT, latent_BTY, self.layer
+    pools = (pool, self._scale_spec()) if scaled else (pool,)
+    specs = (seqs(2), q_specs, seqs(2), seqs(3), P(), *pools)
+    arrays = per_shard(layout, local, specs, pools)(
+      self.block_table, self.queries, positions_BT, latent_BTY, self.layer, *self.storage
     )
-    return dataclasses.replace(self, c=c)
+    if scaled:
+      return dataclasses.replace(self, c=arrays[0], c_scale=arrays[1])
+    return dataclasses.replace(self, c=arrays[0])
 
   def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
     """Absorbed MLA attention over the latents, read in place: [R, T, N, C]."""
@@ -562,28 +620,37 @@ class PagedLatentLayer:
     layout = self.layout
     kw = dict(scale=scale, implementation=_implementation(implementation), **dict(self.options))
 
-    def local(q_RTNY, c, table_BM, queries, layer):
+    def local(q_RTNY, table_BM, queries, layer, c, *scale):
       table_BM = local_table(table_BM, layout, c.shape[1])
+      if scale:  # 8-bit codes: the queries stay in the model's dtype
+        return _attend(
+          q_RTNY, (c, None), table_BM, queries, layer, value_dim=C, k_scale=scale[0], **kw
+        )
       return _attend(q_RTNY.astype(c.dtype), (c, None), table_BM, queries, layer, value_dim=C, **kw)
 
     pool, seqs, heads = self._specs()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
-    specs = (heads, pool, seqs(2), q_specs, P())
+    pools = (pool, self._scale_spec()) if self.c_scale is not None else (pool,)
+    specs = (heads, seqs(2), q_specs, P(), *pools)
     out = per_shard(layout, local, specs, heads)(
-      q_BTNY, self.c, self.block_table, self.queries, self.layer
+      q_BTNY, self.block_table, self.queries, self.layer, *self.storage
     )
     return out.astype(dtype)
 
   def read(self) -> tuple[Array]:
     layout = self.layout
 
-    def local(c, table_BM, lengths_B, layer):
+    def local(table_BM, lengths_B, layer, c, *scale):
       table_BM = local_table(table_BM, layout, c.shape[1])
-      return gather_pages(c, table_BM, lengths_B, layer=layer)
+      dense_BSY = gather_pages(c, table_BM, lengths_B, layer=layer)
+      if not scale:
+        return dense_BSY
+      return dequantize(dense_BSY, gather_pages(scale[0], table_BM, lengths_B, layer=layer)[..., 0])
 
     pool, seqs, _ = self._specs()
-    dense = per_shard(layout, local, (pool, seqs(2), seqs(1), P()), seqs(3))(
-      self.c, self.block_table, self.kv_lengths, self.layer
+    pools = (pool, self._scale_spec()) if self.c_scale is not None else (pool,)
+    dense = per_shard(layout, local, (seqs(2), seqs(1), P(), *pools), seqs(3))(
+      self.block_table, self.kv_lengths, self.layer, *self.storage
     )
     return (dense,)
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import flash_decoding as fd
+from .quantized_kv import dequantize, is_quantized
 from .reference import attention_reference
 
 Array = jax.Array
@@ -100,6 +101,8 @@ def check_paged_attention_inputs(
   block_table: Array,
   lengths: Array,
   layer: Array | None = None,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> None:
   """Raises ValueError naming the shapes when the inputs do not fit together."""
   shapes = (
@@ -129,7 +132,21 @@ def check_paged_attention_inputs(
   for name, x in (("block_table", block_table), ("lengths", lengths)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"paged_attention: {name} must be integer, got {x.dtype}; {shapes}")
-  if not (q.dtype == pool_k.dtype == pool_v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError(f"paged_attention: k_scale and v_scale go together; {shapes}")
+  if k_scale is not None:  # 8-bit pages: codes beside a scale per token and kv head
+    if k_scale.shape != pool_k.shape[:-1] or v_scale.shape != pool_v.shape[:-1]:
+      raise ValueError(
+        f"paged_attention: k_scale and v_scale must be the pools' shape without the head dim, "
+        f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}; {shapes}"
+      )
+    if not (is_quantized(pool_k.dtype) and pool_k.dtype == pool_v.dtype):
+      raise ValueError(
+        f"paged_attention: scaled pools must be int8 or float8_e4m3fn, got {pool_k.dtype}; {shapes}"
+      )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+      raise ValueError(f"paged_attention: q must be floating, got {q.dtype}; {shapes}")
+  elif not (q.dtype == pool_k.dtype == pool_v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(
       f"paged_attention: q, pool_k, pool_v must share a floating dtype, got {q.dtype}, "
       f"{pool_k.dtype}, {pool_v.dtype}; {shapes}"
@@ -242,6 +259,8 @@ def paged_attention_xla(
   keys_per_step: int | None = None,
   sliding_window: int | None = None,
   soft_cap: float | None = None,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> Array:
   """Paged attention in plain jnp for XLA backends, with `paged_attention_reference`'s semantics.
 
@@ -262,9 +281,11 @@ def paged_attention_xla(
   positions. `keys_per_step` defaults to half of `XLA_KEYS_PER_STEP` (one page of 16) for a few
   queries per row and to 4x it for prompt chunks, whose queries amortise a step's bookkeeping.
   `sliding_window` W hides keys W or more positions before a query (the loop starts at the first
-  step any query sees); `soft_cap` c passes scores through c * tanh(s / c).
+  step any query sees); `soft_cap` c passes scores through c * tanh(s / c). `k_scale` and
+  `v_scale` [(L,) P, Z, K]: the pools hold 8-bit codes (`kernels.quantized_kv`), each step's
+  pages dequantized as they are gathered.
   """
-  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
+  check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer, k_scale, v_scale)
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, T, N, H = q_BTNH.shape
@@ -311,11 +332,15 @@ def paged_attention_xla(
     return jnp.einsum("BKQC,BCKH->BKQH", p, v_BCKH)
 
   # Pages as rows of a [pages, Z * K * H] view of the pool: one contiguous run each.
-  def pages_of(pool, ids_BP):
+  def pages_of(pool, ids_BP, scale=None):
     if layer is not None:
       ids_BP = layer * pool.shape[1] + ids_BP
     rows = pool.reshape(-1, Z * K * H)
-    return jnp.take(rows, ids_BP, axis=0, mode="clip").reshape(B, C, K, H)
+    x_BCKH = jnp.take(rows, ids_BP, axis=0, mode="clip").reshape(B, C, K, H)
+    if scale is None:
+      return x_BCKH
+    s_BCK = jnp.take(scale.reshape(-1, Z * K), ids_BP, axis=0, mode="clip").reshape(B, C, K)
+    return dequantize(x_BCKH, s_BCK)
 
   def body(i, carry):
     m_BKQ, l_BKQ, acc_BKQH = carry
@@ -323,11 +348,12 @@ def paged_attention_xla(
     kpos_C = i * C + jnp.arange(C, dtype=jnp.int32)
     # Slots past a length may hold anything, NaN included: zero them (0 * NaN = NaN).
     held_BC = kpos_C[None, :] < lengths[:, None]
-    v_BCKH = jnp.where(held_BC[:, :, None, None], pages_of(pool_v, ids_BP), 0).astype(jnp.float32)
+    v_BCKH = pages_of(pool_v, ids_BP, v_scale)
+    v_BCKH = jnp.where(held_BC[:, :, None, None], v_BCKH, 0).astype(jnp.float32)
     visible_BQC = kpos_C[None, None, :] <= qpos_BQ[:, :, None]  # causal; hides the unheld tail
     if sliding_window is not None:
       visible_BQC &= kpos_C[None, None, :] > qpos_BQ[:, :, None] - sliding_window
-    s = scores(pages_of(pool_k, ids_BP), visible_BQC)
+    s = scores(pages_of(pool_k, ids_BP, k_scale), visible_BQC)
     m_new = jnp.maximum(m_BKQ, jnp.max(s, axis=c_axis))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet stay at 0
     p = jnp.exp(s - jnp.expand_dims(shift, c_axis))

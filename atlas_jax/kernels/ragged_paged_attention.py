@@ -15,6 +15,9 @@ The keys and values of sequence b live in the pages `block_tables[b]` names, rea
 of T owned by no sequence are padding and get zeros. Sequences must occupy disjoint runs of T in
 increasing order. Options: `sliding_window=W` (a query sees the W positions up to its own) and
 `soft_cap=c` (scores pass through c * tanh(s / c) before the softmax, Gemma 2's logit capping).
+8-bit pools (`kernels.quantized_kv`) come with `k_scale` and `v_scale`, a float32 scale per token
+and kv head ([L, P, Z, K]; a latent pool's [L, P, Z, 1]): every path dequantizes a page as it
+reads it, so only the 8-bit codes cross memory.
 
 Pools: KV [L, P, Z, K, H] (or [P, Z, K, H] without a layer index), or MLA's latent pool
 [L, P, Z, C + R] with `value_dim=C`: absorbed MLA is multi-query attention whose one kv head is
@@ -54,6 +57,7 @@ from jax.experimental import pallas as pl
 
 from . import flash_decoding as fd
 from .paged_attention import paged_attention_xla
+from .quantized_kv import dequantize, is_quantized
 from .reference import attention_reference
 
 Array = jax.Array
@@ -167,7 +171,18 @@ def _page_range(plan: BlockPlan, page_size: int, window: int | None) -> tuple[Ar
 
 
 def check_inputs(
-  q, k_pages, v_pages, block_tables, query_start, query_len, kv_len, *, layer, value_dim
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  query_start,
+  query_len,
+  kv_len,
+  *,
+  layer,
+  value_dim,
+  k_scale=None,
+  v_scale=None,
 ):
   """Raises ValueError naming the shapes when the inputs do not fit together."""
   shapes = (
@@ -209,8 +224,25 @@ def check_inputs(
   ):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise fail(f"{name} must be integer, got {x.dtype}")
-  if q.dtype != k_pages.dtype or (v_pages is not None and v_pages.dtype != q.dtype):
-    raise fail(f"q and the pages must share a dtype, got {q.dtype} and {k_pages.dtype}")
+  if k_scale is None:
+    if v_scale is not None:
+      raise fail("v_scale needs k_scale")
+    if q.dtype != k_pages.dtype or (v_pages is not None and v_pages.dtype != q.dtype):
+      raise fail(f"q and the pages must share a dtype, got {q.dtype} and {k_pages.dtype}")
+    return
+  want = k_pages.shape[:-1] + ((1,) if v_pages is None else ())
+  if k_scale.shape != want or (v_pages is not None and getattr(v_scale, "shape", None) != want):
+    raise fail(
+      f"k_scale{'' if v_pages is None else ' and v_scale'} must be {want} (a scale per token "
+      f"and kv head), got {tuple(k_scale.shape)}"
+      + ("" if v_pages is None else f" and {None if v_scale is None else tuple(v_scale.shape)}")
+    )
+  if v_pages is None and v_scale is not None:
+    raise fail("latent pages take k_scale only")
+  if not is_quantized(k_pages.dtype) or (v_pages is not None and v_pages.dtype != k_pages.dtype):
+    raise fail(f"scaled pages must be int8 or float8_e4m3fn, got {k_pages.dtype}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise fail(f"q must be floating, got {q.dtype}")
 
 
 def _check_options(sliding_window, soft_cap):
@@ -249,10 +281,12 @@ def ragged_paged_attention_reference(
   sliding_window: int | None = None,
   soft_cap: float | None = None,
   value_dim: int | None = None,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> Array:
   """Pure jnp: every sequence's pages gathered into dense K/V, each token attending to its own
-  sequence's as `attention_reference` does. Memory grows with T x the table's capacity: for
-  tests."""
+  sequence's as `attention_reference` does (8-bit pools dequantized whole first). Memory grows
+  with T x the table's capacity: for tests."""
   check_inputs(
     q,
     k_pages,
@@ -263,8 +297,18 @@ def ragged_paged_attention_reference(
     kv_len,
     layer=layer,
     value_dim=value_dim,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   _check_options(sliding_window, soft_cap)
+  if k_scale is not None:
+    if v_pages is None:
+      k_pages = dequantize(k_pages, k_scale[..., 0], q.dtype)
+    else:
+      k_pages, v_pages = (
+        dequantize(k_pages, k_scale, q.dtype),
+        dequantize(v_pages, v_scale, q.dtype),
+      )
   k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
   latent = v_pages is None
   if latent:  # one kv head: the latent is both key and value
@@ -334,6 +378,8 @@ def ragged_paged_attention_xla(
   block_q: int | None = None,
   max_query_len: int | None = None,
   keys_per_step: int | None = None,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> Array:
   """Each query block a row of `paged_attention_xla` (a loop over page steps, as many as the
   longest block needs), its queries at their positions. `block_q` defaults to 16 tokens;
@@ -348,11 +394,14 @@ def ragged_paged_attention_xla(
     kv_len,
     layer=layer,
     value_dim=value_dim,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   _check_options(sliding_window, soft_cap)
   latent = v_pages is None
   if latent:  # a free reshape: one kv head, the latent as key and value
     k_pages = v_pages = k_pages[..., None, :]
+    v_scale = k_scale
   T = q.shape[0]
   block_q = _fit(16 if block_q is None else block_q, max_query_len)
   J = n_blocks(T, block_tables.shape[0], block_q, max_query_len)
@@ -372,6 +421,8 @@ def ragged_paged_attention_xla(
     keys_per_step=keys_per_step,
     sliding_window=sliding_window,
     soft_cap=soft_cap,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   out_TNH = _scatter_outputs(out_JQNH, plan, T)
   return out_TNH[..., :value_dim] if latent else out_TNH
@@ -400,15 +451,25 @@ def _ragged_gpu_kernel(
   latent_dim: int | None,
   pages_per_split: int,
   pages_per_step: int,
+  scaled: bool,
 ):
   # GQA: q [Q, H], k and v [L, P, Z, H] (this kv head's slice of the pools); latent: q's two
-  # parts [Q, C] and [Q, R], the pool [L, P, Z, C + R]. Then o f32[Q, Hv], lse f32[Q, 1].
-  if latent_dim is None:
-    q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-    q_parts = (q_ref[...],)
-  else:
-    qc_ref, qr_ref, k_ref, o_ref, lse_ref = refs
-    q_parts = (qc_ref[...], qr_ref[...])
+  # parts [Q, C] and [Q, R], the pool [L, P, Z, C + R]. 8-bit pools: then their scales
+  # f32[L, P, Z] (k's, and v's for GQA). Then o f32[Q, Hv], lse f32[Q, 1].
+  n_q = 1 if latent_dim is None else 2
+  n_pools = 1 if latent_dim is not None else 2
+  q_refs, pool_refs = refs[:n_q], refs[n_q : n_q + n_pools]
+  scale_refs = refs[n_q + n_pools : n_q + 2 * n_pools] if scaled else (None,) * n_pools
+  o_ref, lse_ref = refs[-2:]
+  q_parts = tuple(r[...] for r in q_refs)
+  k_ref, ks_ref = pool_refs[0], scale_refs[0]
+
+  def read(pool_ref, scale_ref, layer, page):
+    x_ZH = pool_ref[layer, page]
+    if scale_ref is None:
+      return x_ZH
+    return (x_ZH.astype(jnp.float32) * scale_ref[layer, page][:, None]).astype(q_parts[0].dtype)
+
   j = pl.program_id(0)
   pos0, n, kv_len, layer = pos0_ref[j], n_ref[j], kv_len_ref[j], layer_ref[0]
   Z = k_ref.shape[2]
@@ -429,11 +490,14 @@ def _ragged_gpu_kernel(
       inside = i < hi
       page = table_ref[jnp.minimum(i, hi - 1)]  # past the split: a held page, masked whole
       if latent_dim is None:
-        k_parts = (k_ref[layer, page],)
-        v_ZH = v_ref[layer, page]
+        k_parts = (read(k_ref, ks_ref, layer, page),)
+        v_ZH = read(pool_refs[1], scale_refs[1], layer, page)
       else:
         C, R = latent_dim, q_parts[1].shape[1]
         k_parts = (k_ref[layer, page, :, pl.ds(0, C)], k_ref[layer, page, :, pl.ds(C, R)])
+        if ks_ref is not None:
+          s_Z1 = ks_ref[layer, page][:, None]
+          k_parts = tuple((x.astype(jnp.float32) * s_Z1).astype(q_parts[0].dtype) for x in k_parts)
         v_ZH = k_parts[0]
       kpos_1Z = i * Z + offsets_1Z
       seen_QZ = (kpos_1Z <= qpos_Q1) & inside
@@ -468,6 +532,8 @@ def _ragged_triton(
   plan,
   T,
   *,
+  k_scale,
+  v_scale,
   layer,
   scale,
   window,
@@ -506,6 +572,7 @@ def _ragged_triton(
     latent_dim=value_dim,
     pages_per_split=per_split,
     pages_per_step=per_step,
+    scaled=k_scale is not None,
   )
   whole = lambda n: pl.BlockSpec((n,), lambda j, h, x: (0,))
   rows = lambda w: pl.BlockSpec((None, None, Q, w), lambda j, h, x: (j, h, 0, 0))
@@ -515,10 +582,16 @@ def _ragged_triton(
     q_args = [q_JKQH[..., :C], q_JKQH[..., C:]]
     pool_specs = [pl.BlockSpec((L, P, Z, H), lambda j, h, x: (0, 0, 0, 0))]
     pool_args = [k_pages]
+    scale_args = [k_scale]
   else:
     q_specs, q_args = [rows(H)], [q_JKQH]
     head = pl.BlockSpec((L, P, Z, None, H), lambda j, h, x: (0, 0, 0, h, 0))
     pool_specs, pool_args = [head, head], [k_pages, v_pages]
+    scale_args = [k_scale, v_scale]
+  if k_scale is not None:  # [L, P, Z, K]: this kv head's (a latent pool's one) column
+    head_scale = pl.BlockSpec((L, P, Z, None), lambda j, h, x: (0, 0, 0, h))
+    pool_specs += [head_scale] * len(scale_args)
+    pool_args += scale_args
   part = lambda w: pl.BlockSpec((None, None, None, Q, w), lambda j, h, x: (j, h, x, 0, 0))
   out_JKXQH, lse_JKXQ1 = pl.pallas_call(
     kernel,
@@ -574,14 +647,28 @@ def _ragged_tpu_kernel(
   latent_dim: int | None,
   pages_per_step: int,
   kv_heads: int,
+  scaled: bool,
 ):
   # q [K, Q, H]; pages_per_step key pages [Z, K, H] (latent: [Z, C + R]) and as many value pages
-  # (GQA only); o [K, Q, Hv]; scratch m, l f32[K, Q, 1], acc f32[K, Q, Hv].
+  # (GQA only); 8-bit pools: then as many key (and value) scale pages f32[Z, K] (latent:
+  # [Z, 1]); o [K, Q, Hv]; scratch m, l f32[K, Q, 1], acc f32[K, Q, Hv].
   del table_ref, layer_ref
-  n_pages = pages_per_step if latent_dim is not None else 2 * pages_per_step
+  n_pools = 1 if latent_dim is not None else 2
+  n_pages = n_pools * pages_per_step * (2 if scaled else 1)
   q_ref, pages, (o_ref, m_ref, l_ref, acc_ref) = refs[0], refs[1 : 1 + n_pages], refs[1 + n_pages :]
-  k_refs = pages[:pages_per_step]
-  v_refs = None if latent_dim is not None else pages[pages_per_step:]
+  runs = [
+    pages[i * pages_per_step : (i + 1) * pages_per_step]
+    for i in range(len(pages) // pages_per_step)
+  ]
+  k_refs, v_refs = runs[0], (None if latent_dim is not None else runs[1])
+  ks_refs, vs_refs = (runs[n_pools], runs[-1]) if scaled else (None, None)
+
+  def dequant(x_CH, scale_refs, h):
+    if scale_refs is None:
+      return x_CH
+    s_C1 = jnp.concatenate([r[:, h : h + 1] for r in scale_refs], axis=0)
+    return (x_CH.astype(jnp.float32) * s_C1).astype(q_ref.dtype)
+
   del n_ref  # a block's rows past its queries are computed and discarded
   j, step = pl.program_id(0), pl.program_id(1)
   pos0, kv_len = pos0_ref[j], kv_len_ref[j]
@@ -610,10 +697,10 @@ def _ragged_tpu_kernel(
     held_C1 = kpos_C1 < kv_len
     for h in range(kv_heads):
       if latent_dim is None:
-        k_CH = jnp.concatenate([r[:, h, :] for r in k_refs], axis=0)
-        v_CH = jnp.concatenate([r[:, h, :] for r in v_refs], axis=0)
+        k_CH = dequant(jnp.concatenate([r[:, h, :] for r in k_refs], axis=0), ks_refs, h)
+        v_CH = dequant(jnp.concatenate([r[:, h, :] for r in v_refs], axis=0), vs_refs, h)
       else:
-        k_CH = jnp.concatenate([r[...] for r in k_refs], axis=0)
+        k_CH = dequant(jnp.concatenate([r[...] for r in k_refs], axis=0), ks_refs, 0)
         v_CH = k_CH[:, :latent_dim]
       s_QC = _scores((q_ref[h],), (k_CH,), scale=scale, soft_cap=soft_cap)
       s_QC = jnp.where(seen_QC, s_QC, -jnp.inf)
@@ -637,6 +724,8 @@ def _ragged_mosaic(
   plan,
   T,
   *,
+  k_scale,
+  v_scale,
   layer,
   scale,
   window,
@@ -662,21 +751,29 @@ def _ragged_mosaic(
   first_J, end_J = _page_range(plan, Z, window)
   Hv = value_dim if latent else H
 
-  def page_map(jj):
+  def page_map(jj, rank):
     def index(j, step, pos0, n, kv_len, first, end, table, layer):
       # Steps outside the block's pages repeat a page it reads: no new copy is issued.
       i = jnp.clip(step * per_step + jj, first[j], jnp.maximum(end[j] - 1, first[j]))
       page = table[j * M + jnp.minimum(i, M - 1)]
-      return (layer[0], page, 0, 0) if latent else (layer[0], page, 0, 0, 0)
+      return (layer[0], page) + (0,) * (rank - 2)
 
     return index
 
-  page_block = (None, None, Z, H) if latent else (None, None, Z, K, H)
-  page_specs = [pl.BlockSpec(page_block, page_map(jj)) for jj in range(per_step)]
-  pool_args = [k_pages] * per_step
-  if not latent:
-    page_specs += page_specs
-    pool_args += [v_pages] * per_step
+  def run(pool):  # per_step page specs of one pool array, and the array per spec
+    block = (None, None, *pool.shape[2:])
+    return [pl.BlockSpec(block, page_map(jj, pool.ndim)) for jj in range(per_step)], [
+      pool
+    ] * per_step
+
+  pools = [k_pages] if latent else [k_pages, v_pages]
+  if k_scale is not None:  # the scales [L, P, Z, K] (latent: [L, P, Z, 1]) page by page
+    pools += [k_scale] if latent else [k_scale, v_scale]
+  page_specs, pool_args = [], []
+  for pool in pools:
+    specs, args = run(pool)
+    page_specs += specs
+    pool_args += args
   rows = pl.BlockSpec((None, K, Q, H), lambda j, step, *_: (j, 0, 0, 0))
   out_rows = pl.BlockSpec((None, K, Q, Hv), lambda j, step, *_: (j, 0, 0, 0))
   kernel = functools.partial(
@@ -688,6 +785,7 @@ def _ragged_mosaic(
     latent_dim=value_dim,
     pages_per_step=per_step,
     kv_heads=K,
+    scaled=k_scale is not None,
   )
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=7,
@@ -756,6 +854,8 @@ def ragged_paged_attention_pallas(
   num_splits: int | None = None,
   pages_per_step: int | None = None,
   interpret: bool = False,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> Array:
   """The Pallas kernels; see `ragged_paged_attention`. `backend` "triton" (GPU) or "mosaic"
   (TPU); `interpret` runs either on any backend."""
@@ -769,11 +869,15 @@ def ragged_paged_attention_pallas(
     kv_len,
     layer=layer,
     value_dim=value_dim,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   _check_options(sliding_window, soft_cap)
   if backend not in ("triton", "mosaic"):
     raise ValueError(f"ragged_paged_attention: backend={backend!r} is not 'triton' or 'mosaic'")
   fd.check_positive_or_none("ragged_paged_attention", "block_q", block_q)
+  if k_scale is not None and layer is None:
+    k_scale, v_scale = k_scale[None], None if v_scale is None else v_scale[None]
   k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
   T, N, H = q.shape
   group = N if v_pages is None else N // k_pages.shape[3]
@@ -790,6 +894,8 @@ def ragged_paged_attention_pallas(
     block_q=block_q,
     pages_per_step=pages_per_step,
     interpret=interpret,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   if backend == "mosaic":
     return _ragged_mosaic(q, k_pages, v_pages, block_tables, plan, T, **common)
@@ -818,6 +924,8 @@ def ragged_paged_attention(
   max_query_len: int | None = None,
   keys_per_step: int | None = None,
   block_q: int | None = None,
+  k_scale: Array | None = None,
+  v_scale: Array | None = None,
 ) -> Array:
   """Attention of a step's ragged queries over their sequences' pages.
 
@@ -843,6 +951,8 @@ def ragged_paged_attention(
       block per sequence when it fits one.
     keys_per_step: the "xla" loop's keys per iteration (None: its default).
     block_q: tokens per query block (None: per implementation).
+    k_scale, v_scale: f32[(L,) P, Z, K] for 8-bit pools (`kernels.quantized_kv`): a scale per
+      token and kv head; a latent pool's k_scale is [(L,) P, Z, 1] and v_scale None.
 
   Returns:
     [T, N, H], or [T, N, C] for latent pages; zeros for padding tokens.
@@ -860,6 +970,8 @@ def ragged_paged_attention(
     soft_cap=soft_cap,
     value_dim=value_dim,
     max_query_len=max_query_len,
+    k_scale=k_scale,
+    v_scale=v_scale,
   )
   xla = functools.partial(
     ragged_paged_attention_xla, keys_per_step=keys_per_step, block_q=block_q, **options

@@ -228,6 +228,7 @@ class Engine:
       block_size=Z,
       max_blocks=max_blocks,
       min_batch_bucket=config.min_batch_bucket,
+      kv_cache_dtype=config.kv_cache_dtype,
       **specialised,
     )
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]

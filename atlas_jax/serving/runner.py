@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from atlas_jax import host_memory
 from atlas_jax.decoding.drafters import Drafter, hidden_store
 from atlas_jax.decoding.sampling import PADDING, SamplingArrays
+from atlas_jax.kernels.quantized_kv import code_dtype
 from atlas_jax.serving import batch, sizing, steps
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving.batch import Layout, Row, StepRecord, pow2
@@ -146,9 +147,12 @@ class ModelRunner:
     block_size: int,
     max_blocks: int,
     min_batch_bucket: int | None = None,
+    kv_cache_dtype: str = "auto",
   ):
     cfg = model.cfg
     self.model_config = cfg
+    # The target pool's dtype: the model's, or 8-bit codes with their scales.
+    self.kv_dtype = code_dtype(kv_cache_dtype) or jnp.dtype(cfg.dtype)
     self.mesh = mesh
     self.n_replicas, self.tensor = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
     self.block_size, self.max_blocks = block_size, max_blocks
@@ -201,7 +205,7 @@ class ModelRunner:
   def pool_spec(self, n_blocks: int):
     """The pools' shapes for `n_blocks` blocks per replica (nothing allocated)."""
     P, Z, cfg = n_blocks * self.n_replicas, self.block_size, self.model_config
-    target = jax.eval_shape(lambda: self.model.init_pool(P, Z))
+    target = jax.eval_shape(lambda: self.model.init_pool(P, Z, self.kv_dtype))
     draft = None
     if self.drafter is not None and self.drafter.needs_hidden:
       heads = jax.eval_shape(

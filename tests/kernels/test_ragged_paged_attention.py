@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from atlas_jax.cache.paged import slot_mapping, write_slots
+from atlas_jax.kernels.quantized_kv import code_dtype, dequantize, quantize
 from atlas_jax.kernels.ragged_paged_attention import (
   n_blocks,
   plan_blocks,
@@ -237,3 +238,77 @@ def test_the_dispatcher_lowers_the_kernels_for_cuda_and_tpu(latent):
   cuda, tpu = _lowered("cuda", latent=latent), _lowered("tpu", latent=latent)
   assert "xla.gpu.triton" in cuda and "tpu_custom_call" not in cuda
   assert "tpu_custom_call" in tpu and "triton" not in tpu
+
+
+def quantized(case, fmt, *, latent=False):
+  """The case with its pools as 8-bit codes and their scales (`kernels.quantized_kv`)."""
+  q, k, v = case[:3]
+  dtype = code_dtype(fmt)
+  k8, ks = quantize(k, dtype)
+  if latent:
+    return (q, k8, None, *case[3:]), dict(k_scale=ks[..., None])
+  v8, vs = quantize(v, dtype)
+  return (q, k8, v8, *case[3:]), dict(k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_8bit_pages_dequantized_as_read(impl, fmt):
+  """Every path on int8 / e4m3 pages equals the reference on the same codes dequantized (exact
+  arithmetic), and the float pools' attention within the format's rounding."""
+  case = make_step()
+  qcase, scales = quantized(case, fmt)
+  want = ragged_paged_attention_reference(*qcase[:7], layer=case[7], **scales)
+  deq = (
+    *qcase[:1],
+    dequantize(qcase[1], scales["k_scale"]),
+    dequantize(qcase[2], scales["v_scale"]),
+    *qcase[3:],
+  )
+  np.testing.assert_array_equal(want, ragged_paged_attention_reference(*deq[:7], layer=case[7]))
+  got = IMPLEMENTATIONS[impl](*qcase[:7], layer=case[7], **scales)
+  check(got, want, jnp.float32)
+  float_out = ragged_paged_attention_reference(*case[:7], layer=case[7])
+  err = float(jnp.max(jnp.abs(got - float_out)))
+  assert 0 < err < {"int8": 0.03, "fp8": 0.15}[fmt]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_8bit_latent_pages(impl):
+  C, R = 32, 16
+  case = make_step(N=4, H=C + R, latent=True)
+  qcase, scales = quantized(case, "int8", latent=True)
+  want = ragged_paged_attention_reference(*qcase[:7], layer=case[7], value_dim=C, **scales)
+  got = IMPLEMENTATIONS[impl](*qcase[:7], layer=case[7], value_dim=C, **scales)
+  check(got, want, jnp.float32)
+  check(got, dense_expected(*case, value_dim=C), jnp.bfloat16)  # within int8's rounding
+
+
+def test_8bit_pages_need_their_scales():
+  case = make_step()
+  qcase, scales = quantized(case, "int8")
+  with pytest.raises(ValueError, match="q and the pages must share a dtype"):
+    ragged_paged_attention(*qcase[:7], layer=case[7])
+  with pytest.raises(ValueError, match=r"k_scale and v_scale must be \(2, \d+, 8, 2\)"):
+    ragged_paged_attention(*qcase[:7], layer=case[7], k_scale=scales["k_scale"][..., :1])
+  with pytest.raises(ValueError, match="scaled pages must be int8 or float8_e4m3fn"):
+    ragged_paged_attention(*case[:7], layer=case[7], **scales)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_8bit_pages_lower_for_cuda_and_tpu(latent):
+  q = jax.ShapeDtypeStruct((64, 8, 576 if latent else 128), jnp.bfloat16)
+  shape = (2, 128, 16, 576) if latent else (2, 128, 16, 2, 128)
+  pool = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  scale = jax.ShapeDtypeStruct(shape[:-1] + ((1,) if latent else ()), jnp.float32)
+  ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, s, n, kv, l, ks, vs: ragged_paged_attention(
+      q, k, v, t, s, n, kv, layer=l, value_dim=512 if latent else None, k_scale=ks, v_scale=vs
+    )
+  )
+  args = (q, pool, None if latent else pool, ints(8, 32), ints(8), ints(8), ints(8), ints())
+  args += (scale, None if latent else scale)
+  for platform, kernel in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
+    text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert kernel in text

@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -261,3 +262,18 @@ def test_guided_requests_under_tensor_4(draft_pair):
 def test_bad_meshes_are_named(kw, match):
   with pytest.raises(ConfigError, match=match):
     Engine(model_of("gqa"), dataclasses.replace(CONFIG, **kw))
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla_qlora"])
+def test_an_8bit_pool_on_a_mesh_serves_the_single_device_tokens(kind):
+  """int8 codes and their scales split as the float pool is (scales by kv head on the tensor
+  axis, pages by replica): data 2 x tensor 4 gives one device's tokens on the same 8-bit pool."""
+  model = model_of(kind)
+  config = dataclasses.replace(CONFIG, kv_cache_dtype="int8")
+  want, _ = serve(model, config)
+  got, engine = serve(
+    model, dataclasses.replace(config, data_parallel_size=2, tensor_parallel_size=4)
+  )
+  assert got == want
+  arrays = pool_arrays(engine)
+  assert any(a.dtype == jnp.int8 for a in arrays) and any(a.dtype == jnp.float32 for a in arrays)

@@ -76,6 +76,7 @@ class CPUModelRunner(ModelRunner):
     min_batch_bucket: int | None = None,
     cpu: CPUConfig | None = None,
     layout_rows: int = 32,
+    kv_cache_dtype: str = "auto",
   ):
     cpu = CPUConfig() if cpu is None else cpu
     cfg = model.cfg
@@ -106,6 +107,7 @@ class CPUModelRunner(ModelRunner):
       block_size=block_size,
       max_blocks=max_blocks,
       min_batch_bucket=self.min_batch_bucket,
+      kv_cache_dtype=kv_cache_dtype,
     )
 
   # -- the hooks ---------------------------------------------------------------------------------
