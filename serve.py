@@ -48,6 +48,7 @@ from atlas_jax.config import (
   migrate_serve,
 )
 from atlas_jax.data.corpus import iter_json_objects
+from atlas_jax.decoding.drafters import NGramDrafter
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import mesh as placement
@@ -130,6 +131,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--speculative",
     choices=["mtp"],
     help="mtp: self-speculation, the model's own multi-token-prediction heads draft",
+  )
+  p.add_argument(
+    "--speculative-config",
+    metavar="JSON",
+    help='vLLM\'s speculation settings as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup in each request\'s own '
+    'tokens), {"method": "mtp"}, or {"method": "draft_model", "model": PATH}',
   )
   p.add_argument("--no-progress", action="store_true", help="no progress bar in batch mode")
   p.add_argument(
@@ -570,13 +578,73 @@ def sampling_params(args) -> SamplingParams:
   return sampling_defaults(serve_config(args).sampling)
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp", "deepseek_mtp", "draft_model")
+
+
+def speculative_config(text: str) -> tuple[object, str | None, int | None]:
+  """--speculative-config (vLLM's JSON): (the draft: "mtp", an `NGramDrafter` or None for a
+  draft model; the draft model's path or None; num_speculative_tokens or None)."""
+  flag = "--speculative-config"
+  try:
+    spec = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{flag}={text!r} is not JSON: {e}") from None
+  if not isinstance(spec, dict):
+    raise ValueError(f"{flag}={text!r} is not allowed: expected a JSON object")
+  method = spec.get("method")
+  if method not in SPECULATIVE_METHODS:
+    raise ValueError(
+      f"{flag}: method={method!r} is not allowed: expected one of {SPECULATIVE_METHODS}"
+    )
+  known = {"method", "num_speculative_tokens"} | {
+    "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+    "draft_model": {"model"},
+  }.get(method, set())
+  if set(spec) - known:
+    raise ValueError(
+      f"{flag}: {sorted(set(spec) - known)} not allowed with method={method!r}: expected "
+      f"{sorted(known)}"
+    )
+  k = spec.get("num_speculative_tokens")
+  path = None
+  if method == "ngram":
+    # As vLLM: 5 and 5 when neither is given, else the one given for the other.
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lo is None and hi is None:
+      lo = hi = 5
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    try:
+      draft = NGramDrafter(prompt_lookup_min=lo, prompt_lookup_max=hi)
+    except ValueError as e:
+      raise ValueError(f"{flag}: {e}") from None
+  elif method == "draft_model":
+    draft, path = None, spec.get("model")
+    if not isinstance(path, str):
+      raise ValueError(f"{flag}: method='draft_model' needs \"model\": the draft's path")
+  else:
+    draft = "mtp"
+  return draft, path, k
+
+
 def make_engine(args, model, tokenizer) -> Engine:
-  if args.draft is not None and args.speculative is not None:
-    raise ValueError("--draft and --speculative mtp are two drafts: give one")
-  draft = args.speculative
-  if args.draft is not None:
-    draft = load_draft(args.draft, args.dtype, tokenizer)
+  given = [f for f, v in (("--draft", args.draft), ("--speculative", args.speculative)) if v]
+  if args.speculative_config is not None:
+    given.append("--speculative-config")
+  if len(given) > 1:
+    raise ValueError(f"{' and '.join(given)} are two drafts: give one")
+  draft, path = args.speculative, args.draft
   config = serve_config(args).engine
+  if args.speculative_config is not None:
+    draft, path, k = speculative_config(args.speculative_config)
+    if k is not None:
+      given = config.num_speculative_tokens
+      if given is not None and given != k:
+        raise ValueError(
+          f"--speculative-config num_speculative_tokens={k} != --num-speculative-tokens={given}"
+        )
+      config = dataclasses.replace(config, num_speculative_tokens=k)
+  if path is not None:
+    draft = load_draft(path, args.dtype, tokenizer)
   return Engine(model, config, eos_id=tokenizer.eos_ids, detokenize=tokenizer.decode, draft=draft)
 
 

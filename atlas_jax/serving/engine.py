@@ -54,8 +54,9 @@ jitted step, which masks the logits; the drawn token advances the matcher, and t
 mask depends on each drawn token (speculative rounds do: see below). Preemption keeps the output
 tokens, so the matcher stays valid.
 
-With a draft (`Engine(..., draft=...)`: a smaller model, or "mtp", the model's own
-multi-token-prediction heads; `atlas_jax.decoding.drafters`), a step in which every running
+With a draft (`Engine(..., draft=...)`: a smaller model, "mtp", the model's own
+multi-token-prediction heads, or "ngram" / `NGramDrafter`, prompt lookup;
+`atlas_jax.decoding.drafters`), a step in which every running
 request decodes and the batch is at most `speculative_max_batch` (`guided_speculative_max_batch`
 with a guided row) is a speculative round instead: the drafter proposes
 `num_speculative_tokens` tokens per row, the target scores them in one pass, and each row keeps
@@ -110,7 +111,7 @@ from jax.sharding import Mesh
 
 from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator
 from atlas_jax.config import WARMUP_LEVELS, ConfigError, EngineConfig
-from atlas_jax.decoding.drafters import make_drafter
+from atlas_jax.decoding.drafters import NGramDrafter, make_drafter
 from atlas_jax.decoding.sampling import SamplingParams, eos_ids
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.serving import faults, sizing
@@ -158,8 +159,9 @@ class Engine:
       stop tokens unless a request sets ignore_eos.
     detokenize: token ids -> text; enables stop strings and the `text` of outputs. A request with
       `skip_special_tokens=False` calls it with that keyword.
-    draft: a smaller model with the same vocabulary, for speculative decoding; or "mtp", the
-      model's own multi-token-prediction heads.
+    draft: a smaller model with the same vocabulary, for speculative decoding; "mtp", the
+      model's own multi-token-prediction heads; or "ngram" / a `drafters.NGramDrafter`, prompt
+      lookup in each request's own tokens.
     mesh: a (data, tensor) device mesh (`atlas_jax.serving.mesh.serving_mesh`); default: the
       config's `data_parallel_size` x `tensor_parallel_size` devices.
 
@@ -176,7 +178,7 @@ class Engine:
     *,
     eos_id: int | Sequence[int] | None = None,
     detokenize: Callable[[Sequence[int]], str] | None = None,
-    draft: Transformer | str | None = None,
+    draft: Transformer | str | NGramDrafter | None = None,
     mesh: Mesh | None = None,
   ):
     config = EngineConfig() if config is None else config

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from atlas_jax import host_memory
-from atlas_jax.decoding.drafters import Drafter, hidden_store
+from atlas_jax.decoding.drafters import Drafter, NGramDrafter, hidden_store
 from atlas_jax.decoding.sampling import PADDING, SamplingArrays
 from atlas_jax.kernels.quantized_kv import code_dtype
 from atlas_jax.serving import batch, sizing, steps
@@ -128,7 +128,7 @@ class ModelRunner:
 
   Args:
     model: the served Transformer (already repeated to the tensor size where needed).
-    draft: the draft model, or None ("mtp" drafts with the model's own heads: `drafter`).
+    draft: the draft model, or None ("mtp" and prompt lookup draft without one: `drafter`).
     drafter: the drafter for `draft`, or None.
     mesh: a serving mesh (`placement.serving_mesh`), or None for one device.
     block_size: Z.
@@ -215,6 +215,8 @@ class ModelRunner:
       )
       # The heads' pool, and the trunk's hidden states (final, last-block input) per slot.
       draft = (heads, hidden_store(cfg, P, Z, cfg.dtype))
+    elif isinstance(self.drafter, NGramDrafter):  # prompt lookup: each slot's token
+      draft = jax.eval_shape(lambda: self.drafter.init_pool(P, Z))
     elif self.draft is not None:
       draft = jax.eval_shape(lambda: self.draft.init_pool(P, Z))
     return target, draft
@@ -224,7 +226,8 @@ class ModelRunner:
     if self.mesh is None:
       return None
     target, draft = spec
-    d_rules = self.rules if self.drafter is not None and self.drafter.needs_hidden else self.d_rules
+    # A draft model's rules; the MTP heads' and prompt lookup's pools follow the target's.
+    d_rules = self.rules if self.d_rules is None else self.d_rules
     return (
       placement.pool_shardings(target, self.mesh, self.rules),
       None if draft is None else placement.pool_shardings(draft, self.mesh, d_rules),
@@ -355,7 +358,7 @@ class ModelRunner:
     widths, out = self.widths(), []
     if capacity >= 2:
       out += [Shape("burst", b, capacity, M) for M in widths for b in buckets]
-    if self.draft is not None:
+    if self.drafter is not None:
       k, most = config.num_speculative_tokens, pow2(config.speculative_max_batch)
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
     return out

@@ -27,8 +27,8 @@ With a drafter (`atlas_jax.decoding.drafters`), every program takes `states` and
 (target, draft) pairs and lets the drafter follow every window the target computes (prefill
 chunks and bursts too), into its own pool indexed by the same block tables and the same ragged
 layout, so a round needs no catch-up. A draft model's pool is its own `init_pool`; the MTP
-heads' is their pool and the target's hidden states per slot, [2, P, Z, D]. Without one the
-draft halves are None.
+heads' is their pool and the target's hidden states per slot, [2, P, Z, D]; prompt lookup's is
+each slot's token (`drafters.TokenPool`, [1, P, Z]). Without one the draft halves are None.
 
 On a device mesh, `layout` (the target's, and `d_layout` a draft model's) places the pools and
 every read and write of them runs per shard (`atlas_jax.cache.paged`); the record's rows and
@@ -99,13 +99,18 @@ class _Bound:
       options=self.options,
     )
 
+  @property
+  def draft_layout(self) -> PoolLayout | None:
+    """The draft pool's layout: a draft model's own, else the target's (the MTP heads' and
+    prompt lookup's pools are placed as the target's)."""
+    return self.layout if self.d_layout is None else self.d_layout
+
   def draft_cache(self, d_pool, x: StepRecord) -> DraftCache:
     """The draft half of the pools as the drafter's cache over the record's sequences."""
     mtp = self.drafter.needs_hidden
     pool, hidden = d_pool if mtp else (d_pool, None)
-    lay = self.layout if mtp else self.d_layout
     zeros_B = jnp.zeros(x.lengths_B.shape, jnp.int32)
-    return DraftCache(self.cache(pool, x, zeros_B, lay), hidden)
+    return DraftCache(self.cache(pool, x, zeros_B, self.draft_layout), hidden)
 
   def draft_pool(self, dcache: DraftCache):
     pool = dcache.cache.pool
@@ -342,8 +347,7 @@ def copy_blocks(b: _Bound, pools, src_c, dst_c):
   """Copies pool blocks src -> dst (i32[c] each) in every pool array; the pools are donated."""
   target, draft = pools
   copy = lambda lay: lambda a_LP_: copy_pages(a_LP_, src_c, dst_c, lay)
-  d_layout = b.layout if b.hidden else b.d_layout
-  return jax.tree.map(copy(b.layout), target), jax.tree.map(copy(d_layout), draft)
+  return jax.tree.map(copy(b.layout), target), jax.tree.map(copy(b.draft_layout), draft)
 
 
 @dataclasses.dataclass(frozen=True)
