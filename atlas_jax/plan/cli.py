@@ -130,6 +130,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
   p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
   p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
+  p.add_argument(
+    "--kv-cache-dtype",
+    default="auto",
+    help="serving's pool: auto (the compute dtype), int8 or fp8 (a byte a value and a scale "
+    "per token and kv head)",
+  )
   p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank only (0: all)")
   p.add_argument(
     "--lora-targets", help="comma-separated LoRA targets (default: the preset's, or attn,mlp)"
@@ -157,7 +163,12 @@ def build_plan(args: argparse.Namespace) -> dict:
     fields["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(","))
   if args.tokens is not None:
     fields["tokens"] = int(args.tokens)
-  fields.update(device=args.device, mfu=args.mfu, block_size=args.block_size)
+  fields.update(
+    device=args.device,
+    mfu=args.mfu,
+    block_size=args.block_size,
+    kv_cache_dtype=args.kv_cache_dtype,
+  )
   return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=source.notes)
 
 

@@ -57,6 +57,19 @@ def mla_kv_bytes_per_token(
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 
+# `serve --kv-cache-dtype`: "auto" caches in the compute dtype; "int8" and "fp8" one byte a
+# value plus a float32 scale per token and kv head (MLA: per token's latent), as
+# `atlas_jax.kernels.quantized_kv` stores them.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_SCALE_BYTES = 4
+
+
+def cached_vector_bytes(width: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+  """Bytes one cached vector of `width` values takes (a kv head's key, or an MLA latent)."""
+  if kv_cache_dtype not in KV_CACHE_DTYPES:
+    raise ValueError(f"--kv-cache-dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+  return width * dtype_bytes if kv_cache_dtype == "auto" else width + KV_SCALE_BYTES
+
 
 def config_kv_bytes_per_token(model: Any, *, dtype_bytes: int | None = None) -> int:
   """`kv_bytes_per_token` for a model config (`atlas_jax.config.ModelConfig` or alike).

@@ -56,6 +56,7 @@ import math
 
 from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.model.scan import default_every
+from atlas_jax.plan.kv import cached_vector_bytes
 from atlas_jax.plan.params import ParamSpec, block, inventory, lora_adapters, mtp_head
 from atlas_jax.schedule import Schedule
 
@@ -605,12 +606,16 @@ def serving_weight_bytes(
   return dtype_bytes * sum(shard_elements(p, fsdp=1, tensor=tensor) for p in specs)
 
 
-def serving_kv_bytes_per_token(cfg: ModelConfig, *, tensor: int, dtype_bytes: int) -> int:
+def serving_kv_bytes_per_token(
+  cfg: ModelConfig, *, tensor: int, dtype_bytes: int, kv_cache_dtype: str = "auto"
+) -> int:
   """Pool bytes one token takes on each device of its replica: a KV pool's kv heads split over
-  the tensor axis (repeated up to it when fewer); an MLA latent held whole by every device."""
+  the tensor axis (repeated up to it when fewer); an MLA latent held whole by every device.
+  `kv_cache_dtype` "int8" / "fp8": a byte a value and a float32 scale per vector."""
   L = cfg.n_layers
   if cfg.mla is not None:
     m = cfg.mla
-    return L * (m.kv_lora_rank + m.qk_rope_head_dim) * dtype_bytes
+    return L * cached_vector_bytes(m.kv_lora_rank + m.qk_rope_head_dim, dtype_bytes, kv_cache_dtype)
   K = served_config(cfg, tensor).n_kv_heads
-  return 2 * L * (K // tensor if K % tensor == 0 else K) * cfg.head_dim * dtype_bytes
+  vector = cached_vector_bytes(cfg.head_dim, dtype_bytes, kv_cache_dtype)
+  return 2 * L * (K // tensor if K % tensor == 0 else K) * vector

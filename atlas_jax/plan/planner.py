@@ -19,7 +19,13 @@ from atlas_jax.devices import get_device
 from atlas_jax.model.lora import resolve
 from atlas_jax.plan import compute, memory
 from atlas_jax.plan import pipeline as pipeline_plan
-from atlas_jax.plan.kv import attention_kind, kv_bytes_per_token, mla_kv_bytes_per_token
+from atlas_jax.plan.kv import (
+  KV_CACHE_DTYPES,
+  attention_kind,
+  cached_vector_bytes,
+  kv_bytes_per_token,
+  mla_kv_bytes_per_token,
+)
 from atlas_jax.plan.params import counts, lora_adapters
 from atlas_jax.schedule import Schedule
 
@@ -52,6 +58,7 @@ class PlanInputs:
   mfu: float = 0.4  # model FLOPs utilisation assumed for the time to train
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
+  kv_cache_dtype: str = "auto"  # serving's pool: the compute dtype, or 8-bit codes and scales
   # LoRA (train.lora): adapters of this rank on these projections, the only trained parameters;
   # 0: every parameter trains.
   lora_rank: int = 0
@@ -70,6 +77,11 @@ class PlanInputs:
     if self.remat not in memory.REMAT_POLICIES:
       raise ValueError(
         f"--remat={self.remat!r} is not allowed; allowed: {', '.join(memory.REMAT_POLICIES)}"
+      )
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(
+        f"--kv-cache-dtype={self.kv_cache_dtype!r} is not allowed; allowed: "
+        f"{', '.join(KV_CACHE_DTYPES)}"
       )
     if self.precision not in PRECISIONS:
       raise ValueError(
@@ -193,7 +205,13 @@ def kv_alternatives(cfg: ModelConfig, dtype_bytes: int) -> list[dict[str, Any]]:
   return rows
 
 
-def model_kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+def model_kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, kv_cache_dtype="auto") -> int:
+  if kv_cache_dtype != "auto":  # 8-bit codes and a scale per vector
+    if cfg.mla is not None:
+      width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+      return cfg.n_layers * cached_vector_bytes(width, dtype_bytes, kv_cache_dtype)
+    vector = cached_vector_bytes(cfg.head_dim, dtype_bytes, kv_cache_dtype)
+    return 2 * cfg.n_layers * cfg.n_kv_heads * vector
   if cfg.mla is not None:
     m = cfg.mla
     return mla_kv_bytes_per_token(cfg.n_layers, m.kv_lora_rank, m.qk_rope_head_dim, dtype_bytes)
@@ -243,8 +261,8 @@ def make_plan(
   T, B = inputs.seq_len, inputs.batch
   pc = counts(cfg)
 
-  # KV cache (serving, in the compute dtype).
-  per_token = model_kv_bytes_per_token(cfg, c)
+  # KV cache (serving: in the compute dtype, or 8-bit codes with their scales).
+  per_token = model_kv_bytes_per_token(cfg, c, inputs.kv_cache_dtype)
   Z = inputs.block_size
   blocks = math.ceil(T / Z)
   alternatives = kv_alternatives(cfg, c)
@@ -254,6 +272,7 @@ def make_plan(
   kv = {
     "attention": attention_kind(cfg),
     "dtype_bytes": c,
+    "kv_cache_dtype": inputs.kv_cache_dtype,
     "bytes_per_token": per_token,
     "bytes_per_token_per_layer": per_token // cfg.n_layers,
     "bytes_per_sequence": per_token * T,
@@ -416,7 +435,9 @@ def make_plan(
   # Serving over data x tensor devices: per-device memory and the decode ceiling.
   tp, dp = inputs.tensor, inputs.devices // inputs.tensor
   weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
-  kv_dev = memory.serving_kv_bytes_per_token(cfg, tensor=tp, dtype_bytes=c)
+  kv_dev = memory.serving_kv_bytes_per_token(
+    cfg, tensor=tp, dtype_bytes=c, kv_cache_dtype=inputs.kv_cache_dtype
+  )
   pool_dev = max(0, int(SERVING_MEMORY_UTILIZATION * dev.hbm_bytes) - weights_dev)
   serving = {
     "tensor": tp,

@@ -170,8 +170,10 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     rows,
     markdown=markdown,
   )
+  fmt = kv.get("kv_cache_dtype", "auto")
+  what = f"{kv['dtype_bytes']}-byte cache" if fmt == "auto" else f"{fmt} cache (scaled 8-bit codes)"
   body += (
-    f"\n\n{kv['dtype_bytes']}-byte cache; paged in blocks of {kv['block_size']}: "
+    f"\n\n{what}; paged in blocks of {kv['block_size']}: "
     f"{kv['blocks_per_sequence']} blocks, {fmt_bytes(kv['paged_bytes_per_sequence'])} per sequence"
   )
   out.append(_section("KV cache", body, markdown=markdown))

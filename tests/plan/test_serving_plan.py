@@ -60,6 +60,24 @@ def test_serving_bytes_per_device_are_the_engines(kind, mesh):
   assert (bound.all_reduce_bytes == 0) == (bound.all_gather_bytes == 0) == (tp == 1)
 
 
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_8bit_pool_bytes_per_device_are_the_engines(kind, fmt):
+  """--kv-cache-dtype: codes and their scales, counted as the engine allocates them (tensor 4:
+  scales split with their kv heads; an MLA latent's held whole)."""
+  cfg = MODELS[kind]
+  config = EngineConfig(
+    runner="ragged", n_blocks=8, block_size=4, tensor_parallel_size=4, kv_cache_dtype=fmt
+  )
+  runner = Engine(build(cfg, rngs=nnx.Rngs(0)), config).runner
+  per_token = memory.serving_kv_bytes_per_token(cfg, tensor=4, dtype_bytes=4, kv_cache_dtype=fmt)
+  assert per_token * 4 == runner.block_bytes()
+  float_token = memory.serving_kv_bytes_per_token(cfg, tensor=4, dtype_bytes=4)
+  assert per_token < float_token
+  plan = make_plan(cfg, PlanInputs(seq_len=64, batch=8, devices=4, tensor=4, kv_cache_dtype=fmt))
+  assert plan["serving"]["kv_bytes_per_token_per_device"] == per_token
+
+
 def test_the_plan_has_a_serving_section():
   cfg = MODELS["gqa"]
   inputs = PlanInputs(seq_len=64, batch=8, devices=8, tensor=4, strategy="dp")
