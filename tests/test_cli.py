@@ -252,6 +252,10 @@ def test_serve_flags_are_checked_like_the_api(tmp_path, capsys, argv, message):
       "--cpu-matmul='mkl' is not allowed: must be one of auto, xla, ynnpack",
     ),
     (
+      ["--kv-cache-dtype", "fp16"],
+      "--kv-cache-dtype='fp16' is not allowed: must be one of auto, int8, fp8",
+    ),
+    (
       ["--cpu-reductions", "mkl"],
       "--cpu-reductions='mkl' is not allowed: must be one of auto, xla, ynnpack",
     ),

@@ -7,6 +7,7 @@ bytes (exact block counts); served greedy tokens against the float pool's."""
 import dataclasses
 import functools
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,8 @@ from atlas_jax.cache.paged import KVPool, LatentPool, PagedCache, pool_bytes_per
 from atlas_jax.config import ConfigError
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.serving.engine import Engine, EngineConfig
+
+from .conftest import byte_model, serving
 
 # Logits differ from the float pool's by the codes' rounding: int8 keeps 1/254 of each vector's
 # range, e4m3 3 mantissa bits (1/16 relative).
@@ -114,3 +117,16 @@ def test_served_greedy_tokens_against_the_float_pool(any_model):
 def test_an_unknown_kv_cache_dtype_is_refused():
   with pytest.raises(ConfigError, match=r"serve.engine.kv_cache_dtype='fp16'.*auto, int8, fp8"):
     EngineConfig(kv_cache_dtype="fp16")
+
+
+def test_an_8bit_pool_serves_over_http():
+  """serve's HTTP path on an fp8 pool: the completion is the engine's own on the same pool."""
+  model, tok = byte_model(3)
+  config = dataclasses.replace(CONFIG, n_blocks=32, kv_cache_dtype="fp8")
+  prompt = "paged pages of eight bits"
+  want = serve_greedy(model, "fp8", [tok.encode(prompt)], n_new=10)[0]
+  with serving(model, tok, config, model_name="m") as (url, engine, _):
+    assert engine.runner.pools[0].k.dtype == jnp.float8_e4m3fn
+    body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+  assert got["choices"][0]["text"] == tok.decode(want)
