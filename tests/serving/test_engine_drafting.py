@@ -11,6 +11,7 @@ import pytest
 
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.decoding.drafters import NGramDrafter
+from atlas_jax.serving.engine import Engine
 
 from ..decoding.test_drafting import simulate
 from .test_engine_mtp import mtp_model
@@ -120,3 +121,21 @@ def test_serve_takes_vllms_speculative_config(tiny_model):
     serve.speculative_config('{"method": "ngram", "model": "x"}')
   with pytest.raises(ValueError, match="--speculative and --speculative-config are two drafts"):
     serve.make_engine(serve.parse_args([*argv, "--speculative", "mtp"]), tiny_model, tok)
+
+
+def test_prompt_lookup_on_a_mesh_equals_plain_greedy(tiny_model):
+  """2 replicas x 2 tensor devices: each replica's token pool holds its own pages."""
+  prompts = repetitive(4, 8)
+  params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4
+  want = generate(tiny_model, prompts, params)
+  config = dataclasses.replace(ROOMY, data_parallel_size=2, tensor_parallel_size=2)
+  engine = Engine(tiny_model, config, draft=LOOKUP)
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    engine.add_request(i, p, sp)
+  got = [[] for _ in prompts]
+  while engine.has_unfinished():
+    for out in engine.step():
+      assert out.error is None
+      got[out.request_id].extend(out.new_token_ids)
+  assert got == want
+  assert engine.mesh is not None and engine.n_accepted > 0
