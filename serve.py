@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from atlas_jax import hf
+from atlas_jax import hf, host_memory
 from atlas_jax.config import (
   ConfigError,
   SamplingDefaults,
@@ -848,7 +848,12 @@ def prepare(args):
       model, tokenizer = load_any(args.checkpoint, args.dtype)
   else:
     model, tokenizer = load_any(args.checkpoint, args.dtype)
+  # Loading reads every tensor through host buffers freed once the model holds its arrays, and
+  # making the engine frees the copies its placement replaced: glibc keeps such freed memory in
+  # its arenas, resident, unless handed back (about the weights' size again after a load).
+  host_memory.return_freed_memory()
   engine = make_engine(args, model, tokenizer)
+  host_memory.return_freed_memory()
   log.info("compilation cache: %s", cache or "off")  # after loading: a bad folder is one line
   chat_template = None
   if args.port is not None:
