@@ -24,14 +24,16 @@ its files declare, and a run's).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 from safetensors.numpy import save_file
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.hf import deepseek, llama, mixtral, olmoe, qwen_moe
+from atlas_jax.hf import deepseek, fp8, gguf_file, llama, mixtral, olmoe, qwen_moe
 from atlas_jax.hf.common import REQUIRED, HFLoadError, field, read_json
 from atlas_jax.hf.weights import (
   build_model,
@@ -42,6 +44,8 @@ from atlas_jax.hf.weights import (
   tensors_from_params,
 )
 from atlas_jax.model import Transformer
+
+log = logging.getLogger(__name__)
 
 FAMILIES = {
   t: module for module in (llama, mixtral, qwen_moe, olmoe, deepseek) for t in module.MODEL_TYPES
@@ -91,13 +95,17 @@ def config_from_hf(
 
 
 def load_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
-  """The ModelConfig of a folder's config.json (no weights read)."""
+  """The ModelConfig of a folder's config.json, or a GGUF file's metadata (no weights read)."""
+  if gguf_file.is_gguf(path):
+    return config_from_hf(gguf_file.file_config(path), dtype=dtype)
   return config_from_hf(read_json(Path(path) / "config.json"), dtype=dtype)
 
 
 def folder_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
   """The ModelConfig `load` gives a folder, from config.json and the safetensors headers alone
-  (the stored names decide DeepSeek's MTP heads); no weight is read."""
+  (the stored names decide DeepSeek's MTP heads), or a GGUF file's metadata; no weight is read."""
+  if gguf_file.is_gguf(path):
+    return load_config(path, dtype=dtype)
   hf_config = read_json(Path(path) / "config.json")
   config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the files
   return config_from_hf(hf_config, dtype=dtype, names=tensor_names(path))
@@ -113,10 +121,14 @@ def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[
 def load(
   path: str | Path, *, dtype: str = "float32", implementation: str | None = None
 ) -> Transformer:
-  """Loads a Hugging Face folder (config.json + *.safetensors) into a Transformer.
+  """Loads a Hugging Face folder (config.json + *.safetensors) or a GGUF file into a Transformer.
+
+  FP8 folders (config.json's `quantization_config` with `quant_method: fp8`) and GGUF's quantized
+  tensors are dequantized at load, exactly, to `dtype` (`fp8`, `gguf_file`).
 
   Args:
-    path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub).
+    path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub),
+      or a llama.cpp GGUF file (llama, mistral, qwen2, qwen3).
     dtype: parameter and compute dtype, "float32", "bfloat16" or "float16" (routers stay
       float32).
     implementation: attention implementation passed to `atlas_jax.kernels.attention`.
@@ -125,12 +137,20 @@ def load(
     The model; its ModelConfig is `model.cfg`.
   """
   folder = Path(path)
-  if not folder.is_dir():
-    raise HFLoadError(f"{folder} is not a folder")
-  hf_config = read_json(folder / "config.json")
-  family = _family(hf_config)
-  family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
-  tensors = read_safetensors(folder)
+  if gguf_file.is_gguf(folder):
+    r = gguf_file.reader(folder)
+    hf_config = gguf_file.config(r)
+    family = _family(hf_config)
+    family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
+    tensors = gguf_file.read_tensors(r, hf_config, jnp.dtype(dtype))
+    log.info("%s: GGUF tensors dequantized to %s at load", folder, dtype)
+  elif not folder.is_dir():
+    raise HFLoadError(f"{folder} is not a folder or a GGUF file")
+  else:
+    hf_config = read_json(folder / "config.json")
+    family = _family(hf_config)
+    family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
+    tensors = fp8.dequantize_tensors(read_safetensors(folder), hf_config, dtype=dtype, where=folder)
   names = set(tensors)
   cfg = family.config_from_hf(hf_config, dtype=dtype, names=names)
   params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg)

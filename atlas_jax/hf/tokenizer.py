@@ -10,6 +10,7 @@ from typing import Any
 
 from atlas_jax import hf
 from atlas_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from atlas_jax.hf import gguf_file
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -57,8 +58,18 @@ def eos_ids(folder: Path, tokenizer_config: dict | None, token_to_id) -> tuple[i
 
 def load_tokenizer(folder: str | Path, vocab_size: int):
   """The tokenizer of a Hugging Face folder, with its special tokens as its files declare them
-  (a byte-level model of 259 tokens without tokenizer.json: `ByteTokenizer`)."""
+  (a byte-level model of 259 tokens without tokenizer.json: `ByteTokenizer`), or of a GGUF file,
+  from its metadata as transformers builds it."""
   folder = Path(folder)
+  if gguf_file.is_gguf(folder):
+    parts = gguf_file.tokenizer_parts(folder)
+    return HFTokenizer(
+      parts["tokenizer"],
+      bos=parts["bos"],
+      eos=parts["eos"],
+      pad=parts["pad"],
+      eos_ids=parts["eos_ids"],
+    )
   if not (folder / "tokenizer.json").is_file():
     if vocab_size != ByteTokenizer.vocab_size:
       raise ValueError(f"{folder}: no tokenizer.json beside the weights")

@@ -1,5 +1,6 @@
 """What a model folder says about serving it beyond its weights: its tokenizer and special
-tokens, its chat template, generation_config.json's sampling defaults and its dtype.
+tokens, its chat template, generation_config.json's sampling defaults and its dtype. A GGUF file
+holds its tokenizer, special tokens and chat template in its metadata (`atlas_jax.hf.gguf_file`).
 
 Special tokens follow transformers:
 * the eos ids come from generation_config.json's `eos_token_id` (an id or a list:
@@ -21,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from atlas_jax.hf import gguf_file
 from atlas_jax.hf.tokenizer import eos_ids, load_tokenizer, read_json, token_text
 from atlas_jax.serving.chat import ChatTemplate
 
@@ -49,8 +51,14 @@ GENERATION_FIELDS = {
 def chat_template(folder: str | Path, tokenizer, override: str | None = None):
   """The chat template to serve: `override` (a file, or the template itself, as vLLM's
   `--chat-template` takes), else the folder's (tokenizer_config.json's `chat_template`, or
-  chat_template.jinja); None when there is none."""
+  chat_template.jinja, or a GGUF file's `tokenizer.chat_template`); None when there is none."""
   folder = Path(folder)
+  if override is None and gguf_file.is_gguf(folder):
+    parts = gguf_file.tokenizer_parts(folder)
+    if parts["chat_template"] is None:
+      return None
+    where = f"{folder} tokenizer.chat_template"
+    return ChatTemplate(parts["chat_template"], special_tokens=parts["special_tokens"], where=where)
   config = read_json(folder / "tokenizer_config.json")
   settings = config or {}
   if override is not None:

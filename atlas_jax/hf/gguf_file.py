@@ -1,0 +1,282 @@
+"""GGUF files (llama.cpp's format, which Ollama and most local users hold), read with the `gguf`
+package into the same config.json fields and tensor names a Hugging Face folder has, so that the
+families' tables check and convert them as they do a folder's.
+
+* The config comes from the `{architecture}.*` metadata (llama, mistral, qwen2, qwen3), as
+  transformers' GGUF loader reads it; `head_dim` from `attention.key_length` where the file has it.
+  Llama 3.1's `rope_freqs.weight` (llama.cpp's per-frequency factors) becomes the llama3 rope
+  scaling that produced it, checked factor by factor.
+* Tensors are dequantized at load (exactly: each block's codes times its scales, by
+  `gguf.quants.dequantize`) for the float types, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants
+  (Q2_K .. Q6_K). llama.cpp stores a Llama's q/k rows permuted for its own RoPE; they are put back
+  in Hugging Face's order, as transformers does.
+* The tokenizer, its special tokens (bos/eos/pad) and the chat template are built from the
+  `tokenizer.*` metadata by transformers' own GGUF converter (transformers must be installed).
+
+A Q8_0/Q4_0 tensor could stay 8- or 4-bit on the device (its codes and one scale per 32 values are
+exactly what an int8/int4 group-wise layout holds); `read_tensors` is where the codes and scales
+are in hand, before `dequantize`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from atlas_jax.hf.common import HFLoadError
+
+MAGIC = b"GGUF"
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Tensor types `read_tensors` dequantizes (names as gguf.GGMLQuantizationType spells them).
+SUPPORTED_TYPES = (
+  "F32",
+  "F16",
+  "BF16",
+  "Q8_0",
+  "Q4_0",
+  "Q4_1",
+  "Q5_0",
+  "Q5_1",
+  "Q2_K",
+  "Q3_K",
+  "Q4_K",
+  "Q5_K",
+  "Q6_K",
+)
+# llama.cpp's tensor names -> Hugging Face's (after "blk.N." -> "model.layers.N.").
+MODEL_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+  "attn_norm": "input_layernorm",
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "attn_q_norm": "self_attn.q_norm",
+  "attn_k_norm": "self_attn.k_norm",
+  "ffn_norm": "post_attention_layernorm",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def is_gguf(path: str | Path) -> bool:
+  """Whether `path` is a file that starts with GGUF's magic."""
+  path = Path(path)
+  if not path.is_file():
+    return False
+  with path.open("rb") as f:
+    return f.read(4) == MAGIC
+
+
+def _gguf():
+  try:
+    import gguf
+  except ImportError as e:  # pragma: no cover - a declared dependency
+    raise HFLoadError(f"reading a GGUF file needs the gguf package (pip install gguf): {e}") from e
+  return gguf
+
+
+def reader(path: str | Path):
+  """The file's `gguf.GGUFReader` (memory-mapped: no tensor is read yet)."""
+  try:
+    return _gguf().GGUFReader(str(path))
+  except Exception as e:  # gguf raises ValueError, struct errors and OSError alike
+    raise HFLoadError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+
+def metadata(r) -> dict[str, Any]:
+  """Every metadata key but the tokenizer's arrays -> its value."""
+  out = {}
+  for key, f in r.fields.items():
+    if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "scores", "types")):
+      continue
+    out[key] = f.contents()
+  return out
+
+
+def _vocab_size(r, meta: dict[str, Any], arch: str) -> int | None:
+  if isinstance(meta.get(f"{arch}.vocab_size"), int):
+    return meta[f"{arch}.vocab_size"]
+  tokens = r.fields.get("tokenizer.ggml.tokens")
+  return len(tokens.data) if tokens is not None else None
+
+
+def llama3_rope(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+  """The llama3 `rope_scaling` whose per-frequency factors are `freqs` (llama.cpp writes them as
+  `rope_freqs.weight` instead of the four numbers): Meta's published settings (low 1, high 4,
+  original context 8192) with the largest factor, checked against every factor."""
+  factor = float(np.max(freqs))
+  scaling = dict(
+    rope_type="llama3",
+    factor=factor,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+  )
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  wavelen = 2 * np.pi / inv_freq
+  old, low, high = 8192, 1.0, 4.0
+  smooth = (old / wavelen - low) / (high - low)
+  want = np.where(
+    wavelen < old / high,
+    1.0,
+    np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+  )
+  if freqs.shape != want.shape or not np.allclose(freqs, want, rtol=1e-3):
+    raise HFLoadError(
+      f"{ROPE_FREQS}: per-frequency rope factors {np.round(freqs[:4], 4).tolist()}... are not "
+      f"llama3 scaling with factor {factor}, low_freq_factor 1, high_freq_factor 4, original "
+      "context 8192; only those are supported"
+    )
+  return scaling
+
+
+def config(r, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The config.json fields the file's metadata gives (no tensor is read but `rope_freqs`)."""
+  meta = metadata(r) if meta is None else meta
+  arch = meta.get("general.architecture")
+  if arch not in MODEL_TYPES:
+    raise HFLoadError(
+      f"GGUF general.architecture={arch!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
+    )
+
+  def get(key, default=None):
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+      raise HFLoadError(f"GGUF metadata lacks '{arch}.{key}'")
+    return value
+
+  n_heads = get("attention.head_count")
+  hidden = get("embedding_length")
+  head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+  names = {t.name for t in r.tensors}
+  hf: dict[str, Any] = {
+    "model_type": arch,
+    "hidden_size": hidden,
+    "intermediate_size": get("feed_forward_length"),
+    "num_hidden_layers": get("block_count"),
+    "num_attention_heads": n_heads,
+    "num_key_value_heads": get("attention.head_count_kv", n_heads),
+    "head_dim": head_dim or hidden // n_heads,
+    "max_position_embeddings": get("context_length", 4096),
+    "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    "rope_theta": float(get("rope.freq_base", 10000.0)),
+    "vocab_size": _vocab_size(r, meta, arch),
+    "tie_word_embeddings": "output.weight" not in names,
+    "hidden_act": "silu",
+  }
+  if meta.get(f"{arch}.attention.sliding_window"):
+    hf["sliding_window"] = meta[f"{arch}.attention.sliding_window"]
+    if arch != "mistral":
+      hf["use_sliding_window"] = True  # rejected by the family, naming it
+  kind = meta.get(f"{arch}.rope.scaling.type")
+  if kind not in (None, "none"):
+    hf["rope_scaling"] = {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor")}
+    if meta.get(f"{arch}.rope.scaling.original_context_length") is not None:
+      hf["rope_scaling"]["original_max_position_embeddings"] = meta[
+        f"{arch}.rope.scaling.original_context_length"
+      ]
+  if ROPE_FREQS in names:
+    (t,) = [t for t in r.tensors if t.name == ROPE_FREQS]
+    freqs = np.asarray(dequantize(t), np.float64).reshape(-1)
+    hf["rope_scaling"] = llama3_rope(freqs, hf["head_dim"], hf["rope_theta"])
+  return hf
+
+
+def dequantize(t) -> np.ndarray:
+  """One `gguf.ReaderTensor` as float32 in numpy's (Hugging Face's) order: [out, in]."""
+  gguf = _gguf()
+  kind = gguf.GGMLQuantizationType(t.tensor_type).name
+  if kind not in SUPPORTED_TYPES:
+    raise HFLoadError(
+      f"GGUF tensor {t.name} has type {kind}; supported types: {', '.join(SUPPORTED_TYPES)}"
+    )
+  values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+  return np.asarray(values, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+  """Undoes llama.cpp's q/k row order (each head's rotary halves interleaved, for its RoPE)."""
+  rows = w.shape[0]
+  return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(name: str) -> str:
+  if name in MODEL_NAMES:
+    return MODEL_NAMES[name]
+  m = _LAYER.fullmatch(name)
+  if m is None or m.group(2) not in LAYER_NAMES:
+    raise HFLoadError(f"GGUF tensor {name} is not one this importer knows (llama-family layers)")
+  return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def read_tensors(r, hf: dict[str, Any], dtype: Any = np.float32) -> dict[str, np.ndarray]:
+  """Every tensor under its Hugging Face name, dequantized and cast to `dtype` one at a time."""
+  out = {}
+  permuted = hf["model_type"] in ("llama", "mistral")
+  for t in r.tensors:
+    if t.name == ROPE_FREQS:
+      continue  # read into the config
+    name = hf_name(t.name)
+    w = dequantize(t)
+    if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+      kv = name.endswith("k_proj.weight")
+      w = unpermute(w, hf["num_key_value_heads"] if kv else hf["num_attention_heads"])
+    out[name] = w.astype(dtype)
+  return out
+
+
+def read(path: str | Path, dtype: Any = np.float32) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(config.json fields, {Hugging Face name: tensor}) of a GGUF file."""
+  r = reader(path)
+  hf = config(r)
+  return hf, read_tensors(r, hf, dtype)
+
+
+def file_config(path: str | Path) -> dict[str, Any]:
+  """The config.json fields of a GGUF file, from its metadata alone."""
+  return config(reader(path))
+
+
+def tokenizer_parts(path: str | Path) -> dict[str, Any]:
+  """{"tokenizer": a `tokenizers.Tokenizer`, "bos"/"eos"/"pad": special tokens' text ("" for
+  none), "eos_ids", "chat_template": str or None}, built from the file's metadata by
+  transformers' GGUF converter (as `AutoTokenizer.from_pretrained(..., gguf_file=...)` does)."""
+  path = Path(path)
+  try:
+    from transformers import AutoTokenizer
+  except ImportError as e:
+    raise HFLoadError(
+      f"{path}: a GGUF file's tokenizer is built by transformers' GGUF converter; install "
+      f"transformers (pip install 'atlas-jax[hf]'): {e}"
+    ) from e
+  try:
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  except Exception as e:  # the converter raises whatever the metadata provokes
+    raise HFLoadError(
+      f"{path}: transformers cannot build the tokenizer: {type(e).__name__}: {e}"
+    ) from e
+  text = lambda t: t if isinstance(t, str) else ""
+  eos_id = tok.eos_token_id
+  template = tok.chat_template if isinstance(tok.chat_template, str) else None
+  return {
+    "tokenizer": tok.backend_tokenizer,
+    "bos": text(tok.bos_token),
+    "eos": text(tok.eos_token),
+    "pad": text(tok.pad_token),
+    "eos_ids": (eos_id,) if isinstance(eos_id, int) else None,
+    "chat_template": template,
+    "special_tokens": {
+      k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token") if (v := getattr(tok, k))
+    },
+  }
