@@ -75,6 +75,10 @@ class Window:
   next_BT: Array  # i32[B, T] the token after each position (the next input, or the one drawn)
   at_B: Array  # i32[B] window index of each row's last position whose next token is verified
   hidden: tuple[Array, Array] | None = None  # (final, last block's input) [B, T, D]: MTP only
+  # i32[S] each sequence's first token's index in the window's flattened [B * T] (-1: none), for
+  # chained MTP heads (`MTPDrafter.follow`); None: no rewrite before the window (a contiguous
+  # cache's prompt window: nothing precedes it, and a contiguous row cannot skip a write).
+  first_S: Array | None = None
 
 
 def first_masked(logits_BV: Array, arrays: SamplingArrays, j) -> Array:
@@ -166,7 +170,45 @@ class MTPDrafter:
 
   def follow(self, params, target, dcache: DraftCache, window: Window, *, in_round=False):
     del params, in_round  # a round's window is new to the heads: they run over it
-    return self._heads(target, dcache, window, store=True)[0]
+    dcache = self._heads(target, dcache, window, store=True)[0]
+    if target.mtp.kind == "sequential" and self.n_heads > 1 and window.first_S is not None:
+      dcache = self._chain_before(target, dcache, window)
+    return dcache
+
+  def _chain_before(self, target, dcache: DraftCache, window: Window) -> DraftCache:
+    """Rewrites the deeper heads' entries at the position before each sequence's window.
+
+    Head i at position p reads token p + 1 + i: when p was last in its window (or a round's
+    drafting link wrote it from a draft), that token was not known, and this window is where it
+    is. So the chain runs again at p = start - 1, from the stored hidden states and the window's
+    first tokens: head 0 rewrites its entry as it was, head 1 exactly; a head i > 1 reads the
+    window's token i - 1 after start, approximate where the window is shorter than that.
+    """
+    tokens = window.tokens_BT.reshape(-1)
+    after = window.next_BT.reshape(-1)
+    n = tokens.shape[0]
+    first_S = jnp.maximum(window.first_S, 0)
+    start_S = window.positions_BT.reshape(-1)[first_S]
+    p_S = jnp.where((window.first_S >= 0) & (start_S >= 1), start_S - 1, -1)
+    cache = dcache.cache
+    if getattr(cache, "query_start", None) is not None:  # ragged: one position per sequence
+      cache = cache.replace(query_start=None, query_len=None, max_query_len=None)
+    _, X, Y, D = dcache.hidden.shape
+    slots_S = jnp.maximum(cache.slots(p_S[:, None])[:, 0], 0)
+    h_SD, trunk_SD = dcache.hidden.reshape(2, X * Y, D)[:, slots_S]
+    for i in range(self.n_heads):
+      token_S = tokens[first_S] if i == 0 else after[jnp.minimum(first_S + i - 1, n - 1)]
+      _, h_SD, cache = target.mtp.draft_step(
+        cache,
+        head=jnp.int32(i),
+        token_B=token_S,
+        h_BD=h_SD,
+        trunk_BD=trunk_SD,
+        position_B=p_S,
+        embed_VD=target.embed[...],
+        head_DV=target._head_DV(),
+      )
+    return dcache.replace(cache=cache)
 
   def propose(self, params, target, dcache, pending_B, lengths_B, keys_BT, arrays, k):
     """(dcache, i32[B, k] drafts, f32[B, k, V] their distributions): a chain of k links

@@ -179,7 +179,9 @@ def verify_drafts(
     tokens_BT, positions_BT=positions_BT, cache=cache.replace(lengths=start_B), return_hidden=hidden
   )
   a_B, _, new_BT, logp_BTV = round_tokens(logits_BTV, q_BJV, draft_BJ, key_B, arrays, allowed_BTW)
-  window = Window(tokens_BT, positions_BT, start_B, new_BT, a_B, states[0] if hidden else None)
+  first_B = jnp.where(valid_B, jnp.arange(valid_B.shape[0]) * (k + 1), -1)
+  hidden_states = states[0] if hidden else None
+  window = Window(tokens_BT, positions_BT, start_B, new_BT, a_B, hidden_states, first_B)
   return Verified(cache, a_B, new_BT, logp_BTV, window)
 
 
@@ -200,7 +202,8 @@ class SpeculativeStats:
   rounds: int  # target forward passes in the decode loop (batched: one per round)
   row_rounds: int  # rounds counted per live row: the target passes each row needed
   emitted: int  # tokens emitted by the decode loop (the first token comes from the prefill)
-  drafted: int  # draft tokens proposed to the target, over live rows
+  drafted: int  # draft positions offered to the target: k per live row and round (prompt lookup
+  # may fill fewer of them; an empty one is never accepted)
   accepted: int  # of those, accepted
 
   @property

@@ -165,6 +165,9 @@ def forward_sample(b: _Bound, states, pools, x: StepRecord):
   )
   # The drafter's heads read no logits while following: any index of each row will do.
   at_R = x.last_B if x.rows_form else jnp.zeros((R,), jnp.int32)
+  T = x.tokens_RT.shape[1]
+  row_B = jnp.arange(B, dtype=jnp.int32) // (B // R)
+  first_B = jnp.where(x.query_len_B > 0, row_B * T + x.query_start_B, -1)
   window = Window(
     x.tokens_RT,
     x.positions_RT,
@@ -172,6 +175,7 @@ def forward_sample(b: _Bound, states, pools, x: StepRecord):
     _next_tokens(x, out[0]),
     at_R,
     hidden[0] if hidden else None,
+    first_B,
   )
   d_pool = b.follow(d_params, model, d_pool, x, window)
   return ((cache.pool, d_pool), *out)
@@ -233,6 +237,7 @@ def decode_burst(b: _Bound, states, pools, x: StepRecord, capacity: int, n_steps
       out[0][:, None],
       jnp.zeros_like(at_B),
       hidden[0] if hidden else None,
+      jnp.where(valid_B, jnp.arange(B, dtype=jnp.int32), -1),
     )
     d_pool = b.follow(d_params, model, d_pool, x, window)
     counts_BV = c.counts_BV

@@ -10,7 +10,14 @@ from flax import nnx
 
 from atlas_jax.config import ModelConfig, MTPConfig
 from atlas_jax.decoding import SamplingParams, generate
-from atlas_jax.decoding.drafters import NGramDrafter, make_drafter, ngram_drafts
+from atlas_jax.decoding.drafters import (
+  DraftCache,
+  NGramDrafter,
+  Window,
+  hidden_store,
+  make_drafter,
+  ngram_drafts,
+)
 from atlas_jax.decoding.speculative import speculative_generate
 from atlas_jax.model import build
 
@@ -151,39 +158,51 @@ def test_chained_mtp_drafting_emits_the_plain_greedy_tokens(n_predict, k):
   assert make_drafter(model, "mtp", k).n_heads == min(k, n_predict)
 
 
-def test_the_chain_of_sequential_heads_is_the_training_depths():
-  """Fed the true next tokens as its drafts, the chain's links at a row's last position give
-  the logits `forward_mtp` gives there: head i reads head i - 1's output and token t + 1 + i."""
+@pytest.mark.parametrize("fixed", [True, False])
+def test_the_chain_of_sequential_heads_is_the_training_depths(fixed):
+  """Followed window by window, then fed the true next tokens as its drafts, the chain's links at
+  a row's last position give the logits `forward_mtp` gives there: head i reads head i - 1's
+  output and token t + 1 + i. Head 1's entry at each window's last position is rewritten from
+  the next window (`first_S`); without that rewrite the chain drifts from the training heads."""
   model = tiny(4, mtp=MTPConfig("sequential", 2))
-  seq = jnp.asarray(np.random.default_rng(2).integers(0, 40, (2, 12)), jnp.int32)
+  cfg, drafter = model.cfg, make_drafter(model, "mtp", 2)
+  seq = jnp.asarray(np.random.default_rng(2).integers(0, 40, (2, 14)), jnp.int32)
   _, mtp_JBTV = model.forward_mtp(seq)
-  P = 9  # the prompt: positions 0..8; the pending token is seq[:, 9]
-  _, _, (final, trunk) = model(seq[:, :P], cache=model.init_cache(2, 32), return_hidden=True)
-  m_cache = model.mtp.init_cache(model.cfg, 2, 32, jnp.float32)
-  positions = jnp.broadcast_to(jnp.arange(P), (2, P))
-  _, m_cache = model.mtp.draft(
-    m_cache,
-    next_tokens_BT=seq[:, 1 : P + 1],
-    trunk_BTD=trunk,
-    final_BTD=final,
-    positions_BT=positions,
-    at_B=jnp.full((2,), P - 1, jnp.int32),
-    embed_VD=model.embed[...],
-    head_DV=model._head_DV(),
-  )
-  h, last = final[:, P - 1], jnp.full((2,), P - 1, jnp.int32)
+  cache = model.init_cache(2, 32)
+  store = hidden_store(cfg, 2, 32, jnp.float32)
+  heads = model.mtp.init_cache(cfg, 2, 32, jnp.float32, n_heads=2)
+  dcache = DraftCache(heads, jnp.zeros(store.shape, store.dtype))
+  start = 0
+  for width in (5, 3, 4):  # windows of verified positions, as steps and rounds produce them
+    tokens = seq[:, start : start + width]
+    _, cache, hidden = model(tokens, cache=cache, return_hidden=True)
+    window = Window(
+      tokens_BT=tokens,
+      positions_BT=start + jnp.broadcast_to(jnp.arange(width), (2, width)),
+      lengths_B=jnp.full((2,), start, jnp.int32),
+      next_BT=seq[:, start + 1 : start + width + 1],
+      at_B=jnp.full((2,), width - 1, jnp.int32),
+      hidden=hidden,
+      first_S=jnp.arange(2) * width if fixed and start > 0 else None,
+    )
+    dcache = drafter.follow(None, model, dcache, window)
+    start += width
+  last = start - 1  # the pending token is seq[:, start]
+  h, trunk = dcache.hidden[:, :, last]
+  m_cache, close = dcache.cache, []
   for i in range(2):
     logits, h, m_cache = model.mtp.draft_step(
       m_cache,
       head=jnp.int32(i),
-      token_B=seq[:, P + i],  # the token after position last + i: the pending one, then d_1
+      token_B=seq[:, start + i],  # the token after position last + i: the pending one, then d_1
       h_BD=h,
-      trunk_BD=trunk[:, P - 1],
-      position_B=last,
+      trunk_BD=trunk,
+      position_B=jnp.full((2,), last, jnp.int32),
       embed_VD=model.embed[...],
       head_DV=model._head_DV(),
     )
-    np.testing.assert_allclose(logits, mtp_JBTV[i, :, P - 1], rtol=2e-4, atol=2e-4)
+    close.append(np.allclose(logits, mtp_JBTV[i, :, last], rtol=2e-4, atol=2e-4))
+  assert close == [True, fixed]
 
 
 def test_bad_drafters_are_named(target):

@@ -74,7 +74,7 @@ def test_sampled_prompt_lookup_rounds_draw_what_generate_draws(tiny_model):
 
 def test_chained_mtp_heads_in_the_engine():
   """Two sequential heads drafting three tokens (the chain, then the first head again): greedy
-  equals plain greedy under preemption; sampled equals `generate(draft="mtp")`."""
+  equals plain greedy under preemption."""
   model = mtp_model("sequential", 2, False)
   prompts, params = greedy_workload(6)
   want = generate(model, prompts, params, eos_id=3)
@@ -83,6 +83,11 @@ def test_chained_mtp_heads_in_the_engine():
   assert engine.n_spec_rounds > 0 and engine.n_preemptions > 0
   heads_pool = engine.pools[1][0]
   assert all(a.shape[0] == 2 for a in jax.tree.leaves(heads_pool))  # both heads hold a cache
+
+
+@pytest.mark.slow
+def test_sampled_chained_mtp_rounds_draw_what_generate_draws():
+  model = mtp_model("sequential", 2, False)
   rng = np.random.default_rng(7)
   prompts = [rng.integers(0, 40, int(n)).tolist() for n in (6, 11, 4)]
   params = [SamplingParams(max_new_tokens=18, temperature=1.0, seed=s) for s in (5, 6, 7)]
