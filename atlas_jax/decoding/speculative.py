@@ -11,7 +11,9 @@ top-p, min-p) shape p and q identically (`sampling.probabilities`); a greedy row
 q, so it accepts while the argmaxes agree and emits exactly the plain greedy tokens.
 
 Drafts come from a drafter (`atlas_jax.decoding.drafters`): another model with the same
-vocabulary, or "mtp", the target's own multi-token-prediction heads. The round is written once
+vocabulary, "mtp", the target's own multi-token-prediction heads, or "ngram", prompt lookup (a
+deterministic proposal: q one-hot, so x is accepted with probability p(x); a position proposing
+nothing has q = 0 and is never accepted, its residual p itself). The round is written once
 here (`verify_drafts`, `round_tokens`) for `generate`'s static loop below and the serving
 engine's rounds (`atlas_jax.serving.steps`).
 
