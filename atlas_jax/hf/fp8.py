@@ -3,13 +3,19 @@ DeepSeek-V3/R1 and transformers' FP8 quantizer write them.
 
 Each quantized projection is stored as an e4m3 (or e5m2) `*.weight` beside its float32 scale:
 `*.weight_scale_inv` (a multiplier despite its name: DeepSeek's and transformers' convention) or
-`*.weight_scale` (per-tensor checkpoints). With `weight_block_size: [bn, bk]` the scale holds one
-value per bn x bk block of the [out, in] weight, [ceil(out / bn), ceil(in / bk)] (the last blocks
-may be partial); without it, one value per tensor (or any shape that broadcasts, e.g. per output
-row). Loading multiplies each block by its scale in float32 and casts to the compute dtype: the
-weights are served dequantized (weight-only; activations stay in the compute dtype, whatever
-`activation_scheme` says, and static activation scales are dropped). A kept-quantized form would
-start from `dequantize_tensors`' inputs: the e4m3 codes and their block scales.
+`*.weight_scale` (per-tensor checkpoints); transformers v5's fused experts store
+`mlp.experts.gate_up_proj` beside `mlp.experts.gate_up_proj_scale_inv`, [E, ...] both.
+
+With `weight_block_size: [bn, bk]` (absent: transformers' [128, 128]) the scale holds one value
+per bn x bk block of the [out, in] weight, [ceil(out / bn), ceil(in / bk)], the last blocks
+partial; with `null`, or a one-value scale, one value per tensor (or any shape that broadcasts,
+e.g. per output row).
+
+Loading multiplies each block by its scale in float32 and casts to the compute dtype: the weights
+are served dequantized (weight-only; activations stay in the compute dtype whatever
+`activation_scheme` says, and static activation scales are dropped), as the log line says. A
+kept-quantized form would start from `dequantize_tensors`' inputs: the e4m3 codes and their block
+scales.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ log = logging.getLogger(__name__)
 
 METHODS = ("fp8",)
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+WEIGHT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+SCALE_SUFFIXES = (*WEIGHT_SCALE_SUFFIXES, "_proj_scale_inv")
 ACTIVATION_SUFFIXES = (".input_scale", ".activation_scale")
 
 
 def block_size(q: Mapping[str, Any]) -> tuple[int, int] | None:
-  """`quantization_config.weight_block_size` checked: None, or two positive integers."""
-  value = q.get("weight_block_size")
+  """`quantization_config.weight_block_size` checked: None (null: per-tensor scales), or two
+  positive integers; absent, transformers' default [128, 128]."""
+  value = q.get("weight_block_size", [128, 128])
   if value is None:
     return None
   if (
@@ -102,7 +110,10 @@ def dequantize_tensors(
     del out[n]
   count = 0
   for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIXES)):
-    base = name.rsplit(".", 1)[0] + ".weight"
+    if name.endswith(WEIGHT_SCALE_SUFFIXES):
+      base = name.rsplit(".", 1)[0] + ".weight"
+    else:  # fused experts (transformers v5): mlp.experts.gate_up_proj_scale_inv
+      base = name.removesuffix("_scale_inv")
     if base not in out:
       raise HFLoadError(f"{where}: scale {name} has no weight {base}")
     if jnp.asarray(out[base]).dtype not in FP8_DTYPES:

@@ -15,6 +15,7 @@ parameter) or fill several parameters from one (a fused `gate_up_proj`; MLA's `k
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,26 @@ def tensor_names(folder: str | Path) -> set[str]:
   return names
 
 
+FP8_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+def _fp8_tensors(file: Path) -> dict[str, np.ndarray]:
+  """A file's FP8 tensors (which safetensors' numpy and flax readers cannot build), read from
+  its header's offsets as ml_dtypes arrays."""
+  with file.open("rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    out = {}
+    for name, info in header.items():
+      if name == "__metadata__" or info.get("dtype") not in FP8_DTYPES:
+        continue
+      start, end = info["data_offsets"]
+      f.seek(8 + size + start)
+      data = np.frombuffer(f.read(end - start), np.uint8)
+      out[name] = data.view(FP8_DTYPES[info["dtype"]]).reshape(info["shape"])
+  return out
+
+
 def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
   """All tensors of a folder (single file or sharded), as jax arrays on the host.
 
@@ -260,9 +281,12 @@ def read_safetensors(folder: str | Path) -> dict[str, jax.Array]:
     if not file.is_file():
       raise HFLoadError(f"{file} is listed in the index but missing")
     try:
+      fp8 = _fp8_tensors(file)
+      tensors.update(fp8)
       with safe_open(str(file), framework="flax") as f:
         for name in f.keys():
-          tensors[name] = f.get_tensor(name)
+          if name not in fp8:
+            tensors[name] = f.get_tensor(name)
     except Exception as e:  # safetensors raises its own error types, and OSError
       raise HFLoadError(
         f"{file}: not a readable safetensors file (truncated or damaged?): {type(e).__name__}: {e}"
