@@ -286,3 +286,51 @@ def test_unsupported_files_are_named(tmp_path):
   (tmp_path / "x.bin").write_bytes(b"nope")
   with pytest.raises(hf.HFLoadError, match="not a folder or a GGUF file"):
     hf.load(tmp_path / "x.bin")
+
+
+def test_serve_py_answers_over_http_as_transformers(files):
+  """serve.py --checkpoint FILE.gguf: the prompt ids, greedy completion and chat prompt are
+  transformers' (its GGUF tokenizer and model, stopping on the file's eos)."""
+  import sys
+  from pathlib import Path
+
+  import httpx
+
+  from .serving.conftest import serving_app
+
+  sys.path.insert(0, str(Path(__file__).parents[1]))
+  import serve
+
+  f = files["llama"]
+  tok = transformers.AutoTokenizer.from_pretrained(f["path"].parent, gguf_file=f["path"].name)
+  flags = ["--max-batch", "2", "--block-size", "8", "--max-num-batched-tokens", "32"]
+  flags += ["--prefill-chunk", "32", "--max-model-len", "64", "--log-level", "warning"]
+  args = serve.parse_args(["--checkpoint", str(f["path"]), "--port", "1", *flags])
+  engine, tokenizer, template, _ = serve.prepare(args)
+  app, runner = serve.build_server(args, engine, tokenizer, template)
+
+  def post(url, path, body):
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+  with serving_app(app, runner) as url:
+    for text in ("the inner tree", "Hello"):
+      ids = tok(text).input_ids
+      assert post(url, "/tokenize", {"prompt": text})["tokens"] == ids
+      r = post(url, "/v1/completions", {"prompt": text, "max_tokens": 8, "temperature": 0})
+      with torch.no_grad():
+        out = f["ref"].generate(
+          torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=IM_END
+        )
+      new = out[0, len(ids) :].tolist()
+      assert r["choices"][0]["text"] == tok.decode(new, skip_special_tokens=True)
+      usage = r["usage"]
+      assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), len(new))
+      stopped = new[-1] == IM_END
+      assert r["choices"][0]["finish_reason"] == ("stop" if stopped else "length")
+    messages = [{"role": "user", "content": "the inner tree"}]
+    want = tok.apply_chat_template(
+      messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert post(url, "/tokenize", {"messages": messages})["tokens"] == want

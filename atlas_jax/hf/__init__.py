@@ -14,6 +14,10 @@ model's own shapes) are written once, in `common` and `weights`. Weights are rea
 straight into jax arrays (single file or sharded with an index), converted from torch's
 [out, in] layouts into ours, and stacked over layers.
 
+Quantized checkpoints load dequantized: `fp8` (a folder whose config.json has `quant_method: fp8`,
+per-tensor or block scales) and `gguf_file` (a llama.cpp GGUF file, mapped onto the same names
+and config.json fields, so the families' tables check it as they do a folder).
+
 Beside the families, for fine-tuning: `init_from` (a folder's or a run's weights placed shard by
 shard into a run's parameter shardings, train.init_from), `export` (a train.py run as a folder of
 any family `save` writes, LoRA adapters merged or kept apart for PEFT; the CLI
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -202,5 +207,14 @@ def save(model: Transformer, path: str | Path) -> None:
   tensors = tensors_from_params(model, family.spec(cfg, hf_config, None))
   folder = Path(path)
   folder.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  save_tensors(tensors, folder / "model.safetensors")
   (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
+def save_tensors(tensors: dict, path: str | Path) -> None:
+  """A safetensors file with the permissions of any file written here (0644 under the usual
+  umask): safetensors' writer makes it readable by its owner only."""
+  save_file(tensors, str(path), metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
