@@ -113,7 +113,10 @@ def write_gguf(path, model, arch: str, *, bos=None, eos=IM_END, add_bos=False, r
   w.add_head_count_kv(cfg.num_key_value_heads)
   w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
   w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-  w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+  head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+  w.add_rope_dimension_count(head_dim)
+  w.add_key_length(head_dim)
+  w.add_value_length(head_dim)
   w.add_tokenizer_model("gpt2")
   w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
   w.add_token_list(TOKENS)
@@ -162,6 +165,7 @@ def files(tmp_path_factory):
   for arch, family, bos, eos, add_bos in (
     ("llama", "Llama", IM_START, IM_END, True),
     ("qwen2", "Qwen2", ENDOFTEXT, IM_END, False),
+    ("qwen3", "Qwen3", ENDOFTEXT, IM_END, False),  # head_dim 128: transformers' GGUF default
   ):
     path = root / f"{arch}.gguf"
     stored = write_gguf(path, build(family), arch, bos=bos, eos=eos, add_bos=add_bos)
@@ -175,7 +179,7 @@ def ref_logits(model, tokens):
     return model(torch.tensor(tokens)).logits.numpy()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_weights_are_transformers_dequantized_ones(files, arch):
   f = files[arch]
   ref = f["ref"].state_dict()
@@ -192,11 +196,12 @@ def test_weights_are_transformers_dequantized_ones(files, arch):
     assert np.abs(tensors[q] - f["stored"][q]).max() > 0.1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_logits_and_greedy_tokens_match_transformers(files, arch):
   f = files[arch]
   cfg = f["ours"].cfg
-  assert (cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.qkv_bias) == (3, 64, V, arch == "qwen2")
+  assert (cfg.n_layers, cfg.d_model, cfg.vocab_size) == (3, 64, V)
+  assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
   rng = np.random.RandomState(0)
   for T in (9, 40):
     toks = rng.randint(0, V, (2, T))
