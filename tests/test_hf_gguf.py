@@ -339,3 +339,34 @@ def test_serve_py_answers_over_http_as_transformers(files):
       messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert post(url, "/tokenize", {"messages": messages})["tokens"] == want
+
+
+def test_sentencepiece_tokenizer_is_transformers(tmp_path):
+  """A Llama-2-style vocabulary (tokenizer.ggml.model "llama": scored pieces, <0xNN> byte
+  fallback, <s> added in front): ids, text and special tokens as transformers builds them."""
+  pieces = ["▁", "▁t", "he", "▁the", "in", "▁in", "er", "▁a", "ou", "▁H", "ello"]
+  pieces += list("abcdefghijklmnopqrstuvwxyzH,?!.")
+  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+  w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+  w.add_block_count(1)
+  w.add_tokenizer_model("llama")
+  w.add_token_list(tokens)
+  w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+  w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+  w.add_bos_token_id(1)
+  w.add_eos_token_id(2)
+  w.add_unk_token_id(0)
+  w.add_add_bos_token(True)
+  w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  want = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="s.gguf")
+  ours = load_tokenizer(tmp_path / "s.gguf", len(tokens))
+  for text in TEXTS:
+    ids = want(text).input_ids
+    assert ours.encode(text, add_special_tokens=True) == ids and ids[0] == 1, text
+    assert ours.decode(ids) == want.decode(ids, skip_special_tokens=True)
+  assert 259 < max(want(TEXTS[1]).input_ids) and 3 <= min(want(TEXTS[2]).input_ids[1:]) < 259
+  assert (ours.bos_token, ours.eos_token, ours.eos_ids) == ("<s>", "</s>", (2,))
