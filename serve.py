@@ -52,7 +52,7 @@ from atlas_jax.decoding.drafters import NGramDrafter
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import mesh as placement
-from atlas_jax.serving import model_files
+from atlas_jax.serving import model_files, reasoning, tool_parsers
 from atlas_jax.serving.engine import Engine, RequestError
 from atlas_jax.serving.server import (
   EngineRunner,
@@ -158,6 +158,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--chat-template",
     help="a Jinja chat template file, or the template itself (default: the model folder's)",
+  )
+  p.add_argument(
+    "--enable-auto-tool-choice",
+    action="store_true",
+    help='tool_choice "auto": the model\'s own tool calls read back as tool_calls (needs '
+    "--tool-call-parser)",
+  )
+  p.add_argument(
+    "--tool-call-parser",
+    choices=sorted(tool_parsers.PARSERS),
+    help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3), llama3_json, mistral, "
+    'deepseek_v3 (tool_choice "required" and named functions are guided, with or without it)',
+  )
+  p.add_argument(
+    "--reasoning-parser",
+    choices=sorted(reasoning.PARSERS),
+    help="return a thinking model's <think>...</think> as reasoning_content beside content",
   )
   p.add_argument(
     "--dtype",
@@ -444,6 +461,7 @@ CONFIG_FLAGS = {
   "limits.max_tokens": (("--max-tokens-limit",), int, "largest max_tokens allowed"),
   "limits.max_n": (("--max-n",), int, "largest n (choices per request) allowed"),
   "limits.max_body_bytes": (("--max-body-bytes",), int, "largest request body"),
+  "limits.max_logprobs": (("--max-logprobs",), int, "largest logprobs / top_logprobs allowed"),
 }
 
 
@@ -566,6 +584,8 @@ def check_args(args) -> ServeConfig:
   placement.check_devices(config.engine.data_parallel_size, config.engine.tensor_parallel_size)
   if args.port is not None and not 1 <= args.port <= 65535:
     raise ValueError(f"--port={args.port} is not allowed: must be in [1, 65535]")
+  if args.enable_auto_tool_choice and args.tool_call_parser is None:
+    raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
   if args.output is not None:
     out = Path(args.output)
     if out.is_dir():
@@ -744,6 +764,8 @@ def build_server(args, engine: Engine, tokenizer, chat_template):
     api_key=args.api_key,
     guided=guided,
     default_params=sampling_params(args),
+    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+    reasoning_parser=args.reasoning_parser,
   )
   return app, runner
 

@@ -739,12 +739,16 @@ class ServerLimits:
   max_tokens: int | None = None  # the most `max_tokens` may ask for; default: the context length
   max_n: int = 4  # choices per request
   max_body_bytes: int = 1 << 20
+  max_logprobs: int = 20  # the most `logprobs` / `top_logprobs` may ask for (vLLM's default)
 
   def __post_init__(self):
     for name in ("max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         _fail(f"serve.limits.{name}", value, "must be a positive integer")
+    v = self.max_logprobs
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20:
+      _fail("serve.limits.max_logprobs", v, "must be an integer in [0, 20]")
 
 
 @dataclasses.dataclass(frozen=True)

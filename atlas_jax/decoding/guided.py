@@ -62,13 +62,19 @@ def spec_from_request(
   guided_json: Any = None,
   guided_regex: Any = None,
   guided_choice: Any = None,
+  structured_outputs: Any = None,
 ) -> GuidedSpec | None:
   """The constraint of a request in the OpenAI / vLLM shapes, or None.
+
+  `structured_outputs` is vLLM's newer field: {"json": schema}, {"regex": ...}, {"choice": [...]}
+  or {"json_object": true}, each read as the guided_* field of the same name.
 
   Raises:
     GuidedDecodingError: a malformed field, or more than one constraint.
   """
   given = []
+  if structured_outputs is not None:
+    given += _structured_outputs(structured_outputs)
   if response_format is not None:
     field = "response_format"
     if not isinstance(response_format, dict) or response_format.get("type") not in (
@@ -123,6 +129,35 @@ def spec_from_request(
       given[1].field, f"only one constraint per request; {given[0].field} is also set"
     )
   return given[0] if given else None
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "json_object")
+
+
+def _structured_outputs(value: Any) -> list[GuidedSpec]:
+  field = "structured_outputs"
+  if not isinstance(value, dict):
+    raise GuidedDecodingError(field, f"got {value!r}; expected an object")
+  unknown = sorted(k for k, v in value.items() if k not in _STRUCTURED_KEYS and v is not None)
+  if unknown:
+    raise GuidedDecodingError(
+      f"{field}.{unknown[0]}", f"is not supported; the keys served are {list(_STRUCTURED_KEYS)}"
+    )
+  given = []
+  for key in _STRUCTURED_KEYS:
+    v = value.get(key)
+    if v is None or v is False:
+      continue
+    where = f"{field}.{key}"
+    if key == "json_object":
+      given.append(GuidedSpec("json_object", None, where))
+      continue
+    try:
+      spec = spec_from_request(**{"guided_" + key: v})
+    except GuidedDecodingError as e:
+      raise GuidedDecodingError(where, str(e).split(": ", 1)[-1]) from None
+    given.append(dataclasses.replace(spec, field=where))
+  return given
 
 
 def spec_regex(spec: GuidedSpec) -> str:

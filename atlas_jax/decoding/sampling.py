@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 Array = jax.Array
 
-# Top alternatives returned per token when logprobs are asked for (the OpenAI API allows 0..5).
-MAX_LOGPROBS = 5
+# Top alternatives returned per token when logprobs are asked for (as OpenAI's chat API and
+# vLLM's default --max-logprobs: 0..20).
+MAX_LOGPROBS = 20
 # The largest values the jitted steps' per-row arrays (i32, f32) hold.
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)

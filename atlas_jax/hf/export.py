@@ -190,12 +190,8 @@ def export(run: str | Path, out: str | Path, *, adapters: str = "merged") -> lis
   (out / "config.json").write_text(json.dumps(config, indent=2))
   files = ["config.json", "model.safetensors", *_tokenizer_files(run, out, cfg, tokenizer)]
   if adapters == "separate":
-    from safetensors.numpy import save_file
-
     (out / "adapter").mkdir(exist_ok=True)
-    save_file(
-      peft_tensors, str(out / "adapter/adapter_model.safetensors"), metadata={"format": "pt"}
-    )
+    hf.save_tensors(peft_tensors, out / "adapter/adapter_model.safetensors")
     (out / "adapter/adapter_config.json").write_text(json.dumps(peft_config, indent=2))
     files += ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
   return files

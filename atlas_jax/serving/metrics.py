@@ -1,7 +1,12 @@
-"""Serving metrics in the Prometheus text format: counters and histograms, no client library."""
+"""Serving metrics in the Prometheus text format: counters and histograms, no client library.
+
+Each metric is served twice: under our `atlas_` name, and under vLLM's `vllm:` name with its
+`model_name` label (`vllm_names`), so dashboards built for vLLM read this server unchanged.
+"""
 
 from __future__ import annotations
 
+import re
 import threading
 
 # Seconds; latency buckets from a fast GPU token to a slow CPU prompt.
@@ -123,3 +128,46 @@ class ServingMetrics:
       for h in (self.ttft, self.itl, self.e2e):
         lines += h.render()
     return "\n".join(lines) + "\n"
+
+
+# Our name -> vLLM's (vllm/v1/metrics/loggers.py); histograms by their base name.
+VLLM_NAMES = {
+  "atlas_num_requests_running": "vllm:num_requests_running",
+  "atlas_num_requests_waiting": "vllm:num_requests_waiting",
+  "atlas_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # a fraction, as vLLM's
+  "atlas_num_preemptions_total": "vllm:num_preemptions_total",
+  "atlas_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+  "atlas_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+  "atlas_spec_decode_num_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+  "atlas_spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
+  "atlas_prompt_tokens_total": "vllm:prompt_tokens_total",
+  "atlas_generation_tokens_total": "vllm:generation_tokens_total",
+  "atlas_requests_total": "vllm:request_success_total",
+  "atlas_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+  "atlas_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+  "atlas_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+_SAMPLE = re.compile(r"^([a-z_]+?)(_bucket|_sum|_count)?(\{[^}]*\})? (.*)$")
+
+
+def vllm_names(text: str, model_name: str) -> str:
+  """The metrics of `text` (ours, as `render` writes them) under vLLM's names and labels: each
+  sample gets `model_name`, and the finish reason is vLLM's `finished_reason` label."""
+  label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+  out = []
+  for line in text.splitlines():
+    if line.startswith("# "):
+      kind, name, rest = line[2:].split(" ", 2)
+      if name in VLLM_NAMES:
+        out.append(f"# {kind} {VLLM_NAMES[name]} {rest}")
+      continue
+    m = _SAMPLE.match(line)
+    if m is None:
+      continue
+    name, suffix, labels, value = m.groups()
+    if name not in VLLM_NAMES:
+      continue
+    inner = (labels or "{}")[1:-1].replace("finish_reason=", "finished_reason=")
+    labels = "{" + label + ("," + inner if inner else "") + "}"
+    out.append(f"{VLLM_NAMES[name]}{suffix or ''}{labels} {value}")
+  return "\n".join(out) + "\n"

@@ -37,7 +37,7 @@ class OutputProcessor:
     """
     n_top = req.params.logprobs or 0
     kept, kept_lp, kept_top, texts = [], [], [], []
-    reason = None
+    reason = stop_reason = None
     first = not req.output
     for token, logprob, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
       token = int(token)
@@ -49,6 +49,7 @@ class OutputProcessor:
       stop_token = token in req.stop_ids
       if stop_token:
         reason = "stop"
+        stop_reason = token if token in req.params.stop_token_ids else None
       elif req.matcher is not None and _guide(req.matcher, token):
         reason = "stop"  # the output is whole and only eos could follow
       elif len(req.output) >= req.params.max_new_tokens:
@@ -57,7 +58,7 @@ class OutputProcessor:
         if stop_token and not req.params.include_stop_str_in_output:
           req.detok.flush()  # as vLLM, the text leaves out the token it stopped on
         elif _text(req, token, final=reason is not None):
-          reason = "stop"  # a stop string
+          reason, stop_reason = "stop", req.stop_str  # a stop string
       # What this token lets out, as a step that drew it alone would report.
       texts.append("" if req.detok is None else _emit(req, reason))
       if reason is not None:
@@ -71,6 +72,7 @@ class OutputProcessor:
       finished=reason is not None,
       finish_reason=reason,
       new_texts=texts,
+      stop_reason=stop_reason,
     )
     if first:
       req.t_first = time.perf_counter()
@@ -101,7 +103,7 @@ def _text(req: Request, token: int, *, final: bool) -> bool:
   for s in req.params.stop:
     at = full.find(s, max(0, req.n_text_sent - len(s) + 1))
     if at >= 0 and (req.stop_at is None or at < req.stop_at):
-      req.stop_at, req.stop_end = at, at + len(s)
+      req.stop_at, req.stop_end, req.stop_str = at, at + len(s), s
   return req.stop_at is not None
 
 

@@ -45,6 +45,9 @@ class RequestOutput:
   finished: bool
   finish_reason: str | None = None  # "stop", "length", "abort" or "error"
   error: str | None = None
+  # What stopped it (vLLM's stop_reason): the stop string, or a stop_token_ids id; None for eos,
+  # a complete guided output, or any other finish.
+  stop_reason: int | str | None = None
   # Per new token, the text it let out (joined: `text`), as if each had been drawn in its own
   # step: a streamed burst leaves one event per token.
   new_texts: list[str] = dataclasses.field(default_factory=list)
@@ -71,6 +74,7 @@ class Request:
   n_text_sent: int = 0
   stop_at: int | None = None  # where the first stop string starts in the text
   stop_end: int | None = None  # and where it ends
+  stop_str: str | None = None  # which stop string that is
   n_preemptions: int = 0
   suspect: bool = False  # in a failed call that lost the pool: runs alone from then on
   matcher: GuidedMatcher | None = None  # guided requests: where the output is in the grammar

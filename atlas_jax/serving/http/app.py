@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from atlas_jax.config import ServerLimits
 from atlas_jax.decoding.guided import GrammarCompiler
 from atlas_jax.decoding.sampling import SamplingParams
+from atlas_jax.serving import reasoning, tool_parsers
 from atlas_jax.serving.chat import ChatTemplate
 from atlas_jax.serving.http import info, tokenization
 from atlas_jax.serving.http.chat_completions import create_chat_completion
@@ -44,6 +45,8 @@ def build_app(
   api_key: str | None = None,
   default_params: SamplingParams | None = None,
   guided: GrammarCompiler | None = None,
+  tool_parser: str | None = None,
+  reasoning_parser: str | None = None,
 ) -> FastAPI:
   """The FastAPI app.
 
@@ -60,7 +63,15 @@ def build_app(
       `max_tokens`, a request gets its `max_new_tokens`, or what the context leaves if less.
     guided: compiles guided-decoding constraints over the model's tokenizer (without it, they are
       refused with a 400).
+    tool_parser: reads the model's own tool-call syntax back as `tool_calls` (vLLM's
+      `--tool-call-parser` names, `atlas_jax.serving.tool_parsers`); without it, `tool_choice:
+      "auto"` is a 400 (`required` and named functions are guided, and need `guided`).
+    reasoning_parser: splits the thinking into `reasoning_content` (`deepseek_r1`, `qwen3`).
   """
+  if tool_parser is not None:
+    tool_parsers.get_parser(tool_parser)  # a ValueError naming the choices
+  if reasoning_parser is not None:
+    reasoning.get_parser(reasoning_parser)
   app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None)
   state = ServerState.create(
     runner,
@@ -70,6 +81,8 @@ def build_app(
     limits=limits,
     default_params=default_params,
     guided=guided,
+    tool_parser=tool_parser,
+    reasoning_parser=reasoning_parser,
   )
   app.state.server = state  # what the endpoints' `State` parameter receives
   app.add_exception_handler(RequestValidationError, invalid_request)

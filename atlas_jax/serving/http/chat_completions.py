@@ -5,15 +5,17 @@ transformers encodes a rendered template (the template writes its own BOS). Each
 assistant message; a stream opens with an event per choice announcing the role, then sends the
 content's deltas.
 
-Tool calling belongs here (not yet served: a request's `tools` is an ignored field): the tools
-passed to the template's render in `chat_prompt_ids` (transformers gives a template a `tools`
-variable), and in `ChatFormat` a parser of the model's tool-call syntax turning the text of
-`final_choice` into the message's `tool_calls`, and a stream's deltas in `chunk_choice` into
-their pieces.
+Tool calling (`tools.py`): the request's `tools` reach the template as transformers' `tools`
+variable; `tool_choice` picks how calls come back: read from the model's own syntax by the
+server's tool-call parser (`auto`), or forced by guided decoding (`required`, a named function).
+Each choice's text is read back by a `MessageReader`: with `--reasoning-parser`, the thinking as
+`reasoning_content`; the calls as `tool_calls` (finish_reason "tool_calls"); streamed, as
+deltas of each.
 """
 
 from __future__ import annotations
 
+from atlas_jax.serving import reasoning, tool_parsers
 from atlas_jax.serving.chat import ChatTemplateError
 from atlas_jax.serving.engine import RequestOutput
 from atlas_jax.serving.http.generation import Choice, ChoiceFormat, respond
@@ -28,26 +30,55 @@ from atlas_jax.serving.http.protocol import (
   encodable,
 )
 from atlas_jax.serving.http.state import ServerState, State
+from atlas_jax.serving.http.tools import (
+  MessageReader,
+  NamedCall,
+  RequiredCalls,
+  forced_spec,
+  resolve_choice,
+)
 
 
 async def create_chat_completion(body: ChatBody, state: State):
   state.check(body)
-  ids = chat_prompt_ids(state, body.messages, body, body.add_special_tokens)
+  mode = resolve_choice(body.tool_choice, body.tools, state.tool_parser is not None)
+  ids = chat_prompt_ids(state, body.messages, body, body.add_special_tokens, tools=body.tools)
   logprobs = (body.top_logprobs or 0) if body.logprobs else None
-  return await respond(state, body, [(ids, "")], ChatFormat(state.token_text), logprobs=logprobs)
+  forced = None
+  if mode in (None, "auto"):
+    tools = tool_parsers.get_parser(state.tool_parser) if mode == "auto" else None
+    if tools is not None:  # the call markers may be special tokens: keep them in the text
+      body = body.model_copy(update={"skip_special_tokens": False})
+  else:
+    forced = forced_spec(mode, body.tools, body.parallel_tool_calls)
+    tools = RequiredCalls() if mode == "required" else NamedCall(mode)
+  think = None
+  if state.reasoning_parser is not None and forced is None:  # a forced output has no thinking
+    think = reasoning.get_parser(state.reasoning_parser, body.chat_template_kwargs)
+  fmt = ChatFormat(
+    state.token_text,
+    reader=lambda: MessageReader(think, tools),
+    named=mode not in (None, "auto", "required"),
+  )
+  return await respond(state, body, [(ids, "")], fmt, logprobs=logprobs, forced=forced)
 
 
 def chat_prompt_ids(
-  state: ServerState, messages: list[ChatMessage], fields: ChatFields, add: bool | None
+  state: ServerState,
+  messages: list[ChatMessage],
+  fields: ChatFields,
+  add: bool | None,
+  tools: list[dict] | None = None,
 ) -> list[int]:
   """A chat's prompt ids: the template's text encoded as transformers encodes it (`add`: with
-  the tokenizer's special tokens; None: as the template says)."""
+  the tokenizer's special tokens; None: as the template says); `tools` reach the template as
+  its `tools` variable, as `apply_chat_template(tools=...)` passes them."""
   try:
     text = state.template.render(
       [m.model_dump(exclude_none=True) for m in messages],
       add_generation_prompt=fields.add_generation_prompt,
       continue_final_message=fields.continue_final_message,
-      **(fields.chat_template_kwargs or {}),
+      **{"tools": tools, **(fields.chat_template_kwargs or {})},
     )
     encodable(text)
   except ChatTemplateError as e:  # the request's fault (e.g. the roles' order)
@@ -65,6 +96,20 @@ class ChatFormat(ChoiceFormat):
   chunk_object = "chat.completion.chunk"
   id_prefix = "chatcmpl-"
   prompt_field = "messages"
+
+  def __init__(self, token_text, reader=None, named: bool = False):
+    super().__init__(token_text)
+    self.new_reader = reader or (lambda: MessageReader(None, None))
+    self.named = named  # a named tool_choice: finish_reason stays "stop", as OpenAI's
+    self.readers: dict[int, MessageReader] = {}
+
+  def reader(self, index: int) -> MessageReader:
+    if index not in self.readers:
+      self.readers[index] = self.new_reader()
+    return self.readers[index]
+
+  def finish_reason(self, reader: MessageReader, reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" and not self.named else reason
 
   def stream_start(self, n_choices: int) -> list[ChatChunkChoice]:
     delta = {"role": "assistant", "content": ""}
@@ -86,15 +131,28 @@ class ChatFormat(ChoiceFormat):
       ]
     }
 
-  def chunk_choice(self, index, text, logprobs, reason) -> ChatChunkChoice:
-    delta = {"content": text}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+  def chunk_choice(self, index, text, logprobs, reason, stop_reason=None):
+    reader = self.reader(index)
+    delta = reader.delta(text, final=reason is not None)
+    if not delta and logprobs is None and reason is None:
+      return None  # held back: perhaps the start of a call or of a marker
+    return {
+      "index": index,
+      "delta": delta,
+      "logprobs": logprobs,
+      "finish_reason": self.finish_reason(reader, reason, reader.called),
+      "stop_reason": stop_reason,
+    }
 
   def final_choice(self, index, choice, logprobs) -> ChatChoice:
-    message = {"role": "assistant", "content": choice.text}
+    reader = self.reader(index)
+    message = reader.message(choice.text)
     return {
       "index": index,
       "message": message,
       "logprobs": logprobs,
-      "finish_reason": choice.finish_reason,
+      "finish_reason": self.finish_reason(
+        reader, choice.finish_reason, bool(message["tool_calls"])
+      ),
+      "stop_reason": choice.stop_reason,
     }

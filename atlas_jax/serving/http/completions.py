@@ -34,6 +34,8 @@ async def create_completion(body: CompletionBody, state: State):
   one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
   prompts: list[Prompt] = []
   for p in [body.prompt] if one and body.prompt != [] else body.prompt:
+    if p == "" or p == []:  # as vLLM: not the BOS alone
+      raise APIError(400, "the prompt is empty: 'prompt' must not be empty", "prompt")
     if isinstance(p, str):
       prompts.append((state.prompt_ids(p, add), p))
     else:
@@ -41,7 +43,7 @@ async def create_completion(body: CompletionBody, state: State):
       text = state.tokenizer.decode(p, skip_special_tokens=skip) if body.echo else ""
       prompts.append((list(p), text))
   if not prompts:
-    raise APIError(400, "the prompt is empty", "prompt")
+    raise APIError(400, "the prompt is empty: 'prompt' must not be empty", "prompt")
   fmt = CompletionFormat(state.token_text)
   return await respond(state, body, prompts, fmt, logprobs=body.logprobs, echo=body.echo)
 
@@ -76,8 +78,14 @@ class CompletionFormat(ChoiceFormat):
       "text_offset": offsets,
     }
 
-  def chunk_choice(self, index, text, logprobs, reason) -> CompletionChoice:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+  def chunk_choice(self, index, text, logprobs, reason, stop_reason=None) -> CompletionChoice:
+    return {
+      "index": index,
+      "text": text,
+      "logprobs": logprobs,
+      "finish_reason": reason,
+      "stop_reason": stop_reason,
+    }
 
   def final_choice(self, index, choice, logprobs) -> CompletionChoice:
     return {
@@ -85,4 +93,5 @@ class CompletionFormat(ChoiceFormat):
       "text": choice.text,
       "logprobs": logprobs,
       "finish_reason": choice.finish_reason,
+      "stop_reason": choice.stop_reason,
     }

@@ -5,10 +5,12 @@ prompt, and its response, whole (JSON) or streamed (server-sent events).
 differs: the ids and object names, and the shape of a choice, a streamed delta and a logprobs
 object.
 
-Guided decoding: both endpoints take OpenAI's `response_format` (`json_object`, `json_schema`)
-and vLLM's `guided_json`, `guided_regex`, `guided_choice`. The constraint is compiled off the
-event loop (in a worker thread, itself bounded by the compiler's time limit) and a bad one
-(invalid regex, unsupported or unsatisfiable schema, empty choices) is a 400 naming the field.
+Guided decoding: both endpoints take OpenAI's `response_format` (`json_object`, `json_schema`),
+vLLM's `guided_json`, `guided_regex`, `guided_choice` and its newer `structured_outputs`
+(`{"json" | "regex" | "choice" | "json_object": ...}`); a chat's forced tool call brings its own.
+The constraint is compiled off the event loop (in a worker thread, itself bounded by the
+compiler's time limit) and a bad one (invalid regex, unsupported or unsatisfiable schema, empty
+choices) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 
-from atlas_jax.decoding.guided import Grammar, GuidedDecodingError
+from atlas_jax.decoding.guided import Grammar, GuidedDecodingError, GuidedSpec
 from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.serving.engine import RequestError, RequestOutput
 from atlas_jax.serving.http.protocol import (
@@ -51,6 +53,7 @@ class Choice:
   offset: int = 0
   n_out: int = 0
   finish_reason: str | None = None
+  stop_reason: int | str | None = None  # the stop string or stop token id that ended it
   logprobs: list[dict] = dataclasses.field(default_factory=list)  # one object per output
 
 
@@ -81,23 +84,33 @@ class ChoiceFormat(abc.ABC):
     """The logprobs object of `out`'s tokens (`with_prompt`: the prompt's before them)."""
 
   @abc.abstractmethod
-  def chunk_choice(self, index: int, text: str, logprobs: dict | None, reason) -> dict:
-    """A streamed event's choice: `text` added, and the finish reason on the last."""
+  def chunk_choice(
+    self, index: int, text: str, logprobs: dict | None, reason, stop_reason=None
+  ) -> dict | None:
+    """A streamed event's choice: `text` added, and the finish (and stop) reason on the last;
+    None when there is nothing to send yet."""
 
   @abc.abstractmethod
   def final_choice(self, index: int, choice: Choice, logprobs: dict | None) -> dict:
     """A whole response's choice."""
 
 
-async def grammar_of(state: ServerState, body: RequestFields) -> Grammar | None:
-  """The request's compiled constraint, or None; a 400 naming the field when it is bad."""
+async def grammar_of(
+  state: ServerState, body: RequestFields, forced: GuidedSpec | None = None
+) -> Grammar | None:
+  """The request's compiled constraint (its fields', or `forced`: a tool call's), or None; a 400
+  naming the field when it is bad."""
   try:
     spec = guided_spec(
       response_format=body.response_format,
       guided_json=body.guided_json,
       guided_regex=body.guided_regex,
       guided_choice=body.guided_choice,
+      structured_outputs=body.structured_outputs,
     )
+    if spec is not None and forced is not None:
+      raise APIError(400, f"{spec.field} cannot be combined with a forced tool_choice", spec.field)
+    spec = spec or forced
     if spec is None:
       return None
     if state.guided is None:
@@ -111,7 +124,7 @@ def max_tokens_of(state: ServerState, body: RequestFields, n_prompt: int, where:
   """The request's max_tokens (default: the server's, or what the context leaves), checked
   against the limits with the prompt's length."""
   if n_prompt == 0:
-    raise APIError(400, "the prompt is empty", where)
+    raise APIError(400, f"the prompt is empty: '{where}' must not be empty", where)
   if n_prompt > state.max_prompt_tokens:
     raise APIError(
       400, f"the prompt has {n_prompt} tokens; the limit is {state.max_prompt_tokens}", where
@@ -222,9 +235,19 @@ async def respond(
   *,
   logprobs: int | None,
   echo: bool = False,
+  forced: GuidedSpec | None = None,
 ):
-  """Serves n choices for each prompt: a JSON response, or an SSE stream if `body.stream`."""
-  grammar = await grammar_of(state, body)
+  """Serves n choices for each prompt: a JSON response, or an SSE stream if `body.stream`
+  (`forced`: the constraint of a forced tool call)."""
+  if logprobs is not None and logprobs > state.limits.max_logprobs:
+    field = "logprobs" if echo or fmt.prompt_field == "prompt" else "top_logprobs"
+    raise APIError(
+      400,
+      f"{field}={logprobs} is not allowed: must be <= {state.limits.max_logprobs} "
+      "(the server's --max-logprobs)",
+      field,
+    )
+  grammar = await grammar_of(state, body, forced)
   subs = submit(
     state,
     body,
@@ -271,7 +294,9 @@ async def stream_events(
       if not text and not out.finished and not (lp and out.new_token_ids):
         continue  # a token whose text is held back (half a character, a possible stop)
       reason = out.finish_reason if out.finished else None
-      yield sse(gen.envelope([gen.fmt.chunk_choice(i, text, lp, reason)]))
+      choice = gen.fmt.chunk_choice(i, text, lp, reason, out.stop_reason if out.finished else None)
+      if choice is not None:
+        yield sse(gen.envelope([choice]))
   if include_usage:
     yield sse(gen.envelope([], usage=gen.usage()))
   yield DONE
@@ -287,6 +312,7 @@ async def whole_response(state: ServerState, gen: Generation) -> JSONResponse:
       gen.choices[i].logprobs.append(lp)
     if out.finished:
       gen.choices[i].finish_reason = out.finish_reason
+      gen.choices[i].stop_reason = out.stop_reason
   choices = [
     gen.fmt.final_choice(i, c, None if gen.logprobs is None else merge_logprobs(c.logprobs))
     for i, c in enumerate(gen.choices)

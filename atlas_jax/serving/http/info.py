@@ -6,6 +6,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from atlas_jax.serving.http.protocol import ModelCard
 from atlas_jax.serving.http.state import ServerState, State
+from atlas_jax.serving.metrics import vllm_names
 
 
 def model_card(state: ServerState, name: str) -> ModelCard:
@@ -41,6 +42,6 @@ async def health(state: State):
 async def metrics(state: State):
   """GET /metrics: Prometheus' text format."""
   runner = state.runner
-  return PlainTextResponse(
-    runner.metrics.render(**runner.gauges()), media_type="text/plain; version=0.0.4"
-  )
+  ours = runner.metrics.render(**runner.gauges())
+  text = ours + vllm_names(ours, state.names[0])
+  return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

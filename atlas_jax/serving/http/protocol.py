@@ -111,6 +111,8 @@ class RequestFields(BaseModel):
   guided_json: dict[str, Any] | Text | None = None
   guided_regex: Text | None = None
   guided_choice: list[Text] | None = None
+  # vLLM's newer form of the same: {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
+  structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionBody(RequestFields):
@@ -128,6 +130,8 @@ class ChatMessage(BaseModel):
   role: Literal["system", "user", "assistant", "tool", "developer"]
   content: Text | list[dict[str, Any]] | None = None  # a string, or text parts
   name: Text | None = None
+  tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as responses carry them
+  tool_call_id: Text | None = None  # a tool message: the call it answers
 
 
 class ChatFields(BaseModel):
@@ -144,6 +148,11 @@ class ChatBody(RequestFields, ChatFields):
   messages: Annotated[list[ChatMessage], Field(min_length=1)]
   logprobs: StrictBool = False
   top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  # OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}]
+  tools: list[dict[str, Any]] | None = None
+  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+  tool_choice: Text | dict[str, Any] | None = None
+  parallel_tool_calls: StrictBool = True
 
 
 class TokenizeBody(ChatFields):
@@ -297,6 +306,7 @@ class CompletionChoice(TypedDict):
   text: str
   logprobs: CompletionLogprobs | None
   finish_reason: str | None
+  stop_reason: int | str | None
 
 
 class ChatTokenLogprob(TypedDict):
@@ -310,9 +320,17 @@ class ChatLogprobs(TypedDict):
   content: list[ChatTokenLogprob]
 
 
+class ToolCall(TypedDict):
+  id: str
+  type: Literal["function"]
+  function: dict[str, str]  # {"name": ..., "arguments": JSON text}
+
+
 class AssistantMessage(TypedDict):
   role: Literal["assistant"]
-  content: str
+  content: str | None
+  reasoning_content: NotRequired[str | None]  # with --reasoning-parser
+  tool_calls: list[ToolCall]
 
 
 class ChatChoice(TypedDict):
@@ -321,12 +339,17 @@ class ChatChoice(TypedDict):
   index: int
   message: AssistantMessage
   logprobs: ChatLogprobs | None
-  finish_reason: str | None
+  finish_reason: str | None  # "stop", "length", "tool_calls"
+  stop_reason: int | str | None  # the stop string or stop token id that ended it
 
 
 class ChatDelta(TypedDict, total=False):
   role: Literal["assistant"]  # the first event of each choice only
   content: str
+  reasoning_content: str
+  # per call: first {index, id, type, function: {name, arguments: ""}}, then
+  # {index, function: {arguments: fragment}}
+  tool_calls: list[dict]
 
 
 class ChatChunkChoice(TypedDict):
@@ -336,6 +359,7 @@ class ChatChunkChoice(TypedDict):
   delta: ChatDelta
   logprobs: ChatLogprobs | None
   finish_reason: str | None
+  stop_reason: int | str | None
 
 
 class Response(TypedDict):

@@ -44,6 +44,8 @@ class ServerState:
   max_prompt_tokens: int  # limits.max_prompt_tokens, or the context
   max_tokens_limit: int  # the most max_tokens may ask for: limits.max_tokens, or the context
   created: int  # when the server started (seconds since the epoch): the models' `created`
+  tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: `auto`
+  reasoning_parser: str | None = None  # --reasoning-parser: the thinking as reasoning_content
 
   @classmethod
   def create(
@@ -56,6 +58,8 @@ class ServerState:
     limits: ServerLimits | None = None,
     default_params: SamplingParams | None = None,
     guided: GrammarCompiler | None = None,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
   ) -> ServerState:
     """The state of `build_app`'s arguments, its defaults filled in (see `build_app`)."""
     engine = runner.engine
@@ -74,6 +78,8 @@ class ServerState:
       max_prompt_tokens=limits.max_prompt_tokens or context,
       max_tokens_limit=limits.max_tokens or context,
       created=int(time.time()),
+      tool_parser=tool_parser,
+      reasoning_parser=reasoning_parser,
     )
 
   def check(self, body: BaseModel) -> None:
