@@ -101,10 +101,13 @@ def k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
   return raw.reshape(rows, -1)
 
 
-def write_gguf(path, model, arch: str, *, bos=None, eos=IM_END, add_bos=False, rope_freqs=None):
-  """`model` as a GGUF file of `arch`: TYPES' quantizations, K-quant ffn_down, a byte-level BPE."""
+def write_gguf(path, model, arch: str, *, bos=None, eos=IM_END, add_bos=False, **extra):
+  """`model` as a GGUF file of `arch`: TYPES' quantizations, K-quant ffn_down, a byte-level BPE;
+  `extra`: rope_freqs (llama.cpp's rope factors tensor), sliding_window."""
   cfg = model.config
   w = gguf.GGUFWriter(str(path), arch)
+  if extra.get("sliding_window"):
+    w.add_sliding_window(extra["sliding_window"])
   w.add_block_count(cfg.num_hidden_layers)
   w.add_context_length(cfg.max_position_embeddings)
   w.add_embedding_length(cfg.hidden_size)
@@ -149,8 +152,8 @@ def write_gguf(path, model, arch: str, *, bos=None, eos=IM_END, add_bos=False, r
     else:
       w.add_tensor(g, raw, raw_dtype=qtype)
     dequantized[name] = gguf.quants.dequantize(raw, qtype).reshape(value.shape)
-  if rope_freqs is not None:
-    w.add_tensor(gguf_file.ROPE_FREQS, rope_freqs.astype(np.float32))
+  if extra.get("rope_freqs") is not None:
+    w.add_tensor(gguf_file.ROPE_FREQS, extra["rope_freqs"].astype(np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -273,6 +276,22 @@ def test_llama3_rope_freqs_become_its_rope_scaling(tmp_path):
   write_gguf(tmp_path / "b.gguf", model, "llama", rope_freqs=bad)
   with pytest.raises(hf.HFLoadError, match="rope_freqs.weight: per-frequency rope factors"):
     hf.load(tmp_path / "b.gguf")
+
+
+def test_a_llama_file_with_a_sliding_window_is_a_mistral(tmp_path):
+  """llama.cpp writes Mistral's models as llama; a sliding window in the metadata makes the
+  model a mistral, checked against transformers' Mistral past the window."""
+  model = build("Mistral", sliding_window=8, num_hidden_layers=1)
+  write_gguf(tmp_path / "m.gguf", model, "llama", sliding_window=8)
+  ours = hf.load(tmp_path / "m.gguf")
+  assert ours.cfg.sliding_window == 8
+  stored = gguf_file.read(tmp_path / "m.gguf")[1]
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(torch.from_numpy(stored[name]))
+  toks = np.arange(3, 33)[None] % V
+  got = np.asarray(ours(jnp.asarray(toks, jnp.int32)))
+  assert np.abs(got - ref_logits(model, toks)).max() <= 1e-4
 
 
 def test_unsupported_files_are_named(tmp_path):

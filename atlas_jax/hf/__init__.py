@@ -133,7 +133,7 @@ def load(
 
   Args:
     path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub),
-      or a llama.cpp GGUF file (llama, mistral, qwen2, qwen3).
+      or a llama.cpp GGUF file (architectures llama, which holds Mistral's too, qwen2, qwen3).
     dtype: parameter and compute dtype, "float32", "bfloat16" or "float16" (routers stay
       float32).
     implementation: attention implementation passed to `atlas_jax.kernels.attention`.

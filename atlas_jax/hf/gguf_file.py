@@ -2,8 +2,10 @@
 package into the same config.json fields and tensor names a Hugging Face folder has, so that the
 families' tables check and convert them as they do a folder's.
 
-* The config comes from the `{architecture}.*` metadata (llama, mistral, qwen2, qwen3), as
-  transformers' GGUF loader reads it; `head_dim` from `attention.key_length` where the file has it.
+* The config comes from the `{architecture}.*` metadata (llama, qwen2, qwen3; llama.cpp writes
+  Mistral's models as llama, which they are but for a sliding window: one in the metadata makes
+  the model a mistral), as transformers' GGUF loader reads it; `head_dim` from
+  `attention.key_length` where the file has it.
   Llama 3.1's `rope_freqs.weight` (llama.cpp's per-frequency factors) becomes the llama3 rope
   scaling that produced it, checked factor by factor.
 * Tensors are dequantized at load (exactly: each block's codes times its scales, by
@@ -29,7 +31,7 @@ import numpy as np
 from atlas_jax.hf.common import HFLoadError
 
 MAGIC = b"GGUF"
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Tensor types `read_tensors` dequantizes (names as gguf.GGMLQuantizationType spells them).
 SUPPORTED_TYPES = (
   "F32",
@@ -177,7 +179,9 @@ def config(r, meta: dict[str, Any] | None = None) -> dict[str, Any]:
   }
   if meta.get(f"{arch}.attention.sliding_window"):
     hf["sliding_window"] = meta[f"{arch}.attention.sliding_window"]
-    if arch != "mistral":
+    if arch == "llama":
+      hf["model_type"] = "mistral"
+    else:
       hf["use_sliding_window"] = True  # rejected by the family, naming it
   kind = meta.get(f"{arch}.rope.scaling.type")
   if kind not in (None, "none"):
@@ -223,7 +227,7 @@ def hf_name(name: str) -> str:
 def read_tensors(r, hf: dict[str, Any], dtype: Any = np.float32) -> dict[str, np.ndarray]:
   """Every tensor under its Hugging Face name, dequantized and cast to `dtype` one at a time."""
   out = {}
-  permuted = hf["model_type"] in ("llama", "mistral")
+  permuted = hf["model_type"] in ("llama", "mistral")  # llama.cpp's "llama" architecture
   for t in r.tensors:
     if t.name == ROPE_FREQS:
       continue  # read into the config
