@@ -134,7 +134,7 @@ class ChatFormat(ChoiceFormat):
   def chunk_choice(self, index, text, logprobs, reason, stop_reason=None):
     reader = self.reader(index)
     delta = reader.delta(text, final=reason is not None)
-    if not delta and logprobs is None and reason is None:
+    if not any(delta.values()) and logprobs is None and reason is None:
       return None  # held back: perhaps the start of a call or of a marker
     return {
       "index": index,

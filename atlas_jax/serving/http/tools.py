@@ -191,6 +191,6 @@ class MessageReader:
     else:
       new = content[self.content_sent :]
       self.content_sent = max(self.content_sent, len(content))
-      if new:
+      if new or self.reasoning is None:  # a plain chat's events always carry content
         delta["content"] = new
     return delta
