@@ -333,7 +333,8 @@ class MeshConfig:
   mixture-of-experts layers (expert parallelism; elsewhere it splits the batch like `data`);
   `stage` splits the layer stack into pipeline stages (train.pipeline_microbatches,
   train.pipeline_repeats), and outside the pipelined layers splits the batch like `data`; tensor
-  parallelism splits heads and FFN columns over `tensor`.
+  parallelism splits heads and FFN columns over `tensor`; `context` splits each sequence
+  (context parallelism: load-balanced striping, attention by train.context_parallel).
   """
 
   data: int = 1
@@ -341,6 +342,7 @@ class MeshConfig:
   expert: int = 1
   stage: int = 1
   tensor: int = 1
+  context: int = 1
   # Multi-host: jax.distributed.initialize arguments (null: single process, or auto-detected on
   # TPU pods / SLURM when num_processes is -1).
   coordinator_address: str | None = None
@@ -354,6 +356,7 @@ class MeshConfig:
       "expert": self.expert,
       "stage": self.stage,
       "tensor": self.tensor,
+      "context": self.context,
     }
     if self.num_processes is not None and (self.num_processes < -1 or self.num_processes == 0):
       _fail("mesh.num_processes", self.num_processes, "must be a positive count, -1 or null")
@@ -481,6 +484,9 @@ class TrainConfig:
   # faster steps on CPU at 4 layers; compile time grows with depth).
   scan_layers: bool = True
   sharding: Literal["dp", "zero1", "zero2", "zero3", "fsdp"] = "dp"
+  # mesh.context > 1: attention by all-gathering K/V across the axis, or a ring passing K/V
+  # blocks around it (`atlas_jax.model.context_parallel`).
+  context_parallel: Literal["all_gather", "ring"] = "all_gather"
   on_nan: Literal["stop", "skip"] = "stop"
   # A damaged newest checkpoint: resume from the newest intact step (set aside as <step>.corrupt)
   # or stop with the error.
@@ -857,6 +863,30 @@ class Config:
         self.train.seq_len,
         f"must be <= model.max_seq_len={self.model.max_seq_len}",
       )
+    check_context(self.model, self.train, self.mesh)
+
+
+def check_context(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> None:
+  """Raises ConfigError for a `mesh.context` split the run cannot take."""
+  C = mesh.context
+  if train.context_parallel not in ("all_gather", "ring"):
+    _fail("train.context_parallel", train.context_parallel, "must be one of all_gather, ring")
+  if C == 1 or C == -1:  # -1: checked once the mesh is built (`atlas_jax.training.step`)
+    return
+  if train.seq_len % (2 * C):
+    _fail(
+      "train.seq_len",
+      train.seq_len,
+      f"must be divisible by 2 * mesh.context = {2 * C} (each device holds two chunks)",
+    )
+  for name, value, why in (
+    ("model.mla", model.mla, "MLA attention has no context-parallel path"),
+    ("model.mtp", model.mtp, "the MTP heads shift along the sequence"),
+  ):
+    if value is not None:
+      _fail("mesh.context", C, f"must be 1 with {name} ({why})")
+  if mesh.stage > 1:
+    _fail("mesh.context", C, f"must be 1 with mesh.stage={mesh.stage} (pipeline stages)")
 
   def to_dict(self) -> dict[str, Any]:
     """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only

@@ -20,6 +20,7 @@ from atlas_jax.cache.contiguous import KVCache
 from atlas_jax.cache.paged import KVPool
 from atlas_jax.cache.protocol import LayerCache
 from atlas_jax.config import ModelConfig
+from atlas_jax.model import context_parallel
 from atlas_jax.model.layers import (
   PLAIN,
   Ops,
@@ -148,17 +149,29 @@ class Attention(nnx.Module):
       # positions, and the segment ids keep them apart.
       # Named, so a step's profile (`bench/step_profile.py`) can tell attention's own
       # work (scores, softmax, weighted sum) from the projections around it.
+      context_mode = context_parallel.active()
       with jax.named_scope("attention_core"):
-        out_BTNH = kernels.attention(
-          q_BTNH,
-          k_BTKH,
-          v_BTKH,
-          causal=True,
-          q_segment_ids=segment_ids_BT,
-          kv_segment_ids=segment_ids_BT,
-          sliding_window=self.sliding_window,
-          implementation=self.implementation,
-        )
+        if context_mode is not None:  # a striped sequence split over the mesh's `context`
+          out_BTNH = context_parallel.context_attention(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            segment_ids_BT=segment_ids_BT,
+            sliding_window=self.sliding_window,
+            implementation=self.implementation,
+            mode=context_mode,
+          )
+        else:
+          out_BTNH = kernels.attention(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            causal=True,
+            q_segment_ids=segment_ids_BT,
+            kv_segment_ids=segment_ids_BT,
+            sliding_window=self.sliding_window,
+            implementation=self.implementation,
+          )
     else:
       with jax.named_scope("kv_cache_write"):
         cache = cache.write(positions_BT, k_BTKH, v_BTKH)

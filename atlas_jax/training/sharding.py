@@ -10,9 +10,11 @@ ZeRO shards state here), `expert` (expert parallelism: the routed experts of mix
 layers are split here, and the batch too, so outside the experts it acts as `data`; the tokens
 reach their experts inside `atlas_jax.model.moe.expert_parallel`), `stage` (pipeline parallelism:
 the stacked-layer axis is split into contiguous stages; outside the pipelined layers the batch is
-split here too, see `atlas_jax.training.pipeline`), `tensor` (Megatron-style tensor parallelism:
-heads and FFN columns/rows, each expert's hidden width, vocab). Tensor is last, so it stays
-within a host's devices.
+split here too, see `atlas_jax.training.pipeline`), `context` (context parallelism: each sequence
+is striped and split here, `atlas_jax.model.context_parallel`; parameters are replicated over it
+and their gradients all-reduced across it like `data`'s), `tensor` (Megatron-style tensor
+parallelism: heads and FFN columns/rows, each expert's hidden width, vocab). Tensor is last, so
+it stays within a host's devices.
 
 Strategies (train.sharding), each a statement about which state is split over `fsdp`:
 
@@ -43,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "expert", "stage", "tensor")
+AXES = ("data", "fsdp", "expert", "stage", "context", "tensor")
 # `stage` last: a pipeline gathers a data-parallel shard's rows from its stages (one block each).
 BATCH_AXES = ("data", "fsdp", "expert", "stage")
 
@@ -65,8 +67,8 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, expert, stage, tensor) mesh over all devices; one -1 axis takes what the
-  others leave."""
+  """A (data, fsdp, expert, stage, context, tensor) mesh over all devices; one -1 axis takes
+  what the others leave."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = {axis: getattr(cfg, axis) for axis in AXES}
   known = math.prod(s for s in sizes.values() if s != -1)

@@ -28,8 +28,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from atlas_jax.config import Config, check_pipeline
-from atlas_jax.model import Transformer, build
+from atlas_jax.config import Config, check_context, check_pipeline
+from atlas_jax.model import Transformer, build, context_parallel
 from atlas_jax.model.lora import LoRAParam
 from atlas_jax.schedule import Schedule
 from atlas_jax.training import pipeline
@@ -149,6 +149,9 @@ def make_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
   mesh = shd.make_mesh(cfg.mesh) if mesh is None else mesh
   stages = mesh.shape["stage"]
   check_pipeline(cfg.model, cfg.train, stages=stages, batch_shards=shd.data_parallel_size(mesh))
+  if mesh.shape["context"] > 1:  # the sizes -1 left open, now known
+    sizes = dict(context=mesh.shape["context"], stage=stages, fsdp=mesh.shape["fsdp"])
+    check_context(cfg.model, cfg.train, dataclasses.replace(cfg.mesh, **sizes))
   pipe, layout = None, (1, 1)
   if stages > 1:
     t = cfg.train
@@ -193,14 +196,28 @@ def loss_fn(
   """
   tokens_BT1 = batch["tokens"]
   inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+  positions_BT, segment_ids_BT = batch.get("positions"), batch.get("segment_ids")
+  mask_BT = batch.get("loss_mask")
+  if context_parallel.context_size() > 1:
+    # The sequence striped over the mesh's `context` axis: every [B, T] input in the same order
+    # (the loss sums over tokens, so it is unchanged); positions made explicit first.
+    B, T = inputs_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    named = dict(
+      inputs=inputs_BT,
+      targets=targets_BT,
+      positions=positions_BT,
+      segment_ids=segment_ids_BT,
+      mask=mask_BT,
+    )
+    named = context_parallel.stripe_batch({k: v for k, v in named.items() if v is not None})
+    inputs_BT, targets_BT, positions_BT = named["inputs"], named["targets"], named["positions"]
+    segment_ids_BT, mask_BT = named.get("segment_ids"), named.get("mask")
   model = nnx.merge(graphdef, params)
   out = model.forward_train(
-    inputs_BT,
-    positions_BT=batch.get("positions"),
-    segment_ids_BT=batch.get("segment_ids"),
-    hidden=bool(loss_chunk),
+    inputs_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, hidden=bool(loss_chunk)
   )
-  mask_BT = batch.get("loss_mask")
   if loss_chunk:
     loss, aux = chunked_cross_entropy(
       out.main, targets_BT, mask_BT, chunk=loss_chunk, z_loss=z_loss, **model.output_head()
@@ -257,10 +274,12 @@ def _accumulated_grads(trainer: Trainer, params, batch, scale):
 
 
 def _in_mesh(trainer: Trainer, fn: Callable) -> Callable:
-  """`fn` traced with the trainer's mesh in context (what `atlas_jax.model.moe` reads)."""
+  """`fn` traced with the trainer's mesh in context (what `atlas_jax.model.moe` and
+  `atlas_jax.model.context_parallel` read) and train.context_parallel's attention mode."""
+  mode = trainer.cfg.train.context_parallel
 
   def in_mesh(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh), context_parallel.use(mode):
       return fn(*args, **kwargs)
 
   return in_mesh
