@@ -240,11 +240,12 @@ def test_openai_agent_loop(url):
   answer = final.choices[0]
   assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
   assert isinstance(answer.message.content, str) and answer.message.content
-  # the history rendered with the call and its result
-  tokens = httpx.post(
-    url + "/tokenize", json={"messages": messages, "add_generation_prompt": True}, timeout=30
-  ).json()
-  assert tokens["count"] > 0
+  # the history, with the call and its result, rendered with the tools (/tokenize, as vLLM's)
+  body = {"messages": messages, "tools": TOOLS, "add_generation_prompt": True}
+  tokens = httpx.post(url + "/tokenize", json=body, timeout=30).json()
+  want = ChatTemplate(QWEN_TOOLS_TEMPLATE, where="test").render(messages, tools=TOOLS)
+  assert "<tool_response>\nclear, 9 C\n</tool_response>" in want and call.id
+  assert tokens["count"] == len(want.encode())
 
 
 CALL = (
@@ -295,6 +296,8 @@ def test_no_thinking_is_all_content(url):
     ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools.0"),
+    ({"tools": [7], "tool_choice": "auto"}, "tools.0"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "roll"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
   ],
 )

@@ -162,6 +162,7 @@ class TokenizeBody(ChatFields):
   model: Text | None = None
   prompt: Text | None = None
   messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+  tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as a chat's
   add_special_tokens: StrictBool | None = None
   return_token_strs: StrictBool = False
 

@@ -16,7 +16,7 @@ async def tokenize(body: TokenizeBody, state: State):
     add = True if body.add_special_tokens is None else body.add_special_tokens
     ids = state.tokenizer.encode(body.prompt, add_special_tokens=add)
   else:
-    ids = chat_prompt_ids(state, body.messages, body, body.add_special_tokens)
+    ids = chat_prompt_ids(state, body.messages, body, body.add_special_tokens, tools=body.tools)
   strs = [state.token_text(t) for t in ids] if body.return_token_strs else None
   return {"count": len(ids), "max_model_len": state.context, "tokens": ids, "token_strs": strs}
 

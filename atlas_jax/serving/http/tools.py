@@ -36,7 +36,7 @@ def tool_names(tools: list[dict] | None) -> list[str]:
   names = []
   for i, tool in enumerate(tools or []):
     fn = tool.get("function") if isinstance(tool, dict) else None
-    if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+    if not isinstance(fn, dict) or tool.get("type", "function") != "function":
       raise APIError(
         400, f"tools.{i}: expected {{'type': 'function', 'function': {{...}}}}", f"tools.{i}"
       )
@@ -76,7 +76,8 @@ def resolve_choice(tool_choice: Any, tools: list[dict] | None, auto_parser: bool
   if tool_choice == "required":
     return "required"
   if isinstance(tool_choice, dict):
-    name = (tool_choice.get("function") or {}).get("name")
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
     if tool_choice.get("type") == "function" and name in names:
       return name
     raise APIError(
