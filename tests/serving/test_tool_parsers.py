@@ -2,6 +2,8 @@
 time: the calls, content and reasoning that vLLM's parsers of the same names document."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +199,82 @@ def test_reasoning_then_tool_calls():
   assert got == {"reasoning_content": "need weather", "content": "\n"}
   assert calls[0]["function"]["name"] == "get_weather" and reader.called
   assert json.loads("".join(c["function"]["arguments"] for c in calls)) == W
+
+
+# -- against vLLM's own parsers (its environment, when there is one) ------------------------------
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+# vLLM's parsers need a tokenizer holding their markers: a word-level one with them as specials.
+VLLM_SCRIPT = """
+import json, sys
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.reasoning import ReasoningParserManager
+from vllm.tool_parsers import ToolParserManager
+
+cases = json.load(sys.stdin)
+specials = cases["specials"]
+vocab = {"<unk>": 0, **{s: i + 1 for i, s in enumerate(specials)}}
+tok = PreTrainedTokenizerFast(
+  tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+  unk_token="<unk>",
+  additional_special_tokens=specials,
+)
+tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+out = {"tools": [], "reasoning": []}
+for name, text in cases["tools"]:
+  if name == "mistral":  # its format follows mistral_common's tokenizer version: not this one
+    out["tools"].append(None)
+    continue
+  messages = [{"role": "user", "content": "x"}]
+  request = ChatCompletionRequest(model="m", messages=messages, tools=tools)
+  got = ToolParserManager.get_tool_parser(name)(tok).extract_tool_calls(text, request)
+  calls = [[c.function.name, c.function.arguments] for c in got.tool_calls]
+  out["tools"].append([got.content, calls])
+for name, kwargs, text in cases["reasoning"]:
+  request = ChatCompletionRequest(
+    model="m", messages=[{"role": "user", "content": "x"}], chat_template_kwargs=kwargs
+  )
+  cls = ReasoningParserManager.get_reasoning_parser(name)
+  try:
+    parser = cls(tok, chat_template_kwargs=kwargs or {})
+  except TypeError:
+    parser = cls(tok)
+  out["reasoning"].append(list(parser.extract_reasoning(text, request)))
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # starts vLLM (about 30 s of imports)
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment (.venv-vllm)")
+def test_same_as_vllms_parsers():
+  specials = ["<tool_call>", "</tool_call>", "<|python_tag|>", "<think>", "</think>"]
+  specials += ["[TOOL_CALLS]", "[ARGS]", DS_BEGIN, DS_END, "<｜tool▁call▁begin｜>"]
+  specials += ["<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]
+  cases = {
+    "specials": specials,
+    "tools": [(name, text) for name, text, _, _ in CASES],
+    "reasoning": [(name, kwargs, text) for name, kwargs, text, _, _ in REASONING],
+  }
+  proc = subprocess.run(
+    [str(VLLM_PYTHON), "-c", VLLM_SCRIPT],
+    input=json.dumps(cases),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+  assert line is not None, proc.stderr[-3000:]
+  theirs = json.loads(line[len("RESULT") :])
+  compared = 0
+  for (name, text, _, _), want in zip(CASES, theirs["tools"]):
+    if want is None:
+      continue
+    content, calls = tool_parsers.get_parser(name).extract(text)
+    got = [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
+    assert [content, got] == want, (name, text)
+    compared += 1
+  assert compared == sum(name != "mistral" for name, *_ in CASES)
+  for (name, kwargs, text, _, _), want in zip(REASONING, theirs["reasoning"]):
+    assert list(reasoning.get_parser(name, kwargs).split(text)) == want, (name, text)
