@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp's format) written here with the gguf package's writer from tiny random
-transformers models: every tensor type we dequantize (the float types; Q8_0, Q4_0, Q4_1 through
-gguf's quantizer; Q4_K, Q5_K and Q6_K blocks of random codes with finite scales, which it does not
-quantize), Llama's q/k rows permuted as llama.cpp stores them. Checked against transformers' own
-GGUF loader: the same dequantized weights, logits to float tolerance, greedy tokens equal, and the
-tokenizer, special tokens and chat template it builds from the file's metadata."""
+transformers models: every tensor type we dequantize but Q2_K and Q3_K (the float types; Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 through gguf's quantizer; Q4_K, Q5_K and Q6_K blocks of random codes with
+finite scales, which it does not quantize), Llama's q/k rows permuted as llama.cpp stores them.
+Checked against transformers' own GGUF loader: the same dequantized weights, logits to float
+tolerance, greedy tokens equal, and the tokenizer, special tokens and chat template it builds from
+the file's metadata."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,8 +45,8 @@ TYPES = {
   "attn_k": Q.Q4_0,
   "attn_v": Q.Q4_1,
   "attn_output": Q.Q8_0,
-  "ffn_gate": Q.Q4_1,
-  "ffn_up": Q.Q4_0,
+  "ffn_gate": Q.Q5_0,
+  "ffn_up": Q.Q5_1,
 }
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
