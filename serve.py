@@ -54,6 +54,7 @@ from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving import model_files, reasoning, tool_parsers
 from atlas_jax.serving.engine import Engine, RequestError
+from atlas_jax.serving.lora import ServedAdapters
 from atlas_jax.serving.server import (
   EngineRunner,
   RequestFields,
@@ -158,6 +159,27 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--chat-template",
     help="a Jinja chat template file, or the template itself (default: the model folder's)",
+  )
+  p.add_argument(
+    "--enable-lora",
+    action="store_true",
+    help="serve LoRA adapters over the model: a request's model field names one (the base "
+    "name: none), batches mix them; /v1/load_lora_adapter and /v1/unload_lora_adapter at run time",
+  )
+  p.add_argument(
+    "--lora-modules",
+    nargs="+",
+    metavar="NAME=PATH",
+    help="adapters loaded at start-up (PEFT folders: hf export --adapters separate, or peft's)",
+  )
+  p.add_argument(
+    "--max-loras", type=int, default=1, help="adapters held at once (--enable-lora; default 1)"
+  )
+  p.add_argument(
+    "--max-lora-rank",
+    type=int,
+    default=16,
+    help="the largest adapter rank (--enable-lora; smaller ranks are zero-padded; default 16)",
   )
   p.add_argument(
     "--enable-auto-tool-choice",
@@ -666,7 +688,32 @@ def make_engine(args, model, tokenizer) -> Engine:
       config = dataclasses.replace(config, num_speculative_tokens=k)
   if path is not None:
     draft = load_draft(path, args.dtype, tokenizer)
-  return Engine(model, config, eos_id=tokenizer.eos_ids, detokenize=tokenizer.decode, draft=draft)
+  adapters = served_adapters(args, model)
+  engine = Engine(
+    model,
+    config,
+    eos_id=tokenizer.eos_ids,
+    detokenize=tokenizer.decode,
+    draft=draft,
+    adapters=adapters,
+  )
+  for spec in args.lora_modules or []:
+    name, _, folder = spec.partition("=")
+    engine.load_adapter(name, folder)
+  return engine
+
+
+def served_adapters(args, model) -> ServedAdapters | None:
+  """--enable-lora: the model's adapter slots (--max-loras of rank --max-lora-rank), or None."""
+  for spec in args.lora_modules or []:
+    name, sep, folder = spec.partition("=")
+    if not (name and sep and folder):
+      raise ValueError(f"--lora-modules {spec!r} is not allowed: NAME=PATH (a PEFT folder)")
+  if not args.enable_lora:
+    if args.lora_modules:
+      raise ValueError("--lora-modules needs --enable-lora")
+    return None
+  return ServedAdapters(model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def load_draft(path: str, dtype: str, tokenizer):

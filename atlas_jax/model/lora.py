@@ -19,6 +19,8 @@ and the dense MLPs beside them, take none).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -182,3 +184,149 @@ def merged_params(model: nnx.Module) -> dict:
 def count(model: nnx.Module) -> int:
   """Adapter parameters (what a LoRA run trains)."""
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, LoRAParam)))
+
+
+# -- serving many adapters at once ---------------------------------------------------------------
+#
+# A server holds every adapter it serves in one array per targeted weight: [n_slots, *in, A] and
+# [n_slots, A, *out] (slot 0 is zeros: the base; ranks below A zero-padded; each adapter's
+# alpha / r folded into its `b`), and each new token of a step names its adapter's slot. A
+# targeted projection then adds, for every token, the low-rank product of its own slot's pair
+# (S-LoRA and Punica's batched products), so one step mixes adapters and the base, and loading
+# or freeing a slot rewrites a slice of those arrays without changing a compiled shape.
+
+# The slot of each token of the model call being traced (`token_slots`): i32 with as many
+# entries as the call has tokens, in their order.
+_SLOTS: contextvars.ContextVar[Array | None] = contextvars.ContextVar("lora_slots", default=None)
+
+
+@contextlib.contextmanager
+def token_slots(slots: Array):
+  """While tracing a served model's call: `slots` (i32[R, T], one per new token, in the token
+  layout of the call) names each token's adapter for every `SlotAdapters` it meets."""
+  reset = _SLOTS.set(slots)
+  try:
+    yield
+  finally:
+    _SLOTS.reset(reset)
+
+
+class SlotAdapters(nnx.Module):
+  """A weight's served adapters, one per slot, over a stack of layers: x [..., *in] ->
+  (x a[slot]) b[slot] [..., *out], each token with its own slot (`token_slots`).
+
+  Args:
+    shape: the adapted weight's shape, its leading stacked axes ([L]) included.
+    axes: the weight's logical axes (the stacked ones included).
+    n_stack: its leading stacked axes; n_in: then its input dims.
+    n_slots: S, the adapters it holds, slot 0 (the base: zeros) included.
+    rank: A, the largest rank it takes.
+  """
+
+  def __init__(
+    self,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    *,
+    n_stack: int,
+    n_in: int,
+    n_slots: int,
+    rank: int,
+    param_dtype,
+  ):
+    cut = lambda t: (t[:n_stack], t[n_stack : n_stack + n_in], t[n_stack + n_in :])
+    (stack, ins, outs), (s_axes, in_axes, out_axes) = cut(shape), cut(axes)
+    # The slot axis is never split; the input and output axes are split as the weight's are.
+    a = jnp.zeros((*stack, n_slots, *ins, rank), param_dtype)  # [..., S, *in, A]
+    self.a = nnx.Param(a, logical_axes=(*s_axes, "lora_slots", *in_axes, "lora"))
+    b = jnp.zeros((*stack, n_slots, rank, *outs), param_dtype)  # [..., S, A, *out]
+    self.b = nnx.Param(b, logical_axes=(*s_axes, "lora_slots", "lora", *out_axes))
+    self.n_in = n_in  # static
+
+  def __call__(self, x: Array) -> Array:
+    slots = _SLOTS.get()
+    if slots is None:
+      raise ValueError(
+        "a model serving LoRA adapters was called without its tokens' adapter slots "
+        "(`atlas_jax.model.lora.token_slots`)"
+      )
+    a, b = self.a[...], self.b[...]  # [S, *in, A], [S, A, *out] (one layer)
+    S, A = a.shape[0], a.shape[-1]
+    lead, ins, outs = x.shape[: x.ndim - self.n_in], x.shape[x.ndim - self.n_in :], b.shape[2:]
+    M = math.prod(lead)
+    if slots.size != M:
+      raise ValueError(
+        f"token_slots: {slots.size} slots for a projection over {M} tokens (input {x.shape})"
+      )
+    dtype = x.dtype
+    x_MI = x.reshape(M, math.prod(ins))
+    xa_MSA = jnp.einsum("MI,SIA->MSA", x_MI, a.reshape(S, -1, A).astype(dtype))
+    # Each token keeps its own slot's product: one dense pair of matmuls over the S x A columns
+    # of every slot, where a per-token gather would copy an [in, A] matrix per token.
+    mine_MS = slots.reshape(M, 1) == jnp.arange(S, dtype=slots.dtype)
+    xa_MSA = jnp.where(mine_MS[:, :, None], xa_MSA, 0)
+    y_MO = jnp.einsum("MSA,SAO->MO", xa_MSA, b.reshape(S, A, -1).astype(dtype))
+    return y_MO.reshape(*lead, *outs)
+
+
+# A served target's weight and adapter attributes, and its input dims, by its Hugging Face name
+# (grouped-query attention and dense MLPs).
+SERVED_TARGETS = {
+  "q_proj": ("attn", "wq", 1),
+  "k_proj": ("attn", "wk", 1),
+  "v_proj": ("attn", "wv", 1),
+  "o_proj": ("attn", "wo", 2),
+  "gate_proj": ("mlp", "w_gate", 1),
+  "up_proj": ("mlp", "w_up", 1),
+  "down_proj": ("mlp", "w_down", 1),
+}
+
+
+def serve_adapters(model: nnx.Module, *, n_slots: int, rank: int) -> tuple[str, ...]:
+  """Gives every targetable projection of `model`'s layer stacks a `SlotAdapters` of `n_slots`
+  slots of rank `rank`, all zeros (every slot the base until loaded). Returns the targets it
+  holds (Hugging Face names).
+
+  Raises:
+    ConfigError for a model whose projections cannot take served adapters: MLA attention, MTP
+    heads, or adapters already in it (merge them first); or slots or rank below 1.
+  """
+  cfg = model.cfg
+  if n_slots < 2 or rank < 1:
+    raise ConfigError(
+      f"max_loras={n_slots - 1}, max_lora_rank={rank} are not allowed: both must be >= 1"
+    )
+  if cfg.mla is not None or getattr(model, "mtp", None) is not None:
+    raise ConfigError(
+      "--enable-lora is not allowed for this model: served adapters take grouped-query "
+      "attention models without MTP heads (MLA folds its up-projections into decoding)"
+    )
+  if any(isinstance(node, LoRA) for _, node in nnx.iter_graph(model)):
+    raise ConfigError("--enable-lora: the model already holds LoRA adapters; merge them first")
+  held = []
+  for stack_name in ("blocks", "dense_blocks"):
+    stack = getattr(model, stack_name, None)
+    if stack is None:
+      continue
+    for target, (part, name, n_in) in SERVED_TARGETS.items():
+      holder = getattr(stack, part, None)
+      weight = getattr(holder, name, None)
+      if not isinstance(weight, nnx.Param) or (part == "mlp" and cfg.moe is not None):
+        continue  # an MoE model's MLPs take no adapters (as `resolve` has it)
+      setattr(
+        holder,
+        f"{name}_lora",
+        nnx.data(
+          SlotAdapters(
+            tuple(weight.shape),
+            weight.get_metadata()["logical_axes"],
+            n_stack=1,
+            n_in=n_in,
+            n_slots=n_slots,
+            rank=rank,
+            param_dtype=weight[...].dtype,
+          )
+        ),
+      )
+      held.append(target)
+  return tuple(dict.fromkeys(held))

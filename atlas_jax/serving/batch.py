@@ -54,6 +54,9 @@ class StepRecord:
   sampling: Any  # SamplingArrays [B]: per-sequence sampling controls (guided masks, logit bias)
   counts_BV: Any = None  # i32[B, V] output token counts (penalties), else None
   prompt_mask_BV: Any = None  # bool[B, V] the prompt's tokens (penalties), else None
+  # i32[R, T] each new token's LoRA adapter slot (0: the base) when the server holds adapters
+  # (`atlas_jax.serving.lora`), else None
+  adapter_RT: Any = None
 
   @property
   def rows_form(self) -> bool:
@@ -139,6 +142,14 @@ def fill_tokens(rows, layout: Layout) -> dict[str, np.ndarray]:
   )
 
 
+def adapter_slots(rows, layout: Layout) -> np.ndarray:
+  """i32[R, T]: each new token's adapter slot (its request's), 0 on padding."""
+  slots = np.zeros((layout.R, layout.T), np.int32)
+  for row, r, o in zip(rows, layout.row, layout.offset):
+    slots[r, o : o + row.n] = row.req.adapter
+  return slots
+
+
 def block_table(rows, slots, B: int, M: int) -> np.ndarray:
   """i32[B, M]: each row's blocks in its slot, the first M of them."""
   table = np.zeros((B, M), np.int32)
@@ -147,4 +158,4 @@ def block_table(rows, slots, B: int, M: int) -> np.ndarray:
   return table
 
 
-__all__ = ["Layout", "Row", "StepRecord", "block_table", "fill_tokens", "pow2"]
+__all__ = ["Layout", "Row", "StepRecord", "adapter_slots", "block_table", "fill_tokens", "pow2"]

@@ -118,6 +118,7 @@ from atlas_jax.serving import faults, sizing
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving.batch import Row, pow2
 from atlas_jax.serving.faults import PoolLost
+from atlas_jax.serving.lora import Adapter, AdapterError, ServedAdapters
 from atlas_jax.serving.outputs import OutputProcessor, finished
 from atlas_jax.serving.requests import Intake, Request, RequestError, RequestId, RequestOutput
 from atlas_jax.serving.runner import Drawn, ModelRunner
@@ -180,9 +181,12 @@ class Engine:
     detokenize: Callable[[Sequence[int]], str] | None = None,
     draft: Transformer | str | NGramDrafter | None = None,
     mesh: Mesh | None = None,
+    adapters: ServedAdapters | None = None,
   ):
     config = EngineConfig() if config is None else config
     cfg = model.cfg
+    if adapters is not None:
+      config = _lora_config(config, model, draft, mesh)
     max_model_len = config.max_model_len or cfg.max_seq_len
     k = config.num_speculative_tokens
     if k is None:
@@ -232,7 +236,9 @@ class Engine:
       min_batch_bucket=config.min_batch_bucket,
       kv_cache_dtype=config.kv_cache_dtype,
       **specialised,
+      **({} if adapters is None else dict(lora=True)),
     )
+    self.adapters = adapters
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     self.pool_size = sizing.size_pool(
       config,
@@ -412,13 +418,16 @@ class Engine:
 
   # -- requests ----------------------------------------------------------------------------------
 
-  def _make(self, request_id: RequestId, prompt, params, stream: bool) -> Request:
+  def _make(
+    self, request_id: RequestId, prompt, params, stream: bool, adapter: str | None = None
+  ) -> Request:
     if request_id in self.scheduler.requests:
       raise RequestError(f"request {request_id!r} already exists")
     if not isinstance(stream, bool):
       raise RequestError(f"stream={stream!r} is not allowed: must be true or false", "stream")
+    slot = self._adapter_slot(adapter)
     req = self.intake.make(request_id, prompt, params, self._arrivals)
-    req.stream = stream
+    req.stream, req.adapter = stream, slot
     self._arrivals += 1
     return req
 
@@ -429,6 +438,7 @@ class Engine:
     params: SamplingParams | None = None,
     *,
     stream: bool = False,
+    adapter: str | None = None,
   ) -> None:
     """Queues a request.
 
@@ -436,13 +446,15 @@ class Engine:
       stream: its client reads each token as it is drawn: while it runs, no decode burst runs
         (unless `stream_bursts`), so each step hands back its next token. The tokens are the
         same either way.
+      adapter: the name of the loaded LoRA adapter it runs under (`load_adapter`); None: the
+        base model.
 
     Raises:
       RequestError: empty prompt, token ids that are not integers in the vocabulary, prompt +
         max_new_tokens past the context, or more blocks than the whole pool holds; or a
         duplicate id.
     """
-    self.scheduler.add(self._make(request_id, prompt, params, stream))
+    self.scheduler.add(self._make(request_id, prompt, params, stream, adapter))
 
   def add_requests(
     self,
@@ -451,18 +463,20 @@ class Engine:
     params: Sequence[SamplingParams],
     *,
     stream: bool = False,
+    adapter: str | None = None,
   ) -> None:
     """Queues n completions of one prompt that share its computation and its blocks.
 
     Each completion samples with its own params (seeds differ, say) and produces exactly what
     `add_request` would; the prompt is computed once and its blocks are shared copy-on-write.
-    All or nothing: if any request is invalid, none is queued. `stream` as `add_request`'s.
+    All or nothing: if any request is invalid, none is queued. `stream` and `adapter` as
+    `add_request`'s.
 
     Raises:
       RequestError: as `add_request`, for any of them; or ids and params of different lengths.
     """
     self._check_group(request_ids, params, stream)
-    reqs = [self._make(rid, prompt, p, stream) for rid, p in zip(request_ids, params)]
+    reqs = [self._make(rid, prompt, p, stream, adapter) for rid, p in zip(request_ids, params)]
     self.scheduler.add_group(reqs)
 
   @staticmethod
@@ -481,6 +495,7 @@ class Engine:
     groups: Sequence[tuple[Sequence[RequestId], Sequence[int], Sequence[SamplingParams]]],
     *,
     stream: bool = False,
+    adapter: str | None = None,
   ) -> None:
     """`add_requests` for each (request ids, prompt, params) group, from any thread: checked
     here, in the caller's thread, and added by the thread that steps at the start of its next
@@ -491,6 +506,7 @@ class Engine:
         several); or an id already queued or running.
     """
     made = []
+    slot = self._adapter_slot(adapter)
     with self._inbox_lock:
       queued = {req.id for group in self._inbox for req in group}
     for k, (request_ids, prompt, params) in enumerate(groups):
@@ -507,7 +523,7 @@ class Engine:
           raise RequestError(f"prompt {k}: {e}", e.field) from None
         raise
       for req in group:
-        req.stream = stream
+        req.stream, req.adapter = stream, slot
       made.append(group)
     with self._inbox_lock:
       self._inbox += made
@@ -520,6 +536,50 @@ class Engine:
         req.arrival = self._arrivals
         self._arrivals += 1
       self.scheduler.add_group(group)
+
+  # -- LoRA adapters -----------------------------------------------------------------------------
+
+  def _adapter_slot(self, adapter: str | None) -> int:
+    if adapter is None:
+      return 0
+    if self.adapters is None:
+      raise RequestError(
+        f"adapter={adapter!r} is not allowed: this engine serves no LoRA adapters", "model"
+      )
+    return self.adapters.slot_of(adapter)
+
+  def load_adapter(self, name: str, path) -> Adapter:
+    """Loads the PEFT adapter folder `path` as `name` into a free slot (any thread): the held
+    adapter arrays keep their shapes, so nothing compiles; the next step uses it.
+
+    Raises:
+      AdapterError: no adapters served, the name taken, no free slot, or a folder that cannot
+        be served.
+    """
+    if self.adapters is None:
+      raise AdapterError("this engine serves no LoRA adapters (--enable-lora)", "lora_name")
+    state, adapter = self.adapters.load(self.runner.states[0], name, path)
+    self.runner.states = (state, self.runner.states[1])  # one assignment: a step sees either
+    return adapter
+
+  def unload_adapter(self, name: str) -> None:
+    """Frees adapter `name`'s slot (any thread).
+
+    Raises:
+      AdapterError: it is not loaded, or a request queued or running still uses it.
+    """
+    if self.adapters is None:
+      raise AdapterError("this engine serves no LoRA adapters (--enable-lora)", "lora_name")
+    slot = self.adapters.slot_of(name)
+    with self._inbox_lock:
+      live = [req for group in self._inbox for req in group]
+    live += list(self.scheduler.requests.copy().values())
+    if any(req.adapter == slot for req in live):
+      raise AdapterError(
+        f"cannot unload {name!r}: requests using it are still running", "lora_name"
+      )
+    state = self.adapters.unload(self.runner.states[0], name)
+    self.runner.states = (state, self.runner.states[1])
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""
@@ -719,13 +779,38 @@ class Engine:
     """(per prompt token its logprob, per prompt token its top `prompt_logprobs` pairs), None
     for the first token, from one pass of the model over the whole prompt."""
     n = len(req.prompt)
-    lp, top_ids, top_lp = self.runner.prompt_logprobs(req.prompt, self.max_model_len)
+    lp, top_ids, top_lp = self.runner.prompt_logprobs(
+      req.prompt, self.max_model_len, **(dict(adapter=req.adapter) if req.adapter else {})
+    )
     k = req.params.prompt_logprobs
     lps: list[float | None] = [None] + [float(lp[t]) for t in range(n - 1)]
     tops: list[list[tuple[int, float]] | None] = [None] + [
       [(int(i), float(v)) for i, v in zip(top_ids[t, :k], top_lp[t, :k])] for t in range(n - 1)
     ]
     return lps, tops
+
+
+def _lora_config(config: EngineConfig, model, draft, mesh: Mesh | None) -> EngineConfig:
+  """The config an engine serving LoRA adapters runs: the ragged runner, no drafter, no
+  repeated kv heads, and no prefix cache (a block's keys and values depend on the adapter, and
+  the cache keys blocks by their tokens alone)."""
+  if _runner_class(config) is not ModelRunner:
+    raise ConfigError(
+      f"serve.engine.runner={config.runner!r} is not allowed with LoRA adapters on a "
+      f"{jax.default_backend()} backend: the CPU runner does not serve them; use --runner ragged"
+    )
+  if draft is not None:
+    raise ConfigError("--enable-lora is not allowed with speculative decoding (a draft)")
+  _, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)
+  tp = max(tp, config.tensor_parallel_size or 1)
+  if model.cfg.n_kv_heads < tp:
+    raise ConfigError(
+      f"serve.engine.tensor_parallel_size={tp} is not allowed with LoRA adapters: the model's "
+      f"{model.cfg.n_kv_heads} kv heads would be repeated, and their adapters are not"
+    )
+  if config.enable_prefix_caching:
+    log.info("LoRA adapters: prefix caching off (cached blocks are keyed by tokens alone)")
+  return dataclasses.replace(config, enable_prefix_caching=False)
 
 
 def _runner_class(config: EngineConfig) -> type[ModelRunner]:

@@ -81,6 +81,7 @@ class Request:
   stream: bool = False  # its tokens leave as they are drawn: no bursts while it runs
   t_arrival: float = 0.0  # time.perf_counter() when added
   t_first: float | None = None  # when its first token was drawn
+  adapter: int = 0  # its LoRA adapter's slot (`atlas_jax.serving.lora`); 0: the base model
 
   @property
   def suppressing_stops(self) -> bool:

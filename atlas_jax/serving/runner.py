@@ -135,6 +135,8 @@ class ModelRunner:
     max_blocks: M at most, the block-table columns of the longest context.
     min_batch_bucket: a burst's or round's rows per replica are padded to a power of two, at
       least this many (None: `MIN_DECODE_BATCH`).
+    lora: the model holds served LoRA adapters (`atlas_jax.serving.lora`): every record carries
+      its tokens' adapter slots.
   """
 
   def __init__(
@@ -148,8 +150,10 @@ class ModelRunner:
     max_blocks: int,
     min_batch_bucket: int | None = None,
     kv_cache_dtype: str = "auto",
+    lora: bool = False,
   ):
     cfg = model.cfg
+    self.lora = lora
     self.model_config = cfg
     # The target pool's dtype: the model's, or 8-bit codes with their scales.
     self.kv_dtype = code_dtype(kv_cache_dtype) or jnp.dtype(cfg.dtype)
@@ -411,6 +415,7 @@ class ModelRunner:
         prompt_mask[b, row.req.prompt] = True
     bits = self._allowed_bits(rows, layout.slot, B) if allowed else None
     return StepRecord(
+      adapter_RT=batch.adapter_slots(rows, layout) if self.lora else None,
       **fields,
       block_table_BM=batch.block_table(rows, layout.slot, B, M),
       seed_B=seeds,
@@ -553,15 +558,16 @@ class ModelRunner:
       src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
       self.pools = self.programs.copy_blocks(self.pools, src, dst)
 
-  def prompt_logprobs(self, prompt: list[int], max_len: int):
+  def prompt_logprobs(self, prompt: list[int], max_len: int, adapter: int = 0):
     """(f32[T] logprob of each next token, i32[T, 5] top ids, f32[T, 5] top logprobs) of one
     prompt, from one pass of the model over it (right padding: causal attention keeps it out of
-    the real positions)."""
+    the real positions), under LoRA adapter slot `adapter` where the model holds adapters."""
     n = len(prompt)
     T = max(n, min(pow2(n, 16), max_len))
     tokens = np.zeros((1, T), np.int32)
     tokens[0, :n] = prompt
-    return map(np.asarray, self.programs.prompt_logprobs(self.states[0], tokens))
+    slots = np.full((1, T), adapter, np.int32) if self.lora else None
+    return map(np.asarray, self.programs.prompt_logprobs(self.states[0], tokens, slots))
 
   # -- compiling ahead ---------------------------------------------------------------------------
 
@@ -638,7 +644,10 @@ class ModelRunner:
     """(program, a padding record of the shape, its static arguments)."""
     B = shape.b * self.n_replicas
     T = shape.T if shape.kind == "step" else 1
-    x = self.on_devices(padding_record(self.record_rows(shape), T, B, shape.M))
+    x = padding_record(self.record_rows(shape), T, B, shape.M)
+    if self.lora:
+      x = dataclasses.replace(x, adapter_RT=np.zeros(x.tokens_RT.shape, np.int32))
+    x = self.on_devices(x)
     progs = self.programs
     if shape.kind == "step":
       return progs.forward_sample, x

@@ -42,6 +42,7 @@ arrays' shapes. `compile` is how a backend's specialisation compiles them (the C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -55,12 +56,19 @@ from atlas_jax.cache.paged import PagedCache, PoolLayout, copy_pages
 from atlas_jax.decoding.drafters import DraftCache, Drafter, Window
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, sample_rows, step_keys
 from atlas_jax.decoding.speculative import round_keys, top_logprobs, verify_drafts
+from atlas_jax.model import lora
 from atlas_jax.serving.batch import StepRecord
 
 Array = jax.Array
 
 
 jax.tree_util.register_dataclass(StepRecord)
+
+
+def _adapters(slots_RT):
+  """While tracing the model's calls: each token's LoRA adapter slot (i32[R, T], the record's
+  token layout), where the model holds served adapters (`atlas_jax.serving.lora`)."""
+  return contextlib.nullcontext() if slots_RT is None else lora.token_slots(slots_RT)
 
 
 def _next_tokens(x: StepRecord, token_B: Array) -> Array:
@@ -149,13 +157,14 @@ def forward_sample(b: _Bound, states, pools, x: StepRecord):
   model = nnx.merge(b.graphdef, state)
   R, B = x.tokens_RT.shape[0], x.lengths_B.shape[0]
   start_B = jnp.maximum(x.lengths_B, 0)
-  logits_RJV, cache, *hidden = model(
-    x.tokens_RT,
-    positions_BT=x.positions_RT,
-    cache=b.cache(pool, x, start_B, b.layout),
-    logits_at_B=x.last_B.reshape(R, B // R),
-    return_hidden=b.hidden,
-  )
+  with _adapters(x.adapter_RT):
+    logits_RJV, cache, *hidden = model(
+      x.tokens_RT,
+      positions_BT=x.positions_RT,
+      cache=b.cache(pool, x, start_B, b.layout),
+      logits_at_B=x.last_B.reshape(R, B // R),
+      return_hidden=b.hidden,
+    )
   out = sample_rows(
     b.whole(logits_RJV.reshape(B, -1)),
     step_keys(x.seed_B, x.step_B),
@@ -254,7 +263,8 @@ def decode_burst(b: _Bound, states, pools, x: StepRecord, capacity: int, n_steps
     jnp.zeros((capacity, B, k), jnp.float32),
   )
   carry = BurstCarry(pools, x.tokens_RT[:, 0], x.counts_BV, outs)
-  carry = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, capacity), body, carry)
+  with _adapters(x.adapter_RT):  # each row's slot, every iteration
+    carry = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, capacity), body, carry)
   return (carry.pools, *carry.outs, carry.counts_BV)
 
 
@@ -330,18 +340,22 @@ def speculative_verify(b: _Bound, states, pools, x: StepRecord, draft_BJ, q_BJV,
   )
 
 
-def prompt_logprobs(b: _Bound, state, tokens_1T):
+def prompt_logprobs(b: _Bound, state, tokens_1T, adapter_1T=None):
   """Log-probabilities of a prompt's tokens under the model (the target's `state`).
 
   Args:
     tokens_1T: i32[1, T] the prompt, right-padded.
+    adapter_1T: i32[1, T] its LoRA adapter slot at every position where the model holds served
+      adapters, else None.
 
   Returns:
     (f32[T] at position t the logprob of token t + 1, i32[T, 5] the top tokens there, f32[T, 5]
     their logprobs); the last real position's and the padding's values are not used.
   """
   model = nnx.merge(b.graphdef, state)
-  logp_TV = jax.nn.log_softmax(model(tokens_1T)[0].astype(jnp.float32), axis=-1)
+  with _adapters(adapter_1T):
+    logits_1TV = model(tokens_1T)
+  logp_TV = jax.nn.log_softmax(logits_1TV[0].astype(jnp.float32), axis=-1)
   next_T = jnp.roll(tokens_1T[0], -1)
   lp_T = jnp.take_along_axis(logp_TV, next_T[:, None], axis=-1)[:, 0]
   top_lp_Tk, top_ids_Tk = jax.lax.top_k(logp_TV, min(MAX_LOGPROBS, logp_TV.shape[-1]))

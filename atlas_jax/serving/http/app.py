@@ -28,6 +28,8 @@ ROUTES = [
   ("POST", "/v1/chat/completions", create_chat_completion),
   ("GET", "/v1/models", info.list_models),
   ("GET", "/v1/models/{model_id:path}", info.retrieve_model),
+  ("POST", "/v1/load_lora_adapter", info.load_lora_adapter),
+  ("POST", "/v1/unload_lora_adapter", info.unload_lora_adapter),
   ("POST", "/tokenize", tokenization.tokenize),
   ("POST", "/detokenize", tokenization.detokenize),
   ("GET", "/health", info.health),

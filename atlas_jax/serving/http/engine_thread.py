@@ -19,6 +19,7 @@ from typing import Any
 
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.serving.engine import Engine, RequestError
+from atlas_jax.serving.lora import AdapterError
 from atlas_jax.serving.metrics import ServingMetrics
 
 
@@ -64,12 +65,16 @@ class EngineRunner:
     return self.submit_all([(prompt, [params])], stream=stream)[0]
 
   def submit_all(
-    self, groups: Sequence[tuple[list[int], Sequence[SamplingParams]]], *, stream: bool = False
+    self,
+    groups: Sequence[tuple[list[int], Sequence[SamplingParams]]],
+    *,
+    stream: bool = False,
+    adapter: str | None = None,
   ) -> list[tuple[str, asyncio.Queue]]:
     """Queues each (prompt, n params) group: n completions of the prompt, computed once and
     sharing its blocks. All groups or none: a RequestError for any leaves nothing queued.
-    `stream`: the client reads each token as it is drawn (`Engine.add_request`). Never waits
-    for the step in progress."""
+    `stream`: the client reads each token as it is drawn; `adapter`: the LoRA adapter they run
+    under (`Engine.add_request`). Never waits for the step in progress."""
     loop = asyncio.get_running_loop()
     now = time.perf_counter()
     subs: list[tuple[str, asyncio.Queue]] = []
@@ -85,8 +90,8 @@ class EngineRunner:
     with self._streams_lock:
       self._streams.update(streams)
     try:
-      self.engine.enqueue(batch, stream=stream)
-    except RequestError:
+      self.engine.enqueue(batch, stream=stream, **({"adapter": adapter} if adapter else {}))
+    except (RequestError, AdapterError):
       with self._streams_lock:
         for rid in streams:
           self._streams.pop(rid, None)

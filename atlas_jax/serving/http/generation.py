@@ -173,7 +173,8 @@ def submit(
       ]
       groups.append((ids, params))
     # Each prompt's n choices share its computation and blocks.
-    return state.runner.submit_all(groups, stream=body.stream)
+    adapter = state.adapter_of(body.model)
+    return state.runner.submit_all(groups, stream=body.stream, adapter=adapter)
   except ValueError as e:
     field = getattr(e, "field", None) or (where if isinstance(e, RequestError) else None)
     raise APIError(400, str(e), field) from None

@@ -82,10 +82,28 @@ class ServerState:
       reasoning_parser=reasoning_parser,
     )
 
+  @property
+  def adapters(self):
+    """The engine's served LoRA adapters (`atlas_jax.serving.lora.ServedAdapters`), or None."""
+    return getattr(self.runner.engine, "adapters", None)
+
+  def adapter_of(self, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names, or None for the base model."""
+    served = self.adapters
+    return model if served is not None and model in served.by_name else None
+
   def check(self, body: BaseModel) -> None:
     """The model asked for is served; the fields ignored are named in one warning line."""
     if body.model is not None and body.model not in self.names:
-      raise self.not_found(body.model)
+      if self.adapters is None:
+        raise self.not_found(body.model)
+      if self.adapter_of(body.model) is None:
+        served = ", ".join(repr(n) for n in [*self.names, *self.adapters.names()])
+        raise APIError(
+          400,
+          f"model={body.model!r} is not allowed: no such model or LoRA adapter; served: {served}",
+          "model",
+        )
     ignored = sorted(body.model_extra or {})
     if ignored:
       log.warning("request fields ignored: %s", ", ".join(ignored))
