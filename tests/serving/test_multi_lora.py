@@ -267,3 +267,23 @@ def test_our_exported_adapters_serve_as_our_merged_model(tmp_path):
   got = run(engine, [(i, p, "ours") for i, p in enumerate(prompts)] + [("base", prompts[0], None)])
   assert [got[i] for i in range(len(prompts))] == [want[i] for i in range(len(prompts))]
   assert got["base"] != want[0]  # the base row in the same batch stays the base's
+
+
+def test_adapters_split_over_the_tensor_axis_as_their_projections(folders):
+  import dataclasses
+
+  root, refs = folders
+  model = hf.load(root / "base")
+  adapters = ServedAdapters(model, max_loras=2, max_lora_rank=4)
+  config = dataclasses.replace(CONFIG, tensor_parallel_size=2, data_parallel_size=2)
+  engine = Engine(model, config, adapters=adapters)
+  for name, *_ in ADAPTERS:
+    engine.load_adapter(name, root / name)
+  state = engine.runner.states[0]
+  # q_proj's b [L, S, A, N, H] splits its heads, o_proj's a [L, S, N, H, D] its input heads.
+  assert tuple(state["blocks"]["attn"]["wq_lora"]["b"][...].sharding.spec)[3] == "tensor"
+  assert tuple(state["blocks"]["attn"]["wo_lora"]["a"][...].sharding.spec)[2] == "tensor"
+  jobs = [(f"{n}-{i}", p, n) for n in ("poet", None, "sql") for i, p in enumerate(PROMPTS)]
+  got = run(engine, jobs)
+  for name in (None, "sql", "poet"):
+    assert [got[f"{name}-{i}"] for i in range(len(PROMPTS))] == refs[name], name
