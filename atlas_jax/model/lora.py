@@ -15,6 +15,10 @@ Targets are named as Hugging Face names the projections (`atlas_jax.config.LORA_
 MLA's kv_b_proj, one matrix there, is our W_UK and W_UV, and each gets its own adapter. A model
 with mixture-of-experts layers takes adapters on its attention projections only (its experts,
 and the dense MLPs beside them, take none).
+
+A server holds many adapters at once instead (`SlotAdapters`, `serve_adapters`): one array pair
+per targeted weight with a slot axis, each token of a step adding its own slot's product, so one
+batch mixes adapters and the base without merging any (`atlas_jax.serving.lora`).
 """
 
 from __future__ import annotations
