@@ -284,6 +284,10 @@ def test_no_thinking_is_all_content(url):
   message = post(url, body).json()["choices"][0]["message"]
   assert message["content"] == "It is 18 C." and message["reasoning_content"] is None
   assert stream(url, body)[0] == {"content": "It is 18 C.", "reasoning_content": ""}
+  # a JSON or choice constraint leaves no room for thinking: all is answer, thinking on or not
+  del body["chat_template_kwargs"]
+  message = post(url, body).json()["choices"][0]["message"]
+  assert message["content"] == "It is 18 C." and message.get("reasoning_content") is None
 
 
 @pytest.mark.parametrize(

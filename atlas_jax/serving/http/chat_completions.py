@@ -15,6 +15,8 @@ deltas of each.
 
 from __future__ import annotations
 
+from atlas_jax.decoding.guided import GuidedDecodingError
+from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.serving import reasoning, tool_parsers
 from atlas_jax.serving.chat import ChatTemplateError
 from atlas_jax.serving.engine import RequestOutput
@@ -53,14 +55,31 @@ async def create_chat_completion(body: ChatBody, state: State):
     forced = forced_spec(mode, body.tools, body.parallel_tool_calls)
     tools = RequiredCalls() if mode == "required" else NamedCall(mode)
   think = None
-  if state.reasoning_parser is not None and forced is None:  # a forced output has no thinking
+  if state.reasoning_parser is not None and forced is None and not _all_answer(body):
     think = reasoning.get_parser(state.reasoning_parser, body.chat_template_kwargs)
   fmt = ChatFormat(
     state.token_text,
-    reader=lambda: MessageReader(think, tools),
+    reader=lambda: MessageReader(think, tools, state.reasoning_parser is not None),
     named=mode not in (None, "auto", "required"),
   )
   return await respond(state, body, [(ids, "")], fmt, logprobs=logprobs, forced=forced)
+
+
+def _all_answer(body: ChatBody) -> bool:
+  """Whether the output cannot hold any thinking: the grammar constrains it from its first token
+  (not only after the thinking, as vLLM's does), and a JSON or choice constraint has no room for
+  a <think> block; a regex may spell one, and is read with the reasoning parser."""
+  try:
+    spec = guided_spec(
+      response_format=body.response_format,
+      guided_json=body.guided_json,
+      guided_regex=body.guided_regex,
+      guided_choice=body.guided_choice,
+      structured_outputs=body.structured_outputs,
+    )
+  except GuidedDecodingError:
+    return False  # `respond` answers it with a 400
+  return spec is not None and spec.kind != "regex"
 
 
 def chat_prompt_ids(

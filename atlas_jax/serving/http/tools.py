@@ -150,8 +150,13 @@ class NamedCall(ToolParser):
 class MessageReader:
   """One choice's output as an assistant message: whole (`message`) or streamed (`delta`)."""
 
-  def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
+  def __init__(
+    self, reasoning: ReasoningParser | None, tools: ToolParser | None, with_reasoning=False
+  ):
     self.reasoning, self.tools = reasoning, tools
+    # the message has a reasoning_content (None without a parser: the server has one, but this
+    # request's output is all answer)
+    self.with_reasoning = with_reasoning or reasoning is not None
     self.text = ""
     self.content_sent = 0
     self.reasoning_stream = ReasoningStream(reasoning) if reasoning else None
@@ -164,7 +169,7 @@ class MessageReader:
   def message(self, text: str) -> dict:
     reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text)
     message: dict = {"role": "assistant", "content": content}
-    if self.reasoning is not None:
+    if self.with_reasoning:
       message["reasoning_content"] = reasoning
     calls = []
     if self.tools is not None and content is not None:
