@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
-from atlas_jax.kernels import flash_attention as flash
+from atlas_jax.kernels import flash_attention
 
 Array = jax.Array
 AXIS = "context"
@@ -165,17 +165,16 @@ def context_attention(
   heads = "tensor" if t > 1 and N % t == 0 and K % t == 0 else None
   spec_x = P(rows, AXIS, heads, None)
   spec_s = P(rows, AXIS)
-  if segment_ids_BT is None:
-    segment_ids_BT = jnp.zeros((B, T), jnp.int32)
   body = _all_gather_local if mode == "all_gather" else _ring_local
-  run = jax.shard_map(
-    functools.partial(body, C=C, sliding_window=sliding_window, implementation=implementation, T=T),
-    mesh=mesh,
-    in_specs=(spec_x, spec_x, spec_x, spec_s, P()),
-    out_specs=spec_x,
-    check_vma=False,
+  local = functools.partial(
+    body, C=C, sliding_window=sliding_window, implementation=implementation, T=T
   )
-  return run(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, perm_CT)
+  args, specs = [q_BTNH, k_BTKH, v_BTKH, perm_CT], [spec_x, spec_x, spec_x, P()]
+  if segment_ids_BT is not None:
+    args.append(segment_ids_BT)
+    specs.append(spec_s)
+  run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=spec_x, check_vma=False)
+  return run(*args)
 
 
 def _local_positions(perm_CT: Array, b: int) -> Array:
@@ -184,11 +183,12 @@ def _local_positions(perm_CT: Array, b: int) -> Array:
   return jnp.broadcast_to(perm_CT[i][None], (b, perm_CT.shape[1]))
 
 
-def _all_gather_local(q, k, v, seg, perm_CT, *, C, T, sliding_window, implementation):
+def _all_gather_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, implementation):
   """One device's queries against the whole sequence's K/V, gathered and put back in order."""
   inv = unstripe_permutation(T, C)
   gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)[:, inv]
-  k_all, v_all, seg_all = gather(k), gather(v), gather(seg)
+  k_all, v_all = gather(k), gather(v)
+  seg_all = None if seg is None else gather(seg)
   return kernels.attention(
     q,
     k_all,
@@ -202,7 +202,7 @@ def _all_gather_local(q, k, v, seg, perm_CT, *, C, T, sliding_window, implementa
   )
 
 
-def _ring_local(q, k, v, seg, perm_CT, *, C, T, sliding_window, implementation):
+def _ring_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, implementation):
   """One device's queries against each device's K/V block in turn, passed around the ring."""
   b, t = q.shape[:2]
   i = jax.lax.axis_index(AXIS)
@@ -217,7 +217,8 @@ def _ring_local(q, k, v, seg, perm_CT, *, C, T, sliding_window, implementation):
     o_s, lse_s = partial(q, k, v, q_pos, kv_pos, seg, kv_seg, sliding_window=sliding_window)
     out, lse = (o_s, lse_s) if out is None else merge_partials(out, lse, o_s, lse_s)
     if step + 1 < C:
-      k, v, kv_seg = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v, kv_seg))
+      k, v = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v))
+      kv_seg = None if seg is None else jax.lax.ppermute(kv_seg, AXIS, shift)
   return out.astype(q.dtype)
 
 
@@ -239,7 +240,8 @@ def _xla_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window):
   visible = kv_pos_s[None, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
   if sliding_window is not None:
     visible &= q_pos_bt[:, :, None] - kv_pos_s[None, None, :] < sliding_window
-  visible &= q_seg[:, :, None] == kv_seg[:, None, :]
+  if q_seg is not None:
+    visible &= q_seg[:, :, None] == kv_seg[:, None, :]
   visible = visible[:, None, None]  # [b, 1, 1, t, s]
   scores = jnp.where(visible, scores, -jnp.inf)
   m = jnp.max(scores, axis=-1, keepdims=True)
@@ -259,14 +261,14 @@ def _flash_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window
   half = s // 2
   out, lse = None, None
   for lo in (0, half):
-    o_c, lse_c = flash.flash_attention(
+    o_c, lse_c = flash_attention(
       q,
       k[:, lo : lo + half],
       v[:, lo : lo + half],
       causal=True,
       q_positions=q_pos_bt - kv_pos_s[lo],
       q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg[:, lo : lo + half],
+      kv_segment_ids=None if kv_seg is None else kv_seg[:, lo : lo + half],
       sliding_window=sliding_window,
       return_lse=True,
     )
