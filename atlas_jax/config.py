@@ -865,6 +865,15 @@ class Config:
       )
     check_context(self.model, self.train, self.mesh)
 
+  def to_dict(self) -> dict[str, Any]:
+    """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only
+    plain types)."""
+    return dataclasses.asdict(self, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+
+
+def _plain(value: Any) -> Any:
+  return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
 
 def check_context(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> None:
   """Raises ConfigError for a `mesh.context` split the run cannot take."""
@@ -887,15 +896,6 @@ def check_context(model: ModelConfig, train: TrainConfig, mesh: MeshConfig) -> N
       _fail("mesh.context", C, f"must be 1 with {name} ({why})")
   if mesh.stage > 1:
     _fail("mesh.context", C, f"must be 1 with mesh.stage={mesh.stage} (pipeline stages)")
-
-  def to_dict(self) -> dict[str, Any]:
-    """Plain YAML-ready data: nested dicts, tuples as lists (YAML's safe dumper writes only
-    plain types)."""
-    return dataclasses.asdict(self, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
-
-
-def _plain(value: Any) -> Any:
-  return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def check_pipeline(
