@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from atlas_jax import hf, host_memory
+from atlas_jax import hf, host_memory, quant
 from atlas_jax.config import (
   ConfigError,
   SamplingDefaults,
@@ -378,6 +378,15 @@ CONFIG_FLAGS = {
     "pool blocks per data-parallel replica",
   ),
   "engine.block_size": (("--block-size",), int, "tokens per pool block"),
+  "quantization": (
+    ("--quantization", "-q"),
+    str,
+    "weights quantized after loading: int8 (per channel), int4 (per channel and input group) or "
+    "fp8 (e4m3, per channel): the attention, MLP and expert projections, held so on the "
+    "device and dequantized in the matmuls",
+  ),
+  "quantization_group_size": (("--quantization-group-size",), int, "int4's inputs per scale"),
+  "quantize_lm_head": (("--quantize-lm-head",), on_off, "true: quantize the LM head too"),
   "engine.kv_cache_dtype": (
     ("--kv-cache-dtype",),
     str,
@@ -488,8 +497,11 @@ CONFIG_FLAGS = {
 
 
 def flag_dest(path: str) -> str:
-  """The argparse name of a config flag: its field, prefixed by a subsection (cpu_matmul)."""
-  return "max_tokens_limit" if path == "limits.max_tokens" else "_".join(path.split(".")[1:])
+  """The argparse name of a config flag: its field, prefixed by a subsection (cpu_matmul); a
+  field of `serve:` itself (quantization) by its name."""
+  if path == "limits.max_tokens":
+    return "max_tokens_limit"
+  return "_".join(path.split(".")[1:]) or path
 
 
 def config_default(config, path: str):
@@ -676,7 +688,16 @@ def make_engine(args, model, tokenizer) -> Engine:
   if len(given) > 1:
     raise ValueError(f"{' and '.join(given)} are two drafts: give one")
   draft, path = args.speculative, args.draft
-  config = serve_config(args).engine
+  serve = serve_config(args)
+  config = serve.engine
+  if serve.quantization is not None:
+    names = quant.quantize_model(
+      model,
+      serve.quantization,
+      group_size=serve.quantization_group_size,
+      lm_head=serve.quantize_lm_head,
+    )
+    log.info("weights: %d projection stacks quantized to %s", len(names), serve.quantization)
   if args.speculative_config is not None:
     draft, path, k = speculative_config(args.speculative_config)
     if k is not None:

@@ -573,6 +573,7 @@ CPU_REDUCTIONS = ("auto", "xla", "ynnpack")
 RUNNERS = ("auto", "ragged", "cpu")
 # `serve.engine.kv_cache_dtype` (`atlas_jax.kernels.quantized_kv` stores the 8-bit ones).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZATIONS = ("int8", "int4", "fp8")  # `serve.quantization`: weights, `atlas_jax.quant`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -791,6 +792,18 @@ class ServeConfig:
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
   sampling: SamplingDefaults = dataclasses.field(default_factory=SamplingDefaults)
+  # Weight-only quantization of the loaded model's projections (`atlas_jax.quant`): None (as
+  # loaded), "int8" (per channel), "int4" (per channel and group of `quantization_group_size`
+  # inputs) or "fp8" (e4m3, per channel); the LM head too with `quantize_lm_head`.
+  quantization: str | None = None
+  quantization_group_size: int = 128
+  quantize_lm_head: bool = False
+
+  def __post_init__(self):
+    if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+      _fail("serve.quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
+    if self.quantization_group_size <= 0:
+      _fail("serve.quantization_group_size", self.quantization_group_size, "must be positive")
 
 
 # Run directories written before `serve:` had sections hold these flat fields.

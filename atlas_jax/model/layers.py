@@ -30,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from atlas_jax.model.lora import adapter, plus
+from atlas_jax.quant import is_quantized, quantized_product
 
 Array = jax.Array
 
@@ -81,11 +82,18 @@ class Ops:
 PLAIN = Ops()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def dense(x: Array, w: Array, contract: int = 1, ops: Ops = PLAIN) -> Array:
   """x's last `contract` axes against w's first: [..., C] x [C, ...] -> [..., ...] as one 2-D
   matmul, and its gradient as two (the weight's from a copied x^T with
-  `ops.copied_weight_grads`)."""
+  `ops.copied_weight_grads`). A quantized w (`atlas_jax.quant`, serving) is dequantized in the
+  product, with no gradient."""
+  if is_quantized(w):
+    return quantized_product(x, w, contract)
+  return _dense(x, w, contract, ops)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x: Array, w: Array, contract: int = 1, ops: Ops = PLAIN) -> Array:
   return _dense_fwd(x, w, contract, ops)[0]
 
 
@@ -110,7 +118,7 @@ def _dense_bwd(contract, ops, residuals, dy):
   return (dy_MO @ w_CO.T).reshape(x.shape), (x_CM @ dy_MO).reshape(w.shape)
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool, ops: Ops = PLAIN) -> Array:
@@ -120,7 +128,7 @@ def output_projection(out_BTNH: Array, wo_NHD: Array, *, serving: bool, ops: Ops
   W_O as it is held (a serving runner may hold it transposed: `serving.cpu.weights.OutMajor`)
   with no layout copy of it. Training goes through `dense`, for its weight gradient; its saved
   residuals are the einsum's (the input and W_O), which the planner counts."""
-  if not serving:
+  if not serving or is_quantized(wo_NHD):
     return dense(out_BTNH, wo_NHD, 2, ops)
   B, T, N, H = out_BTNH.shape
   return out_BTNH.reshape(B, T, N * H) @ wo_NHD.reshape(N * H, -1)

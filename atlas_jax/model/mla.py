@@ -58,6 +58,7 @@ from atlas_jax.model.rope import (
   yarn_inverse_frequencies,
   yarn_mscale,
 )
+from atlas_jax.quant import dequantized
 
 Array = jax.Array
 
@@ -209,8 +210,8 @@ class MLA(nnx.Module):
     dtype = q_nope_BTNh.dtype
     # W_UK and W_UV are folded into the query and the output, so their adapters are folded into
     # them first (the update as a [C, N, H] weight: small beside the cache this path reads).
-    w_uk_CNh = adapted(self.wk_b, self.wk_b_lora).astype(dtype)
-    w_uv_CNv = adapted(self.wv_b, self.wv_b_lora).astype(dtype)
+    w_uk_CNh = dequantized(adapted(self.wk_b, self.wk_b_lora)).astype(dtype)
+    w_uv_CNv = dequantized(adapted(self.wv_b, self.wv_b_lora)).astype(dtype)
     q_lat_BTNC = jnp.einsum("BTNh,CNh->BTNC", q_nope_BTNh, w_uk_CNh)
     q_BTNY = jnp.concatenate([q_lat_BTNC, q_rope_BTNR], axis=-1)
     with jax.named_scope("attention_core"):  # the latent attention only, not the folds

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax.config import ModelConfig, MoEConfig
 from atlas_jax.model.layers import MLP, normal, param
+from atlas_jax.quant import dequantized
 
 Array = jax.Array
 
@@ -411,7 +412,8 @@ class MoE(nnx.Module):
     logits_tE = jnp.einsum("tD,DE->tE", x_tD.astype(jnp.float32), self.router[...])
     bias_E = None if self.score_bias is None else self.score_bias[...]
     experts_tk, weights_tk, probs_tE = route(logits_tE, self.cfg, bias_E)
-    weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    # Quantized experts (`atlas_jax.quant`) are dequantized here, inside the step.
+    weights = tuple(dequantized(w[...]) for w in (self.w_gate, self.w_up, self.w_down))
     mesh = jax.sharding.get_abstract_mesh()
     capped = self.cfg.capacity_factor is not None and not dropless
     dropped = jnp.zeros((), jnp.int32)

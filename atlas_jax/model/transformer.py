@@ -54,6 +54,7 @@ from atlas_jax.model.scan import (
   scan_layers,
   stacked,
 )
+from atlas_jax.quant import dequantized
 
 Array = jax.Array
 
@@ -173,7 +174,7 @@ class Transformer(nnx.Module):
   # -- forward -----------------------------------------------------------------------------------
 
   def _head_DV(self) -> Array:
-    return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return self.embed[...].T if self.lm_head is None else dequantized(self.lm_head[...])
 
   def output_head(self) -> dict[str, Array]:
     """The output head as stored, for losses that apply it themselves

@@ -142,9 +142,11 @@ def tree_shardings(tree, mesh: Mesh, rules: dict[str, str]):
 
   def sharding(x):
     axes = logical_axes_of(x) if _is_variable(x) else None
-    spec = P() if axes is None else spec_for(axes, x.shape, rules, mesh)
+    # Each array under the Variable by its own shape: a quantized weight's (`atlas_jax.quant`)
+    # values split as the float weight, its scales too except along the dims they span.
+    spec = lambda a: P() if axes is None else spec_for(axes, a.shape, rules, mesh)
     # Mapping over the Variable keeps it (and its metadata) as the node around the sharding.
-    return jax.tree.map(lambda _: NamedSharding(mesh, spec), x)
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), x)
 
   return jax.tree.map(sharding, tree, is_leaf=_is_variable)
 

@@ -1,0 +1,129 @@
+"""Quantizing a model's projections in place, and the product that dequantizes them."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+Array = jax.Array
+QArray = qwix.QArray
+
+FORMATS = ("int8", "int4", "fp8")
+_QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
+
+# The projections quantized, by attribute name: attention's (GQA and MLA), the SwiGLU MLP's (the
+# dense layers', the shared expert's and the routed experts' [E, ...] stacks).
+PROJECTIONS = frozenset(
+  ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "w_gate", "w_up", "w_down")
+)
+# Leading axes that stack independent weights: each slice gets its own scales.
+STACK_AXES = ("layers", "mtp_heads", "experts")
+
+
+def contracted_axes(axes: tuple[str, ...]) -> tuple[int, ...]:
+  """The dimensions of a projection (by its logical axes) that its matmul contracts: after the
+  stacking axes, the first one, or W_O's two ([N, H, D] contracts heads and head_dim)."""
+  first = next((i for i, a in enumerate(axes) if a not in STACK_AXES), len(axes))
+  n = 2 if tuple(axes[first : first + 2]) == ("q_heads", "head_dim") else 1
+  return tuple(range(first, first + n))
+
+
+def _groups(shape, contracted: tuple[int, ...], group_size: int, name: str) -> dict[int, int]:
+  """qwix `tiled_axes` that cut the flattened contracted dims into runs of `group_size`."""
+  n_in = math.prod(shape[a] for a in contracted)
+  if group_size <= 0 or n_in % group_size:
+    raise ValueError(
+      f"serve.quantization_group_size={group_size} must divide {name}'s input dim {n_in} "
+      f"(shape {tuple(shape)}); pick a divisor of it"
+    )
+  tiles, g = {}, group_size
+  for a in reversed(contracted):
+    if g == 1:
+      tiles[a] = 1  # groups already cut within a later axis: a scale per index here
+    elif g % shape[a] == 0:
+      tiles[a], g = 1.0, g // shape[a]  # the whole axis inside one group
+    elif shape[a] % g == 0:
+      tiles[a], g = g, 1
+    else:
+      raise ValueError(
+        f"serve.quantization_group_size={group_size}: groups of {name}'s input dims "
+        f"{[shape[i] for i in contracted]} would straddle axis {a}; pick a divisor of {shape[a]}"
+      )
+  return tiles
+
+
+def quantize_weight(
+  w: Array, axes: tuple[str, ...], fmt: str, *, group_size: int = 128, name: str = "weight"
+) -> QArray:
+  """w as a symmetric QArray: scales per output channel (and per stacked slice), and for int4
+  per `group_size` run of contracted inputs too. Scales are float32."""
+  if fmt not in FORMATS:
+    raise ValueError(f"serve.quantization={fmt!r} is not one of {FORMATS}")
+  contracted = contracted_axes(axes)
+  channels = tuple(i for i in range(w.ndim) if i not in contracted)
+  tiles = _groups(w.shape, contracted, group_size, name) if fmt == "int4" else {}
+  return qwix.quantize(
+    w.astype(jnp.float32), _QTYPES[fmt], channelwise_axes=channels, tiled_axes=tiles
+  )
+
+
+def is_quantized(w) -> bool:
+  return isinstance(w, QArray)
+
+
+def dequantized(w):
+  """A float array: w itself, or a QArray's values times its scales (in the scales' dtype)."""
+  return qwix.dequantize(w) if isinstance(w, QArray) else w
+
+
+def quantized_product(x: Array, w: QArray, contract: int) -> Array:
+  """x's last `contract` axes against quantized w's first, in x's dtype. Per-channel scales
+  multiply the product (x @ values) * scale; group-wise ones dequantize w first (XLA fuses the
+  scaling into the dot's operand where it can)."""
+  dtype = x.dtype
+  out_shape = w.shape[contract:]
+  C = math.prod(w.shape[:contract])
+  x_MC = x.reshape(-1, C)
+  if all(s == 1 for s in w.scale.shape[:contract]):
+    y_MO = x_MC @ w.qvalue.astype(dtype).reshape(C, -1)
+    y_MO = y_MO * w.scale.astype(dtype).reshape(1, -1)
+  else:
+    y_MO = x_MC @ qwix.dequantize(w).astype(dtype).reshape(C, -1)
+  return y_MO.reshape(*x.shape[: x.ndim - contract], *out_shape)
+
+
+def quantize_model(model: nnx.Module, fmt: str, *, group_size: int = 128, lm_head: bool = False):
+  """Replaces `model`'s projections (`PROJECTIONS`; the untied LM head with `lm_head`) with
+  QArrays, in place. Returns the names of the parameters quantized, as dotted paths."""
+  if fmt not in FORMATS:
+    raise ValueError(f"serve.quantization={fmt!r} is not one of {FORMATS}")
+  names = PROJECTIONS | ({"lm_head"} if lm_head else set())
+  done = []
+  for path, node in nnx.iter_graph(model):
+    if not (isinstance(node, nnx.Param) and path and path[-1] in names):
+      continue
+    value = node.get_value()
+    if isinstance(value, QArray):
+      continue
+    axes = node.get_metadata().get("logical_axes") or ()
+    if len(axes) != value.ndim:
+      raise ValueError(f"quantize_model: {'.'.join(map(str, path))} has no logical axes")
+    label = ".".join(map(str, path))
+    node.set_value(quantize_weight(value, axes, fmt, group_size=group_size, name=label))
+    done.append(label)
+  return done
+
+
+def dequantize_model(model: nnx.Module) -> list[str]:
+  """The reverse of `quantize_model`, in place: every QArray parameter replaced by its float
+  value (the weights the quantized model computes with). Returns the dotted paths replaced."""
+  done = []
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Param) and isinstance(node.get_value(), QArray):
+      node.set_value(qwix.dequantize(node.get_value()))
+      done.append(".".join(map(str, path)))
+  return done
