@@ -239,6 +239,7 @@ class Engine:
       **({} if adapters is None else dict(lora=True)),
     )
     self.adapters = adapters
+    self._adapter_lock = threading.Lock()
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     self.pool_size = sizing.size_pool(
       config,
@@ -558,8 +559,9 @@ class Engine:
     """
     if self.adapters is None:
       raise AdapterError("this engine serves no LoRA adapters (--enable-lora)", "lora_name")
-    state, adapter = self.adapters.load(self.runner.states[0], name, path)
-    self.runner.states = (state, self.runner.states[1])  # one assignment: a step sees either
+    with self._adapter_lock:  # one read-modify-write of the held state at a time
+      state, adapter = self.adapters.load(self.runner.states[0], name, path)
+      self.runner.states = (state, self.runner.states[1])  # one assignment: a step sees either
     return adapter
 
   def unload_adapter(self, name: str) -> None:
@@ -578,8 +580,9 @@ class Engine:
       raise AdapterError(
         f"cannot unload {name!r}: requests using it are still running", "lora_name"
       )
-    state = self.adapters.unload(self.runner.states[0], name)
-    self.runner.states = (state, self.runner.states[1])
+    with self._adapter_lock:
+      state = self.adapters.unload(self.runner.states[0], name)
+      self.runner.states = (state, self.runner.states[1])
 
   def abort(self, request_id: RequestId) -> None:
     """Cancels a request (any thread); its blocks are freed at the start of the next step."""

@@ -223,9 +223,10 @@ class ServedAdapters:
       new = updates.get(key[:4]) if key[-1] == "value" else None
       if new is None:
         return leaf
+      out = leaf.at[:, slot].set(jnp.asarray(new, leaf.dtype))
       # Laid out as before (split over the tensor axis as the weight is), so the compiled
       # programs take it as they took the old one.
-      return jax.device_put(leaf.at[:, slot].set(jnp.asarray(new, leaf.dtype)), leaf.sharding)
+      return out if out.sharding == leaf.sharding else jax.device_put(out, leaf.sharding)
 
     return jax.tree_util.tree_map_with_path(put, state)
 

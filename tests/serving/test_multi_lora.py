@@ -269,6 +269,7 @@ def test_our_exported_adapters_serve_as_our_merged_model(tmp_path):
   assert got["base"] != want[0]  # the base row in the same batch stays the base's
 
 
+@pytest.mark.slow  # its own compiles over a 2 x 2 mesh
 def test_adapters_split_over_the_tensor_axis_as_their_projections(folders):
   import dataclasses
 
@@ -287,3 +288,10 @@ def test_adapters_split_over_the_tensor_axis_as_their_projections(folders):
   got = run(engine, jobs)
   for name in (None, "sql", "poet"):
     assert [got[f"{name}-{i}"] for i in range(len(PROMPTS))] == refs[name], name
+  # Freed and loaded again, in place on the mesh: the same programs serve it.
+  compiled = engine.programs.forward_sample._cache_size()
+  engine.unload_adapter("sql")
+  engine.load_adapter("sql", root / "sql")
+  got = run(engine, [(f"again-{i}", p, "sql") for i, p in enumerate(PROMPTS)])
+  assert [got[f"again-{i}"] for i in range(len(PROMPTS))] == refs["sql"]
+  assert engine.programs.forward_sample._cache_size() == compiled
