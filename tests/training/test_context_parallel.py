@@ -222,3 +222,17 @@ def test_ring_partials_by_flash_attention_equal_xla():
     got_o, got_lse = cp._flash_partial(*args, sliding_window=None)
     np.testing.assert_allclose(got_o, want_o, atol=1e-5)
     np.testing.assert_allclose(got_lse, want_lse, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_with_expert_and_context_axes_equals_one_device():
+  """Routed experts over `expert` while sequences split over `context` (fsdp 2 x expert 2 x
+  context 2, ZeRO-3): losses, balance terms and gradient norms equal one device's."""
+  from .test_moe_training import MOE, run
+
+  want, _, _ = run(tiny_config(MOE), mesh=single_device_mesh())
+  mesh = ["mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "train.sharding=zero3"]
+  got, _, trainer = run(tiny_config(MOE, *mesh))
+  assert trainer.mesh.shape["context"] == 2
+  for key in ("loss", "moe_balance_loss", "moe_load_max", "grad_norm"):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=2e-5)
