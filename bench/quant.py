@@ -41,7 +41,7 @@ def model_of(args, fmt: str):
     n_layers=args.layers,
     n_heads=args.d_model // 64,
     n_kv_heads=max(1, args.d_model // 256),
-    ffn_dim=args.d_model * 8 // 3 // 64 * 64,
+    ffn_dim=args.d_model * 8 // 3 // 128 * 128,  # a multiple of int4's default group
     max_seq_len=args.context,
     dtype=dtype,
     param_dtype=dtype,
