@@ -507,7 +507,7 @@ class Engine:
         several); or an id already queued or running.
     """
     made = []
-    slot = self._adapter_slot(adapter)
+    self._adapter_slot(adapter)  # an unknown name refused before any other check
     with self._inbox_lock:
       queued = {req.id for group in self._inbox for req in group}
     for k, (request_ids, prompt, params) in enumerate(groups):
@@ -524,9 +524,15 @@ class Engine:
           raise RequestError(f"prompt {k}: {e}", e.field) from None
         raise
       for req in group:
-        req.stream, req.adapter = stream, slot
+        req.stream = stream
       made.append(group)
     with self._inbox_lock:
+      # Resolved with the inbox held, as `unload_adapter` checks it: an adapter is either
+      # still loaded and seen in use there, or refused here.
+      slot = self._adapter_slot(adapter)
+      for group in made:
+        for req in group:
+          req.adapter = slot
       self._inbox += made
 
   def _take_inbox(self) -> None:
@@ -572,15 +578,14 @@ class Engine:
     """
     if self.adapters is None:
       raise AdapterError("this engine serves no LoRA adapters (--enable-lora)", "lora_name")
-    slot = self.adapters.slot_of(name)
-    with self._inbox_lock:
+    with self._inbox_lock, self._adapter_lock:
+      slot = self.adapters.slot_of(name)
       live = [req for group in self._inbox for req in group]
-    live += list(self.scheduler.requests.copy().values())
-    if any(req.adapter == slot for req in live):
-      raise AdapterError(
-        f"cannot unload {name!r}: requests using it are still running", "lora_name"
-      )
-    with self._adapter_lock:
+      live += list(self.scheduler.requests.copy().values())
+      if any(req.adapter == slot for req in live):
+        raise AdapterError(
+          f"cannot unload {name!r}: requests using it are still running", "lora_name"
+        )
       state = self.adapters.unload(self.runner.states[0], name)
       self.runner.states = (state, self.runner.states[1])
 

@@ -140,9 +140,15 @@ def test_a_batch_mixing_adapters_and_the_base_matches_peft_merged(folders, engin
   assert refs["sql"] != refs[None] and refs["poet"] != refs[None]  # the adapters matter
 
 
-def test_unknown_adapter_is_refused_by_name(engine):
+def test_unknown_adapter_is_refused_by_name_and_one_in_use_stays(engine):
   with pytest.raises(AdapterError, match="'nope'"):
     engine.add_request("x", [1, 2, 3], PARAMS, adapter="nope")
+  engine.enqueue([(["busy"], PROMPTS[0], [PARAMS])], adapter="sql")
+  with pytest.raises(AdapterError, match="'sql': requests using it are still running"):
+    engine.unload_adapter("sql")
+  while engine.has_unfinished():
+    engine.step()
+  assert "sql" in engine.adapters.by_name
 
 
 def test_lora_refuses_the_cpu_runner_and_large_ranks(folders, tmp_path):
