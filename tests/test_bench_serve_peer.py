@@ -248,6 +248,7 @@ def test_bad_flags_name_the_flag(argv, message, capsys, monkeypatch):
   assert message in f"{e.value.code} {capsys.readouterr().err}"
 
 
+@pytest.mark.slow
 def test_layouts_mode_runs_both_layouts(capsys):
   """`--only layouts`: a row per repetition and batch, stacked against per-layer, the ratio the
   two rates', under a header naming a layer's bytes as the runner counts them."""

@@ -410,6 +410,5 @@ def test_serve_speculates_with_every_mtp_head_by_default():
   serve.fill_defaults(args)
   engine = serve.make_engine(args, model, ByteTokenizer())
   assert engine.config.num_speculative_tokens == 1 and engine.draft == "mtp"
-  args.num_speculative_tokens = 4
-  with pytest.raises(ValueError, match="num_speculative_tokens=4 with draft='mtp' must be <= 1"):
-    serve.make_engine(args, model, ByteTokenizer())
+  args.num_speculative_tokens = 4  # one module run again on its own drafts, as vLLM does
+  assert serve.make_engine(args, model, ByteTokenizer()).config.num_speculative_tokens == 4

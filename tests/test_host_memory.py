@@ -103,6 +103,7 @@ _TRIM_CHILD = textwrap.dedent(
 @pytest.mark.skipif(
   platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
 )
+@pytest.mark.slow
 def test_a_freed_heap_top_past_2_gib_is_kept():
   """Trimming is off, not merely at its largest threshold: a 2.5 GiB buffer freed at the heap's
   top is taken again without a page fault (at a threshold of 2 GiB it would be returned to the

@@ -158,7 +158,7 @@ def test_chained_mtp_drafting_emits_the_plain_greedy_tokens(n_predict, k):
   assert make_drafter(model, "mtp", k).n_heads == min(k, n_predict)
 
 
-@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize("fixed", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_the_chain_of_sequential_heads_is_the_training_depths(fixed):
   """Followed window by window, then fed the true next tokens as its drafts, the chain's links at
   a row's last position give the logits `forward_mtp` gives there: head i reads head i - 1's

@@ -71,7 +71,7 @@ def _held_out_major(engine) -> int:
   "layout, matmul",
   [
     pytest.param("in_major", "ynnpack", marks=pytest.mark.slow),
-    ("out_major", "ynnpack"),
+    pytest.param("out_major", "ynnpack", marks=pytest.mark.slow),
     pytest.param("in_major", "xla", marks=pytest.mark.slow),
     pytest.param("stacked", "ynnpack", marks=pytest.mark.slow),
     ("auto", "auto"),
@@ -357,6 +357,7 @@ def _compiled_step(runner, x) -> tuple[str, dict[str, str], list[str]]:
   return hlo, bodies, re.findall(r"calls=(%[\w.\-]+)[^\n]*__ynn_fusion", hlo)
 
 
+@pytest.mark.slow
 def test_ynnpack_reductions_at_a_few_rows_serve_what_generate_does(tiny_model, reference):
   """`cpu.reductions="ynnpack"`: a step of up to `cpu_compile.YNN_REDUCE_ROWS` token rows
   compiles with YNNPACK's reductions (a YNNPACK call that reduces, the paged attention's scores),

@@ -191,6 +191,7 @@ def test_guided_rows_speculate_and_keep_their_greedy_tokens(setup):
     _check(tok, rid[0], *want[rid])
 
 
+@pytest.mark.slow
 def test_sampled_guided_speculation_validates_across_seeds(setup):
   """MTP self-speculation on the same vocabulary: every sampled output parses and validates, and
   an unguided neighbour in the same rounds draws what it draws alone (every decode step is a

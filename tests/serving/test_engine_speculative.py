@@ -72,6 +72,7 @@ def test_greedy_speculation_in_the_engine_equals_plain_greedy(any_model, draft, 
     assert engine.n_preemptions > 0
 
 
+@pytest.mark.slow
 def test_the_target_as_its_own_draft_accepts_every_token(tiny_model):
   prompts, params = greedy_workload(2)
   want = generate(tiny_model, prompts, params, eos_id=3)

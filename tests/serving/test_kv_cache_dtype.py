@@ -101,11 +101,12 @@ def serve_greedy(model, fmt, prompts, n_new=12):
   return [got[i] for i in range(len(prompts))]
 
 
-def test_served_greedy_tokens_against_the_float_pool(any_model):
+def test_served_greedy_tokens_against_the_float_pool(tiny_model):
+  """GQA here; the latent pool's served tokens: test_mesh's 8-bit MLA case (-m slow)."""
   rng = np.random.default_rng(1)
-  prompts = [rng.integers(0, any_model.cfg.vocab_size, n).tolist() for n in (5, 17, 30, 9)]
-  want = serve_greedy(any_model, "auto", prompts)
-  got = serve_greedy(any_model, "int8", prompts)
+  prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).tolist() for n in (5, 17, 30, 9)]
+  want = serve_greedy(tiny_model, "auto", prompts)
+  got = serve_greedy(tiny_model, "int8", prompts)
   assert all(len(g) == 12 for g in got)
   # The stated tolerance: every request's first 4 tokens equal, and 80% of all positions (a
   # near-tie flipped by the rounding changes the rest of its request).

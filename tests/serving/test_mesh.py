@@ -200,6 +200,7 @@ SPEC = dataclasses.replace(
 )
 
 
+@pytest.mark.slow
 def test_draft_model_speculation_under_tensor_4(draft_pair):
   target, draft = draft_pair
   want, _ = serve(target, SPEC, draft=draft)
@@ -264,7 +265,7 @@ def test_bad_meshes_are_named(kw, match):
     Engine(model_of("gqa"), dataclasses.replace(CONFIG, **kw))
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla_qlora"])
+@pytest.mark.parametrize("kind", ["gqa", pytest.param("mla_qlora", marks=pytest.mark.slow)])
 def test_an_8bit_pool_on_a_mesh_serves_the_single_device_tokens(kind):
   """int8 codes and their scales split as the float pool is (scales by kv head on the tensor
   axis, pages by replica): data 2 x tensor 4 gives one device's tokens on the same 8-bit pool."""

@@ -130,6 +130,7 @@ def deepseek_moe_folder(tmp_path_factory):
   return folder
 
 
+@pytest.mark.slow
 def test_init_from_a_mixture_of_experts_folder_under_an_expert_mesh(deepseek_moe_folder):
   sets = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "train.sharding=zero3"]
   cfg = finetune_config(deepseek_moe_folder, "train.lora={rank: 2, targets: [attn]}", *sets)

@@ -47,7 +47,11 @@ def one_device():
 
 
 @pytest.mark.parametrize(
-  "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("data2") else n for n in MESHES]
+  "name",
+  [
+    pytest.param(n, marks=pytest.mark.slow) if n.startswith(("data2", "expert8")) else n
+    for n in MESHES
+  ],
 )
 def test_expert_parallel_steps_equal_one_device(name, one_device):
   want, want_state, _ = one_device

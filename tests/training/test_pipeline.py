@@ -129,7 +129,18 @@ def assert_relative(got, want, tol=1e-5, floor=1e-30):
     assert float(np.abs(np.asarray(g) - w).max()) <= tol * scale, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The default run keeps one case of each mechanism; the variants of a mechanism run with -m slow.
+SLOW_CASES = {
+  "gpipe_4_stages_every_k",
+  "lora_circular_zero3",
+  "parallel_mtp_circular",
+  "circular_more_microbatches_than_stages_accum",
+}
+
+
+@pytest.mark.parametrize(
+  "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
+)
 def test_pipelined_loss_and_gradients_equal_the_unpipelined_step(case):
   model, overrides = CASES[case]
   batch_size = 32 if "train.batch_size=32" in overrides else B
@@ -397,7 +408,8 @@ def moe_loss_and_grads(cfg, batch, mesh=None):
 
 
 @pytest.mark.parametrize(
-  "case", [pytest.param(c, marks=pytest.mark.slow) if "circular" in c else c for c in MOE_CASES]
+  "case",
+  [pytest.param(c, marks=pytest.mark.slow) if "circular" in c else c for c in MOE_CASES],
 )
 def test_moe_pipelines_equal_the_unpipelined_step(case):
   """Loss (with the balance and z losses), each MoE layer's expert counts and every gradient

@@ -50,7 +50,7 @@ def assert_same_curve(got_dir, want_dir):
 @pytest.mark.parametrize(
   "pipeline",
   [
-    ["train.pipeline_microbatches=4"],
+    pytest.param(["train.pipeline_microbatches=4"], marks=pytest.mark.slow),
     pytest.param(
       ["train.pipeline_microbatches=2", "train.pipeline_repeats=2", "train.sharding=zero3"],
       marks=pytest.mark.slow,

@@ -38,6 +38,7 @@ def test_sigkill_then_restart_resumes_exactly(tmp_path, corpus):
   assert got == want  # bit for bit: same state, same batches, same program
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
 )

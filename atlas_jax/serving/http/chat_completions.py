@@ -16,11 +16,10 @@ deltas of each.
 from __future__ import annotations
 
 from atlas_jax.decoding.guided import GuidedDecodingError
-from atlas_jax.decoding.guided import spec_from_request as guided_spec
 from atlas_jax.serving import reasoning, tool_parsers
 from atlas_jax.serving.chat import ChatTemplateError
 from atlas_jax.serving.engine import RequestOutput
-from atlas_jax.serving.http.generation import Choice, ChoiceFormat, respond
+from atlas_jax.serving.http.generation import Choice, ChoiceFormat, requested_spec, respond
 from atlas_jax.serving.http.protocol import (
   APIError,
   ChatBody,
@@ -70,13 +69,7 @@ def _all_answer(body: ChatBody) -> bool:
   (not only after the thinking, as vLLM's does), and a JSON or choice constraint has no room for
   a <think> block; a regex may spell one, and is read with the reasoning parser."""
   try:
-    spec = guided_spec(
-      response_format=body.response_format,
-      guided_json=body.guided_json,
-      guided_regex=body.guided_regex,
-      guided_choice=body.guided_choice,
-      structured_outputs=body.structured_outputs,
-    )
+    spec = requested_spec(body)
   except GuidedDecodingError:
     return False  # `respond` answers it with a 400
   return spec is not None and spec.kind != "regex"

@@ -95,19 +95,25 @@ class ChoiceFormat(abc.ABC):
     """A whole response's choice."""
 
 
+def requested_spec(body: RequestFields) -> GuidedSpec | None:
+  """The constraint a request's own fields ask for (OpenAI's, vLLM's guided_* and
+  structured_outputs), or None; GuidedDecodingError when they are bad."""
+  return guided_spec(
+    response_format=body.response_format,
+    guided_json=body.guided_json,
+    guided_regex=body.guided_regex,
+    guided_choice=body.guided_choice,
+    structured_outputs=body.structured_outputs,
+  )
+
+
 async def grammar_of(
   state: ServerState, body: RequestFields, forced: GuidedSpec | None = None
 ) -> Grammar | None:
   """The request's compiled constraint (its fields', or `forced`: a tool call's), or None; a 400
   naming the field when it is bad."""
   try:
-    spec = guided_spec(
-      response_format=body.response_format,
-      guided_json=body.guided_json,
-      guided_regex=body.guided_regex,
-      guided_choice=body.guided_choice,
-      structured_outputs=body.structured_outputs,
-    )
+    spec = requested_spec(body)
     if spec is not None and forced is not None:
       raise APIError(400, f"{spec.field} cannot be combined with a forced tool_choice", spec.field)
     spec = spec or forced
