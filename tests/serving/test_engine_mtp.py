@@ -26,7 +26,10 @@ def mtp_model(kind, n_predict, mla):
 
 @pytest.mark.parametrize(
   "kind, n_predict, k, mla",
-  [("parallel", 3, 3, False), pytest.param("sequential", 2, 1, True, marks=pytest.mark.slow)],
+  [
+    pytest.param("parallel", 3, 3, False, marks=pytest.mark.slow),
+    pytest.param("sequential", 2, 1, True, marks=pytest.mark.slow),
+  ],
 )
 def test_mtp_self_speculation_in_the_engine(kind, n_predict, k, mla):
   """Greedy: the plain greedy tokens (preemption in the parallel case); sampled (all prefilled in

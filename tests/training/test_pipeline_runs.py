@@ -72,6 +72,7 @@ def test_stage2_fsdp2_tensor2_follows_fsdp8(tmp_path, corpus, fsdp8, pipeline):
   assert_same_curve(run_dir, fsdp8)
 
 
+@pytest.mark.slow
 def test_stages_on_two_hosts_follow_one_host(tmp_path, corpus, fsdp8):
   """stage 2 x tensor 4 over two processes of 4 devices: each process is one stage, so every
   ppermute and the stage gathers cross processes."""
