@@ -14,6 +14,12 @@ DFA of 2^30 states): it is killed past `timeout_s` and the request gets an error
 Compiled grammars are cached by regex. Per request, a `GuidedMatcher` walks the automaton: the
 allowed tokens as a packed bitmask i32[W] (bit v % 32 of word v // 32, W = ceil(V / 32)), advance
 by a token, roll back by n tokens (rejected speculative drafts), and whether only eos remains.
+
+A thinking model's constraint applies to its answer, after the thinking, as vLLM applies it: a
+`ReasoningGate` wraps a Grammar with the end-of-reasoning token (`</think>`), and its matchers
+start in a waiting state that allows every token and moves into the grammar's initial state on
+the step that draws that token. A prompt that already closed its thinking (a template that
+writes an empty `<think></think>` when thinking is off) starts the grammar at once.
 """
 
 from __future__ import annotations
@@ -251,6 +257,8 @@ class Grammar:
     self.description = description
     self.initial_state = index.get_initial_state()
     self._masks: dict[int, tuple[np.ndarray, bool, bool]] = {}
+    self.all_bits = np.full(self.n_words, -1, np.int32)  # i32[W] no constraint (read-only)
+    self.all_bits.flags.writeable = False
 
   def mask(self, state: int) -> tuple[np.ndarray, bool, bool]:
     """(i32[W] packed allowed tokens, whether eos is allowed, whether it is the only one)."""
@@ -286,17 +294,72 @@ class Grammar:
   def is_final(self, state: int) -> bool:
     return self.mask(state)[1]
 
-  def matcher(self) -> GuidedMatcher:
+  def matcher(self, prompt=()) -> GuidedMatcher:
+    """A new request's matcher (`prompt`, its ids, matters to a ReasoningGate only)."""
     return GuidedMatcher(self)
+
+
+# A matcher's state while it waits for the end of the reasoning (outlines-core's are ints >= 0).
+WAITING = -1
+
+
+class ReasoningGate:
+  """A Grammar that applies after the reasoning: its matchers pass every token until
+  `end_id` (`</think>`) is drawn, then follow the grammar from its initial state.
+
+  Args:
+    grammar: the answer's constraint.
+    end_id: the end-of-reasoning token.
+    start_id: the start-of-reasoning token (`<think>`), or None when it is not one token; read
+      in the prompt only: the thinking has ended there when `end_id` comes after the last
+      `start_id` (vLLM's `is_reasoning_end`).
+  """
+
+  def __init__(self, grammar: Grammar, *, end_id: int, start_id: int | None = None):
+    if not 0 <= end_id < grammar.vocab_size or end_id == grammar.eos_id:
+      raise ValueError(
+        f"end_id={end_id} is not allowed: the end-of-reasoning token must be an id in "
+        f"[0, {grammar.vocab_size}) other than eos ({grammar.eos_id})"
+      )
+    self.grammar, self.end_id, self.start_id = grammar, end_id, start_id
+    self.vocab_size, self.eos_id = grammar.vocab_size, grammar.eos_id
+    self.description = f"{grammar.description}, after token {end_id}"
+
+  def reasoning_ended(self, prompt) -> bool:
+    for token in reversed(prompt):
+      if token == self.start_id:
+        return False
+      if token == self.end_id:
+        return True
+    return False
+
+  def matcher(self, prompt=()) -> GuidedMatcher:
+    ended = self.reasoning_ended(prompt)
+    return GuidedMatcher(self.grammar, wait_for=None if ended else self.end_id)
 
 
 class GuidedMatcher:
   """One request's walk through a Grammar: the states after each accepted token, so it rolls
-  back by any number of tokens exactly."""
+  back by any number of tokens exactly. With `wait_for` (a token id), it starts in the WAITING
+  state, where every token is allowed, and enters the grammar after that token."""
 
-  def __init__(self, grammar: Grammar):
+  def __init__(self, grammar: Grammar, wait_for: int | None = None):
     self.grammar = grammar
-    self._states = [grammar.initial_state]
+    self.wait_for = wait_for
+    self._states = [grammar.initial_state if wait_for is None else WAITING]
+
+  def _next(self, token: int) -> int | None:
+    state = self._states[-1]
+    if state != WAITING:
+      return self.grammar.next_state(state, token)
+    if not 0 <= token < self.grammar.vocab_size:
+      return None
+    return self.grammar.initial_state if token == self.wait_for else WAITING
+
+  @property
+  def waiting(self) -> bool:
+    """Whether the grammar has not started yet (the reasoning goes on)."""
+    return self._states[-1] == WAITING
 
   @property
   def n_tokens(self) -> int:
@@ -305,6 +368,8 @@ class GuidedMatcher:
 
   def allowed_bits(self) -> np.ndarray:
     """i32[W] the allowed next tokens, packed: bit v % 32 of word v // 32 (read-only)."""
+    if self.waiting:
+      return self.grammar.all_bits
     return self.grammar.mask(self._states[-1])[0]
 
   def allowed_mask(self) -> np.ndarray:
@@ -312,11 +377,11 @@ class GuidedMatcher:
     return unpack_bits(self.allowed_bits(), self.grammar.vocab_size)
 
   def accepts(self, token: int) -> bool:
-    return self.grammar.next_state(self._states[-1], int(token)) is not None
+    return self._next(int(token)) is not None
 
   def advance(self, token: int) -> None:
     """Moves past an accepted token (eos is accepted where the text is complete)."""
-    state = self.grammar.next_state(self._states[-1], int(token))
+    state = self._next(int(token))
     if state is None:
       raise ValueError(
         f"token {int(token)} is not allowed after {self.n_tokens} tokens by the grammar "
@@ -336,13 +401,14 @@ class GuidedMatcher:
 
   @property
   def is_final(self) -> bool:
-    """The text so far is a whole match (eos is allowed)."""
-    return self.grammar.is_final(self._states[-1])
+    """The text so far is a whole match (eos is allowed); while waiting, eos is allowed as any
+    token is (the output then has no answer)."""
+    return self.waiting or self.grammar.is_final(self._states[-1])
 
   @property
   def is_complete(self) -> bool:
     """Nothing but eos may follow: the output is finished."""
-    return self.grammar.mask(self._states[-1])[2]
+    return not self.waiting and self.grammar.mask(self._states[-1])[2]
 
 
 def unpack_bits(bits_W: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -434,6 +500,7 @@ __all__ = [
   "GuidedDecodingError",
   "GuidedMatcher",
   "GuidedSpec",
+  "ReasoningGate",
   "spec_from_request",
   "spec_regex",
   "unpack_bits",

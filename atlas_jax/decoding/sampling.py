@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-  from atlas_jax.decoding.guided import Grammar
+  from atlas_jax.decoding.guided import Grammar, ReasoningGate
 
 Array = jax.Array
 
@@ -100,8 +100,9 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None  # None: none; n: the sampled token's plus the top n (n <= 5)
   # A compiled constraint (`atlas_jax.decoding.guided.Grammar`, from a GrammarCompiler): the
-  # output must match it. Served by the Engine, which masks each draw with it.
-  guided: Grammar | None = None
+  # output must match it; a `ReasoningGate` around one: the output after the end-of-reasoning
+  # token must. Served by the Engine, which masks each draw with it.
+  guided: Grammar | ReasoningGate | None = None
   # Added to the logits before anything else but the guided mask, as (token id, bias) pairs
   # (a {token id: bias} dict is accepted), each bias in [-100, 100].
   logit_bias: tuple[tuple[int, float], ...] = ()

@@ -9,12 +9,18 @@ By vLLM's `--reasoning-parser` names:
 `split` reads an output (whole, or so far): (reasoning, content), each None when absent. While
 streaming (`final=False`) a partial marker at the end is held back, so what `split` returns only
 grows as the text does and `ReasoningStream` sends the difference.
+
+`gate` makes a request's guided constraint apply after the thinking, as vLLM's does: the grammar
+waits for the `</think>` token (`atlas_jax.decoding.guided.ReasoningGate`). That needs the marker
+to be one token of the vocabulary (as in Qwen3's and DeepSeek-R1's); where it is not, the
+constraint applies from the first token and the output is all answer.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from atlas_jax.decoding.guided import Grammar, ReasoningGate
 from atlas_jax.serving.tool_parsers import partial_overlap
 
 
@@ -68,6 +74,21 @@ def get_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasoning
   return PARSERS[name](chat_template_kwargs)
 
 
+def marker_id(tokenizer, marker: str) -> int | None:
+  """The id of `marker` where the tokenizer spells it as one token, else None."""
+  ids = tokenizer.encode(marker, add_special_tokens=False)
+  return ids[0] if len(ids) == 1 else None
+
+
+def gate(grammar: Grammar, parser: ReasoningParser, tokenizer) -> ReasoningGate | None:
+  """`grammar` applied after the thinking, or None where it cannot be (thinking off, or a
+  `</think>` that is not one token)."""
+  end_id = marker_id(tokenizer, parser.end)
+  if not parser.thinking or end_id is None:
+    return None
+  return ReasoningGate(grammar, end_id=end_id, start_id=marker_id(tokenizer, parser.start))
+
+
 class ReasoningStream:
   """One streamed choice: feed the whole text so far, get (new reasoning, the content so far)."""
 
@@ -83,4 +104,12 @@ class ReasoningStream:
     return new, content or ""
 
 
-__all__ = ["PARSERS", "Qwen3ReasoningParser", "ReasoningParser", "ReasoningStream", "get_parser"]
+__all__ = [
+  "PARSERS",
+  "Qwen3ReasoningParser",
+  "ReasoningParser",
+  "ReasoningStream",
+  "gate",
+  "get_parser",
+  "marker_id",
+]

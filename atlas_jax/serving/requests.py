@@ -168,7 +168,7 @@ class Intake:
     req = Request(request_id, prompt, params, arrival, frozenset(stop))
     req.t_arrival = time.perf_counter()
     if params.guided is not None:
-      req.matcher = params.guided.matcher()
+      req.matcher = params.guided.matcher(prompt)  # a ReasoningGate reads the prompt
     if self.detokenize is not None:
       decode = self.detokenize
       if not params.skip_special_tokens:

@@ -15,6 +15,7 @@ from atlas_jax.data.tokenizer import ByteTokenizer, train_bpe
 from atlas_jax.decoding.guided import (
   GrammarCompiler,
   GuidedDecodingError,
+  ReasoningGate,
   spec_from_request,
   unpack_bits,
 )
@@ -138,6 +139,36 @@ def test_rollback_restores_the_exact_mask(compiler):
     m.advance(bad)
   m.reset()
   np.testing.assert_array_equal(m.allowed_bits(), masks[0])
+
+
+def test_a_reasoning_gate_passes_every_token_until_the_end_token():
+  """Bytes, with "#" standing for </think> and "@" for <think>: the grammar starts on the step
+  after "#", rolls back across it, and starts at once when the prompt closed the thinking."""
+  compiler = GrammarCompiler(ByteTokenizer())
+  grammar = compiler.compile(spec_from_request(guided_choice=["yes", "no"]))
+  gate = ReasoningGate(grammar, end_id=ord("#"), start_id=ord("@"))
+  m = gate.matcher(list(b"user: @"))
+  every = np.full(grammar.n_words, -1, np.int32)
+  for t in b"x{ #":  # "x", "{", " " are not allowed by the grammar; "#" ends the thinking
+    np.testing.assert_array_equal(m.allowed_bits(), every)
+    assert m.waiting and not m.is_complete and m.accepts(t)
+    m.advance(t)
+  assert not m.waiting
+  start = grammar.matcher()
+  np.testing.assert_array_equal(m.allowed_bits(), start.allowed_bits())
+  assert not m.accepts(ord("x")) and m.accepts(ord("y"))
+  for t in b"yes":
+    m.advance(t)
+  assert m.is_complete
+  m.rollback(4)  # back before "#": waiting again
+  assert m.waiting and m.accepts(ord("x"))
+  with pytest.raises(ValueError, match="not allowed"):
+    m.advance(compiler.vocab_size)
+  for prompt, waits in [(b"@..#", False), (b"#..@", True), (b"", True), (b"@#\n\n", False)]:
+    assert gate.matcher(list(prompt)).waiting == waits, prompt
+  assert not grammar.matcher(list(b"@")).waiting  # a plain grammar ignores the prompt
+  with pytest.raises(ValueError, match="end_id=258"):
+    ReasoningGate(grammar, end_id=compiler.eos_id)
 
 
 SCHEMAS = [

@@ -10,7 +10,8 @@ variable; `tool_choice` picks how calls come back: read from the model's own syn
 server's tool-call parser (`auto`), or forced by guided decoding (`required`, a named function).
 Each choice's text is read back by a `MessageReader`: with `--reasoning-parser`, the thinking as
 `reasoning_content`; the calls as `tool_calls` (finish_reason "tool_calls"); streamed, as
-deltas of each.
+deltas of each. With a reasoning parser and thinking on, a guided constraint (the request's own
+or a forced call's) applies to the answer after `</think>`, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -53,21 +54,27 @@ async def create_chat_completion(body: ChatBody, state: State):
   else:
     forced = forced_spec(mode, body.tools, body.parallel_tool_calls)
     tools = RequiredCalls() if mode == "required" else NamedCall(mode)
-  think = None
-  if state.reasoning_parser is not None and forced is None and not _all_answer(body):
+  think = gated = None
+  if state.reasoning_parser is not None:
     think = reasoning.get_parser(state.reasoning_parser, body.chat_template_kwargs)
+    if think.thinking and reasoning.marker_id(state.tokenizer, think.end) is not None:
+      gated = think  # a constraint applies after the thinking
+    elif forced is not None or _all_answer(body):
+      think = None
   fmt = ChatFormat(
     state.token_text,
     reader=lambda: MessageReader(think, tools, state.reasoning_parser is not None),
     named=mode not in (None, "auto", "required"),
   )
-  return await respond(state, body, [(ids, "")], fmt, logprobs=logprobs, forced=forced)
+  return await respond(
+    state, body, [(ids, "")], fmt, logprobs=logprobs, forced=forced, after_reasoning=gated
+  )
 
 
 def _all_answer(body: ChatBody) -> bool:
-  """Whether the output cannot hold any thinking: the grammar constrains it from its first token
-  (not only after the thinking, as vLLM's does), and a JSON or choice constraint has no room for
-  a <think> block; a regex may spell one, and is read with the reasoning parser."""
+  """Whether the output cannot hold any thinking where the constraint applies from its first
+  token (a `</think>` that is not one token: see `reasoning.gate`): a JSON or choice constraint
+  has no room for a <think> block; a regex may spell one, and is read with the reasoning parser."""
   try:
     spec = requested_spec(body)
   except GuidedDecodingError:

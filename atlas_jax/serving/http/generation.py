@@ -24,8 +24,9 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 
-from atlas_jax.decoding.guided import Grammar, GuidedDecodingError, GuidedSpec
+from atlas_jax.decoding.guided import Grammar, GuidedDecodingError, GuidedSpec, ReasoningGate
 from atlas_jax.decoding.guided import spec_from_request as guided_spec
+from atlas_jax.serving import reasoning
 from atlas_jax.serving.engine import RequestError, RequestOutput
 from atlas_jax.serving.http.protocol import (
   APIError,
@@ -36,6 +37,7 @@ from atlas_jax.serving.http.protocol import (
 )
 from atlas_jax.serving.http.state import ServerState
 from atlas_jax.serving.http.streaming import DONE, event_stream, merged, one_per_token, sse
+from atlas_jax.serving.reasoning import ReasoningParser
 
 # (prompt ids, prompt text): a prompt as the handlers pass it (the text is what `echo` repeats).
 Prompt = tuple[list[int], str]
@@ -154,7 +156,7 @@ def submit(
   *,
   logprobs: int | None,
   prompt_logprobs: int | None,
-  grammar: Grammar | None,
+  grammar: Grammar | ReasoningGate | None,
   where: str,
 ) -> list[tuple[str, asyncio.Queue]]:
   """Queues n choices per prompt (all or none); [(request id, queue)] in choice order."""
@@ -243,9 +245,11 @@ async def respond(
   logprobs: int | None,
   echo: bool = False,
   forced: GuidedSpec | None = None,
+  after_reasoning: ReasoningParser | None = None,
 ):
   """Serves n choices for each prompt: a JSON response, or an SSE stream if `body.stream`
-  (`forced`: the constraint of a forced tool call)."""
+  (`forced`: the constraint of a forced tool call; `after_reasoning`: the constraint waits for
+  this parser's end of thinking)."""
   if logprobs is not None and logprobs > state.limits.max_logprobs:
     field = "logprobs" if echo or fmt.prompt_field == "prompt" else "top_logprobs"
     raise APIError(
@@ -255,6 +259,8 @@ async def respond(
       field,
     )
   grammar = await grammar_of(state, body, forced)
+  if grammar is not None and after_reasoning is not None:
+    grammar = reasoning.gate(grammar, after_reasoning, state.tokenizer) or grammar
   subs = submit(
     state,
     body,

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from atlas_jax.config import SamplingDefaults
-from atlas_jax.decoding.guided import Grammar
+from atlas_jax.decoding.guided import Grammar, ReasoningGate
 from atlas_jax.decoding.sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
 from atlas_jax.serving.engine import RequestError
 
@@ -239,7 +239,7 @@ def request_params(
   seed: int,
   logprobs: int | None = None,
   prompt_logprobs: int | None = None,
-  guided: Grammar | None = None,
+  guided: Grammar | ReasoningGate | None = None,
 ) -> SamplingParams:
   """The SamplingParams of a request's fields; a field not given takes `defaults`' value.
 
