@@ -11,7 +11,10 @@ Every physical block is in exactly one of three states:
   that prefix can reuse it; cached blocks are evicted in LRU order when the free list runs dry.
 
 A full block is identified by a hash chained over its parent block's hash and its own tokens, so
-equal hashes mean equal whole prefixes, not just equal blocks. Only full blocks are hashed and
+equal hashes mean equal whole prefixes, not just equal blocks. A sequence's chain may start from a
+salt (`add_sequence(..., salt=)`): the identity of what else its K/V depend on, such as its LoRA
+adapter (vLLM puts the adapter's id in every block hash's extra keys), so sequences share cached
+blocks only when their salts are equal. Only full blocks are hashed and
 shared through the cache; a partial block is shared only by `fork`, and a sequence that must write
 into a shared partial block first copies it (copy-on-write): `append` returns the (src, dst)
 block pairs whose device data the caller must copy before writing the new tokens.
@@ -61,6 +64,14 @@ def block_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
   return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
 
 
+def root_hash(salt: bytes) -> bytes:
+  """The parent hash of a sequence's first block: no salt, the plain root; a salt, a hash that no
+  block's equals, so the whole chain differs from every other salt's."""
+  if not salt:
+    return _ROOT_HASH
+  return hashlib.blake2b(b"salt\0" + salt, digest_size=16).digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class AllocatorStats:
   """A snapshot of the allocator's occupancy and counters (see `atlas_jax.plan.kv`)."""
@@ -83,6 +94,7 @@ class _Sequence:
   blocks: list[int]
   tokens: list[int]
   hashes: list[bytes]  # chained hash of each full block, in order
+  root: bytes = _ROOT_HASH  # the parent hash of its first block (`root_hash` of its salt)
 
 
 class BlockAllocator:
@@ -190,8 +202,9 @@ class BlockAllocator:
       n_copies=self._n_copies,
     )
 
-  def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-    """Leading tokens of `prompt` that `add_sequence` would serve from the prefix cache.
+  def cached_prefix_length(self, prompt: Sequence[int], *, salt: bytes = b"") -> int:
+    """Leading tokens of `prompt` that `add_sequence` (with the same `salt`) would serve from the
+    prefix cache.
 
     A read-only lookup: nothing is allocated, referenced or hashed into the cache (a block's hash
     may only be registered once its K/V are computed).
@@ -199,7 +212,7 @@ class BlockAllocator:
     if not self.enable_prefix_caching:
       return 0
     Z = self.block_size
-    parent, n = b"", 0
+    parent, n = root_hash(salt), 0
     for i in range((len(prompt) - 1) // Z):  # the last token is always recomputed
       parent = block_hash(parent, prompt[i * Z : (i + 1) * Z])
       if parent not in self._block_of:
@@ -209,8 +222,9 @@ class BlockAllocator:
 
   # -- operations ----------------------------------------------------------------------------
 
-  def add_sequence(self, seq_id: SeqId, prompt: Sequence[int]) -> int:
-    """Starts a sequence holding `prompt`, reusing the longest cached chain of its full blocks.
+  def add_sequence(self, seq_id: SeqId, prompt: Sequence[int], *, salt: bytes = b"") -> int:
+    """Starts a sequence holding `prompt`, reusing the longest cached chain of its full blocks
+    among those hashed under the same `salt` (b"": none).
 
     The last prompt token is never served from the cache, so the model always computes at least
     one token (whose logits start generation); a prompt that is a whole number of cached blocks
@@ -230,7 +244,7 @@ class BlockAllocator:
     Z = self.block_size
     hits: list[int] = []
     hashes: list[bytes] = []
-    parent = _ROOT_HASH
+    root = parent = root_hash(salt)
     if self.enable_prefix_caching:
       for i in range((len(prompt) - 1) // Z if prompt else 0):
         h = block_hash(parent, prompt[i * Z : (i + 1) * Z])
@@ -251,7 +265,7 @@ class BlockAllocator:
       )
     for block in hits:
       self._take(block)
-    seq = _Sequence(blocks=list(hits), tokens=prompt[: len(hits) * Z], hashes=hashes)
+    seq = _Sequence(blocks=list(hits), tokens=prompt[: len(hits) * Z], hashes=hashes, root=root)
     self._seqs[seq_id] = seq
     self._prefix_query_tokens += len(prompt)
     self._prefix_hit_tokens += len(hits) * Z
@@ -317,7 +331,10 @@ class BlockAllocator:
     for block in parent.blocks:
       self._ref[block] += 1
     self._seqs[child_id] = _Sequence(
-      blocks=list(parent.blocks), tokens=list(parent.tokens), hashes=list(parent.hashes)
+      blocks=list(parent.blocks),
+      tokens=list(parent.tokens),
+      hashes=list(parent.hashes),
+      root=parent.root,
     )
 
   def truncate(self, seq_id: SeqId, length: int) -> list[tuple[int, int]]:
@@ -473,7 +490,7 @@ class BlockAllocator:
     """Hashes a block that just became full and offers it to the prefix cache."""
     Z = self.block_size
     i = len(seq.tokens) // Z - 1
-    parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+    parent = seq.hashes[-1] if seq.hashes else seq.root
     h = block_hash(parent, seq.tokens[i * Z : (i + 1) * Z])
     seq.hashes.append(h)
     # A duplicate of an already cached prefix stays unhashed: one block per hash.

@@ -426,9 +426,9 @@ class Engine:
       raise RequestError(f"request {request_id!r} already exists")
     if not isinstance(stream, bool):
       raise RequestError(f"stream={stream!r} is not allowed: must be true or false", "stream")
-    slot = self._adapter_slot(adapter)
+    slot, salt = self._adapter_of(adapter)
     req = self.intake.make(request_id, prompt, params, self._arrivals)
-    req.stream, req.adapter = stream, slot
+    req.stream, req.adapter, req.cache_salt = stream, slot, salt
     self._arrivals += 1
     return req
 
@@ -507,7 +507,7 @@ class Engine:
         several); or an id already queued or running.
     """
     made = []
-    self._adapter_slot(adapter)  # an unknown name refused before any other check
+    self._adapter_of(adapter)  # an unknown name refused before any other check
     with self._inbox_lock:
       queued = {req.id for group in self._inbox for req in group}
     for k, (request_ids, prompt, params) in enumerate(groups):
@@ -529,10 +529,10 @@ class Engine:
     with self._inbox_lock:
       # Resolved with the inbox held, as `unload_adapter` checks it: an adapter is either
       # still loaded and seen in use there, or refused here.
-      slot = self._adapter_slot(adapter)
+      slot, salt = self._adapter_of(adapter)
       for group in made:
         for req in group:
-          req.adapter = slot
+          req.adapter, req.cache_salt = slot, salt
       self._inbox += made
 
   def _take_inbox(self) -> None:
@@ -546,14 +546,16 @@ class Engine:
 
   # -- LoRA adapters -----------------------------------------------------------------------------
 
-  def _adapter_slot(self, adapter: str | None) -> int:
+  def _adapter_of(self, adapter: str | None) -> tuple[int, bytes]:
+    """(its slot, its prefix-cache salt) for a request under adapter `adapter` (None: the base)."""
     if adapter is None:
-      return 0
+      return 0, b""
     if self.adapters is None:
       raise RequestError(
         f"adapter={adapter!r} is not allowed: this engine serves no LoRA adapters", "model"
       )
-    return self.adapters.slot_of(adapter)
+    served = self.adapters.get(adapter)
+    return served.slot, served.cache_salt
 
   def load_adapter(self, name: str, path) -> Adapter:
     """Loads the PEFT adapter folder `path` as `name` into a free slot (any thread): the held
@@ -800,8 +802,8 @@ class Engine:
 
 def _lora_config(config: EngineConfig, model, draft, mesh: Mesh | None) -> EngineConfig:
   """The config an engine serving LoRA adapters runs: the ragged runner, no drafter, no
-  repeated kv heads, and no prefix cache (a block's keys and values depend on the adapter, and
-  the cache keys blocks by their tokens alone)."""
+  repeated kv heads. The prefix cache stays on: a block's keys and values depend on the adapter,
+  so each request's block hashes start from its adapter's identity (`Request.cache_salt`)."""
   if _runner_class(config) is not ModelRunner:
     raise ConfigError(
       f"serve.engine.runner={config.runner!r} is not allowed with LoRA adapters on a "
@@ -816,9 +818,7 @@ def _lora_config(config: EngineConfig, model, draft, mesh: Mesh | None) -> Engin
       f"serve.engine.tensor_parallel_size={tp} is not allowed with LoRA adapters: the model's "
       f"{model.cfg.n_kv_heads} kv heads would be repeated, and their adapters are not"
     )
-  if config.enable_prefix_caching:
-    log.info("LoRA adapters: prefix caching off (cached blocks are keyed by tokens alone)")
-  return dataclasses.replace(config, enable_prefix_caching=False)
+  return config
 
 
 def _runner_class(config: EngineConfig) -> type[ModelRunner]:

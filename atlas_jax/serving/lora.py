@@ -48,6 +48,13 @@ class Adapter:
   slot: int  # its index in the held arrays (1..max_loras)
   rank: int
   targets: tuple[str, ...]  # the projections it adapts (Hugging Face names)
+  generation: int = 0  # which load of the server's this is (a name loaded again gets a new one)
+
+  @property
+  def cache_salt(self) -> bytes:
+    """Its identity in the prefix cache's block hashes: K/V computed under it are shared with
+    its own requests only, and never with a later load of the same name (other weights)."""
+    return f"lora:{self.name}:{self.generation}".encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,7 @@ class ServedAdapters:
         self.held.setdefault(target, []).append(h)
     self.by_name: dict[str, Adapter] = {}
     self._lock = threading.Lock()  # loads and unloads, one at a time
+    self._n_loads = 0
 
   # -- names ---------------------------------------------------------------------------------------
 
@@ -100,15 +108,17 @@ class ServedAdapters:
     Raises:
       AdapterError naming the adapter when it is not loaded.
     """
-    if name is None:
-      return 0
+    return 0 if name is None else self.get(name).slot
+
+  def get(self, name: str) -> Adapter:
+    """The loaded adapter `name`; AdapterError naming it when it is not loaded."""
     adapter = self.by_name.get(name)
     if adapter is None:
       loaded = ", ".join(repr(n) for n in self.by_name) or "none"
       raise AdapterError(
         f"the LoRA adapter {name!r} is not loaded; loaded adapters: {loaded}", "model"
       )
-    return adapter.slot
+    return adapter
 
   # -- reading a PEFT folder -----------------------------------------------------------------------
 
@@ -251,7 +261,8 @@ class ServedAdapters:
         )
       rank, arrays = self.read(path)
       state = self._write(state, free[0], arrays)
-      adapter = Adapter(name, str(path), free[0], rank, tuple(sorted(arrays)))
+      self._n_loads += 1
+      adapter = Adapter(name, str(path), free[0], rank, tuple(sorted(arrays)), self._n_loads)
       self.by_name[name] = adapter
       return state, adapter
 

@@ -82,6 +82,9 @@ class Request:
   t_arrival: float = 0.0  # time.perf_counter() when added
   t_first: float | None = None  # when its first token was drawn
   adapter: int = 0  # its LoRA adapter's slot (`atlas_jax.serving.lora`); 0: the base model
+  # What its K/V depend on beside its tokens (its adapter's identity, `Adapter.cache_salt`): it
+  # shares prefix-cache blocks only with requests of an equal salt.
+  cache_salt: bytes = b""
 
   @property
   def suppressing_stops(self) -> bool:

@@ -327,7 +327,7 @@ class Scheduler:
       seated = self._n_running(r) if n_running is None else n_running[r]
       if seated >= c.max_num_seqs:
         continue
-      hit = alloc.cached_prefix_length(head.tokens)
+      hit = alloc.cached_prefix_length(head.tokens, salt=head.cache_salt)
       first = min(len(head.tokens) - hit, c.prefill_chunk)
       if -(-first // c.block_size) < alloc.n_available:
         return True
@@ -466,14 +466,14 @@ class Scheduler:
     while not preempted and self.waiting:
       req = self.waiting[0]
       tokens = req.tokens
-      choice = self._replica_for(tokens, budget)
+      choice = self._replica_for(tokens, budget, req.cache_salt)
       if choice is None:
         break
       r, hit = choice
       alloc = self.allocators[r]
       n = min(len(tokens) - hit, cfg.prefill_chunk, budget[r])
       try:
-        got = alloc.add_sequence(req.id, tokens[: hit + n])
+        got = alloc.add_sequence(req.id, tokens[: hit + n], salt=req.cache_salt)
       except OutOfBlocksError:
         break
       self.waiting.popleft()
@@ -487,7 +487,9 @@ class Scheduler:
     self.running.sort(key=lambda r: r.arrival)
     return MixedPlan([self.row(req, n) for req, n in scheduled], copies)
 
-  def _replica_for(self, tokens: list[int], budget: list[int]) -> tuple[int, int] | None:
+  def _replica_for(
+    self, tokens: list[int], budget: list[int], salt: bytes = b""
+  ) -> tuple[int, int] | None:
     """(the replica to admit a request on, its cached prefix length there), or None when no
     replica has a seat and budget left: the fewest running, then the longest cached prefix,
     then the most blocks available."""
@@ -496,7 +498,7 @@ class Scheduler:
       n_running = self._n_running(r)
       if n_running >= self.config.max_num_seqs or budget[r] <= 0:
         continue
-      hit = alloc.cached_prefix_length(tokens)
+      hit = alloc.cached_prefix_length(tokens, salt=salt)
       key = (n_running, -hit, -alloc.n_available, r)
       if best is None or key < best[0]:
         best = (key, r, hit)

@@ -78,6 +78,25 @@ def test_prefix_cache_reuses_the_longest_full_block_chain():
   check_invariants(alloc)
 
 
+def test_a_salt_keeps_prefix_chains_apart():
+  """Blocks hashed under one salt (a LoRA adapter's identity) serve that salt only, the chain
+  sealed by a fork or by appends included."""
+  alloc = BlockAllocator(32, 4)
+  prompt = list(range(1, 11))
+  alloc.add_sequence("a", prompt, salt=b"lora:x:1")
+  alloc.fork("a", "a2")
+  alloc.append("a2", [11, 12])  # seals block 2 under the parent's salt
+  assert alloc.cached_prefix_length(prompt + [11, 12, 13], salt=b"lora:x:1") == 12
+  assert alloc.cached_prefix_length(prompt, salt=b"lora:x:2") == 0
+  assert alloc.cached_prefix_length(prompt) == 0
+  assert alloc.add_sequence("b", prompt, salt=b"lora:x:1") == 8
+  assert alloc.blocks("b")[:2] == alloc.blocks("a")[:2]
+  assert alloc.add_sequence("c", prompt) == 0
+  assert alloc.add_sequence("e", prompt) == 8 and alloc.blocks("e")[:2] == alloc.blocks("c")[:2]
+  assert not set(alloc.blocks("c")) & set(alloc.blocks("a"))
+  check_invariants(alloc)
+
+
 def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
   alloc = BlockAllocator(6, 2)
   alloc.add_sequence("a", [1, 2, 3, 4, 5])  # blocks 0 1 2, full ones: 0 1

@@ -151,6 +151,29 @@ def test_unknown_adapter_is_refused_by_name_and_one_in_use_stays(engine):
   assert "sql" in engine.adapters.by_name
 
 
+def test_prefix_blocks_are_shared_within_an_adapter_only(folders, engine):
+  """The prefix cache keys each request's blocks by its adapter's identity (name and load): the
+  same prompt under the same adapter hits its 3 full blocks; under another adapter, the base, or
+  a new load of the same name, none; and hits give the tokens the uncached run gave."""
+  root, _ = folders
+  prompt = [5, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]  # 13 tokens: 3 blocks of 4 cached
+  outs, hits = [], []
+  jobs = ["sql", "sql", "poet", None, None, "poet", "reload sql", "sql"]
+  for i, name in enumerate(jobs):
+    if name == "reload sql":
+      engine.unload_adapter("sql")
+      engine.load_adapter("sql", root / "sql")
+      continue
+    before = engine.scheduler.stats().prefix_hit_tokens
+    outs.append((name, run(engine, [(f"prefix-{i}", prompt, name)])[f"prefix-{i}"]))
+    hits.append(engine.scheduler.stats().prefix_hit_tokens - before)
+  assert hits == [0, 12, 0, 0, 12, 12, 0], hits
+  for name in ("sql", "poet", None):
+    got = [tokens for n, tokens in outs if n == name]
+    assert len(got) >= 2 and all(t == got[0] for t in got), name
+  assert outs[0][1] != outs[2][1] != outs[3][1]
+
+
 def test_lora_refuses_the_cpu_runner_and_large_ranks(folders, tmp_path):
   root, _ = folders
   model = hf.load(root / "base")
