@@ -24,6 +24,10 @@ names where vLLM has one, checked by the same rules (an error names the flag as 
 several devices the model is split over `--tensor-parallel-size` devices per replica and
 `--data-parallel-size` replicas (`atlas_jax.serving.mesh`); the pool is sized from the devices'
 memory (`atlas_jax.serving.sizing`).
+
+Across hosts, run the same command on each with `--coordinator-address HOST:PORT --num-processes
+N --process-id I`: process 0 serves HTTP (or the batch) and schedules, every process runs the
+same steps over one mesh of all their devices (`atlas_jax.serving.multihost`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from atlas_jax.decoding.drafters import NGramDrafter
 from atlas_jax.decoding.sampling import SamplingParams
 from atlas_jax.hf.tokenizer import run_tokenizer
 from atlas_jax.serving import mesh as placement
-from atlas_jax.serving import model_files, reasoning, tool_parsers
+from atlas_jax.serving import model_files, multihost, reasoning, tool_parsers
 from atlas_jax.serving.engine import Engine, RequestError
 from atlas_jax.serving.lora import ServedAdapters
 from atlas_jax.serving.server import (
@@ -211,6 +215,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="jax's persistent compilation cache: a later start-up reads the step programs compiled "
     f"here instead of compiling them again (default: ${COMPILATION_CACHE_ENV}, else "
     f"{DEFAULT_COMPILATION_CACHE}; off: no cache)",
+  )
+  p.add_argument(
+    "--coordinator-address",
+    help="multi-host: process 0's HOST:PORT, the same on every host (with --num-processes and "
+    "--process-id; train.py's mesh.coordinator_address)",
+  )
+  p.add_argument("--num-processes", type=int, help="multi-host: processes in the group")
+  p.add_argument(
+    "--process-id",
+    type=int,
+    help="multi-host: this process's rank; 0 serves HTTP and schedules, the others run its steps",
+  )
+  p.add_argument(
+    "--heartbeat-timeout",
+    type=float,
+    default=30.0,
+    help="multi-host: seconds a process may be silent before the group stops (default 30)",
   )
   p.add_argument(
     "--log-level",
@@ -710,6 +731,8 @@ def make_engine(args, model, tokenizer) -> Engine:
   if path is not None:
     draft = load_draft(path, args.dtype, tokenizer)
   adapters = served_adapters(args, model)
+  if multihost.processes() > 1:
+    config = multihost.engine_config(config, lora=adapters is not None)
   engine = Engine(
     model,
     config,
@@ -935,7 +958,7 @@ def prepare(args):
     import jax
 
     # Host memory first: the runner places each device's shard, never a whole copy on one.
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
       model, tokenizer = load_any(args.checkpoint, args.dtype)
   else:
     model, tokenizer = load_any(args.checkpoint, args.dtype)
@@ -953,17 +976,34 @@ def prepare(args):
   return engine, tokenizer, chat_template, prompts
 
 
+def distributed(args) -> multihost.Distributed:
+  """The multi-host flags, checked."""
+  return multihost.Distributed(
+    args.coordinator_address, args.num_processes, args.process_id, args.heartbeat_timeout
+  )
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   setup_logging(args.log_level)
   try:
+    group = distributed(args)
+    liveness = multihost.initialize(group)
     engine, tokenizer, chat_template, prompts = prepare(args)
+    mirror = multihost.start(engine, liveness)
   except (ValueError, OSError) as e:
     print(f"error: {flagged(str(e), args)}", file=sys.stderr)
     return 2
-  if args.port is not None:
-    return run_server(args, engine, tokenizer, chat_template)
-  return run_batch(args, engine, tokenizer, prompts, sampling_params(args))
+  if not group.leader:
+    mirror.follow()
+    return 0
+  try:
+    if args.port is not None:
+      return run_server(args, engine, tokenizer, chat_template)
+    return run_batch(args, engine, tokenizer, prompts, sampling_params(args))
+  finally:
+    if mirror is not None:
+      mirror.stop()
 
 
 if __name__ == "__main__":

@@ -240,7 +240,9 @@ class Engine:
     )
     self.adapters = adapters
     self._adapter_lock = threading.Lock()
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    # This process's first device of the mesh: a mesh across hosts holds others' too.
+    here = [] if mesh is None else mesh.local_devices
+    device = here[0] if here else jax.devices()[0]
     self.pool_size = sizing.size_pool(
       config,
       block_bytes=self.runner.block_bytes(),

@@ -1,0 +1,157 @@
+"""serve.py across processes: two processes of 4 CPU devices each on localhost (gloo
+collectives) serve one tiny Llama over one mesh of 8 devices; the leader's HTTP answers equal
+one device's, and a follower killed mid-request stops the group with a message, not a hang."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import COMPILE_FAST
+from tests.training.runs import free_port
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from .hf_folders import build_folder  # noqa: E402
+from .test_hf_serving import served  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+PROMPTS = ["def foo(x):\n    return", "Hello, how are", "The quick brown"]
+FLAGS = ["--block-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+FLAGS += ["--max-model-len", "64", "--num-blocks", "32", "--warmup", "none"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  """A Llama folder (random weights) whose 8 query and 4 kv heads split over tensor 8."""
+  from ..test_hf import build_hf
+
+  root = tmp_path_factory.mktemp("multihost")
+  info = build_folder("llama", root)
+  config = json.loads((root / "config.json").read_text())
+  build_hf(
+    "Llama",
+    root,
+    std=0.3,
+    vocab_size=config["vocab_size"],
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    bos_token_id=config["bos_token_id"],
+    eos_token_id=info["eos"],
+  )
+  return root
+
+
+def start_group(folder, port: int, *flags: str) -> list[subprocess.Popen]:
+  """serve.py as two processes of 4 devices; process 0 serves HTTP on `port`."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {COMPILE_FAST}"
+  env["JAX_PLATFORMS"] = "cpu"
+  coordinator = f"127.0.0.1:{free_port()}"
+  return [
+    subprocess.Popen(
+      [sys.executable, str(ROOT / "serve.py"), "--checkpoint", str(folder), "--port", str(port)]
+      + FLAGS
+      + ["--coordinator-address", coordinator, "--num-processes", "2", "--process-id", str(i)]
+      + list(flags),
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+
+
+def wait_healthy(url: str, procs, timeout: float = 120) -> None:
+  end = time.monotonic() + timeout
+  while time.monotonic() < end:
+    if any(p.poll() is not None for p in procs):
+      outs = [p.communicate()[0] for p in procs]
+      pytest.fail(f"a process ended before serving:\n{outs[0]}\n---\n{outs[1]}")
+    try:
+      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        return
+    except httpx.HTTPError:
+      pass
+    time.sleep(0.2)
+  pytest.fail("the leader did not serve in time")
+
+
+def stop(procs) -> list[str]:
+  """Ctrl-C to the leader, which stops the followers; the outputs of both."""
+  if procs[0].poll() is None:
+    procs[0].send_signal(signal.SIGINT)
+  try:
+    return [p.communicate(timeout=60)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def completions(url: str) -> list[dict]:
+  out = []
+  for prompt in PROMPTS:
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out.append((r.json()["choices"][0]["text"], r.json()["usage"]))
+  return out
+
+
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    ["--tensor-parallel-size", "8"],
+    pytest.param(
+      ["--tensor-parallel-size", "4", "--data-parallel-size", "2"], marks=pytest.mark.slow
+    ),
+  ],
+  ids=["tensor8", "data2_tensor4"],
+)
+def test_two_processes_serve_as_one_device(folder, mesh):
+  with served(folder, *FLAGS) as url:
+    want = completions(url)
+  port = free_port()
+  procs = start_group(folder, port, *mesh)
+  try:
+    wait_healthy(f"http://127.0.0.1:{port}", procs)
+    got = completions(f"http://127.0.0.1:{port}")
+  finally:
+    outs = stop(procs)
+  assert got == want, outs[0]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  assert "following the leader's steps" in outs[1]
+
+
+def test_follower_killed_mid_request_stops_the_group(folder):
+  port = free_port()
+  procs = start_group(folder, port, "--tensor-parallel-size", "8", "--heartbeat-timeout", "3")
+  url = f"http://127.0.0.1:{port}"
+  try:
+    wait_healthy(url, procs)
+    body = {"prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    body["stream"] = True
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: {"):  # the first token is out: the request is running
+          procs[1].kill()
+          break
+    leader = procs[0].communicate(timeout=60)[0]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert procs[0].returncode == 1, leader
+  assert "process 1 of 2 was lost" in leader
