@@ -46,6 +46,7 @@ from atlas_jax.training.metrics import (
   Logger,
   matmul_params,
   mfu,
+  param_count,
   peak_memory_bytes,
 )
 from atlas_jax.training.pipeline import reorder_layers
@@ -397,7 +398,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   """The loop: a jitted step per batch, metrics and eval every log_every / eval_every steps,
   checkpoints every checkpoint_every steps, at the end and when interrupted."""
   cfg, trainer = run.cfg, run.trainer
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  n_params = param_count(state.params)
   flops_tok = train_flops_per_token(
     cfg.model, cfg.train.seq_len, n_matmul_params=matmul_params(state.params)
   )
@@ -419,6 +420,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
     run.say(
       f"LoRA rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}: {n_lora:,} trainable "
       f"parameters ({n_lora / n_params:.2%}), the base weights frozen"
+      + (f" and held in {q}" if (q := cfg.train.base_quantization) else "")
     )
   out = Outcome({}, step=start)
   if start == 0 and cfg.train.eval_exact_match and data.eval_examples is not None:

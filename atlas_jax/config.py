@@ -503,6 +503,17 @@ class TrainConfig:
   # section must agree with it or be left out (`atlas_jax.sources.load_config`).
   init_from: str | None = None
   lora: LoRAConfig | None = None  # train low-rank adapters only; the base weights stay frozen
+  # QLoRA (Dettmers et al. 2023; peft/bitsandbytes' `load_in_4bit`): with train.lora, the frozen
+  # base's projections held quantized on the device (`atlas_jax.quant`, as serve.py's
+  # --quantization: "int8" per output channel, "int4" per channel and per
+  # `base_quantization_group_size` inputs, "fp8" e4m3 per channel) and dequantized inside the
+  # matmuls; the adapters train in float32. null: the base kept in float32.
+  base_quantization: str | None = None
+  base_quantization_group_size: int = 128
+  # FP8 matmuls (`atlas_jax.model.fp8`, qwix's quantized-training dot_general): the blocks'
+  # projections multiply e4m3 operands, their gradients e5m2 ones, each scaled by its current
+  # absmax ("current" scaling, computed in the step itself); null: the precision's dtype.
+  fp8: str | None = None
   # Supervised data (data.format chat / completion): held-out examples completed greedily before
   # and after training and scored by exact match with their answers; 0: none.
   eval_exact_match: int = 0
@@ -559,6 +570,23 @@ class TrainConfig:
     for name in ("b1", "b2", "min_lr_ratio"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         _fail(f"train.{name}", getattr(self, name), "must be in [0, 1]")
+    if self.base_quantization is not None:
+      if self.base_quantization not in QUANTIZATIONS:
+        _fail(
+          "train.base_quantization",
+          self.base_quantization,
+          f"must be null or one of {QUANTIZATIONS}",
+        )
+      if self.lora is None:
+        _fail(
+          "train.base_quantization",
+          self.base_quantization,
+          "needs train.lora (a quantized base is frozen: only adapters can train over it)",
+        )
+    if self.base_quantization_group_size <= 0:
+      _fail("train.base_quantization_group_size", self.base_quantization_group_size, "must be > 0")
+    if self.fp8 not in (None, *FP8_SCALINGS):
+      _fail("train.fp8", self.fp8, f"must be null or one of {FP8_SCALINGS}")
 
 
 def _power_of_two(where: str, value: int) -> None:
@@ -574,6 +602,7 @@ RUNNERS = ("auto", "ragged", "cpu")
 # `serve.engine.kv_cache_dtype` (`atlas_jax.kernels.quantized_kv` stores the 8-bit ones).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("int8", "int4", "fp8")  # `serve.quantization`: weights, `atlas_jax.quant`
+FP8_SCALINGS = ("current",)  # `train.fp8`: how the matmuls' FP8 scales are chosen
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from atlas_jax import hf
+from atlas_jax import hf, quant
 from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.model import lora
 from atlas_jax.training import checkpoint
@@ -45,7 +46,15 @@ def base_targets(trainer: Trainer) -> tuple[dict, dict]:
   adapters (the routers' selection biases included)."""
   _, abstract = nnx.split_state(trainer.abstract_state().params, lora.LoRAParam, ...)
   _, shardings = nnx.split_state(trainer.state_shardings.params, lora.LoRAParam, ...)
-  return nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings)
+  abstract, shardings = nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings)
+  # A QLoRA run (train.base_quantization) quantizes the source's float weights as it
+  # initialises: each projection is read as a float32 array laid out as its values are.
+  floats = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32) if quant.is_quantized(a) else a
+  values = lambda s: s.qvalue if quant.is_quantized(s) else s
+  return (
+    jax.tree.map(floats, abstract, is_leaf=quant.is_quantized),
+    jax.tree.map(values, shardings, is_leaf=quant.is_quantized),
+  )
 
 
 def _check_same_model(source: ModelConfig, run: ModelConfig, path: str) -> None:
@@ -104,7 +113,9 @@ def _from_run(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> 
   def merge(params):
     state = nnx.state(nnx.merge(graphdef, src_abstract))
     nnx.replace_by_pure_dict(state, params)
-    return lora.merged_params(nnx.merge(graphdef, state))
+    model = nnx.merge(graphdef, state)
+    quant.dequantize_model(model)  # a QLoRA run's base: its adapters fold into the dequantized
+    return lora.merged_params(model)
 
   return jax.jit(merge, out_shardings=shardings)(params)
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from atlas_jax.model.fp8 import fp8_dense
 from atlas_jax.model.lora import adapter, plus
 from atlas_jax.quant import is_quantized, quantized_product
 
@@ -77,6 +78,8 @@ class Ops:
 
   copied_weight_grads: bool = False
   rope_tables_by_product: bool = False
+  # train.fp8: the projections' matmuls in FP8 with this scaling (`atlas_jax.model.fp8`).
+  fp8: str | None = None
 
 
 PLAIN = Ops()
@@ -89,6 +92,8 @@ def dense(x: Array, w: Array, contract: int = 1, ops: Ops = PLAIN) -> Array:
   product, with no gradient."""
   if is_quantized(w):
     return quantized_product(x, w, contract)
+  if ops.fp8 is not None:
+    return fp8_dense(x, w, contract, ops.fp8)
   return _dense(x, w, contract, ops)
 
 

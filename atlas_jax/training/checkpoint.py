@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from atlas_jax import quant
 from atlas_jax.config import Config, dump_config, load_config
 from atlas_jax.data.tokenizer import Tokenizer, load_tokenizer
 from atlas_jax.model import build, lora
@@ -166,16 +167,21 @@ def is_checkpoint(directory: str | Path) -> bool:
 
 def abstract_params(cfg: Config, *, implementation: str | None = None):
   """(graphdef, abstract params) of a run's model as its checkpoints store it: float32 master
-  weights, with the run's LoRA adapters."""
-  model = nnx.eval_shape(
-    lambda: build(
+  weights, with the run's LoRA adapters (and a QLoRA run's base projections as QArrays)."""
+
+  def model():
+    model = build(
       training_model_config(cfg.model, cfg.train.precision),
       rngs=nnx.Rngs(0),
       implementation=implementation,
       lora=cfg.train.lora,
     )
-  )
-  return nnx.split(model)
+    if cfg.train.base_quantization is not None:
+      group = cfg.train.base_quantization_group_size
+      quant.quantize_model(model, cfg.train.base_quantization, group_size=group)
+    return model
+
+  return nnx.split(nnx.eval_shape(model))
 
 
 def restore_params(
@@ -231,8 +237,9 @@ def restore_params(
 def load_trained(
   directory: str | Path, *, step: int | None = None, implementation: str | None = None
 ) -> tuple[nnx.Module, Config]:
-  """The model as trained (float32 master weights, LoRA adapters kept apart) and its config,
-  from the newest intact step (or `step`), on one device."""
+  """The model as trained (float32 master weights, LoRA adapters kept apart; a QLoRA run's
+  base dequantized, the weights its adapters were trained over) and its config, from the
+  newest intact step (or `step`), on one device."""
   directory = Path(directory)
   if not is_checkpoint(directory):
     raise ValueError(f"{directory}: not a training run directory (no config.yaml)")
@@ -241,7 +248,9 @@ def load_trained(
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   shardings = jax.tree.map(lambda _: device, abstract)
   nnx.replace_by_pure_dict(abstract, restore_params(directory, abstract, shardings, step=step))
-  return nnx.merge(graphdef, abstract), cfg
+  model = nnx.merge(graphdef, abstract)
+  quant.dequantize_model(model)
+  return model, cfg
 
 
 def load_model(

@@ -19,6 +19,7 @@ experts' load: `moe_load_max` (the busiest expert's tokens over the mean),
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -39,8 +40,21 @@ def matmul_params(params) -> int:
   """
   is_variable = lambda x: isinstance(x, nnx.Variable)
   leaves = jax.tree.leaves(params, is_leaf=is_variable)
-  total = sum(x.size for x in leaves if not is_variable(x) or isinstance(x, nnx.Param))
+  total = sum(_size(x) for x in leaves if not is_variable(x) or isinstance(x, nnx.Param))
   return total if params.get("lm_head") is None else total - params["embed"][...].size
+
+
+def param_count(params) -> int:
+  """The model's parameters (a QLoRA base's quantized weights counted once each, their scales
+  not at all) and other variables."""
+  return sum(
+    _size(x) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
+
+
+def _size(x) -> int:
+  # By shape: a quantized weight's value (a qwix QArray of values and scales) has no `size`.
+  return math.prod(x.shape)
 
 
 def peak_flops_per_device(override_tflops: float | None = None) -> float | None:

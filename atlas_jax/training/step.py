@@ -11,8 +11,9 @@ and z losses in the objective, the selection-bias update after the optimizer's).
 
 The gradient and the optimizer see only what trains (`split_trainable`): the model's
 `nnx.Param`s, or with LoRA (train.lora) the adapters alone. The rest (the routers' selection
-biases; with LoRA the frozen base weights) is carried in `TrainState.params` beside them, passed
-through the step untouched, and saved with them.
+biases; with LoRA the frozen base weights, held quantized with train.base_quantization: QLoRA)
+is carried in `TrainState.params` beside them, passed through the step untouched, and saved
+with them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from atlas_jax import platforms, quant
 from atlas_jax.config import Config, check_context, check_pipeline
 from atlas_jax.model import Transformer, build, context_parallel
+from atlas_jax.model.layers import Ops
 from atlas_jax.model.lora import LoRAParam
 from atlas_jax.schedule import Schedule
 from atlas_jax.training import pipeline
@@ -44,8 +47,8 @@ Array = jax.Array
 
 @struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the model: its Params (float32 master weights; adapters included)
-  # and other variables
+  params: Any  # nnx.State of the model: its Params (float32 master weights; adapters included;
+  # QLoRA's base projections as QArrays) and other variables
   opt_state: Any  # optax state for what trains (`split_trainable`)
   step: Array  # i32[] steps run (skipped ones included: the data position)
   first_nonfinite: (
@@ -55,11 +58,23 @@ class TrainState:
 
 
 def build_model(
-  cfg: Config, key: Array | None = None, pipe: pipeline.Pipeline | None = None
+  cfg: Config,
+  key: Array | None = None,
+  pipe: pipeline.Pipeline | None = None,
+  *,
+  base: Any = None,
 ) -> Transformer:
   """The model this run trains (random init from `key`; abstract when called under eval_shape),
-  its layers run by `pipe` where the mesh has stages."""
-  return build(
+  its layers run by `pipe` where the mesh has stages.
+
+  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones (whose
+  draws XLA then drops as dead code). With train.base_quantization (QLoRA) the base's
+  projections are then quantized (`quantize_base`).
+  """
+  ops = None
+  if cfg.train.fp8 is not None:
+    ops = Ops(**platforms.model_ops(jax.default_backend()), fp8=cfg.train.fp8)
+  model = build(
     training_model_config(cfg.model, cfg.train.precision),
     rngs=nnx.Rngs(0 if key is None else key),
     implementation=cfg.attention.implementation,
@@ -68,7 +83,25 @@ def build_model(
     unroll_layers=not cfg.train.scan_layers,
     lora=cfg.train.lora,
     pipeline=pipe,
+    ops=ops,
   )
+  if base is not None:
+    rest = nnx.state(model, nnx.Not(LoRAParam))
+    nnx.replace_by_pure_dict(rest, base)
+    nnx.update(model, rest)
+  quantize_base(cfg, model)
+  return model
+
+
+def quantize_base(cfg: Config, model: Transformer) -> list[str]:
+  """QLoRA (train.base_quantization): the frozen base's projections replaced, in place, by
+  qwix QArrays (`atlas_jax.quant`: the 8- or 4-bit values and their float32 scales), which the
+  matmuls dequantize as they multiply. The embeddings, norms, LM head and the adapters stay
+  float32. Returns the dotted paths quantized (none without train.base_quantization)."""
+  t = cfg.train
+  if t.base_quantization is None:
+    return []
+  return quant.quantize_model(model, t.base_quantization, group_size=t.base_quantization_group_size)
 
 
 def split_trainable(cfg: Config, params: nnx.State) -> tuple[nnx.State, nnx.State]:
@@ -83,14 +116,10 @@ def init_state(
 ) -> TrainState:
   """A fresh training state: the model initialised from `key`, the optimizer's zero state.
 
-  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones (whose
-  draws XLA then drops as dead code); adapters are drawn from `key`.
+  `base`: a pure dict of pretrained weights (no adapters) that replace the random ones
+  (`build_model`); adapters are drawn from `key`.
   """
-  params = nnx.state(build_model(cfg, key))
-  if base is not None:
-    adapters, rest = nnx.split_state(params, LoRAParam, ...)
-    nnx.replace_by_pure_dict(rest, base)
-    params = nnx.merge_state(adapters, rest)
+  params = nnx.state(build_model(cfg, key, base=base))
   scale = LossScale.create(cfg.train.loss_scale) if cfg.train.precision == "fp16" else None
   zero = jnp.zeros((), jnp.int32)
   trainable, _ = split_trainable(cfg, params)
