@@ -803,14 +803,9 @@ class Engine:
 
 
 def _lora_config(config: EngineConfig, model, draft, mesh: Mesh | None) -> EngineConfig:
-  """The config an engine serving LoRA adapters runs: the ragged runner, no drafter, no
-  repeated kv heads. The prefix cache stays on: a block's keys and values depend on the adapter,
-  so each request's block hashes start from its adapter's identity (`Request.cache_salt`)."""
-  if _runner_class(config) is not ModelRunner:
-    raise ConfigError(
-      f"serve.engine.runner={config.runner!r} is not allowed with LoRA adapters on a "
-      f"{jax.default_backend()} backend: the CPU runner does not serve them; use --runner ragged"
-    )
+  """The config an engine serving LoRA adapters runs: no drafter, no repeated kv heads. The
+  prefix cache stays on: a block's keys and values depend on the adapter, so each request's
+  block hashes start from its adapter's identity (`Request.cache_salt`)."""
   if draft is not None:
     raise ConfigError("--enable-lora is not allowed with speculative decoding (a draft)")
   _, tp = (1, 1) if mesh is None else placement.mesh_sizes(mesh)

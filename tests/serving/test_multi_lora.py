@@ -3,6 +3,7 @@ adapters and the base gives each row the greedy tokens of its adapter merged int
 (transformers + peft's `merge_and_unload`), and adapters load and unload at run time without a
 new compiled program."""
 
+import dataclasses
 import json
 
 import httpx
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from atlas_jax import hf  # noqa: E402
-from atlas_jax.config import ConfigError, EngineConfig  # noqa: E402
+from atlas_jax.config import CPUConfig, EngineConfig  # noqa: E402
 from atlas_jax.data.tokenizer import ByteTokenizer  # noqa: E402
 from atlas_jax.decoding.sampling import SamplingParams  # noqa: E402
 from atlas_jax.serving.engine import Engine  # noqa: E402
@@ -174,12 +175,30 @@ def test_prefix_blocks_are_shared_within_an_adapter_only(folders, engine):
   assert outs[0][1] != outs[2][1] != outs[3][1]
 
 
-def test_lora_refuses_the_cpu_runner_and_large_ranks(folders, tmp_path):
+def test_the_cpu_runner_serves_a_mixed_batch(folders):
+  """The CPU runner (segmented prefills, its own weight layout) over the same adapters: each row
+  the tokens of its adapter merged by peft."""
+  root, refs = folders
+  model = hf.load(root / "base")
+  adapters = ServedAdapters(model, max_loras=2, max_lora_rank=4)
+  # A layout that would hold each layer's projections transposed: adapters keep them stacked.
+  cpu = CPUConfig(weight_layout="out_major", matmul="ynnpack", reductions="xla")
+  config = dataclasses.replace(CONFIG, runner="cpu", cpu=cpu)
+  engine = Engine(model, config, adapters=adapters, detokenize=ByteTokenizer().decode)
+  runner = engine.runner
+  assert type(runner).__name__ == "CPUModelRunner" and runner.stacked and not runner.out_major
+  for name, *_ in ADAPTERS:
+    engine.load_adapter(name, root / name)
+  jobs = [(f"{name}-{i}", p, name) for name in (None, "sql", "poet") for i, p in enumerate(PROMPTS)]
+  got = run(engine, jobs)
+  for name in (None, "sql", "poet"):
+    assert [got[f"{name}-{i}"] for i in range(len(PROMPTS))] == refs[name], name
+
+
+def test_lora_refuses_large_ranks(folders, tmp_path):
   root, _ = folders
   model = hf.load(root / "base")
   adapters = ServedAdapters(model, max_loras=1, max_lora_rank=1)
-  with pytest.raises(ConfigError, match="--runner ragged"):
-    Engine(model, EngineConfig(runner="cpu", n_blocks=16), adapters=adapters)
   engine = Engine(model, CONFIG, adapters=adapters)
   with pytest.raises(AdapterError, match="--max-lora-rank is 1"):
     engine.load_adapter("sql", root / "sql")

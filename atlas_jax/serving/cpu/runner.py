@@ -62,6 +62,10 @@ class CPUModelRunner(ModelRunner):
   Args (besides `ModelRunner`'s):
     cpu: `serve.engine.cpu` (weight layout, dots, reductions).
     layout_rows: the largest decode batch the probes time.
+
+  With `lora` (served LoRA adapters), the layer stacks stay stacked and in-major whatever
+  `cpu.weight_layout` says: loading an adapter writes its slot of the held [L, S, ...] adapter
+  stacks in place (`ServedAdapters`), so the held state must keep the model's own layout.
   """
 
   def __init__(
@@ -77,6 +81,7 @@ class CPUModelRunner(ModelRunner):
     cpu: CPUConfig | None = None,
     layout_rows: int = 32,
     kv_cache_dtype: str = "auto",
+    lora: bool = False,
   ):
     cpu = CPUConfig() if cpu is None else cpu
     cfg = model.cfg
@@ -92,6 +97,9 @@ class CPUModelRunner(ModelRunner):
     layout = cpu.weight_layout
     if layout == "auto" and cfg.n_layers > UNROLLED_MAX_LAYERS:
       layout = "stacked"  # `UNROLLED_MAX_LAYERS`
+    if lora and layout != "stacked":
+      log.info("weights: layers stacked, as served LoRA adapters are written into the stacks")
+      layout = "stacked"
     out_major, self.xla_dots_rows = self._matmul_plan(layout, cpu.matmul, state, layout_rows)
     self.ynn_reduce_rows = self._reduce_plan(cpu.reductions, paged_loop, layout_rows)
     self.out_major = out_major
@@ -108,6 +116,7 @@ class CPUModelRunner(ModelRunner):
       max_blocks=max_blocks,
       min_batch_bucket=self.min_batch_bucket,
       kv_cache_dtype=kv_cache_dtype,
+      lora=lora,
     )
 
   # -- the hooks ---------------------------------------------------------------------------------
