@@ -37,13 +37,18 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 class RopeScaling:
   """Rotary frequency scaling. `llama3`: Llama-3.1's wavelength-dependent interpolation.
 
-  `yarn` (DeepSeek-V2/V3): interpolate low frequencies by `factor`, keep high ones, ramp between
-  `beta_slow` and `beta_fast` rotations; cos/sin are multiplied by `attention_factor` (default
-  mscale(factor, mscale) / mscale(factor, mscale_all_dim)) and MLA's softmax scale by
-  mscale(factor, mscale_all_dim) ** 2.
+  `yarn` (DeepSeek-V2/V3, Qwen3 128k, gpt-oss): interpolate low frequencies by `factor`, keep high
+  ones, ramp between `beta_slow` and `beta_fast` rotations; cos/sin are multiplied by
+  `attention_factor` (default mscale(factor, mscale) / mscale(factor, mscale_all_dim)) and MLA's
+  softmax scale by mscale(factor, mscale_all_dim) ** 2.
+
+  `longrope` (Phi-3, Phi-4): each dimension pair's frequency divided by its `short_factor` entry
+  while a call's positions stay inside `original_max_position_embeddings`, by its `long_factor`
+  entry past it; cos/sin multiplied by `attention_factor` (default sqrt(1 + ln(factor) /
+  ln(original_max_position_embeddings)), 1 when factor <= 1).
   """
 
-  type: Literal["llama3", "linear", "yarn"] = "llama3"
+  type: Literal["llama3", "linear", "yarn", "longrope"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
@@ -52,15 +57,28 @@ class RopeScaling:
   beta_slow: float = 1.0  # yarn
   mscale: float = 1.0  # yarn
   mscale_all_dim: float = 0.0  # yarn; 0: no softmax-scale correction
-  attention_factor: float | None = None  # yarn; None: derived from mscale / mscale_all_dim
+  attention_factor: float | None = None  # yarn, longrope; None: derived (see above)
   truncate: bool = True  # yarn: round the correction range to whole dimensions
+  short_factor: tuple[float, ...] = ()  # longrope: one per rotated dimension pair
+  long_factor: tuple[float, ...] = ()  # longrope: one per rotated dimension pair
 
   def __post_init__(self):
     _positive("model.rope_scaling", self, "factor", "original_max_position_embeddings")
+    for name in ("short_factor", "long_factor"):
+      object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+      if self.type == "longrope" and not (
+        getattr(self, name) and all(f > 0 for f in getattr(self, name))
+      ):
+        _fail(
+          f"model.rope_scaling.{name}",
+          list(getattr(self, name)),
+          "must be a non-empty list of numbers > 0 (one per rotated dimension pair) for longrope",
+        )
+    if self.type in ("yarn", "longrope") and self.attention_factor is not None:
+      if self.attention_factor <= 0:
+        _fail("model.rope_scaling.attention_factor", self.attention_factor, "must be > 0 or null")
     if self.type == "yarn":
       _positive("model.rope_scaling", self, "beta_fast", "beta_slow")
-      if self.attention_factor is not None and self.attention_factor <= 0:
-        _fail("model.rope_scaling.attention_factor", self.attention_factor, "must be > 0 or null")
     if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
       _fail(
         "model.rope_scaling.high_freq_factor",
@@ -220,6 +238,8 @@ class ModelConfig:
   max_seq_len: int = 512
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
+  # The fraction of each head's dims RoPE rotates (the leading ones; Phi-4-mini 0.75, GLM-4.5 0.5).
+  partial_rotary_factor: float = 1.0
   norm_eps: float = 1e-5
   qkv_bias: bool = False  # Qwen2
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
@@ -274,12 +294,7 @@ class ModelConfig:
       _fail("model.head_dim", self.head_dim, "must be even: RoPE rotates pairs of dimensions")
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
-    if self.rope_scaling is not None and self.rope_scaling.type == "yarn" and self.mla is None:
-      _fail(
-        "model.rope_scaling.type",
-        "yarn",
-        "needs model.mla (YaRN is implemented for MLA); without it use one of 'llama3', 'linear'",
-      )
+    self._check_rotary()
     if self.mla is not None:
       for name in ("qkv_bias", "qk_norm"):
         if getattr(self, name):
@@ -294,6 +309,37 @@ class ModelConfig:
             list(self.moe.dense_layers),
             f"every entry must be a layer index in [0, model.n_layers={self.n_layers})",
           )
+
+  def _check_rotary(self) -> None:
+    p = self.partial_rotary_factor
+    if not 0 < p <= 1:
+      _fail("model.partial_rotary_factor", p, "must be in (0, 1]")
+    if self.mla is not None and p != 1:
+      _fail("model.partial_rotary_factor", p, "must be 1 with model.mla (it sizes its own rope)")
+    if self.mla is None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+      _fail(
+        "model.partial_rotary_factor",
+        p,
+        f"must rotate an even number of dims > 0: int(head_dim={self.head_dim} * {p}) = "
+        f"{self.rotary_dim}",
+      )
+    s = self.rope_scaling
+    if s is not None and s.type == "longrope":
+      if self.mla is not None:
+        _fail("model.rope_scaling.type", "longrope", "needs GQA attention (model.mla unset)")
+      for name in ("short_factor", "long_factor"):
+        if len(getattr(s, name)) != self.rotary_dim // 2:
+          _fail(
+            f"model.rope_scaling.{name}",
+            list(getattr(s, name)),
+            f"must have one entry per rotated dimension pair: {self.rotary_dim // 2} "
+            f"(int(head_dim * partial_rotary_factor) / 2)",
+          )
+
+  @property
+  def rotary_dim(self) -> int:
+    """The leading dims of each head that RoPE rotates (all of them unless partial)."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   def sparse_layers(self) -> tuple[bool, ...]:
     """Per layer, whether its feed-forward is a mixture of experts (all False without moe)."""

@@ -168,8 +168,9 @@ def test_deepseek_shapes_and_fields_are_checked(tmp_path):
     hf.load(deepseek_folder(tmp_path, transpose=name))
   with pytest.raises(hf.HFLoadError, match=r"field 'kv_lora_rank'='16' .* must be an integer"):
     hf.load(deepseek_folder(tmp_path, kv_lora_rank="16"))
+  # YaRN's original context defaults to max_position_embeddings, as transformers reads it.
   yarn = {"rope_type": "yarn", "factor": 4.0}
-  with pytest.raises(
-    hf.HFLoadError, match=r"lacks the field 'rope_scaling\.original_max_position_embeddings'"
-  ):
-    hf.load(deepseek_folder(tmp_path, rope_scaling=yarn))
+  scaling = hf.load(deepseek_folder(tmp_path, rope_scaling=yarn)).cfg.rope_scaling
+  assert (scaling.factor, scaling.original_max_position_embeddings) == (4.0, 64)
+  with pytest.raises(hf.HFLoadError, match=r"'rope_scaling\.rope_type'='longrope' is not"):
+    hf.load(deepseek_folder(tmp_path, rope_scaling={**yarn, "rope_type": "longrope"}))

@@ -6,7 +6,8 @@
     atlas_jax.hf.save(model, "path/to/out")              # transformers loads it back
 
 Families (model_type -> module): llama, mistral, qwen2, qwen3 (`llama`); mixtral (`mixtral`);
-qwen2_moe, qwen3_moe (`qwen_moe`); olmoe (`olmoe`); deepseek_v2, deepseek_v3 (`deepseek`). Each
+qwen2_moe, qwen3_moe (`qwen_moe`); olmoe (`olmoe`); deepseek_v2, deepseek_v3 (`deepseek`); phi3
+(`phi3`: Phi-3, Phi-4). Each
 maps config.json onto a `ModelConfig` (`config_from_hf`), describes its stored tensors
 (`spec`, a table `atlas_jax.hf.weights` reads both ways) and writes config.json back
 (`config_to_hf`); the checks every family needs (config fields, tensor names and shapes, the
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from safetensors.numpy import save_file
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.hf import deepseek, fp8, gguf_file, llama, mixtral, olmoe, qwen_moe
+from atlas_jax.hf import deepseek, fp8, gguf_file, llama, mixtral, olmoe, phi3, qwen_moe
 from atlas_jax.hf.common import REQUIRED, HFLoadError, field, read_json
 from atlas_jax.hf.weights import (
   build_model,
@@ -53,7 +54,9 @@ from atlas_jax.model import Transformer
 log = logging.getLogger(__name__)
 
 FAMILIES = {
-  t: module for module in (llama, mixtral, qwen_moe, olmoe, deepseek) for t in module.MODEL_TYPES
+  t: module
+  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, phi3)
+  for t in module.MODEL_TYPES
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -179,7 +182,7 @@ def load_tokenizer(path: str | Path):
 # Export: our model -> a folder transformers can load.
 
 # Tried in order: the first family whose `model_type(cfg)` names a model type writes the folder.
-_EXPORTERS = (deepseek, olmoe, qwen_moe, mixtral, llama)
+_EXPORTERS = (deepseek, olmoe, qwen_moe, mixtral, phi3, llama)
 
 
 def _exporter(cfg: ModelConfig):

@@ -79,11 +79,20 @@ def check_silu(hf: Mapping[str, Any]) -> None:
     raise HFLoadError(f"hidden_act={hidden_act!r} is not supported; only 'silu' (SwiGLU)")
 
 
+GQA_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ORIGINAL_FIRST = ("llama3", "yarn", "longrope")  # the types that read the original context
+
+
 def rope_from_hf(
-  hf: Mapping[str, Any], *, allowed: tuple[str, ...] = ("default", "linear", "llama3")
+  hf: Mapping[str, Any], *, allowed: tuple[str, ...] = GQA_ROPE_TYPES
 ) -> tuple[float, RopeScaling | None]:
-  """(theta, scaling) from either transformers v5's `rope_parameters` or v4's fields; `allowed`
-  names the scaling types the family's attention implements (yarn: MLA only)."""
+  """(theta, scaling) from either transformers v5's `rope_parameters` or v4's `rope_scaling`
+  (`rope_type` or `type`); `allowed` names the scaling types the family's attention implements.
+
+  As transformers reads them: `original_max_position_embeddings` at the top level of config.json
+  wins over the rope dict's (Phi-3 keeps it there), which defaults to max_position_embeddings; a
+  missing yarn or longrope `factor` is max_position_embeddings / original.
+  """
   key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
   params = dict(field(hf, key, dict, {}))
   rope = lambda name, kind, default=REQUIRED: field(params, name, kind, default, where=f"{key}.")
@@ -92,12 +101,28 @@ def rope_from_hf(
   theta = field(hf, "rope_theta", float, 10000.0) if theta is None else theta
   if rope_type not in allowed:
     raise HFLoadError(
-      f"{hf.get('model_type')} rope scaling type {rope_type!r} is not supported; supported: "
-      f"{', '.join(allowed)}"
+      f"config.json field '{key}.rope_type'={rope_type!r} is not supported for "
+      f"{hf.get('model_type')}; supported: {', '.join(allowed)}"
     )
+  if rope_type == "default":
+    return theta, None
+  old_len = None
+  if rope_type in _ORIGINAL_FIRST:
+    old_len = field(hf, "original_max_position_embeddings", int, None)
+    if old_len is None:
+      old_len = rope("original_max_position_embeddings", int, None)
+    if old_len is None:
+      old_len = field(hf, "max_position_embeddings", int)
+    if old_len <= 0:
+      raise HFLoadError(
+        f"config.json field '{key}.original_max_position_embeddings'={old_len} must be > 0"
+      )
+
+  def factor_or_ratio() -> float:  # DeepSeek's and Phi-3's convention: the extension ratio
+    factor = rope("factor", float, None)
+    return field(hf, "max_position_embeddings", int) / old_len if factor is None else factor
+
   try:
-    if rope_type == "default":
-      return theta, None
     if rope_type == "linear":
       return theta, RopeScaling(type="linear", factor=rope("factor", float))
     if rope_type == "llama3":
@@ -106,19 +131,27 @@ def rope_from_hf(
         factor=rope("factor", float),
         low_freq_factor=rope("low_freq_factor", float),
         high_freq_factor=rope("high_freq_factor", float),
-        original_max_position_embeddings=rope("original_max_position_embeddings", int),
+        original_max_position_embeddings=old_len,
       )
-    old_len = rope("original_max_position_embeddings", int)
-    if old_len <= 0:
-      raise HFLoadError(
-        f"config.json field '{key}.original_max_position_embeddings'={old_len} must be > 0"
+    if rope_type == "longrope":
+      factors = {}
+      for name in ("short_factor", "long_factor"):
+        values = rope(name, list)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+          raise HFLoadError(
+            f"config.json field '{key}.{name}'={values!r} is not allowed: must be a list of numbers"
+          )
+        factors[name] = tuple(float(v) for v in values)
+      return theta, RopeScaling(
+        type="longrope",
+        factor=float(factor_or_ratio()),
+        original_max_position_embeddings=old_len,
+        attention_factor=rope("attention_factor", float, None),
+        **factors,
       )
-    factor = rope("factor", float, None)
-    if factor is None:  # DeepSeek's convention: the context extension ratio
-      factor = field(hf, "max_position_embeddings", int) / old_len
     return theta, RopeScaling(
       type="yarn",
-      factor=float(factor),
+      factor=float(factor_or_ratio()),
       original_max_position_embeddings=old_len,
       beta_fast=rope("beta_fast", float, None) or 32.0,
       beta_slow=rope("beta_slow", float, None) or 1.0,
@@ -131,39 +164,61 @@ def rope_from_hf(
     raise HFLoadError(f"config.json's rope scaling maps to an invalid model config: {e}") from e
 
 
+def partial_rotary_from_hf(hf: Mapping[str, Any]) -> float:
+  """The fraction of each head RoPE rotates: the rope dict's `partial_rotary_factor`, else
+  config.json's, else 1."""
+  key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+  params = field(hf, key, dict, {})
+  factor = field(params, "partial_rotary_factor", float, None, where=f"{key}.")
+  return field(hf, "partial_rotary_factor", float, 1.0) if factor is None else factor
+
+
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """transformers v5's `rope_parameters` for our rope settings."""
   rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+  if cfg.partial_rotary_factor != 1:
+    rope["partial_rotary_factor"] = cfg.partial_rotary_factor
   s = cfg.rope_scaling
   if s is None:
     return rope
   rope.update(rope_type=s.type, factor=s.factor)
+  if s.type in _ORIGINAL_FIRST:
+    rope["original_max_position_embeddings"] = s.original_max_position_embeddings
   if s.type == "llama3":
-    rope.update(
-      low_freq_factor=s.low_freq_factor,
-      high_freq_factor=s.high_freq_factor,
-      original_max_position_embeddings=s.original_max_position_embeddings,
-    )
+    rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
   if s.type == "yarn":
     rope.update(
-      original_max_position_embeddings=s.original_max_position_embeddings,
       beta_fast=s.beta_fast,
       beta_slow=s.beta_slow,
       mscale=s.mscale,
       mscale_all_dim=s.mscale_all_dim,
       truncate=s.truncate,
     )
-    if s.attention_factor is not None:
-      rope["attention_factor"] = s.attention_factor
+  if s.type == "longrope":
+    rope.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor))
+  if s.type in ("yarn", "longrope") and s.attention_factor is not None:
+    rope["attention_factor"] = s.attention_factor
   return rope
 
 
-def base_fields(hf: Mapping[str, Any], *, allowed_rope: tuple[str, ...] | None = None) -> dict:
-  """The ModelConfig fields every family reads the same way."""
+def base_fields(
+  hf: Mapping[str, Any],
+  *,
+  allowed_rope: tuple[str, ...] | None = None,
+  partial_rotary: bool = False,
+) -> dict:
+  """The ModelConfig fields every family reads the same way (`partial_rotary`: the family's
+  transformers model rotates part of each head when config.json asks; elsewhere that is refused)."""
   check_silu(hf)
   theta, scaling = (
     rope_from_hf(hf) if allowed_rope is None else rope_from_hf(hf, allowed=allowed_rope)
   )
+  partial = partial_rotary_from_hf(hf)
+  if partial != 1 and not partial_rotary:
+    raise HFLoadError(
+      f"{hf.get('model_type')} with partial_rotary_factor={partial} is not supported: its "
+      "transformers model rotates every dim of a head (only 1.0)"
+    )
   n_heads = field(hf, "num_attention_heads", int)
   if n_heads <= 0:
     raise HFLoadError(f"config.json field 'num_attention_heads'={n_heads} must be > 0")
@@ -176,6 +231,7 @@ def base_fields(hf: Mapping[str, Any], *, allowed_rope: tuple[str, ...] | None =
     max_seq_len=field(hf, "max_position_embeddings", int, 4096),
     rope_theta=theta,
     rope_scaling=scaling,
+    partial_rotary_factor=partial,
     norm_eps=field(hf, "rms_norm_eps", float, 1e-6),
     tie_embeddings=field(hf, "tie_word_embeddings", bool, False),
   )

@@ -145,8 +145,8 @@ def gqa_spec(
 
 def model_type(cfg: ModelConfig) -> str | None:
   """The model type a config exports as, or None when it is not of this family."""
-  if cfg.mla is not None or cfg.moe is not None:
-    return None
+  if cfg.mla is not None or cfg.moe is not None or cfg.partial_rotary_factor != 1:
+    return None  # transformers' Llama and Qwen rotate every dim of a head
   if cfg.qk_norm:
     return "qwen3" if cfg.qk_norm_scope == "head" and not cfg.qkv_bias else None
   if cfg.qkv_bias:

@@ -32,7 +32,7 @@ from atlas_jax.model.layers import (
   rms_norm,
 )
 from atlas_jax.model.lora import Adapters, adapter, plus
-from atlas_jax.model.rope import apply_rope, inverse_frequencies
+from atlas_jax.model.rope import Rope
 
 Array = jax.Array
 
@@ -84,7 +84,7 @@ class Attention(nnx.Module):
     self.wk_lora = adapter(adapters, "k_proj", self.wk, 1, rngs=rngs)
     self.wv_lora = adapter(adapters, "v_proj", self.wv, 1, rngs=rngs)
     self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
-    self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies built at trace time
+    self.rope = Rope.of(cfg)  # static; frequencies built at trace time
     self.sliding_window = cfg.sliding_window
     self.implementation = implementation
 
@@ -139,10 +139,9 @@ class Attention(nnx.Module):
     elif self.q_norm is not None:
       q_BTNH = rms_norm(q_BTNH, self.q_norm.scale[...], self.q_norm.eps)
       k_BTKH = rms_norm(k_BTKH, self.k_norm.scale[...], self.k_norm.eps)
-    inv_freq = inverse_frequencies(*self.rope)
     by_product = self.ops.rope_tables_by_product
-    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, by_product=by_product)
-    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, by_product=by_product)
+    q_BTNH = self.rope(q_BTNH, positions_BT, by_product=by_product)
+    k_BTKH = self.rope(k_BTKH, positions_BT, by_product=by_product)
 
     if cache is None:
       # The causal mask follows the index in the row; packed documents restart their RoPE

@@ -109,8 +109,8 @@ def test_kv_report_against_hand_computed_bytes():
 def test_config_errors_name_the_field():
   with pytest.raises(ConfigError, match="model.mla.qk_rope_head_dim=7"):
     MLAConfig(qk_rope_head_dim=7)
-  with pytest.raises(ConfigError, match="model.rope_scaling.type='yarn'.*model.mla"):
-    ModelConfig(rope_scaling=YARN)
+  with pytest.raises(ConfigError, match="model.partial_rotary_factor=0.5 .* with model.mla"):
+    ModelConfig(partial_rotary_factor=0.5, mla=MLAConfig())
   with pytest.raises(ConfigError, match="model.qk_norm"):
     ModelConfig(qk_norm=True, mla=MLAConfig())
 
