@@ -98,6 +98,8 @@ def preset_defaults(source: Source, devices: int) -> dict:
     "loss_chunk": t.loss_chunk,
     "attention": "xla" if cfg.attention.implementation == "xla" else "flash",
     **({} if t.lora is None else {"lora_rank": t.lora.rank, "lora_targets": t.lora.targets}),
+    "base_quantization": t.base_quantization,
+    "base_quantization_group_size": t.base_quantization_group_size,
   }
 
 
@@ -140,6 +142,14 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--lora-targets", help="comma-separated LoRA targets (default: the preset's, or attn,mlp)"
   )
+  p.add_argument(
+    "--base-quantization",
+    choices=memory.QUANT_BITS,
+    help="QLoRA: the frozen base's projections held in int8, int4 or fp8 (with --lora-rank)",
+  )
+  p.add_argument(
+    "--base-quantization-group-size", type=int, help="int4's inputs per scale (default 128)"
+  )
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print every figure as JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -155,7 +165,8 @@ def build_plan(args: argparse.Namespace) -> dict:
       fields[name] = getattr(args, name)
   if args.pipeline is not None and args.pipeline != fields.get("pipeline"):
     fields.update(microbatches=1, repeats=1)  # the preset's belong to its own stage count
-  names = ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank")
+  names = ("attention", "grad_accum", "loss_chunk", "expert", "lora_rank", "base_quantization")
+  names += ("base_quantization_group_size",)
   for name in (*names, "pipeline", "microbatches", "repeats"):
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)

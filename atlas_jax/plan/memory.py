@@ -25,6 +25,8 @@ not divide stays replicated, as in `atlas_jax.training.sharding`.
 
 With LoRA (train.lora) the base weights are held as they are, the adapters beside them, and only
 the adapters have gradients and AdamW moments: 4 bytes per frozen parameter, 16 per adapter one.
+QLoRA (train.base_quantization) holds the base's projections quantized: a byte per int8 or fp8
+value, half a byte per int4 one, and their float32 scales (`quantized_parts`).
 
 Activations. What the train step's forward pass saves for its backward pass (the residuals of
 `jax.vjp`), counted tensor by tensor from the model code: per layer and token under `none`,
@@ -54,6 +56,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
+
+from atlas_jax import quant
 from atlas_jax.config import ModelConfig, pipelined_layers
 from atlas_jax.model.scan import default_every
 from atlas_jax.plan.kv import cached_vector_bytes
@@ -175,38 +181,72 @@ def state_bytes(
   expert: int = 1,
   master_bytes: int = 4,
   lora: tuple[int, frozenset[str]] | None = None,
+  base_quantization: tuple[str, int] | None = None,
 ) -> StateBytes:
   """Per-device parameter, gradient and AdamW bytes (float32 master weights and moments);
   `stage` pipeline stages split the layer stack under every strategy, `expert` ways the routed
   experts.
 
   `lora`: (rank, resolved targets): the adapters are parameters too, and the only ones with
-  gradients and optimizer state.
+  gradients and optimizer state. `base_quantization`: (format, group size), QLoRA's frozen base
+  (train.base_quantization): its projections held as quantized values and float32 scales
+  (`quantized_parts`).
   """
   mesh = mesh_for(strategy, devices, tensor, stage, expert)
   zero = _ZERO[strategy]
   base = inventory(cfg)
   adapters = [] if lora is None else lora_adapters(cfg, *lora)
   trained = base if lora is None else adapters
+  held = []  # (array, bytes per element, the parameter it holds): a quantized weight's parts
+  for p in base + adapters:
+    parts = None if base_quantization is None else quantized_parts(p, *base_quantization)
+    held += [(p, float(master_bytes), p)] if parts is None else [(a, b, p) for a, b in parts]
 
   def per_device(
-    specs: list[ParamSpec], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
+    specs: list[tuple], sharded: bool, *, trainable_only: bool = True, only=lambda p: True
   ) -> int:
+    """Bytes of (array, bytes per element, the parameter it holds) on one device: each array's
+    shard rounded up to whole bytes."""
     ways = dict(fsdp=mesh["fsdp"] if sharded else 1, tensor=mesh["tensor"], stage=mesh["stage"])
-    return master_bytes * sum(
-      shard_elements(p, **ways, expert=mesh["expert"])
-      for p in specs
+    return sum(
+      math.ceil(b * shard_elements(a, **ways, expert=mesh["expert"]))
+      for a, b, p in specs
       if (p.trainable or not trainable_only) and only(p)
     )
 
+  as_held = lambda specs: [(p, float(master_bytes), p) for p in specs]
   return StateBytes(
     strategy=strategy,
     mesh=mesh,
-    params=per_device(base + adapters, zero >= 3, trainable_only=False),
-    grads=per_device(trained, zero >= 2),
-    opt_state=2 * per_device(trained, zero >= 1) + _ADAM_COUNTERS,
-    experts=per_device(base, zero >= 3, only=lambda p: p.is_routed_expert),
+    params=per_device(held, zero >= 3, trainable_only=False),
+    grads=per_device(as_held(trained), zero >= 2),
+    opt_state=2 * per_device(as_held(trained), zero >= 1) + _ADAM_COUNTERS,
+    experts=per_device(held, zero >= 3, only=lambda p: p.is_routed_expert),
   )
+
+
+# QLoRA's quantized values: bits each (int4 two to a byte, as XLA holds it on GPU and TPU; its
+# CPU backend keeps one int4 a byte).
+QUANT_BITS = {"int8": 8, "int4": 4, "fp8": 8}
+
+
+def quantized_parts(spec: ParamSpec, fmt: str, group_size: int) -> list | None:
+  """How a QLoRA run holds a base weight (`atlas_jax.quant.quantize_model`'s projections): its
+  values [(the weight's shape), bits / 8 bytes each] and float32 scales (their shape as qwix
+  makes them, found by `jax.eval_shape`: one per output channel and stacked slice, and for int4
+  per group of `group_size` inputs), split by the weight's logical axes where they divide; None
+  for a weight kept in float32 (embeddings, norms, the LM head, adapters)."""
+  if spec.path.rsplit("/", 1)[-1] not in quant.PROJECTIONS or "_lora/" in spec.path:
+    return None
+  if fmt not in QUANT_BITS:
+    raise ValueError(f"--base-quantization={fmt!r} is not one of {tuple(QUANT_BITS)}")
+  float_weight = jax.ShapeDtypeStruct(spec.shape, jnp.float32)
+  q = jax.eval_shape(
+    lambda w: quant.quantize_weight(w, spec.axes, fmt, group_size=group_size, name=spec.path),
+    float_weight,
+  )
+  scales = ParamSpec(f"{spec.path}/scale", tuple(q.scale.shape), spec.axes, trainable=False)
+  return [(spec, QUANT_BITS[fmt] / 8), (scales, 4.0)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -63,6 +63,10 @@ class PlanInputs:
   # 0: every parameter trains.
   lora_rank: int = 0
   lora_targets: tuple[str, ...] = ("attn", "mlp")
+  # QLoRA (train.base_quantization): the frozen base's projections held quantized (int8, int4
+  # in groups of `base_quantization_group_size` inputs, fp8); None: float32.
+  base_quantization: str | None = None
+  base_quantization_group_size: int = 128
 
   def __post_init__(self):
     names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
@@ -113,6 +117,17 @@ class PlanInputs:
         f"--lora-targets={','.join(self.lora_targets)!r} is not allowed: each one of "
         f"{', '.join(LORA_TARGETS)}"
       )
+    if self.base_quantization is not None:
+      if self.base_quantization not in memory.QUANT_BITS:
+        raise ValueError(
+          f"--base-quantization={self.base_quantization!r} is not allowed; allowed: "
+          f"{', '.join(memory.QUANT_BITS)}"
+        )
+      if not self.lora_rank:
+        raise ValueError(
+          f"--base-quantization={self.base_quantization} needs --lora-rank > 0 (a quantized "
+          "base is frozen: only adapters train over it)"
+        )
     if self.pipeline == 1:
       for name in ("microbatches", "repeats"):
         if getattr(self, name) != 1:
@@ -314,6 +329,9 @@ def make_plan(
     adapters = resolve(cfg, LoRAConfig(rank=inputs.lora_rank, targets=inputs.lora_targets))
     lora = (adapters.rank, adapters.targets)
   trainable = pc.total if lora is None else sum(p.size for p in lora_adapters(cfg, *lora))
+  quantized = None
+  if inputs.base_quantization is not None:
+    quantized = (inputs.base_quantization, inputs.base_quantization_group_size)
   strategies = []
   for strategy in memory.STRATEGIES:
     st = memory.state_bytes(
@@ -324,6 +342,7 @@ def make_plan(
       stage=inputs.pipeline,
       expert=inputs._expert(strategy),
       lora=lora,
+      base_quantization=quantized,
     )
     micro, constraint = inputs.micro_batch(strategy), inputs.batch_constraint(strategy)
     row = {
@@ -516,6 +535,7 @@ def make_plan(
       "strategies": strategies,
       "trainable_params": trainable,
       "lora_rank": inputs.lora_rank,
+      "base_quantization": inputs.base_quantization,
     },
     "activations": activations,
     "pipeline": pipe,

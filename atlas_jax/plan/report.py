@@ -223,7 +223,8 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
     sel = next(s for s in tr["strategies"] if s["strategy"] == tr["selected"])
     body += (
       f"\nLoRA rank {tr['lora_rank']}: {tr['trainable_params']:,} trainable parameters (adapters), "
-      "gradients and Adam moments for them only: "
+      + (f"the base's projections in {q}, " if (q := tr.get("base_quantization")) else "")
+      + "gradients and Adam moments for them only: "
       f"{sel['bytes_per_param']:.2f} bytes per model parameter on a device ({tr['selected']})"
     )
   out.append(_section("Training memory per device", body, markdown=markdown))

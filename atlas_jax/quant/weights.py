@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
 from flax import nnx
 
@@ -83,7 +85,42 @@ def dequantized(w):
 def quantized_product(x: Array, w: QArray, contract: int) -> Array:
   """x's last `contract` axes against quantized w's first, in x's dtype. Per-channel scales
   multiply the product (x @ values) * scale; group-wise ones dequantize w first (XLA fuses the
-  scaling into the dot's operand where it can)."""
+  scaling into the dot's operand where it can).
+
+  Differentiable in x alone (a quantized weight is frozen: QLoRA trains adapters beside it). The
+  backward pass multiplies by w dequantized afresh, so the forward pass saves nothing per weight:
+  left to autodiff it would keep each layer's dequantized float copy as a residual, as much
+  memory as the float weights the quantization was for."""
+  return _quantized_product(x, w, contract)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _quantized_product(x: Array, w: QArray, contract: int) -> Array:
+  return _product(x, w, contract)
+
+
+def _product_fwd(x, w, contract):
+  return _product(x, w, contract), w  # the residual: the quantized weight, already held
+
+
+def _product_bwd(contract, w, dy):
+  # The product is linear in x: dx is its transpose applied to dy (x's shape from dy's and w's).
+  n_out = w.ndim - contract
+  x_like = jax.ShapeDtypeStruct((*dy.shape[: dy.ndim - n_out], *w.shape[:contract]), dy.dtype)
+  (dx,) = jax.linear_transpose(lambda x: _product(x, w, contract), x_like)(dy)
+  # No gradient for the weight: zeros (float0 for its integer values), which nothing reads.
+  zero = lambda a: (
+    jnp.zeros_like(a)
+    if jnp.issubdtype(a.dtype, jnp.inexact)
+    else np.zeros(a.shape, jax.dtypes.float0)
+  )
+  return dx, jax.tree.map(zero, w)
+
+
+_quantized_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _product(x: Array, w: QArray, contract: int) -> Array:
   dtype = x.dtype
   out_shape = w.shape[contract:]
   C = math.prod(w.shape[:contract])

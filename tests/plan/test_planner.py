@@ -268,6 +268,45 @@ def test_lora_state_bytes_match_the_sharded_train_state(name, strategy, tensor):
   assert plan.grads < full.grads / 4 and plan.params > full.params
 
 
+@pytest.mark.parametrize(
+  "name,strategy,tensor,fmt",
+  [("tiny", "zero3", 2, "int4"), ("tiny", "dp", 1, "int8"), ("deepseek-tiny", "zero2", 1, "fp8")],
+)
+def test_qlora_state_bytes_match_the_sharded_train_state(name, strategy, tensor, fmt):
+  """QLoRA (train.base_quantization): the planner counts the base's projections at their
+  quantized bytes (int4 two to a byte) plus their float32 scales, as the trainer's arrays hold
+  them sharded, and the adapters' gradients and moments alone."""
+  mesh = memory.mesh_for(strategy, 8, tensor)
+  cfg = config(
+    name,
+    f"mesh.fsdp={mesh['fsdp']}",
+    f"mesh.data={mesh['data']}",
+    f"mesh.tensor={tensor}",
+    f"train.sharding={strategy}",
+    "train.lora={rank: 4, targets: [attn, mlp]}",
+    f"train.base_quantization={fmt}",
+    "train.base_quantization_group_size=32",
+  )
+  real = measure.train_state_bytes(cfg, shd.make_mesh(cfg.mesh))
+  adapters = resolve(cfg.model, cfg.train.lora)
+  lora = (adapters.rank, adapters.targets)
+  plan = memory.state_bytes(
+    cfg.model,
+    strategy=strategy,
+    devices=8,
+    tensor=tensor,
+    lora=lora,
+    base_quantization=(fmt, 32),
+  )
+  assert (plan.params, plan.grads, plan.opt_state) == (
+    real["params"],
+    real["grads"],
+    real["opt_state"],
+  )
+  lora_only = memory.state_bytes(cfg.model, strategy=strategy, devices=8, tensor=tensor, lora=lora)
+  assert plan.params < lora_only.params and plan.grads == lora_only.grads
+
+
 def test_state_bytes_of_a_8b_model_on_8_devices_by_eval_shape():
   """Llama-3-8B under ZeRO-3 and under ZeRO-2 x 2-way tensor parallelism: never allocated."""
   for strategy, tensor in (("zero3", 1), ("zero2", 2)):

@@ -166,3 +166,24 @@ def test_a_qlora_run_resumes_exactly_and_exports_merged(qlora_run, tmp_path):
   np.testing.assert_allclose(exported, np.asarray(trained), rtol=1e-4, atol=1e-4)
   base = np.asarray(hf.load(root / "base", dtype="float32")(tokens))
   assert np.abs(exported - base).max() > 1e-3
+
+
+def test_the_quantized_product_saves_no_float_copy_of_its_weight():
+  """x's gradient through a quantized product is the dequantized weight's; the forward pass keeps
+  no dequantized copy for the backward pass, so a QLoRA step saves what a float LoRA step does
+  (the inputs its adapters need), none of the weights."""
+  kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(kx, (6, 4, 8), jnp.float32)
+  w = quant.quantize_weight(
+    jax.random.normal(kw, (4, 8, 16)), ("q_heads", "head_dim", "embed"), "int4", group_size=16
+  )
+  dy = jax.random.normal(kg, (6, 16), jnp.float32)
+  _, vjp = jax.vjp(lambda x: quant.quantized_product(x, w, 2), x)
+  want = jnp.einsum("mo,nho->mnh", dy, quant.dequantized(w))
+  np.testing.assert_allclose(np.asarray(vjp(dy)[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+  from atlas_jax import measure
+
+  sizes = ("model.d_model=64", "model.ffn_dim=256")
+  lora = measure.saved_activation_bytes(tiny_config("train.lora={rank: 4}", *sizes), batch=2)
+  for fmt in ("int8", "int4"):
+    assert measure.saved_activation_bytes(qlora_config(fmt, *sizes), batch=2) == lora
