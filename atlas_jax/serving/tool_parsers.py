@@ -5,15 +5,18 @@ One parser per template family, by vLLM's `--tool-call-parser` names:
   llama3_json  Llama 3.1+: `{"name": ..., "parameters": {...}}` (optionally after
                `<|python_tag|>`), several separated by `;`
   mistral      `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
-               `[TOOL_CALLS]name[ARGS]{...}` (repeated per call)
+               `[TOOL_CALLS]name[ARGS]{...}` (repeated per call); ids of nine alphanumeric
+               characters, as Mistral's templates require
   deepseek_v3  `<｜tool▁calls▁begin｜>`, then per call
                `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + "\\n```json\\n{...}\\n```"
                + `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`
 
 `extract` reads a whole output: (the content, the calls). As vLLM's parsers do, the calls'
-arguments are re-serialised JSON (`json.dumps(..., ensure_ascii=False)`; deepseek_v3's are the
-text as written), the content is the text before the first call (None if empty), and an output
-whose calls do not parse is all content.
+arguments are re-serialised JSON (`json.dumps(..., ensure_ascii=False)`; deepseek_v3's and
+mistral's `[ARGS]` ones are the text as written), the content is the text before the first call
+(None if empty; mistral's also if only whitespace), and an output whose calls do not parse is all
+content. (The tests hold vLLM's answers on the same outputs, and the few places where ours
+differ on purpose.)
 
 `scan` is what streaming needs: the output so far read as far as it is certain (the content that
 cannot be the start of a call, each call's name once whole and its arguments' text so far).
@@ -29,6 +32,7 @@ import dataclasses
 import json
 import re
 import secrets
+import string
 from typing import Any, ClassVar
 
 _DECODER = json.JSONDecoder()
@@ -50,10 +54,10 @@ class Scan:
   calls: list[PartialCall]
 
 
-def make_call(name: str, arguments: str) -> dict:
-  """An OpenAI tool call object, with a fresh id."""
+def make_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+  """An OpenAI tool call object, with a fresh id unless `call_id` is given."""
   return {
-    "id": new_call_id(),
+    "id": call_id or new_call_id(),
     "type": "function",
     "function": {"name": name, "arguments": arguments},
   }
@@ -61,6 +65,15 @@ def make_call(name: str, arguments: str) -> dict:
 
 def new_call_id() -> str:
   return "chatcmpl-tool-" + secrets.token_hex(16)
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+  """Nine alphanumeric characters: the only ids Mistral's templates accept back in a history
+  (they raise on any other), as vLLM's mistral parser makes them."""
+  return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
 def partial_overlap(text: str, marker: str) -> int:
@@ -160,6 +173,12 @@ class ToolParser:
 
   name: ClassVar[str]
   markers: ClassVar[tuple[str, ...]] = ()  # where a call starts: partial ones are held back
+  # Content that is only whitespace before the calls is dropped (None), as vLLM's mistral does
+  blank_content_dropped: ClassVar[bool] = False
+
+  def new_id(self) -> str:
+    """A fresh id for a call this syntax writes."""
+    return new_call_id()
 
   def extract(self, text: str) -> tuple[str | None, list[dict]]:
     """(content or None, tool calls) of a whole output."""
@@ -264,39 +283,70 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
+  """As vLLM's `mistral` parser reads a Hugging Face tokenizer's output: after `[TOOL_CALLS]`,
+  either JSON (tokenizers before v11: a list of `{"name", "arguments"}` objects, or one object;
+  entries that are not calls skipped, string arguments kept as written) or per call
+  `name[ARGS]{...}` (v11 on; also `name{...}`), whose arguments are the JSON value as written.
+  The content before the first marker is None when it is only whitespace; call ids are Mistral's
+  nine alphanumeric characters."""
+
   name = "mistral"
-  start, args_tag = "[TOOL_CALLS]", "[ARGS]"
+  start, args_tag, id_tag = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
   markers = (start,)
+  blank_content_dropped = True
+
+  def new_id(self) -> str:
+    return mistral_call_id()
 
   def extract(self, text):
     if self.start not in text:
       return text, []
-    content = text[: text.find(self.start)] or None
-    body = text[text.find(self.start) + len(self.start) :]
+    head, *pieces = text.split(self.start)
+    content = head if head.strip() else None
+    body = next((p.strip() for p in pieces if p.strip()), "")
+    if body.startswith(("[", "{")):
+      calls = self._json_calls(body)
+      # vLLM's answer when the JSON holds no call: the text after the marker as content
+      return (content, calls) if calls else (body, [])
     calls = []
-    if self.args_tag in body:  # name[ARGS]{...}, per call
-      for piece in body.split(self.start):
-        name, sep, args = piece.partition(self.args_tag)
-        if not sep:
+    for piece in pieces:
+      if not piece.strip():
+        continue
+      name, sep, args = piece.partition(self.args_tag)
+      if not sep:  # name{...}
+        at = piece.find("{")
+        if at < 0:
           return text, []
-        try:
-          value = json.loads(args)
-        except json.JSONDecodeError:
-          return text, []
-        calls.append(
-          make_call(name.split("[CALL_ID]")[0].strip(), json.dumps(value, ensure_ascii=False))
-        )
-      return content, calls
-    try:
-      value, _ = _DECODER.raw_decode(body.lstrip())
-    except json.JSONDecodeError:
-      return text, []
-    for obj in value if isinstance(value, list) else [value]:
-      call = json_call(obj)
-      if call is None:
+        name, args = piece[:at], piece[at:]
+      args = args.lstrip()
+      try:
+        _, n = _DECODER.raw_decode(args)
+      except json.JSONDecodeError:
+        # vLLM passes such arguments on as they are; a client could not parse them: content
         return text, []
-      calls.append(call)
+      calls.append(make_call(name.split(self.id_tag)[0].strip(), args[:n], self.new_id()))
     return content, calls
+
+  def _json_calls(self, body: str) -> list[dict]:
+    try:
+      value, _ = _DECODER.raw_decode(body)
+    except json.JSONDecodeError:
+      m = re.search(r"\[{.*}\]", body, re.DOTALL)
+      try:
+        value = json.loads(m.group(0)) if m else None
+      except json.JSONDecodeError:
+        value = None
+    calls = []
+    for obj in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
+      if not isinstance(obj, dict) or not ("name" in obj or "arguments" in obj):
+        continue
+      name, args = obj.get("name"), obj.get("arguments")
+      if args is None:
+        args = "{}"
+      elif not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+      calls.append(make_call(name if isinstance(name, str) else "", args, self.new_id()))
+    return calls
 
   def scan(self, text):
     end = self.content_end(text)
@@ -311,12 +361,16 @@ class MistralParser(ToolParser):
       return Scan(end, scan_json_array(text, body_at))
     calls = []
     for piece in rest.split(self.start):
+      if not piece.strip():
+        continue
       name, sep, args = piece.partition(self.args_tag)
-      if not sep:
+      if not sep and "{" in piece:  # name{...}
+        name, args = piece[: piece.find("{")], piece[piece.find("{") :]
+      elif not sep:
         break
       stop = value_end(args, len(args) - len(args.lstrip()))
       args = args.strip() if stop is None else args[:stop].strip()
-      calls.append(PartialCall(name.split("[CALL_ID]")[0].strip(), args))
+      calls.append(PartialCall(name.split(self.id_tag)[0].strip(), args))
     return Scan(end, calls)
 
 
@@ -393,6 +447,8 @@ class ToolCallStream:
   def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
     scan = self.parser.scan(text)
     end = len(text) if final and not scan.calls else scan.content_end
+    if self.parser.blank_content_dropped and not text[:end].strip() and (scan.calls or not final):
+      end = self.content_sent  # held: whitespace before a call is dropped
     content = ""
     if not self.sent and end > self.content_sent:  # no content after a call began
       content, self.content_sent = text[self.content_sent : end], end
@@ -401,7 +457,7 @@ class ToolCallStream:
       if call.name is None:
         break
       if i == len(self.sent):
-        self.ids.append(new_call_id())
+        self.ids.append(self.parser.new_id())
         self.sent.append("")
         head = {"name": call.name, "arguments": ""}
         deltas.append({"index": i, "id": self.ids[i], "type": "function", "function": head})
@@ -420,6 +476,7 @@ __all__ = [
   "ToolParser",
   "get_parser",
   "make_call",
+  "mistral_call_id",
   "new_call_id",
   "partial_overlap",
   "scan_json_array",

@@ -86,7 +86,8 @@ def streamed(parser, text):
     content += new
     for d in deltas:
       if d["index"] == len(calls):
-        assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+        assert d["type"] == "function" and d["id"]
+        assert d["id"].startswith("chatcmpl-tool-") or parser.name == "mistral"
         assert d["function"]["arguments"] == ""
         calls.append([d["function"]["name"], ""])
       else:
@@ -115,6 +116,105 @@ def test_parser_whole_and_streamed(name, text, content, calls):
   s_content, s_calls = streamed(parser, text)
   assert s_content == (got_content or "")
   assert [(n, json.loads(a)) for n, a in s_calls] == calls
+
+
+WJ, TJ, A1 = json.dumps(W), json.dumps(T), '{"a": 1}'
+TC, ARGS = "[TOOL_CALLS]", "[ARGS]"
+# What vLLM 0.32's parsers of the same names return for these outputs (`extract_tool_calls`, run
+# once in its own environment with a tokenizer holding the markers as special tokens; mistral's
+# with and without [ARGS] in the vocabulary, as its format follows the tokenizer's version):
+# (parser, output, content, [(name, arguments)]). The tests do not need vLLM.
+VLLM_TOOL_CALLS = [
+  (*CASES[0][:2], "Let me look.\n", [("get_weather", WJ), ("get_time", TJ)]),
+  (*CASES[1][:2], None, [("f", "{}")]),
+  (*CASES[2][:2], None, [("f", '{"x": [1, 2]}')]),
+  (*CASES[3][:2], CASES[3][1], []),
+  (*CASES[4][:2], CASES[4][1], []),
+  (*CASES[5][:2], None, [("get_weather", WJ), ("get_time", TJ)]),
+  (*CASES[6][:2], None, [("f", A1)]),
+  (*CASES[7][:2], CASES[7][1], []),
+  (*CASES[8][:2], "Sure.", [("get_weather", WJ), ("get_time", TJ)]),
+  (*CASES[9][:2], None, [("get_weather", WJ), ("get_time", TJ)]),
+  (*CASES[10][:2], CASES[10][1], []),
+  (*CASES[11][:2], "Checking.", [("get_weather", WJ), ("get_time", TJ)]),
+  (*CASES[12][:2], CASES[12][1], []),
+  (
+    "hermes",
+    ' \n<tool_call>{"name": "f", "arguments": {"a": "é"}}</tool_call>',
+    " \n",
+    [("f", '{"a": "é"}')],
+  ),
+  ("llama3_json", 'Sure: {"name": "f", "parameters": {"a": 1}}', None, [("f", A1)]),
+  ("llama3_json", '{"name": "f", "parameters": {"a": "é"}}', None, [("f", '{"a": "é"}')]),
+  ("deepseek_v3", DS_BEGIN + ds_call("f", A1) + DS_END, None, [("f", A1)]),
+  # mistral, JSON after the marker (tokenizers before v11)
+  ("mistral", TC + '[{"name": "f", "arguments": "{\\"a\\":1}"}]', None, [("f", '{"a":1}')]),
+  ("mistral", TC + '[{"name": "f", "arguments": {"a":1}}]', None, [("f", A1)]),
+  ("mistral", " \n" + TC + '[{"name": "f", "arguments": {}}]', None, [("f", "{}")]),
+  ("mistral", TC + ' {"name": "f", "arguments": {"a": 1}}', None, [("f", A1)]),
+  ("mistral", TC + '[{"name": "f", "arguments": {"a": 1}}] trailing text', None, [("f", A1)]),
+  ("mistral", TC + '[{"name": "f"}]', None, [("f", "{}")]),
+  ("mistral", TC + '[{"arguments": {"a": 1}}]', None, [("", A1)]),
+  ("mistral", TC + '[{"name": "f", "arguments": {"a": "é"}}, 7]', None, [("f", '{"a": "é"}')]),
+  ("mistral", "Hi " + TC + TC + '[{"name": "f", "arguments": {}}]', "Hi ", [("f", "{}")]),
+  ("mistral", TC + '{"name": "f", "arguments": {}} ' + TC + ' {"name": "g"}', None, [("f", "{}")]),
+  # ... whose JSON holds no call: the text after the marker is the content
+  ("mistral", TC + '[{"name": "f", "arguments": }]', '[{"name": "f", "arguments": }]', []),
+  # mistral, name[ARGS]{...} per call (v11 on): the arguments as written
+  ("mistral", TC + "f" + ARGS + '{"a":1,  "b": [1,2]}', None, [("f", '{"a":1,  "b": [1,2]}')]),
+  ("mistral", "Hi" + TC + "f" + ARGS + A1, "Hi", [("f", A1)]),
+  ("mistral", " \n" + TC + "f" + ARGS + "{}", None, [("f", "{}")]),
+  ("mistral", TC + "f" + ARGS + A1 + " and more", None, [("f", A1)]),
+  ("mistral", TC + "f" + ARGS + A1 + "\n", None, [("f", A1)]),
+  ("mistral", TC + "f" + A1, None, [("f", A1)]),
+  ("mistral", TC + "get_time" + ARGS + TJ, None, [("get_time", TJ)]),
+  ("mistral", TC + "f" + ARGS + A1 + TC + "g" + ARGS + "{}", None, [("f", A1), ("g", "{}")]),
+  ("mistral", "Plain.", "Plain.", []),
+]
+# Where ours differs from vLLM 0.32, on purpose: (parser, output, ours, vLLM's).
+DEVIATIONS = [
+  # vLLM encodes string arguments again, giving a JSON string, not the object a client expects
+  (
+    "hermes",
+    '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    (None, [("f", A1)]),
+    (None, [("f", '"{\\"a\\": 1}"')]),
+  ),
+  # vLLM passes arguments that are not JSON on; a client could not parse them: all content
+  ("mistral", TC + 'f[ARGS]{"a": }', (TC + 'f[ARGS]{"a": }', []), (None, [("f", '{"a": }')])),
+  # vLLM keeps the call id's text in the name
+  (
+    "mistral",
+    TC + "f[CALL_ID]abc123XYZ" + ARGS + A1,
+    (None, [("f", A1)]),
+    (None, [("fabc123XYZ", A1)]),
+  ),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", VLLM_TOOL_CALLS)
+def test_the_calls_vllm_returns(name, text, content, calls):
+  got_content, got = tool_parsers.get_parser(name).extract(text)
+  assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got]) == (
+    content,
+    calls,
+  )
+  if name == "mistral":  # Mistral's templates take back only nine alphanumeric characters
+    assert all(c["id"].isalnum() and len(c["id"]) == 9 for c in got)
+  # Streamed, the same calls where each is written out whole (named, its arguments an object in
+  # the text); llama3_json streams calls only from an output that starts with them, as vLLM's.
+  whole = calls and all(n and a.startswith("{") and a in text for n, a in calls)
+  if whole and not (name == "llama3_json" and text.startswith("Sure")):
+    s_content, s_calls = streamed(tool_parsers.get_parser(name), text)
+    assert [(n, json.loads(a)) for n, a in s_calls] == [(n, json.loads(a)) for n, a in calls]
+    assert s_content == (content or "")
+
+
+@pytest.mark.parametrize("name,text,ours,theirs", DEVIATIONS)
+def test_deviations_from_vllm(name, text, ours, theirs):
+  content, got = tool_parsers.get_parser(name).extract(text)
+  assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in got]) == ours
+  assert ours != theirs
 
 
 def test_a_partial_marker_is_held_back_until_it_is_not_one():
