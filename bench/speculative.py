@@ -2,7 +2,9 @@
 
 Three models trained with `train.py` on the embedded corpus (byte tokenizer, so one vocabulary):
 a target (`configs/spec-target.yaml`), a draft about 20x smaller (`configs/spec-draft.yaml`) and
-the target's shape with four parallel MTP heads (`configs/spec-target-mtp.yaml`). Run
+the target's shape with four parallel MTP heads (`configs/spec-target-mtp.yaml`); the target also
+drafts by prompt lookup ("ngram": the tokens that followed the latest n-gram's earlier occurrence
+in the row's own prompt and output, no model). Run
 directories under `--runs` are reused; missing or unfinished ones are trained (the commands are
 printed first). Prompts are windows of the held-out split of the corpus.
 
@@ -13,8 +15,8 @@ compile, then all cases run interleaved `--repeat` times; tables give the median
 * target passes per generated token: the decode loop's passes per row over its tokens (plain
   decoding: 1);
 * tokens/s, and the speedup: the median over repetitions of speculative tokens/s over the plain
-  decoding of the same model in the same repetition (the draft cases against the target, the MTP
-  cases against the MTP model decoding plainly).
+  decoding of the same model in the same repetition (the draft-model and n-gram cases against the
+  target, the MTP cases against the MTP model decoding plainly).
 
     python bench/speculative.py [--runs checkpoints/speculative] [--ks 1,2,4,8] [--batches 1,8]
     python bench/speculative.py --smoke      # toy models trained for two steps: the code paths
@@ -293,13 +295,14 @@ def main(argv=None) -> None:
         tok = checkpoint.load_model(dirs["target"])[2]
         compiler = GrammarCompiler(tok, vocab_size=target.cfg.vocab_size)
         grammar = compiler.compile(spec_from_request(guided_json=SCHEMA))
-      engine_table(target, {"draft model": draft}, prompts, args, grammar)
+      engine_table(target, {"draft model": draft, "ngram": "ngram"}, prompts, args, grammar)
       return
     ks = [int(k) for k in args.ks.split(",")]
     heads = mtp.mtp.n_draft_heads
     cases = [Case("target", target), Case("mtp model", mtp)]
     cases += [Case("draft model", target, draft, k) for k in ks]
     cases += [Case("mtp", mtp, "mtp", k) for k in ks if k <= heads]
+    cases += [Case("ngram", target, "ngram", k) for k in ks]
     if any(k > heads for k in ks):
       print(f"# MTP drafts at most {heads} tokens (one per head): k > {heads} not run")
 

@@ -25,9 +25,11 @@ def test_speculative_benchmark_smoke_trains_and_prints_every_table():
   assert out.count("# training: ") == 3, out[-4000:]
   for table in ("## batch 2, greedy", "## batch 2, sampled"):
     assert table in out, out[-4000:]
-  # Each speculative row: the draft model and MTP at k = 1 and 2, in both tables.
-  rows = [line for line in out.splitlines() if line.startswith(("| draft model |", "| mtp |"))]
-  assert len(rows) == 8, out[-4000:]
+  # Each speculative row: the draft model, MTP and n-gram lookup at k = 1 and 2, in both tables.
+  drafts = ("| draft model |", "| mtp |", "| ngram |")
+  rows = [line for line in out.splitlines() if line.startswith(drafts)]
+  assert len(rows) == 12, out[-4000:]
+  assert sum(line.startswith("| ngram |") for line in rows) == 4, out[-4000:]
   for row in rows:
     accept, passes = (float(x) for x in row.split("|")[3:5])
     k = int(row.split("|")[2])
