@@ -223,6 +223,19 @@ class MoEConfig:
     )
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+  """What differs between the attention of two layers of one model: the window (None: every
+  earlier position) and the RoPE (base and scaling; base None: no rotation)."""
+
+  sliding_window: int | None
+  rope_theta: float | None
+  rope_scaling: RopeScaling | None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer: the Llama family (Llama, Mistral, Qwen2, Qwen3), DeepSeek's MLA
@@ -247,7 +260,25 @@ class ModelConfig:
   # ("all_heads", OLMoE: one RMSNorm over the whole projection).
   qk_norm_scope: Literal["head", "all_heads"] = "head"
   tie_embeddings: bool = False
-  sliding_window: int | None = None  # Mistral
+  # W keys per query (its own included) on the sliding layers; with layer_types None, every layer
+  # slides (Mistral).
+  sliding_window: int | None = None
+  # Each layer's attention, Hugging Face's `layer_types` ("full_attention" or
+  # "sliding_attention"): Gemma 2 alternates them, Gemma 3 has five sliding layers per full one.
+  # None: every layer alike. The layers still run as one scan: a layer's kind is data it reads
+  # (`ModelConfig.attention_kinds`).
+  layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+  rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base, unscaled
+  nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE
+  attn_logit_softcapping: float | None = None  # Gemma 2: scores c * tanh(s / c) before softmax
+  final_logit_softcapping: float | None = None  # Gemma 2: logits c * tanh(l / c)
+  query_pre_attn_scalar: float | None = None  # Gemma: softmax scale its ** -0.5 (else H ** -0.5)
+  # Where the blocks' RMSNorms sit: before each sublayer (`pre_norms`, Llama), on each sublayer's
+  # output before the residual add (`post_norms`, OLMo 2), or both (Gemma 2/3).
+  pre_norms: bool = True
+  post_norms: bool = False
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU (Gemma)
+  scale_embeddings: bool = False  # Gemma: the embeddings times sqrt(d_model)
   init_std: float = 0.02
   dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # activations / compute
   param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -294,6 +325,7 @@ class ModelConfig:
       _fail("model.head_dim", self.head_dim, "must be even: RoPE rotates pairs of dimensions")
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
+    self._check_layer_pattern()
     self._check_rotary()
     if self.mla is not None:
       for name in ("qkv_bias", "qk_norm"):
@@ -309,6 +341,68 @@ class ModelConfig:
             list(self.moe.dense_layers),
             f"every entry must be a layer index in [0, model.n_layers={self.n_layers})",
           )
+
+  def _check_layer_pattern(self) -> None:
+    L = self.n_layers
+    if self.layer_types is not None:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      if len(self.layer_types) != L:
+        _fail(
+          "model.layer_types",
+          list(self.layer_types),
+          f"must name one kind per layer: {L} entries (model.n_layers)",
+        )
+      for kind in self.layer_types:
+        if kind not in LAYER_TYPES:
+          _fail("model.layer_types", kind, f"each entry must be one of {LAYER_TYPES}")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        _fail("model.sliding_window", None, "must be set: model.layer_types has sliding layers")
+    for i in self.nope_layers:
+      if not 0 <= i < L:
+        _fail("model.nope_layers", list(self.nope_layers), f"every entry must be in [0, {L})")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        _fail(f"model.{name}", value, "must be > 0 or null")
+    if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+      _fail("model.rope_local_theta", self.rope_local_theta, "must be > 0 or null")
+    if not (self.pre_norms or self.post_norms):
+      _fail("model.pre_norms", False, "needs model.post_norms: a block must have its norms")
+    patterned = (
+      self.layer_types is not None or self.nope_layers or self.rope_local_theta is not None
+    )
+    if self.mla is not None and (patterned or self.attn_logit_softcapping):
+      _fail(
+        "model.mla",
+        "set",
+        "takes no layer_types, nope_layers, rope_local_theta or attn_logit_softcapping",
+      )
+    if self.mtp is not None and len(self.attention_kinds()[0]) > 1:
+      _fail("model.mtp", "set", "needs every layer's attention alike (model.layer_types)")
+
+  def attention_kinds(self) -> tuple[tuple[AttentionKind, ...], tuple[int, ...]]:
+    """(the distinct kinds of attention the layers use, each layer's index into them).
+
+    A layer's kind is its window and its RoPE; a model whose layers are all alike has one."""
+    kinds: list[AttentionKind] = []
+    index = []
+    for i in range(self.n_layers):
+      sliding = (
+        self.sliding_window is not None
+        if self.layer_types is None
+        else self.layer_types[i] == "sliding_attention"
+      )
+      rope = i not in self.nope_layers
+      local = sliding and self.rope_local_theta is not None
+      kind = AttentionKind(
+        sliding_window=self.sliding_window if sliding else None,
+        rope_theta=(self.rope_local_theta if local else self.rope_theta) if rope else None,
+        rope_scaling=None if local or not rope else self.rope_scaling,
+      )
+      if kind not in kinds:
+        kinds.append(kind)
+      index.append(kinds.index(kind))
+    return tuple(kinds), tuple(index)
 
   def _check_rotary(self) -> None:
     p = self.partial_rotary_factor

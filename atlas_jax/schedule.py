@@ -52,3 +52,14 @@ class Schedule:
     i_Ip, s_Ip = np.meshgrid(np.arange(self.iterations), np.arange(self.stages), indexing="ij")
     u, rep, busy = (np.asarray(a) for a in self.work(i_Ip, s_Ip))
     return np.where(busy, u + rep * self.microbatches, -1).astype(np.int32)
+
+
+def layer_order(n_layers: int, layout: tuple[int, int]) -> np.ndarray:
+  """i32[L]: the layer (depth in the model) stored at each row of the stacked layers.
+
+  Row q = (s r + g) L/(p r) + j holds layer (g p + s) L/(p r) + j: stage s's r groups are
+  contiguous rows, so the block split of the `stage` sharding gives each stage its own layers.
+  With one repeat this is the identity (GPipe's stages are contiguous layers already)."""
+  stages, repeats = layout
+  per = n_layers // (stages * repeats)
+  return np.arange(n_layers).reshape(repeats, stages, per).transpose(1, 0, 2).reshape(-1)

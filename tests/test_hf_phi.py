@@ -224,3 +224,40 @@ def test_llama_with_partial_rotary_is_refused(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(hf.HFLoadError, match=r"llama with partial_rotary_factor=0\.5 is not"):
     hf.load(tmp_path)
+
+
+@pytest.mark.parametrize("runner", ["ragged", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_engine_serves_transformers_greedy_tokens_past_the_original_context(runner, tmp_path):
+  """The paged engine (both runners) on prompts past the original context, each prefilled in one
+  step: its padded token axis (positions -1) leaves LongRoPE on the long factors, as
+  transformers' generate is."""
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  ref, ours = load_pair("phi4-longrope-partial", tmp_path, std=0.3)
+  config = EngineConfig(
+    runner=runner,
+    n_blocks=64,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    prefill_chunk=32,
+  )
+  engine = Engine(ours, config)
+  rng = np.random.RandomState(2)
+  prompts = [rng.randint(3, V, n).tolist() for n in (20, 18)]
+  for i, prompt in enumerate(prompts):
+    engine.add_request(i, prompt, SamplingParams(max_new_tokens=10))
+  got = {0: [], 1: []}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id].extend(out.new_token_ids)
+  for i, prompt in enumerate(prompts):
+    with torch.no_grad():
+      out = ref.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
+    assert got[i] == out[0, len(prompt) :].tolist(), (runner, i)

@@ -39,7 +39,19 @@ import jax.numpy as jnp
 from safetensors.numpy import save_file
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.hf import deepseek, fp8, gguf_file, llama, mixtral, olmoe, phi3, qwen_moe
+from atlas_jax.hf import (
+  deepseek,
+  fp8,
+  gemma,
+  gguf_file,
+  llama,
+  mixtral,
+  olmo2,
+  olmoe,
+  phi3,
+  qwen_moe,
+  smollm3,
+)
 from atlas_jax.hf.common import REQUIRED, HFLoadError, field, read_json
 from atlas_jax.hf.weights import (
   build_model,
@@ -55,7 +67,7 @@ log = logging.getLogger(__name__)
 
 FAMILIES = {
   t: module
-  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, phi3)
+  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, gemma, olmo2, smollm3, phi3)
   for t in module.MODEL_TYPES
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -182,11 +194,31 @@ def load_tokenizer(path: str | Path):
 # Export: our model -> a folder transformers can load.
 
 # Tried in order: the first family whose `model_type(cfg)` names a model type writes the folder.
-_EXPORTERS = (deepseek, olmoe, qwen_moe, mixtral, phi3, llama)
+# The families after `_PATTERNED` hold only blocks of Llama's layout (`_llama_blocks`).
+_PATTERNED = (gemma, olmo2, smollm3)
+_EXPORTERS = (*_PATTERNED, deepseek, olmoe, qwen_moe, mixtral, phi3, llama)
+
+
+def _llama_blocks(cfg: ModelConfig) -> bool:
+  """Pre-norm SwiGLU blocks, every layer's attention alike, nothing capped or rescaled."""
+  return (
+    cfg.pre_norms
+    and not cfg.post_norms
+    and cfg.mlp_activation == "silu"
+    and not cfg.scale_embeddings
+    and cfg.layer_types is None
+    and not cfg.nope_layers
+    and cfg.rope_local_theta is None
+    and cfg.attn_logit_softcapping is None
+    and cfg.final_logit_softcapping is None
+    and cfg.query_pre_attn_scalar is None
+  )
 
 
 def _exporter(cfg: ModelConfig):
   for module in _EXPORTERS:
+    if module not in _PATTERNED and not _llama_blocks(cfg):
+      continue
     kind = module.model_type(cfg)
     if kind is not None:
       return module, kind

@@ -60,10 +60,15 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", names=None)
   # transformers' Phi3Config allows no other rope types.
   fields = base_fields(_hf_view(hf), allowed_rope=("default", "longrope"), partial_rotary=True)
   fields["head_dim"] = field(hf, "head_dim", int, fields["d_model"] // fields["n_heads"])
+  window = field(hf, "sliding_window", int, None)
+  if window is not None and window >= fields["max_seq_len"]:
+    # Phi-4-mini's 262,144 never binds inside its 131,072 positions: dropping it keeps the
+    # unwindowed attention paths and changes no score.
+    window = None
   return model_config(
     **fields,
     ffn_dim=field(hf, "intermediate_size", int),
-    sliding_window=field(hf, "sliding_window", int, None),
+    sliding_window=window,
     dtype=dtype,
     param_dtype=dtype,
   )

@@ -8,10 +8,12 @@ kind (contiguous or paged).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -84,8 +86,15 @@ class Attention(nnx.Module):
     self.wk_lora = adapter(adapters, "k_proj", self.wk, 1, rngs=rngs)
     self.wv_lora = adapter(adapters, "v_proj", self.wv, 1, rngs=rngs)
     self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
-    self.rope = Rope.of(cfg)  # static; frequencies built at trace time
-    self.sliding_window = cfg.sliding_window
+    # Static. Each layer's kind (`ModelConfig.attention_kinds`) is data the layer reads, so the
+    # layers stay one scan; a kind picks its RoPE and its window by `jax.lax.switch` among the
+    # distinct ones (one branch runs), each branch static: a window skips the kernel's tiles
+    # outside it, exactly as a model with one window does.
+    kinds, _ = cfg.attention_kinds()
+    self.ropes = _distinct([Rope(H, k.rope_theta, k.rope_scaling, cfg.rotary_dim) for k in kinds])
+    self.windows = _distinct([k.sliding_window for k in kinds])
+    self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+    self.soft_cap = cfg.attn_logit_softcapping
     self.implementation = implementation
 
   # The caches this attention reads: K and V, K heads of H dims each, per token and layer.
@@ -102,6 +111,7 @@ class Attention(nnx.Module):
     *,
     segment_ids_BT: Array | None = None,
     cache: LayerCache | None = None,
+    kind: Array | None = None,
   ) -> tuple[Array, LayerCache | None]:
     """Self-attention over x, or over the cache after writing x's K/V into it.
 
@@ -111,6 +121,8 @@ class Attention(nnx.Module):
       segment_ids_BT: i32[B, T] packed-document ids; attention stays inside a document.
       cache: this layer's view of a cache; the new tokens are written at their positions and
         attend to everything held before them.
+      kind: i32[2] this layer's (RoPE, window) among `self.ropes` and `self.windows`
+        (`layer_kinds`); None when the model has one of each.
 
     Returns:
       [B, T, D] and the updated layer cache (None without).
@@ -139,47 +151,42 @@ class Attention(nnx.Module):
     elif self.q_norm is not None:
       q_BTNH = rms_norm(q_BTNH, self.q_norm.scale[...], self.q_norm.eps)
       k_BTKH = rms_norm(k_BTKH, self.k_norm.scale[...], self.k_norm.eps)
-    by_product = self.ops.rope_tables_by_product
-    q_BTNH = self.rope(q_BTNH, positions_BT, by_product=by_product)
-    k_BTKH = self.rope(k_BTKH, positions_BT, by_product=by_product)
+    q_BTNH, k_BTKH = _switch(
+      kind,
+      0,
+      [functools.partial(self._rotate, rope=r) for r in self.ropes],
+      q_BTNH,
+      k_BTKH,
+      positions_BT,
+    )
 
     if cache is None:
       # The causal mask follows the index in the row; packed documents restart their RoPE
       # positions, and the segment ids keep them apart.
       # Named, so a step's profile (`bench/step_profile.py`) can tell attention's own
       # work (scores, softmax, weighted sum) from the projections around it.
-      context_mode = context_parallel.active()
       with jax.named_scope("attention_core"):
-        if context_mode is not None:  # a striped sequence split over the mesh's `context`
-          out_BTNH = context_parallel.context_attention(
-            q_BTNH,
-            k_BTKH,
-            v_BTKH,
-            segment_ids_BT=segment_ids_BT,
-            sliding_window=self.sliding_window,
-            implementation=self.implementation,
-            mode=context_mode,
-          )
-        else:
-          out_BTNH = kernels.attention(
-            q_BTNH,
-            k_BTKH,
-            v_BTKH,
-            causal=True,
-            q_segment_ids=segment_ids_BT,
-            kv_segment_ids=segment_ids_BT,
-            sliding_window=self.sliding_window,
-            implementation=self.implementation,
-          )
+        out_BTNH = _switch(
+          kind,
+          1,
+          [functools.partial(self._attend, sliding_window=w) for w in self.windows],
+          q_BTNH,
+          k_BTKH,
+          v_BTKH,
+          segment_ids_BT,
+        )
     else:
       with jax.named_scope("kv_cache_write"):
         cache = cache.write(positions_BT, k_BTKH, v_BTKH)
       with jax.named_scope("attention_core"):
-        out_BTNH = cache.attend(
+        # The cache goes into the branches as an operand they only read.
+        out_BTNH = _switch(
+          kind,
+          1,
+          [functools.partial(self._attend_cache, sliding_window=w) for w in self.windows],
           q_BTNH,
           positions_BT,
-          sliding_window=self.sliding_window,
-          implementation=self.implementation,
+          cache,
         )
     out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     out_BTD = checkpoint_name(
@@ -193,6 +200,78 @@ class Attention(nnx.Module):
       "o_proj",
     )
     return out_BTD, cache
+
+  def _rotate(self, q_BTNH, k_BTKH, positions_BT, *, rope):
+    if rope.theta is None:  # a layer without RoPE (SmolLM3)
+      return q_BTNH, k_BTKH
+    by_product = self.ops.rope_tables_by_product
+    return rope(q_BTNH, positions_BT, by_product=by_product), rope(
+      k_BTKH, positions_BT, by_product=by_product
+    )
+
+  def _options(self) -> dict:
+    """The kernels' scoring options this attention sets (none for a Llama)."""
+    out = {} if self.scale is None else {"scale": self.scale}
+    return out if self.soft_cap is None else {**out, "soft_cap": self.soft_cap}
+
+  def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, sliding_window):
+    context_mode = context_parallel.active()
+    if context_mode is not None:  # a striped sequence split over the mesh's `context`
+      return context_parallel.context_attention(
+        q_BTNH,
+        k_BTKH,
+        v_BTKH,
+        segment_ids_BT=segment_ids_BT,
+        sliding_window=sliding_window,
+        implementation=self.implementation,
+        mode=context_mode,
+        **self._options(),
+      )
+    return kernels.attention(
+      q_BTNH,
+      k_BTKH,
+      v_BTKH,
+      causal=True,
+      q_segment_ids=segment_ids_BT,
+      kv_segment_ids=segment_ids_BT,
+      sliding_window=sliding_window,
+      implementation=self.implementation,
+      **self._options(),
+    )
+
+  def _attend_cache(self, q_BTNH, positions_BT, cache, *, sliding_window):
+    return cache.attend(
+      q_BTNH,
+      positions_BT,
+      sliding_window=sliding_window,
+      implementation=self.implementation,
+      **self._options(),
+    )
+
+
+def _distinct(items: list) -> tuple:
+  return tuple(dict.fromkeys(items))
+
+
+def _switch(kind: Array | None, which: int, branches: list, *operands):
+  """`branches[kind[which]](*operands)`: the only branch when there is one, else the one this
+  layer's kind picks (`jax.lax.switch` runs that branch alone)."""
+  if len(branches) == 1:
+    return branches[0](*operands)
+  if kind is None:
+    raise ValueError(f"attention: this model has {len(branches)} kinds of layer; pass kind=")
+  return jax.lax.switch(kind[which], branches, *operands)
+
+
+def layer_kinds(cfg: ModelConfig) -> np.ndarray:
+  """i32[L, 2]: each layer's (RoPE, window) index into its attention's `ropes` and `windows`."""
+  kinds, index_L = cfg.attention_kinds()
+  ropes = _distinct([(k.rope_theta, k.rope_scaling) for k in kinds])
+  windows = _distinct([k.sliding_window for k in kinds])
+  slots = [
+    (ropes.index((k.rope_theta, k.rope_scaling)), windows.index(k.sliding_window)) for k in kinds
+  ]
+  return np.array([slots[i] for i in index_L], np.int32).reshape(cfg.n_layers, 2)
 
 
 def _norm_all_heads(x_BT__: Array, scale__: Array, eps: float) -> Array:

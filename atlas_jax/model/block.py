@@ -23,8 +23,10 @@ def attention_class(cfg: ModelConfig) -> type[Attention] | type[MLA]:
 
 
 class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); the feed-forward is a mixture of
-  experts when `sparse` (`ModelConfig.sparse_layers`), else the dense SwiGLU MLP."""
+  """x + attn(x), then x + ffn(x), each sublayer with its RMSNorms where the config puts them:
+  on its input (`pre_norms`, Llama: x + attn(norm(x))), on its output (`post_norms`, OLMo 2:
+  x + norm(attn(x))) or both (Gemma 2/3). The feed-forward is a mixture of experts when `sparse`
+  (`ModelConfig.sparse_layers`), else the dense gated MLP."""
 
   def __init__(
     self,
@@ -37,11 +39,14 @@ class Block(nnx.Module):
     ops: Ops = PLAIN,
   ):
     pdt = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    norm = lambda on: RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt) if on else None
+    self.attn_norm = norm(cfg.pre_norms)
     self.attn = attention_class(cfg)(
       cfg, rngs=rngs, implementation=implementation, adapters=adapters, ops=ops
     )
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.attn_post_norm = norm(cfg.post_norms)
+    self.mlp_norm = norm(cfg.pre_norms)
+    self.mlp_post_norm = norm(cfg.post_norms)
     if sparse:  # LoRA adapts no expert: `atlas_jax.model.lora.resolve` refuses MLP targets
       self.mlp = MoE(cfg, rngs=rngs)
     else:
@@ -54,21 +59,33 @@ class Block(nnx.Module):
         param_dtype=pdt,
         adapters=adapters,
         ops=ops,
+        activation=cfg.mlp_activation,
       )
 
   def __call__(
-    self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None
+    self, x_BTD, positions_BT, *, segment_ids_BT=None, cache=None, kind=None
   ) -> tuple[jnp.ndarray, object, RouterStats | None]:
-    """(x [B, T, D], the updated layer cache or None, the router's stats or None when dense)."""
+    """(x [B, T, D], the updated layer cache or None, the router's stats or None when dense).
+
+    `kind`: the layer's attention kind (`atlas_jax.model.attention.layer_kinds`), where the
+    model's layers differ."""
     h_BTD, cache = self.attn(
-      self.attn_norm(x_BTD), positions_BT, segment_ids_BT=segment_ids_BT, cache=cache
+      _norm(self.attn_norm, x_BTD),
+      positions_BT,
+      segment_ids_BT=segment_ids_BT,
+      cache=cache,
+      kind=kind,
     )
-    x_BTD = x_BTD + h_BTD
+    x_BTD = x_BTD + _norm(self.attn_post_norm, h_BTD)
     stats = None
     if isinstance(self.mlp, MoE):
       # A cached call (generation, serving) is always dropless: a token's output never depends
       # on the rest of its batch.
-      h_BTD, stats = self.mlp(self.mlp_norm(x_BTD), dropless=cache is not None)
+      h_BTD, stats = self.mlp(_norm(self.mlp_norm, x_BTD), dropless=cache is not None)
     else:
-      h_BTD = self.mlp(self.mlp_norm(x_BTD))
-    return x_BTD + h_BTD, cache, stats
+      h_BTD = self.mlp(_norm(self.mlp_norm, x_BTD))
+    return x_BTD + _norm(self.mlp_post_norm, h_BTD), cache, stats
+
+
+def _norm(norm: RMSNorm | None, x_BTD):
+  return x_BTD if norm is None else norm(x_BTD)

@@ -143,8 +143,12 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> Array:
   return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+  """A gated MLP: down(act(x @ gate) * (x @ up)); SwiGLU with silu, GeGLU with gelu_tanh (the
+  tanh approximation of GELU, Hugging Face's `gelu_pytorch_tanh`)."""
 
   def __init__(
     self,
@@ -157,9 +161,11 @@ class MLP(nnx.Module):
     param_dtype=jnp.float32,
     adapters=None,
     ops: Ops = PLAIN,
+    activation: str = "silu",
   ):
     D, F = d_model, ffn_dim
     self.ops = ops  # static
+    self.activation = activation  # static
     self.w_gate = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_up = param(normal(rngs, (D, F), init_std, param_dtype), ("embed", "mlp"))  # [D, F]
     self.w_down = param(normal(rngs, (F, D), out_std, param_dtype), ("mlp", "embed"))  # [F, D]
@@ -181,7 +187,7 @@ class MLP(nnx.Module):
     up_MF = checkpoint_name(
       plus(dense(x_MD, self.w_up[...].astype(dtype), 1, ops), self.w_up_lora, x_MD), "mlp_up"
     )
-    h_MF = jax.nn.silu(gate_MF) * up_MF
+    h_MF = ACTIVATIONS[self.activation](gate_MF) * up_MF
     out_MD = checkpoint_name(
       plus(dense(h_MF, self.w_down[...].astype(dtype), 1, ops), self.w_down_lora, h_MF), "mlp_down"
     )

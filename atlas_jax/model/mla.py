@@ -227,6 +227,7 @@ class MLA(nnx.Module):
     *,
     segment_ids_BT: Array | None = None,
     cache: LayerCache | None = None,
+    kind: Array | None = None,
   ) -> tuple[Array, LayerCache | None]:
     """Self-attention over x, or over the latent cache after writing x's latents into it.
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from atlas_jax import platforms
@@ -42,6 +43,7 @@ from atlas_jax.cache.paged import KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import LoRAConfig, ModelConfig
 from atlas_jax.model import lora as lora_lib
+from atlas_jax.model.attention import layer_kinds
 from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import Ops, RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
@@ -55,6 +57,7 @@ from atlas_jax.model.scan import (
   stacked,
 )
 from atlas_jax.quant import dequantized
+from atlas_jax.schedule import layer_order as pipeline_layer_order
 
 Array = jax.Array
 
@@ -131,6 +134,9 @@ class Transformer(nnx.Module):
       runs.append((*stacks[first], n, first))
       first += n
     self.runs = tuple(runs)
+    # Static: each layer's attention kind, i32[L, 2] (`attention.layer_kinds`), where they differ.
+    kinds = cfg.attention_kinds()[0]
+    self.kinds_L = None if len(kinds) == 1 else tuple(map(tuple, layer_kinds(cfg).tolist()))
     self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=pdt)
     self.lm_head = (
       None
@@ -173,6 +179,13 @@ class Transformer(nnx.Module):
 
   # -- forward -----------------------------------------------------------------------------------
 
+  def _kinds(self, first: int, n: int, order=None):
+    """The run's layers' kinds, i32[n, 2] (in `order` within it), or None when all are alike."""
+    if self.kinds_L is None:
+      return None
+    kinds = np.asarray(self.kinds_L[first : first + n], np.int32)
+    return jnp.asarray(kinds if order is None else kinds[order])
+
   def _head_DV(self) -> Array:
     return self.embed[...].T if self.lm_head is None else dequantized(self.lm_head[...])
 
@@ -180,9 +193,10 @@ class Transformer(nnx.Module):
     """The output head as stored, for losses that apply it themselves
     (`atlas_jax.training.loss.chunked_cross_entropy`): {"head_DV": [D, V]}, or with tied
     embeddings {"embed_VD": [V, D]}, so no transpose of the table is ever made."""
+    cap = {"soft_cap": self.cfg.final_logit_softcapping} if self.cfg.final_logit_softcapping else {}
     if self.lm_head is None:
-      return {"embed_VD": self.embed[...]}
-    return {"head_DV": self.lm_head[...]}
+      return {"embed_VD": self.embed[...], **cap}
+    return {"head_DV": self.lm_head[...], **cap}
 
   def hidden_states(
     self,
@@ -203,10 +217,12 @@ class Transformer(nnx.Module):
     gathers its [B, V] logits, where for the 2-D form it gathered the whole head."""
     head_DV = self._head_DV().astype(h_BTD.dtype)
     if not flat:
-      return jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
-    B, T, D = h_BTD.shape
-    logits_MV = jnp.dot(h_BTD.reshape(B * T, D), head_DV, preferred_element_type=jnp.float32)
-    return logits_MV.reshape(B, T, -1)
+      logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
+    else:
+      B, T, D = h_BTD.shape
+      logits_MV = jnp.dot(h_BTD.reshape(B * T, D), head_DV, preferred_element_type=jnp.float32)
+      logits_BTV = logits_MV.reshape(B, T, -1)
+    return soft_cap(logits_BTV, self.cfg.final_logit_softcapping)
 
   def _runs(self):
     """(graphdef, the run's slice of its stack's state, first layer) per run, in order."""
@@ -235,6 +251,8 @@ class Transformer(nnx.Module):
       # gathers their output instead.
       tokens_BT = self.pipeline.gather(tokens_BT)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+    if self.cfg.scale_embeddings:  # Gemma: by sqrt(D), rounded to the compute dtype
+      x_BTD = x_BTD * jnp.asarray(self.cfg.d_model**0.5, dtype)
     trunk_BTD = x_BTD if keep_trunk else None
     storage = None if cache is None else cache.layers
     stats = []
@@ -243,6 +261,7 @@ class Transformer(nnx.Module):
         (x_BTD, trunk_BTD), ys = self._uncached_run(
           graphdef,
           state,
+          first,
           (x_BTD, trunk_BTD),
           positions_BT,
           segment_ids_BT,
@@ -260,29 +279,47 @@ class Transformer(nnx.Module):
     return trunk_BTD, self.final_norm(x_BTD), new_cache, stats
 
   def _uncached_run(
-    self, graphdef, state, carry, positions_BT, segment_ids_BT, keep_trunk, *, pipelined=False
+    self,
+    graphdef,
+    state,
+    first,
+    carry,
+    positions_BT,
+    segment_ids_BT,
+    keep_trunk,
+    *,
+    pipelined=False,
   ):
     """One run's layer scan without a cache, or the pipeline's stages when `pipelined`:
     ((x, the last block's input or None), router stats [L_run, ...] or None)."""
 
     # Positions and segment ids go in as `rows`, so a pipeline can hand each block its
-    # micro-batch's.
-    def step(carry, state, rows):
+    # micro-batch's. A layer is its state and its attention kind (None: all alike).
+    def step(carry, layer, rows):
+      state, kind = layer
       positions_BT, segment_ids_BT = rows
       x_BTD, _ = carry
       y_BTD, _, stats = nnx.merge(graphdef, state)(
-        x_BTD, positions_BT, segment_ids_BT=segment_ids_BT
+        x_BTD, positions_BT, segment_ids_BT=segment_ids_BT, kind=kind
       )
       return (y_BTD, x_BTD if keep_trunk else None), stats
 
     policy, every, unroll = self.remat
     rows = (positions_BT, segment_ids_BT)
     remat = dict(policy=policy, every=every, unroll=unroll)
+    n = layer_count(state)
     if is_unstacked(state):  # a served model's layers, one array each: a loop, no slices
-      return run_unstacked(lambda c, st: step(c, st, rows), carry, state)
+      kinds = self._kinds(first, n)
+      extra = [None] * n if kinds is None else list(kinds)
+      return run_unstacked(lambda c, layer: step(c, layer, rows), carry, state, extra)
     if not pipelined:
-      return scan_layers(lambda c, st: step(c, st, rows), carry, state, **remat)
-    carry, stats_LU = self.pipeline(step, carry, state, rows, **remat)
+      xs = (state, self._kinds(first, n))
+      return scan_layers(lambda c, layer: step(c, layer, rows), carry, xs, **remat)
+    # The pipeline's stacked layers are stored in its order (`pipeline.layer_order`).
+    schedule = self.pipeline.schedule
+    order = pipeline_layer_order(n, (schedule.stages, schedule.repeats))
+    xs = (state, self._kinds(first, n, order))
+    carry, stats_LU = self.pipeline(step, carry, xs, rows, **remat)
     # Each layer ran once per pipeline micro-batch: [L, U, ...] stats, merged per layer.
     return carry, None if stats_LU is None else stats_LU.merge_calls()
 
@@ -292,22 +329,26 @@ class Transformer(nnx.Module):
 
     def step(carry, layer):
       x_BTD, _, storage = carry
-      state, index = layer
+      state, (index, kind) = layer
       view = cache.layer(storage, index, positions_BT)
-      y_BTD, view, stats = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view)
+      y_BTD, view, stats = nnx.merge(graphdef, state)(x_BTD, positions_BT, cache=view, kind=kind)
       return (y_BTD, x_BTD if keep_trunk else None, view.storage), stats
 
     n = layer_count(state)
+    kinds = self._kinds(first, n)
     if is_unstacked(state):  # a served model's layers, one array each (`unstack_layers`)
       # The layer index stays opaque to XLA: a constant one would turn the pool's per-layer
       # gather into a copy of the whole layer's pool, then a gather from it.
       index = lambda i: jax.lax.optimization_barrier(jnp.int32(first + i))
-      return run_unstacked(step, carry, state, [index(i) for i in range(n)])
+      extra = [(index(i), None if kinds is None else kinds[i]) for i in range(n)]
+      return run_unstacked(step, carry, state, extra)
     if n == 1:  # one layer: no loop around it
-      carry, ys = step(carry, (jax.tree.map(lambda a: a[0], state), jnp.int32(first)))
+      kind = None if kinds is None else kinds[0]
+      carry, ys = step(carry, (jax.tree.map(lambda a: a[0], state), (jnp.int32(first), kind)))
       return carry, jax.tree.map(lambda y: y[None], ys)
     unroll = self.remat[2]  # `unroll_layers`: XLA's cost analysis then counts every layer
-    return jax.lax.scan(step, carry, (state, first + jnp.arange(n, dtype=jnp.int32)), unroll=unroll)
+    xs = (state, (first + jnp.arange(n, dtype=jnp.int32), kinds))
+    return jax.lax.scan(step, carry, xs, unroll=unroll)
 
   def __call__(
     self,
@@ -412,6 +453,11 @@ class TrainOutputs:
   main: Array  # f32[B, T, V] next-token logits, or [B, T, D] final hidden states
   mtp: Array | None  # f32[J, B, T, V] MTP logits, or [J, B, T, D]; None without heads
   router: RouterStats | None  # every field with a leading [L_moe] axis; None when dense
+
+
+def soft_cap(logits: Array, cap: float | None) -> Array:
+  """Gemma's logit capping, cap * tanh(logits / cap); `logits` unchanged for None."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:

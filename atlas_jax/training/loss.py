@@ -59,6 +59,7 @@ def chunked_cross_entropy(
   embed_VD: Array | None = None,
   chunk: int,
   z_loss: float = 0.0,
+  soft_cap: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """`cross_entropy(h @ head, ...)` without materialising the [B, T, V] logits.
 
@@ -70,6 +71,7 @@ def chunked_cross_entropy(
       gradient comes back in its own dtype, accumulated over chunks in float32.
     chunk: sequence positions per chunk (C). T need not be a multiple: the last chunk is padded
       with masked positions.
+    soft_cap: the logits capped as c * tanh(l / c) (Gemma 2's final_logit_softcapping), or None.
 
   Returns:
     (loss, aux) as `cross_entropy`, equal to it up to float rounding, with the same gradients.
@@ -84,7 +86,7 @@ def chunked_cross_entropy(
     mask_BT = (
       jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
     )
-    nll_sum, zl_sum = _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied)
+    nll_sum, zl_sum = _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied, soft_cap)
     tokens = jnp.maximum(mask_BT.sum(), 1.0)
     ce, zl = nll_sum / tokens, zl_sum / tokens
     return ce + z_loss * zl, {"ce": ce, "z_loss": zl, "tokens": mask_BT.sum()}
@@ -104,19 +106,21 @@ def _from_chunks(x_nBC, T: int) -> Array:
   return jnp.moveaxis(x_nBC, 0, 1).reshape(B, n * C, *x_nBC.shape[3:])[:, :T]
 
 
-def _chunk_logits(h_BCD: Array, w: Array, tied: bool) -> Array:
-  """f32[B, C, V]: the chunk's logits, compute-dtype operands with float32 accumulation."""
+def _chunk_logits(h_BCD: Array, w: Array, tied: bool, soft_cap: float | None = None) -> Array:
+  """f32[B, C, V]: the chunk's logits, compute-dtype operands with float32 accumulation, capped
+  as c * tanh(l / c) with `soft_cap`."""
   spec = "BCD,VD->BCV" if tied else "BCD,DV->BCV"
-  return jnp.einsum(spec, h_BCD, w, preferred_element_type=jnp.float32)
+  logits_BCV = jnp.einsum(spec, h_BCD, w, preferred_element_type=jnp.float32)
+  return logits_BCV if soft_cap is None else soft_cap * jnp.tanh(logits_BCV / soft_cap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _masked_sums(h_BTD, head, targets_BT, mask_BT, chunk, tied, soft_cap=None):
   """(sum of mask * nll, sum of mask * log(Z)^2), both f32[]."""
-  return _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied)[0]
+  return _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied, soft_cap)[0]
 
 
-def _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied):
+def _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied, soft_cap=None):
   T = h_BTD.shape[1]
   C = min(chunk, T)
   n = -(-T // C)
@@ -124,7 +128,7 @@ def _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied):
 
   def body(sums, xs):
     h_BCD, t_BC, m_BC = xs
-    logits_BCV = _chunk_logits(h_BCD, w, tied)
+    logits_BCV = _chunk_logits(h_BCD, w, tied, soft_cap)
     log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_BC = jnp.take_along_axis(logits_BCV, t_BC[..., None], axis=-1)[..., 0]
     nll, zl = sums
@@ -139,7 +143,7 @@ def _masked_sums_fwd(h_BTD, head, targets_BT, mask_BT, chunk, tied):
   return sums, (h_BTD, head, targets_BT, mask_BT, _from_chunks(log_z_nBC, T))
 
 
-def _masked_sums_bwd(chunk, tied, residuals, cotangents):
+def _masked_sums_bwd(chunk, tied, soft_cap, residuals, cotangents):
   h_BTD, head, targets_BT, mask_BT, log_z_BT = residuals
   g_nll, g_zl = cotangents
   T = h_BTD.shape[1]
@@ -150,12 +154,15 @@ def _masked_sums_bwd(chunk, tied, residuals, cotangents):
 
   def body(dw, xs):
     h_BCD, t_BC, m_BC, lz_BC = xs
-    logits_BCV = _chunk_logits(h_BCD, w, tied)
+    logits_BCV = _chunk_logits(h_BCD, w, tied, soft_cap)
     p_BCV = jnp.exp(logits_BCV - lz_BC[..., None])  # softmax from the saved log Z
     # d(nll)/dlogits = p - onehot(target); d(log Z^2)/dlogits = 2 log Z p.
     scale_BC = m_BC * (g_nll + 2.0 * g_zl * lz_BC)
     onehot_BCV = jax.nn.one_hot(t_BC, p_BCV.shape[-1], dtype=jnp.float32)
-    d_BCV = (p_BCV * scale_BC[..., None] - onehot_BCV * (m_BC * g_nll)[..., None]).astype(dtype)
+    d_BCV = p_BCV * scale_BC[..., None] - onehot_BCV * (m_BC * g_nll)[..., None]
+    if soft_cap is not None:  # through the cap: d(c tanh(l / c))/dl = 1 - tanh(l / c)^2
+      d_BCV = d_BCV * (1.0 - jnp.square(logits_BCV / soft_cap))
+    d_BCV = d_BCV.astype(dtype)
     if tied:
       dh_BCD = jnp.einsum("BCV,VD->BCD", d_BCV, w, preferred_element_type=jnp.float32)
       dw = dw + jnp.einsum("BCV,BCD->VD", d_BCV, h_BCD, preferred_element_type=jnp.float32)

@@ -46,13 +46,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.model.scan import scan_layers
-from atlas_jax.schedule import Schedule
+from atlas_jax.schedule import Schedule, layer_order  # noqa: F401 (re-exported)
 from atlas_jax.training.sharding import BATCH_AXES, data_parallel_size, logical_axes_of
 
 DATA_AXES = tuple(a for a in BATCH_AXES if a != "stage")  # what splits the rows inside a stage
@@ -61,17 +60,6 @@ Array = jax.Array
 Layout = tuple[
   int, int
 ]  # (stages, repeats) the stacked layers are stored for; (1, 1): in depth order
-
-
-def layer_order(n_layers: int, layout: Layout) -> np.ndarray:
-  """i32[L]: the layer (depth in the model) stored at each row of the stacked layers.
-
-  Row q = (s r + g) L/(p r) + j holds layer (g p + s) L/(p r) + j: stage s's r groups are
-  contiguous rows, so the block split of the `stage` sharding gives each stage its own layers.
-  With one repeat this is the identity (GPipe's stages are contiguous layers already)."""
-  stages, repeats = layout
-  per = n_layers // (stages * repeats)
-  return np.arange(n_layers).reshape(repeats, stages, per).transpose(1, 0, 2).reshape(-1)
 
 
 def _has_layer_axis(v) -> bool:
