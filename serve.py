@@ -996,7 +996,7 @@ def main(argv=None) -> int:
     return 2
   if not group.leader:
     mirror.follow()
-    return 0
+    multihost.leave()
   try:
     if args.port is not None:
       return run_server(args, engine, tokenizer, chat_template)

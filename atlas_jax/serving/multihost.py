@@ -265,6 +265,21 @@ class Channel:
     return kind, pickle.loads(buf[:n].tobytes())
 
 
+def _left(pid: int) -> str:
+  return f"atlas_jax/left/{pid}"
+
+
+def leave() -> None:
+  """A follower's end, once the leader has stopped it: at once, skipping jax's own shutdown,
+  whose disconnect call to the coordination service (in the leader, which may already be gone)
+  would abort the process."""
+  for handler in logging.getLogger().handlers + log.handlers:
+    handler.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)
+
+
 # Stand-ins for the runner's own arrays in a call's arguments: each process puts its own there.
 _STATES, _POOLS, _TARGET = "<states>", "<pools>", "<target states>"
 
@@ -389,10 +404,17 @@ class Mirror:
       self._reset()
 
   def stop(self) -> None:
-    """Ends the followers' loops (the leader's last message)."""
+    """Ends the followers' loops (the leader's last message) and waits for them to leave: the
+    coordination service lives in this process, and must outlast them."""
     self.liveness.stop()
     with self._lock:
       self.channel.send(STOP)
+    client, wait_ms = self.liveness.client, int(self.liveness.timeout * 1000)
+    for pid in range(1, jax.process_count()):
+      try:
+        client.blocking_key_value_get(_left(pid), wait_ms)
+      except Exception as e:
+        log.warning("process %d did not leave within %.0f s: %s", pid, self.liveness.timeout, e)
 
   # -- a follower's side -------------------------------------------------------------------------
 
@@ -405,6 +427,7 @@ class Mirror:
       if kind == STOP:
         self.liveness.stop()
         log.info("process %d: stopped by the leader after %d calls", jax.process_index(), n)
+        self.liveness.client.key_value_set(_left(jax.process_index()), "1")
         return
       if kind == RESET:
         self._reset()
@@ -464,4 +487,4 @@ def start(engine, liveness: Liveness | None) -> Mirror | None:
   return Mirror(runner, liveness)
 
 
-__all__ = ["Distributed", "Liveness", "Mirror", "engine_config", "initialize", "start"]
+__all__ = ["Distributed", "Liveness", "Mirror", "engine_config", "initialize", "leave", "start"]

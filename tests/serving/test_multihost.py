@@ -26,6 +26,8 @@ ROOT = Path(__file__).parents[2]
 PROMPTS = ["def foo(x):\n    return", "Hello, how are", "The quick brown"]
 FLAGS = ["--block-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
 FLAGS += ["--max-model-len", "64", "--num-blocks", "32", "--warmup", "none"]
+# One decode token a step: every call is the one step program (bursts: the slow test).
+ONE_STEP = ["--decode-burst", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -100,50 +102,37 @@ def stop(procs) -> list[str]:
         p.kill()
 
 
-def completions(url: str) -> list[dict]:
+def completions(url: str) -> list[tuple[str, dict]]:
+  """Greedy completions of PROMPTS over HTTP: (text, usage) each."""
   out = []
   for prompt in PROMPTS:
-    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out.append((r.json()["choices"][0]["text"], r.json()["usage"]))
   return out
 
 
-@pytest.mark.parametrize(
-  "mesh",
-  [
-    ["--tensor-parallel-size", "8"],
-    pytest.param(
-      ["--tensor-parallel-size", "4", "--data-parallel-size", "2"], marks=pytest.mark.slow
-    ),
-  ],
-  ids=["tensor8", "data2_tensor4"],
-)
-def test_two_processes_serve_as_one_device(folder, mesh):
-  with served(folder, *FLAGS) as url:
-    want = completions(url)
-  port = free_port()
-  procs = start_group(folder, port, *mesh)
-  try:
-    wait_healthy(f"http://127.0.0.1:{port}", procs)
-    got = completions(f"http://127.0.0.1:{port}")
-  finally:
-    outs = stop(procs)
-  assert got == want, outs[0]
-  assert [p.returncode for p in procs] == [0, 0], outs
-  assert "following the leader's steps" in outs[1]
+@pytest.fixture(scope="module")
+def one_device(folder):
+  """The reference: the same completions from one process on one device."""
+  with served(folder, *FLAGS, *ONE_STEP, "--runner", "ragged") as url:
+    return completions(url)
 
 
-def test_follower_killed_mid_request_stops_the_group(folder):
+def test_two_processes_serve_as_one_device_and_stop_when_one_is_lost(folder, one_device):
+  """Tensor 8 over both processes: one device's greedy tokens; then a follower killed while a
+  request streams ends the leader with status 1, naming the process, within the timeout."""
   port = free_port()
-  procs = start_group(folder, port, "--tensor-parallel-size", "8", "--heartbeat-timeout", "3")
   url = f"http://127.0.0.1:{port}"
+  procs = start_group(
+    folder, port, "--tensor-parallel-size", "8", "--heartbeat-timeout", "3", *ONE_STEP
+  )
   try:
     wait_healthy(url, procs)
+    assert completions(url) == one_device
     body = {"prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
-    body["stream"] = True
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
       for line in r.iter_lines():
         if line.startswith("data: {"):  # the first token is out: the request is running
           procs[1].kill()
@@ -155,3 +144,19 @@ def test_follower_killed_mid_request_stops_the_group(folder):
         p.kill()
   assert procs[0].returncode == 1, leader
   assert "process 1 of 2 was lost" in leader
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_on_their_own_hosts(folder, one_device):
+  """Data 2 x tensor 4: each process's devices hold one replica; decode bursts; one device's
+  greedy tokens; Ctrl-C to the leader stops both processes cleanly."""
+  port = free_port()
+  procs = start_group(folder, port, "--tensor-parallel-size", "4", "--data-parallel-size", "2")
+  try:
+    wait_healthy(f"http://127.0.0.1:{port}", procs)
+    got = completions(f"http://127.0.0.1:{port}")
+  finally:
+    outs = stop(procs)
+  assert got == one_device, outs[0]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  assert "stopped by the leader" in outs[1]
