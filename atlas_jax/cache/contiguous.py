@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from atlas_jax import kernels
+from atlas_jax.cache.protocol import refuse_latent_options
 from atlas_jax.kernels.mla_decode import mla_decode
 
 Array = jax.Array
@@ -76,11 +77,23 @@ class KVLayer:
       v=write_rows(self.v, self.layer, v_BTKH, self.start),
     )
 
-  def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(
+    self,
+    q_BTNH,
+    positions_BT,
+    *,
+    scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    implementation=None,
+  ):
     dtype = q_BTNH.dtype
-    if q_BTNH.shape[1] == 1 and sliding_window is None:
+    options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if q_BTNH.shape[1] == 1:
       # Decoding: the cache seen as pages, read in place by the paged-attention kernel (the query
-      # takes the cache's dtype, so the stacked cache is never converted).
+      # takes the cache's dtype, so the stacked cache is never converted); a window skips the
+      # pages before it.
       (k_LPZKH, table_BM), (v_LPZKH, _) = as_pages(self.k), as_pages(self.v)
       out_BNH = kernels.paged_attention(
         q_BTNH[:, 0].astype(self.k.dtype),
@@ -89,8 +102,8 @@ class KVLayer:
         table_BM,
         self.kv_lengths,
         layer=self.layer,
-        scale=scale,
         implementation=implementation if implementation in ("pallas", "xla") else None,
+        **options,
       )
       return out_BNH[:, None].astype(dtype)
     # Queries see the cache up to their own position; slots past kv_lengths hold stale data.
@@ -100,11 +113,10 @@ class KVLayer:
       k_BSKH.astype(dtype),
       v_BSKH.astype(dtype),
       causal=True,
-      scale=scale,
-      sliding_window=sliding_window,
       q_positions=positions_BT,
       kv_lengths=self.kv_lengths,
       implementation=implementation,
+      **options,
     )
 
   def read(self) -> tuple[Array, Array]:
@@ -129,11 +141,20 @@ class LatentLayer:
     del positions_BT
     return self.replace(c=write_rows(self.c, self.layer, latent_BTY, self.start))
 
-  def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(
+    self,
+    q_BTNY,
+    positions_BT,
+    *,
+    scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    implementation=None,
+  ):
     """Absorbed MLA attention over the latents: [B, T, N, C]."""
     del positions_BT  # the T queries are each row's last T tokens (mla_decode's contract)
-    if sliding_window is not None:
-      raise ValueError("LatentLayer.attend: MLA has no sliding window")
+    refuse_latent_options("LatentLayer.attend", sliding_window, soft_cap, sinks)
     C = self.c.shape[-1] - self.rope_dim
     impl = implementation if implementation in ("pallas", "xla") else None
     q_BTNE_c = q_BTNY.astype(self.c.dtype)  # the query takes the cache's dtype, not vice versa

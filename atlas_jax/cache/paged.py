@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
-from atlas_jax.cache.protocol import added_tokens
+from atlas_jax.cache.protocol import added_tokens, refuse_latent_options
 from atlas_jax.kernels.quantized_kv import SCALE_DTYPE, dequantize, is_quantized, quantize
 
 Array = jax.Array
@@ -491,33 +491,46 @@ class PagedKVLayer:
   def _scale_spec(self):
     return None if self.layout is None else self.layout.spec(None, "pages", None, "kv_heads")
 
-  def attend(self, q_BTNH, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(
+    self,
+    q_BTNH,
+    positions_BT,
+    *,
+    scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    implementation=None,
+  ):
     """Causal attention of the call's tokens over their sequences' pages (the ragged kernel),
-    in the pool's dtype; padding tokens get zeros."""
+    in the pool's dtype; padding tokens get zeros. `sinks` f32[N] lie with the query heads."""
     del positions_BT  # each token's position follows from its sequence's `queries`
     dtype = q_BTNH.dtype
     layout = self.layout
     kw = dict(
       scale=scale,
       sliding_window=sliding_window,
+      soft_cap=soft_cap,
       implementation=_implementation(implementation),
       **dict(self.options),
     )
 
-    def local(q_RTNH, table_BM, queries, layer, k, v, *scales):
+    def local(q_RTNH, table_BM, queries, layer, sinks_N, k, v, *scales):
       table_BM = local_table(table_BM, layout, k.shape[1])
       if scales:  # 8-bit codes: the queries stay in the model's dtype
         scaled = dict(k_scale=scales[0], v_scale=scales[1])
-        return _attend(q_RTNH, (k, v), table_BM, queries, layer, **scaled, **kw)
-      return _attend(q_RTNH.astype(k.dtype), (k, v), table_BM, queries, layer, **kw)
+        return _attend(q_RTNH, (k, v), table_BM, queries, layer, sinks=sinks_N, **scaled, **kw)
+      q_RTNH = q_RTNH.astype(k.dtype)
+      return _attend(q_RTNH, (k, v), table_BM, queries, layer, sinks=sinks_N, **kw)
 
     pool, seqs, heads = self._specs()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
     scale = self._scale_spec()
     pools = (pool, pool) + ((scale, scale) if self.k_scale is not None else ())
-    specs = (heads("q_heads"), seqs(2), q_specs, P(), *pools)
+    sink_spec = None if layout is None or sinks is None else layout.spec("q_heads")
+    specs = (heads("q_heads"), seqs(2), q_specs, P(), sink_spec, *pools)
     out = per_shard(layout, local, specs, heads("q_heads"))(
-      q_BTNH, self.block_table, self.queries, self.layer, *self.storage
+      q_BTNH, self.block_table, self.queries, self.layer, sinks, *self.storage
     )
     return out.astype(dtype)
 
@@ -610,11 +623,20 @@ class PagedLatentLayer:
       return dataclasses.replace(self, c=arrays[0], c_scale=arrays[1])
     return dataclasses.replace(self, c=arrays[0])
 
-  def attend(self, q_BTNY, positions_BT, *, scale=None, sliding_window=None, implementation=None):
+  def attend(
+    self,
+    q_BTNY,
+    positions_BT,
+    *,
+    scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    implementation=None,
+  ):
     """Absorbed MLA attention over the latents, read in place: [R, T, N, C]."""
     del positions_BT
-    if sliding_window is not None:
-      raise ValueError("PagedLatentLayer.attend: MLA has no sliding window")
+    refuse_latent_options("PagedLatentLayer.attend", sliding_window, soft_cap, sinks)
     dtype = q_BTNY.dtype
     C = self.c.shape[-1] - self.rope_dim
     layout = self.layout

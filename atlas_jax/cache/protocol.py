@@ -61,9 +61,13 @@ class LayerCache(Protocol):
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: Array | None = None,
     implementation: str | None = None,
   ) -> Array:
-    """Causal attention of the T queries over every entry held (after `write`)."""
+    """Causal attention of the T queries over every entry held (after `write`); the softmax
+    options (window, soft-cap, f32[N] sinks) as in `atlas_jax.kernels.reference`. Latent
+    layers take none of them and raise ValueError when one is given."""
     ...
 
   def read(self) -> tuple[Array, ...]:
@@ -98,6 +102,19 @@ class Cache(Protocol):
     ([B * S] rows of a contiguous cache, [P * Z] slots of a pool); -1 where padding. Side
     stores kept beside the cache (an MTP drafter's hidden states) are indexed by it."""
     ...
+
+
+def refuse_latent_options(where: str, sliding_window, soft_cap, sinks) -> None:
+  """MLA's absorbed attention takes none of the per-model softmax options: ValueError naming
+  the one given."""
+  for name, value in (
+    ("sliding_window", sliding_window),
+    ("soft_cap", soft_cap),
+    ("sinks", sinks),
+  ):
+    if value is not None:
+      shown = "an array" if name == "sinks" else repr(value)
+      raise ValueError(f"{where}: MLA has no {name} (got {name}={shown}); pass None")
 
 
 def added_tokens(positions_BT: Array) -> Array:

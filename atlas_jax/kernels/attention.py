@@ -7,7 +7,8 @@ Implementations (all share the masking semantics documented in `kernels.referenc
   masked triangle (`kernels.blocked`); every other call is the reference (`attention_reference`).
 * "reference": `attention_reference` for every call, the whole [T, S] score matrix (what the
   planner's activation figures for "xla" count, tensor by tensor).
-* "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory, every mask.
+* "pallas": the tiled FlashAttention kernel (`kernels.flash_attention`), O(T) memory, every mask,
+  logit soft-capping and attention sinks.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only, a subset of
   the masks (`cudnn_unsupported`).
 * None: `select_implementation`, a pure function of the call and the platform:
@@ -25,7 +26,9 @@ expose cuDNN's packed layout); no explicit query positions; a causal mask only w
 every key is valid, since cuDNN aligns the causal diagonal top-left and ours is bottom-right
 relative to the valid keys; a sliding window only with the causal mask (cuDNN's window has no
 right side, ours does without `causal`); no kv lengths (with the causal mask cuDNN's diagonal
-ignores them; without it, rows of length zero, which must give zeros, are unchecked there).
+ignores them; without it, rows of length zero, which must give zeros, are unchecked there); no
+logit soft-cap and no attention sinks (the public function takes neither: a cap is not a bias,
+and a sink column is not a key).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class AttentionCall:
   q_positions: bool = False
   kv_lengths: bool = False
   sliding_window: int | None = None
+  soft_cap: float | None = None
+  sinks: bool = False  # per-head sink logits given
 
   @classmethod
   def of(cls, q: Array, k: Array, **masking) -> AttentionCall:
@@ -73,6 +78,8 @@ class AttentionCall:
       q_positions=masking.get("q_positions") is not None,
       kv_lengths=masking.get("kv_lengths") is not None,
       sliding_window=masking.get("sliding_window"),
+      soft_cap=masking.get("soft_cap"),
+      sinks=masking.get("sinks") is not None,
     )
 
 
@@ -108,6 +115,10 @@ def cudnn_unsupported(
     return "kv_lengths are not given to cuDNN (causal alignment, zero-length rows)"
   if call.sliding_window is not None and not call.causal:
     return "cuDNN's sliding window is causal; ours without causal=True also sees later keys"
+  if call.soft_cap is not None:
+    return "jax.nn.dot_product_attention takes no logit soft-cap (soft_cap)"
+  if call.sinks:
+    return "jax.nn.dot_product_attention takes no attention sinks (sinks)"
   return None
 
 
@@ -168,6 +179,8 @@ def attention(
   sliding_window: int | None = None,
   q_positions: Array | None = None,
   kv_lengths: Array | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
 ) -> Array:
@@ -183,6 +196,10 @@ def attention(
     sliding_window: attend only to the last `sliding_window` positions (inclusive of the query).
     q_positions: i32[B, T] absolute query positions (default: the last T valid keys).
     kv_lengths: i32[B] number of valid keys per sequence (default: all S).
+    soft_cap: c (a Python float > 0, static): scores pass through c * tanh(s / c) before the
+      softmax (Gemma 2); None: not capped.
+    sinks: f32[N] one learned logit per query head that joins the softmax's denominator as a
+      column with no value (gpt-oss); differentiable; None: no sink.
     implementation: "xla", "reference", "pallas", "cudnn" or None (`select_implementation`).
     interpret: run a Pallas kernel in interpret mode (default: on CPU).
 
@@ -196,6 +213,8 @@ def attention(
     sliding_window=sliding_window,
     q_positions=q_positions,
     kv_lengths=kv_lengths,
+    soft_cap=soft_cap,
+    sinks=sinks,
   )
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -210,7 +229,12 @@ def attention(
     q_positions=q_positions,
     kv_lengths=kv_lengths,
     sliding_window=sliding_window,
+    soft_cap=soft_cap,
+    sinks=sinks,
   )
+  if soft_cap is not None:
+    soft_cap = float(soft_cap)
+    masking["soft_cap"] = soft_cap
   call = AttentionCall.of(q, k, **masking)
   if implementation is None:
     implementation = select_implementation(
@@ -227,6 +251,8 @@ def attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
       )
     return attention_reference(q, k, v, scale=scale, **masking)
 

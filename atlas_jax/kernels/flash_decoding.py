@@ -176,7 +176,9 @@ def finish(state) -> tuple[Array, Array]:
   return acc_QW / l_safe_Q1, jnp.where(empty_Q1, -jnp.inf, m_Q1 + jnp.log(l_safe_Q1))
 
 
-def combine_splits(out_XQW: Array, lse_XQ1: Array, *, axis: int, dtype) -> Array:
+def combine_splits(
+  out_XQW: Array, lse_XQ1: Array, *, axis: int, dtype, sink_Q1: Array | None = None
+) -> Array:
   """The second pass: merges split partials along `axis` by their log-sum-exp weights.
 
   Args:
@@ -184,13 +186,29 @@ def combine_splits(out_XQW: Array, lse_XQ1: Array, *, axis: int, dtype) -> Array
     lse_XQ1: f32[..., X, ..., 1] their log-sum-exps, -inf for splits that saw no key.
     axis: the split axis X.
     dtype: the output dtype.
+    sink_Q1: f32[..., 1], broadcastable to lse without the split axis: each row's attention
+      sink logit (`kernels.reference`), or None. The sink is one more partial, of output zero,
+      so it is counted once however many splits there are.
 
   Returns:
     out with the split axis removed; zeros for rows no split saw a key for.
   """
   lse_max = jnp.max(lse_XQ1, axis=axis, keepdims=True)
+  if sink_Q1 is not None:
+    sink_Q1 = jnp.broadcast_to(sink_Q1, jnp.squeeze(lse_max, axis).shape)
+    lse_max = jnp.maximum(lse_max, jnp.expand_dims(sink_Q1, axis))
   lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
   w = jnp.exp(lse_XQ1 - lse_max)  # exp(-inf) = 0 for empty splits
   total = jnp.sum(w, axis=axis)
+  if sink_Q1 is not None:
+    total = total + jnp.exp(sink_Q1 - jnp.squeeze(lse_max, axis))
   out = jnp.sum(w * out_XQW, axis=axis) / jnp.where(total > 0.0, total, 1.0)
   return out.astype(dtype)
+
+
+def sink_rows(sinks_N: Array, kv_heads: int, tokens: int, rows: int) -> Array:
+  """f32[K, rows, 1]: each kernel row's sink logit, the rows of kv head h being (token t, head
+  g of its group) at t * G + g, padded to `rows` (padding rows' outputs are discarded)."""
+  G = sinks_N.shape[0] // kv_heads
+  sink_KQ = jnp.tile(sinks_N.astype(jnp.float32).reshape(kv_heads, G), (1, tokens))
+  return jnp.pad(sink_KQ, ((0, 0), (0, rows - tokens * G)))[..., None]

@@ -13,7 +13,10 @@ Semantics (shared with `paged_attention_reference`):
 * block table entries at or past `cdiv(lengths[b], Z)` are never read, and pool slots at or past
   `lengths[b]` are masked before they reach the output, so both may hold anything (stale
   tokens, NaN);
-* a query with no visible key (length 0, or a position before the start) returns zeros.
+* a query with no visible key (length 0, or a position before the start) returns zeros;
+* `sliding_window=W` hides keys W or more positions before a query, and pages wholly before
+  every query's window are never read; `soft_cap=c` passes the scores through c * tanh(s / c);
+  `sinks` f32[N] adds a valueless softmax column per query head (`kernels.reference`).
 
 Grid: (sequence, kv head, KV split), flash decoding (`kernels.flash_decoding`). A program holds
 the queries of its kv head's whole group (T * G rows) and walks its split's pages several at a
@@ -37,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from . import flash_decoding as fd
 from .quantized_kv import dequantize, is_quantized
-from .reference import attention_reference
+from .reference import attention_reference, cap_scores, check_soft_cap_and_sinks
 
 Array = jax.Array
 Implementation = Literal["pallas", "xla"]
@@ -58,6 +61,8 @@ def _paged_attention_kernel(
   n_queries: int,
   pages_per_split: int,
   pages_per_step: int,
+  window: int | None,
+  soft_cap: float | None,
 ):
   length = lengths_ref[pl.program_id(0)]
   layer = layer_ref[0]
@@ -68,26 +73,32 @@ def _paged_attention_kernel(
   qpos_Q1 = length - n_queries + jax.lax.broadcasted_iota(jnp.int32, (Q, 1), 0) // group
   offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
   offsets_Z1 = jax.lax.broadcasted_iota(jnp.int32, (Z, 1), 0)
-  first, n_steps, held = fd.split_steps(
-    length,
-    pl.program_id(2),
-    page_size=Z,
-    pages_per_split=pages_per_split,
-    pages_per_step=pages_per_step,
-  )
+  split = pl.program_id(2)
+  held = (length + Z - 1) // Z
+  lo = split * pages_per_split
+  if window is not None:  # pages before the first query's window hold no visible key
+    lo = jnp.maximum(lo, jnp.maximum(length - n_queries - window + 1, 0) // Z)
+  hi = jnp.minimum((split + 1) * pages_per_split, held)
+  n_steps = (jnp.maximum(hi - lo, 0) + pages_per_step - 1) // pages_per_step
 
   def body(step, state):
     scores, values = [], []
     for j in range(pages_per_step):
-      i = first + step * pages_per_step + j
-      # Past the pages held (the last iteration of a split): read a held page, mask all of it.
-      page = table_ref[jnp.minimum(i, held - 1)]
-      s_QZ = fd.scores(q_QH, k_ref[layer, page]) * jnp.float32(scale)
+      i = lo + step * pages_per_step + j
+      inside = i < hi
+      # Past the split's pages (its last iteration): read a held page, mask all of it.
+      page = table_ref[jnp.minimum(i, hi - 1)]
+      s_QZ = cap_scores(fd.scores(q_QH, k_ref[layer, page]) * jnp.float32(scale), soft_cap)
       # Causal visibility; qpos < length, so it also hides the page's unused tail.
-      scores.append(jnp.where(i * Z + offsets_1Z <= qpos_Q1, s_QZ, -jnp.inf))
+      kpos_1Z = i * Z + offsets_1Z
+      seen_QZ = (kpos_1Z <= qpos_Q1) & inside
+      if window is not None:
+        seen_QZ &= kpos_1Z > qpos_Q1 - window
+      scores.append(jnp.where(seen_QZ, s_QZ, -jnp.inf))
       # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
       v_ZH = v_ref[layer, page]
-      values.append(jnp.where(i * Z + offsets_Z1 < length, v_ZH, jnp.zeros((), v_ZH.dtype)))
+      held_Z1 = (i * Z + offsets_Z1 < length) & inside
+      values.append(jnp.where(held_Z1, v_ZH, jnp.zeros((), v_ZH.dtype)))
     return fd.fold_pages(state, scores, values)
 
   state = jax.lax.fori_loop(0, n_steps, body, fd.init_state(Q, q_QH.shape[1]))
@@ -158,7 +169,27 @@ def _query_rows(n: int) -> int:
   return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "pages_per_step", "interpret"))
+def _check_options(sliding_window, soft_cap, sinks, n_heads: int) -> None:
+  if sliding_window is not None and (
+    isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+  ):
+    raise ValueError(
+      f"paged_attention: sliding_window={sliding_window!r} must be a positive int or None"
+    )
+  check_soft_cap_and_sinks("paged_attention", soft_cap, sinks, n_heads)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "scale",
+    "sliding_window",
+    "soft_cap",
+    "num_splits",
+    "pages_per_step",
+    "interpret",
+  ),
+)
 def paged_attention_pallas(
   q: Array,
   pool_k: Array,
@@ -168,12 +199,16 @@ def paged_attention_pallas(
   *,
   layer: Array | None = None,
   scale: float | None = None,
+  sliding_window: int | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   num_splits: int | None = None,
   pages_per_step: int | None = None,
   interpret: bool = False,
 ) -> Array:
   """The Pallas kernel; see `paged_attention` for arguments."""
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
   if layer is None:  # one layer: a stack of one (a free reshape)
     pool_k, pool_v, layer = pool_k[None], pool_v[None], 0
   decode = q.ndim == 3
@@ -203,6 +238,8 @@ def paged_attention_pallas(
     n_queries=T,
     pages_per_split=per_split,
     pages_per_step=per_step,
+    window=sliding_window,
+    soft_cap=soft_cap,
   )
   part_spec = pl.BlockSpec((None, None, None, Q, H), lambda b, h, x: (b, h, x, 0, 0))
   lse_spec = pl.BlockSpec((None, None, None, Q, 1), lambda b, h, x: (b, h, x, 0, 0))
@@ -233,7 +270,8 @@ def paged_attention_pallas(
     pool_k,
     pool_v,
   )
-  out_BKQH = fd.combine_splits(out_BKXQH, lse_BKXQ1, axis=2, dtype=q.dtype)
+  sink_KQ1 = None if sinks is None else fd.sink_rows(sinks, K, T, Q)
+  out_BKQH = fd.combine_splits(out_BKXQH, lse_BKXQ1, axis=2, dtype=q.dtype, sink_Q1=sink_KQ1)
   out_BTNH = (
     out_BKQH[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
   )
@@ -259,6 +297,7 @@ def paged_attention_xla(
   keys_per_step: int | None = None,
   sliding_window: int | None = None,
   soft_cap: float | None = None,
+  sinks: Array | None = None,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
 ) -> Array:
@@ -281,11 +320,14 @@ def paged_attention_xla(
   positions. `keys_per_step` defaults to half of `XLA_KEYS_PER_STEP` (one page of 16) for a few
   queries per row and to 4x it for prompt chunks, whose queries amortise a step's bookkeeping.
   `sliding_window` W hides keys W or more positions before a query (the loop starts at the first
-  step any query sees); `soft_cap` c passes scores through c * tanh(s / c). `k_scale` and
+  step any query sees); `soft_cap` c passes scores through c * tanh(s / c); `sinks` f32[N] starts
+  each row's online softmax at its head's sink (m = sink, l = 1: the valueless column, counted
+  once). `k_scale` and
   `v_scale` [(L,) P, Z, K]: the pools hold 8-bit codes (`kernels.quantized_kv`), each step's
   pages dequantized as they are gathered.
   """
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer, k_scale, v_scale)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, T, N, H = q_BTNH.shape
@@ -317,7 +359,7 @@ def paged_attention_xla(
   c_axis = 1 if few else -1
 
   def capped(s):
-    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+    return cap_scores(s, soft_cap)
 
   def scores(k_BCKH, visible_BQC):
     if few:
@@ -372,6 +414,9 @@ def paged_attention_xla(
     jnp.zeros((B, K, Q), jnp.float32),
     jnp.zeros((B, K, Q, H), jnp.float32),
   )
+  if sinks is not None:  # the sink column first: m = sink, l = exp(sink - m) = 1, no value
+    sink_KQ = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, T))
+    init = (jnp.broadcast_to(sink_KQ, (B, K, Q)), jnp.ones((B, K, Q), jnp.float32), init[2])
   _, l_BKQ, acc_BKQH = jax.lax.fori_loop(first, steps, body, init)
   out_BKQH = acc_BKQH / jnp.where(l_BKQ > 0, l_BKQ, 1.0)[..., None]  # no key seen: zeros
   out_BKTGH = out_BKQH.reshape(B, K, T, G, H)
@@ -379,7 +424,7 @@ def paged_attention_xla(
   return out_BTNH[:, 0] if decode else out_BTNH
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
 def paged_attention_reference(
   q: Array,
   pool_k: Array,
@@ -389,9 +434,13 @@ def paged_attention_reference(
   *,
   layer: Array | None = None,
   scale: float | None = None,
+  sliding_window: int | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """Pure jnp: gather each sequence's pages into dense K/V, then causal dense attention."""
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, max_blocks = block_table.shape
@@ -406,7 +455,15 @@ def paged_attention_reference(
   k_BSKH = jnp.where(valid_BS11, pages(pool_k).reshape(B, S, K, H), zero)
   v_BSKH = jnp.where(valid_BS11, pages(pool_v).reshape(B, S, K, H), zero)
   out_BTNH = attention_reference(
-    q_BTNH, k_BSKH, v_BSKH, causal=True, scale=scale, kv_lengths=lengths
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    causal=True,
+    scale=scale,
+    kv_lengths=lengths,
+    sliding_window=sliding_window,
+    soft_cap=soft_cap,
+    sinks=sinks,
   )
   return out_BTNH[:, 0] if decode else out_BTNH
 
@@ -420,6 +477,9 @@ def paged_attention(
   *,
   layer: Array | None = None,
   scale: float | None = None,
+  sliding_window: int | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
   num_splits: int | None = None,
@@ -438,6 +498,10 @@ def paged_attention(
     lengths: i32[B] tokens held per sequence, the T new ones included (<= max_blocks * Z).
     layer: i32[] the layer to read from stacked pools, or None.
     scale: softmax scale, default H ** -0.5.
+    sliding_window: W, a query sees the W positions up to its own (pages wholly before every
+      query's window are skipped); None: all before it.
+    soft_cap: c, scores pass through c * tanh(s / c) before the softmax; None: not capped.
+    sinks: f32[N] a sink logit per query head (`kernels.reference`); None: no sink.
     implementation: "pallas" (the kernel), "xla" (`paged_attention_xla`, jnp) or None: the
       kernel on GPU, jnp elsewhere (the kernel keeps a kv head's whole pool slice addressable,
       which suits GPU memory, not TPU VMEM).
@@ -455,8 +519,11 @@ def paged_attention(
     )
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+  options = dict(
+    layer=layer, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks
+  )
   if implementation == "xla":
-    return paged_attention_xla(q, pool_k, pool_v, block_table, lengths, layer=layer, scale=scale)
+    return paged_attention_xla(q, pool_k, pool_v, block_table, lengths, **options)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   return paged_attention_pallas(
@@ -465,8 +532,7 @@ def paged_attention(
     pool_v,
     block_table,
     lengths,
-    layer=layer,
-    scale=scale,
+    **options,
     num_splits=num_splits,
     pages_per_step=pages_per_step,
     interpret=interpret,

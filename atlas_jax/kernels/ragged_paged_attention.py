@@ -14,7 +14,9 @@ contiguous, and per sequence b three numbers say where its queries are and what 
 The keys and values of sequence b live in the pages `block_tables[b]` names, read in place. Tokens
 of T owned by no sequence are padding and get zeros. Sequences must occupy disjoint runs of T in
 increasing order. Options: `sliding_window=W` (a query sees the W positions up to its own) and
-`soft_cap=c` (scores pass through c * tanh(s / c) before the softmax, Gemma 2's logit capping).
+`soft_cap=c` (scores pass through c * tanh(s / c) before the softmax, Gemma 2's logit capping)
+and `sinks` f32[N] (a valueless softmax column per query head, gpt-oss's attention sinks; see
+`kernels.reference`). Query blocks skip the pages wholly outside their window.
 8-bit pools (`kernels.quantized_kv`) come with `k_scale` and `v_scale`, a float32 scale per token
 and kv head ([L, P, Z, K]; a latent pool's [L, P, Z, 1]): every path dequantizes a page as it
 reads it, so only the 8-bit codes cross memory.
@@ -58,7 +60,7 @@ from jax.experimental import pallas as pl
 from . import flash_decoding as fd
 from .paged_attention import paged_attention_xla
 from .quantized_kv import dequantize, is_quantized
-from .reference import attention_reference
+from .reference import attention_reference, cap_scores, check_soft_cap_and_sinks
 
 Array = jax.Array
 Implementation = Literal["pallas", "xla"]
@@ -245,15 +247,18 @@ def check_inputs(
     raise fail(f"q must be floating, got {q.dtype}")
 
 
-def _check_options(sliding_window, soft_cap):
+def _check_options(sliding_window, soft_cap, sinks=None, n_heads=None):
   if sliding_window is not None and (
     isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
   ):
     raise ValueError(
       f"ragged_paged_attention: sliding_window={sliding_window!r} must be a positive int or None"
     )
-  if soft_cap is not None and not soft_cap > 0:
+  if soft_cap is not None and not (
+    isinstance(soft_cap, (int, float)) and not isinstance(soft_cap, bool) and soft_cap > 0
+  ):
     raise ValueError(f"ragged_paged_attention: soft_cap={soft_cap!r} must be > 0 or None")
+  check_soft_cap_and_sinks("ragged_paged_attention", soft_cap, sinks, n_heads)
 
 
 def _stacked(k_pages, v_pages, layer):
@@ -283,6 +288,7 @@ def ragged_paged_attention_reference(
   value_dim: int | None = None,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """Pure jnp: every sequence's pages gathered into dense K/V, each token attending to its own
   sequence's as `attention_reference` does (8-bit pools dequantized whole first). Memory grows
@@ -300,7 +306,7 @@ def ragged_paged_attention_reference(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
   if k_scale is not None:
     if v_pages is None:
       k_pages = dequantize(k_pages, k_scale[..., 0], q.dtype)
@@ -326,34 +332,18 @@ def ragged_paged_attention_reference(
   valid_BS11 = (jnp.arange(M * Z)[None] < kvlen_B[:, None])[:, :, None, None]
   k_BSKH = jnp.where(valid_BS11, dense(k_pages), 0)[seq_T]  # [T, S, K, H]
   v_BSKH = jnp.where(valid_BS11, dense(v_pages), 0)[seq_T]
-  scale = H**-0.5 if scale is None else scale
-  if soft_cap is None:
-    out = attention_reference(
-      q[:, None],
-      k_BSKH,
-      v_BSKH,
-      causal=True,
-      scale=scale,
-      sliding_window=sliding_window,
-      q_positions=pos_T[:, None],
-      kv_lengths=kvlen_B[seq_T],
-    )[:, 0]
-  else:  # the reference's masks, with the capped scores in between
-    G = N // K
-    s_TKGS = jnp.einsum(
-      "TKGH,TSKH->TKGS", q.reshape(T, K, G, H).astype(jnp.float32), k_BSKH.astype(jnp.float32)
-    )
-    s_TKGS = soft_cap * jnp.tanh(s_TKGS * scale / soft_cap)
-    kpos_S = jnp.arange(M * Z)
-    seen_TS = (kpos_S[None] <= pos_T[:, None]) & (kpos_S[None] < kvlen_B[seq_T][:, None])
-    if sliding_window is not None:
-      seen_TS &= kpos_S[None] > pos_T[:, None] - sliding_window
-    s_TKGS = jnp.where(seen_TS[:, None, None], s_TKGS, -jnp.inf)
-    m = jnp.max(s_TKGS, axis=-1, keepdims=True)
-    p = jnp.exp(s_TKGS - jnp.where(m == -jnp.inf, 0, m))
-    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    out = jnp.einsum("TKGS,TSKH->TKGH", p, v_BSKH.astype(jnp.float32)).reshape(T, N, -1)
-    out = out.astype(q.dtype)
+  out = attention_reference(
+    q[:, None],
+    k_BSKH,
+    v_BSKH,
+    causal=True,
+    scale=H**-0.5 if scale is None else scale,
+    sliding_window=sliding_window,
+    q_positions=pos_T[:, None],
+    kv_lengths=kvlen_B[seq_T],
+    soft_cap=None if soft_cap is None else float(soft_cap),
+    sinks=sinks,
+  )[:, 0]
   out = jnp.where(owned_T[:, None, None], out, 0)
   return out[..., :value_dim] if latent else out
 
@@ -380,6 +370,7 @@ def ragged_paged_attention_xla(
   keys_per_step: int | None = None,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """Each query block a row of `paged_attention_xla` (a loop over page steps, as many as the
   longest block needs), its queries at their positions. `block_q` defaults to 16 tokens;
@@ -397,7 +388,7 @@ def ragged_paged_attention_xla(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
   latent = v_pages is None
   if latent:  # a free reshape: one kv head, the latent as key and value
     k_pages = v_pages = k_pages[..., None, :]
@@ -421,6 +412,7 @@ def ragged_paged_attention_xla(
     keys_per_step=keys_per_step,
     sliding_window=sliding_window,
     soft_cap=soft_cap,
+    sinks=sinks,
     k_scale=k_scale,
     v_scale=v_scale,
   )
@@ -434,7 +426,7 @@ def ragged_paged_attention_xla(
 def _scores(q_parts, k_parts, *, scale, soft_cap):
   """f32[Q, Z] of the query parts against the key parts (one pair, or the latent's two)."""
   s_QZ = sum(fd.scores(q, k) for q, k in zip(q_parts, k_parts)) * jnp.float32(scale)
-  return s_QZ if soft_cap is None else soft_cap * jnp.tanh(s_QZ / soft_cap)
+  return cap_scores(s_QZ, soft_cap)
 
 
 def _ragged_gpu_kernel(
@@ -543,6 +535,7 @@ def _ragged_triton(
   num_splits,
   pages_per_step,
   interpret,
+  sinks,
 ):
   latent = v_pages is None
   L, P, Z = k_pages.shape[:3]
@@ -622,7 +615,9 @@ def _ragged_triton(
     *q_args,
     *pool_args,
   )
-  out_JKQH = fd.combine_splits(out_JKXQH, lse_JKXQ1, axis=2, dtype=q.dtype)
+  # The sinks join in the merge of the splits, counted once per row (`fd.combine_splits`).
+  sink_KQ1 = None if sinks is None else fd.sink_rows(sinks, K, block_q, Q)
+  out_JKQH = fd.combine_splits(out_JKXQH, lse_JKXQ1, axis=2, dtype=q.dtype, sink_Q1=sink_KQ1)
   return _tokens_of_rows(out_JKQH, plan, block_q, N, T)
 
 
@@ -648,14 +643,18 @@ def _ragged_tpu_kernel(
   pages_per_step: int,
   kv_heads: int,
   scaled: bool,
+  has_sinks: bool,
 ):
-  # q [K, Q, H]; pages_per_step key pages [Z, K, H] (latent: [Z, C + R]) and as many value pages
-  # (GQA only); 8-bit pools: then as many key (and value) scale pages f32[Z, K] (latent:
-  # [Z, 1]); o [K, Q, Hv]; scratch m, l f32[K, Q, 1], acc f32[K, Q, Hv].
+  # q [K, Q, H]; with sinks, f32[K, Q, 1] each row's sink logit; pages_per_step key pages
+  # [Z, K, H] (latent: [Z, C + R]) and as many value pages (GQA only); 8-bit pools: then as many
+  # key (and value) scale pages f32[Z, K] (latent: [Z, 1]); o [K, Q, Hv]; scratch m, l
+  # f32[K, Q, 1], acc f32[K, Q, Hv].
   del table_ref, layer_ref
   n_pools = 1 if latent_dim is not None else 2
   n_pages = n_pools * pages_per_step * (2 if scaled else 1)
-  q_ref, pages, (o_ref, m_ref, l_ref, acc_ref) = refs[0], refs[1 : 1 + n_pages], refs[1 + n_pages :]
+  q_ref, refs = refs[0], refs[1:]
+  sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+  pages, (o_ref, m_ref, l_ref, acc_ref) = refs[:n_pages], refs[n_pages:]
   runs = [
     pages[i * pages_per_step : (i + 1) * pages_per_step]
     for i in range(len(pages) // pages_per_step)
@@ -679,8 +678,12 @@ def _ragged_tpu_kernel(
 
   @pl.when(step == 0)
   def _():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sink_ref is None:
+      m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+      l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:  # the sink column first: m = sink, l = exp(sink - m) = 1, and no value
+      m_ref[...] = sink_ref[...]
+      l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   first_page = step * pages_per_step
@@ -734,6 +737,7 @@ def _ragged_mosaic(
   block_q,
   pages_per_step,
   interpret,
+  sinks,
 ):
   from jax.experimental.pallas import tpu as pltpu
 
@@ -786,11 +790,16 @@ def _ragged_mosaic(
     pages_per_step=per_step,
     kv_heads=K,
     scaled=k_scale is not None,
+    has_sinks=sinks is not None,
   )
+  sink_specs, sink_args = [], []
+  if sinks is not None:
+    sink_specs = [pl.BlockSpec((K, Q, 1), lambda j, step, *_: (0, 0, 0))]
+    sink_args = [fd.sink_rows(sinks, K, block_q, Q)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=7,
     grid=(J, n_steps),
-    in_specs=[rows, *page_specs],
+    in_specs=[rows, *sink_specs, *page_specs],
     out_specs=out_rows,
     scratch_shapes=[
       pltpu.VMEM((K, Q, 1), jnp.float32),
@@ -814,6 +823,7 @@ def _ragged_mosaic(
     block_tables.astype(jnp.int32)[plan.seq_J].reshape(-1),
     jnp.reshape(layer, (1,)),
     q_JKQH,
+    *sink_args,
     *pool_args,
   )
   return _tokens_of_rows(out_JKQH, plan, block_q, N, T)
@@ -856,6 +866,7 @@ def ragged_paged_attention_pallas(
   interpret: bool = False,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """The Pallas kernels; see `ragged_paged_attention`. `backend` "triton" (GPU) or "mosaic"
   (TPU); `interpret` runs either on any backend."""
@@ -872,7 +883,7 @@ def ragged_paged_attention_pallas(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap)
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
   if backend not in ("triton", "mosaic"):
     raise ValueError(f"ragged_paged_attention: backend={backend!r} is not 'triton' or 'mosaic'")
   fd.check_positive_or_none("ragged_paged_attention", "block_q", block_q)
@@ -896,6 +907,7 @@ def ragged_paged_attention_pallas(
     interpret=interpret,
     k_scale=k_scale,
     v_scale=v_scale,
+    sinks=sinks,
   )
   if backend == "mosaic":
     return _ragged_mosaic(q, k_pages, v_pages, block_tables, plan, T, **common)
@@ -926,6 +938,7 @@ def ragged_paged_attention(
   block_q: int | None = None,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
+  sinks: Array | None = None,
 ) -> Array:
   """Attention of a step's ragged queries over their sequences' pages.
 
@@ -942,6 +955,8 @@ def ragged_paged_attention(
     scale: the softmax scale, default H ** -0.5.
     sliding_window: W, a query sees positions (pos - W, pos]; None: all before it.
     soft_cap: scores capped as c * tanh(s / c); None: not capped.
+    sinks: f32[N] one sink logit per query head, a softmax column with no value
+      (`kernels.reference`); None: no sink.
     value_dim: C, for latent pages: the output sums the first C dims of the latent.
     implementation: "pallas" (Triton on a GPU, Mosaic on a TPU; interpret mode on a CPU),
       "xla" (`ragged_paged_attention_xla`), or None: per lowering platform, the Pallas kernel on
@@ -972,6 +987,7 @@ def ragged_paged_attention(
     max_query_len=max_query_len,
     k_scale=k_scale,
     v_scale=v_scale,
+    sinks=sinks,
   )
   xla = functools.partial(
     ragged_paged_attention_xla, keys_per_step=keys_per_step, block_q=block_q, **options

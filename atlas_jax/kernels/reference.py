@@ -13,7 +13,17 @@ Masking semantics shared by every implementation behind `atlas_jax.kernels.atten
 * `sliding_window=W`: only if `q_positions[b, t] - s < W` (W keys including the query's own);
 * `q_segment_ids` / `kv_segment_ids`: only if the segment ids are equal (packed sequences).
 
-A query row with no visible key returns zeros (and log-sum-exp -inf), never NaN.
+Two changes to the softmax itself, also shared:
+
+* `soft_cap=c` (Gemma 2): the scaled scores pass through c * tanh(s / c) before the softmax, so
+  no logit leaves (-c, c);
+* `sinks` f32[N] (gpt-oss): query head n's softmax has one more column, of logit `sinks[n]` and
+  no value: p_s = exp(s - m) / (sum_s' exp(s' - m) + exp(sinks[n] - m)). The row's weights then
+  sum to less than one, and attention may put its mass on "nothing". The log-sum-exp includes
+  the sink column.
+
+A query row with no visible key returns zeros (and log-sum-exp -inf, or its sink with `sinks`),
+never NaN.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ def check_attention_inputs(
   q_positions: Array | None = None,
   kv_lengths: Array | None = None,
   sliding_window: int | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
 ) -> None:
   """Raises ValueError naming the shapes when the inputs cannot be attended together."""
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -87,6 +99,30 @@ def check_attention_inputs(
     raise ValueError(
       f"attention: sliding_window must be a positive int or None, got {sliding_window!r}"
     )
+  check_soft_cap_and_sinks("attention", soft_cap, sinks, N)
+
+
+def check_soft_cap_and_sinks(fn: str, soft_cap, sinks, n_heads: int) -> None:
+  """Raises ValueError unless soft_cap is a float > 0 or None and sinks is float[N] or None."""
+  if soft_cap is not None and (
+    isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not soft_cap > 0
+  ):
+    raise ValueError(f"{fn}: soft_cap must be a Python float > 0 or None, got {soft_cap!r}")
+  if sinks is None:
+    return
+  shape = getattr(sinks, "shape", None)
+  if shape is None or tuple(shape) != (n_heads,):
+    raise ValueError(
+      f"{fn}: sinks must be one logit per query head, shape ({n_heads},), got "
+      f"{None if shape is None else tuple(shape)}"
+    )
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
+
+
+def cap_scores(s: Array, soft_cap: float | None) -> Array:
+  """c * tanh(s / c): Gemma 2's logit soft-cap (identity for None)."""
+  return s if soft_cap is None else jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
 
 
 def default_q_positions(T: int, S: int, kv_lengths: Array | None, B: int) -> Array:
@@ -136,6 +172,8 @@ def attention_reference(
   sliding_window: int | None = None,
   q_positions: Array | None = None,
   kv_lengths: Array | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   return_lse: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Softmax attention with grouped K/V heads, computed in float32.
@@ -146,6 +184,8 @@ def attention_reference(
     v: [B, S, K, H] values.
     causal, scale, q_segment_ids, kv_segment_ids, sliding_window, q_positions, kv_lengths: see the
       module docstring. `scale` defaults to H ** -0.5.
+    soft_cap: c, scores capped as c * tanh(s / c) before the softmax; None: not capped.
+    sinks: f32[N] one extra softmax logit per query head, with no value; None: no sink.
     return_lse: also return the per-row log-sum-exp of the scaled scores.
 
   Returns:
@@ -160,6 +200,8 @@ def attention_reference(
     q_positions=q_positions,
     kv_lengths=kv_lengths,
     sliding_window=sliding_window,
+    soft_cap=soft_cap,
+    sinks=sinks,
   )
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -170,6 +212,7 @@ def attention_reference(
   logits_BKGTS = jnp.einsum(
     "BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32
   ) * jnp.float32(scale)
+  logits_BKGTS = cap_scores(logits_BKGTS, soft_cap)
   mask_BTS = attention_mask(
     T,
     S,
@@ -184,11 +227,21 @@ def attention_reference(
   # A finite mask value keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
   live_BT = jnp.any(mask_BTS, axis=-1)
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, MASKED)
-  p_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1) * live_BT[:, None, None, :, None]
+  if sinks is None:
+    p_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1) * live_BT[:, None, None, :, None]
+    lse_BKGT = jax.nn.logsumexp(logits_BKGTS, axis=-1)
+    lse_BKGT = jnp.where(live_BT[:, None, None], lse_BKGT, -jnp.inf)
+  else:
+    # The sink is one more column of the softmax, dropped before the values: it only adds to
+    # the denominator. A row with no visible key puts all its weight there (exp(MASKED - sink)
+    # underflows to 0).
+    sink_BKGT1 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1, 1), (B, K, G, T, 1))
+    with_sink_BKGTs = jnp.concatenate([logits_BKGTS, sink_BKGT1], axis=-1)
+    p_BKGTS = jax.nn.softmax(with_sink_BKGTs, axis=-1)[..., :S]
+    lse_BKGT = jax.nn.logsumexp(with_sink_BKGTs, axis=-1)
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v.astype(jnp.float32))
   out_BTNH = out_BTKGH.reshape(B, T, N, H).astype(q.dtype)
   if not return_lse:
     return out_BTNH
-  lse_BKGT = jnp.where(live_BT[:, None, None], jax.nn.logsumexp(logits_BKGTS, axis=-1), -jnp.inf)
   lse_BTN = jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(B, T, N)
   return out_BTNH, lse_BTN

@@ -71,9 +71,12 @@ def make_step(seqs=SEQS, *, N=4, K=2, H=16, Z=8, dtype=jnp.float32, latent=None,
   return q, k, v, ints(table), ints(query_start), ints(query_len), ints(kv_len), jnp.int32(1)
 
 
-def dense_expected(q, k, v, table, start, qlen, kvlen, layer, *, window=None, value_dim=None):
+def dense_expected(
+  q, k, v, table, start, qlen, kvlen, layer, *, window=None, value_dim=None, sinks=None
+):
   """Each sequence's queries against jax.nn.dot_product_attention over its keys, masked causal
-  (and windowed) by position."""
+  (and windowed) by position. Sinks are one more key of zeros and value zeros, whose score is its
+  head's sink through the bias."""
   out = np.zeros((q.shape[0], q.shape[1], value_dim or q.shape[2]), np.float32)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   for b in range(table.shape[0]):
@@ -89,10 +92,17 @@ def dense_expected(q, k, v, table, start, qlen, kvlen, layer, *, window=None, va
     qpos = np.arange(held - n, held)[:, None]
     kpos = np.arange(held)[None, :]
     mask = (kpos <= qpos) & (True if window is None else kpos > qpos - window)
+    bias = None
+    if sinks is not None:
+      keys = jnp.concatenate([keys, jnp.zeros_like(keys[:1])])
+      vals = jnp.concatenate([vals, jnp.zeros_like(vals[:1])])
+      mask = np.concatenate([mask, np.ones((n, 1), bool)], axis=1)
+      bias = jnp.zeros((1, q.shape[1], n, held + 1)).at[..., -1].set(sinks[:, None])
     got = jax.nn.dot_product_attention(
       f32(q[s0 : s0 + n])[None],
       f32(keys)[None],
       f32(vals)[None],
+      bias=bias,
       mask=jnp.asarray(mask)[None, None],
       scale=q.shape[-1] ** -0.5,
     )
@@ -217,6 +227,65 @@ def test_dispatcher_runs_xla_on_cpu_and_checks_its_arguments():
     ragged_paged_attention(case[0][:, :3], *case[1:7], layer=case[7])
   with pytest.raises(ValueError, match="sliding_window=0 must be a positive int"):
     ragged_paged_attention(*case[:7], layer=case[7], sliding_window=0)
+
+
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.25], jnp.float32)
+
+
+def test_reference_sinks_match_jax_attention():
+  """A sink is a key of zeros with its logit as bias and a zero value."""
+  case = make_step()
+  want = dense_expected(*case, window=5, sinks=SINKS)
+  check(
+    ragged_paged_attention_reference(*case[:7], layer=case[7], sliding_window=5, sinks=SINKS),
+    want,
+    jnp.float32,
+  )
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+  "options",
+  [dict(sinks=SINKS), dict(sinks=SINKS, soft_cap=5.0, sliding_window=5)],
+  ids=["sinks", "sinks_cap_window"],
+)
+def test_sinks_against_the_reference(impl, options):
+  case = make_step()
+  case = (case[0] * 4.0, *case[1:])  # scores of either sign beside the sinks
+  want = ragged_paged_attention_reference(*case[:7], layer=case[7], **options)
+  plain = ragged_paged_attention_reference(*case[:7], layer=case[7])
+  assert not np.allclose(want, plain, atol=1e-3)
+  got = IMPLEMENTATIONS[impl](*case[:7], layer=case[7], **options)
+  check(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_latent_sinks(impl):
+  case = make_step(latent=True, H=24, K=1)
+  options = dict(value_dim=16, sinks=SINKS, soft_cap=3.0)
+  want = ragged_paged_attention_reference(*case[:7], layer=case[7], **options)
+  check(IMPLEMENTATIONS[impl](*case[:7], layer=case[7], **options), want, jnp.float32)
+
+
+def test_bad_sinks_name_the_field():
+  case = make_step()
+  with pytest.raises(ValueError, match=r"sinks must be one logit per query head, shape \(4,\)"):
+    ragged_paged_attention(*case[:7], layer=case[7], sinks=SINKS[:3])
+
+
+def test_sinks_soft_cap_and_window_lower_for_cuda_and_tpu():
+  q = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 128, 16, 2, 128), jnp.bfloat16)
+  ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, s, n, kv, l, sinks: ragged_paged_attention(
+      q, k, v, t, s, n, kv, layer=l, sliding_window=32, soft_cap=30.0, sinks=sinks
+    )
+  )
+  args = (q, pool, pool, ints(8, 32), ints(8), ints(8), ints(8), ints())
+  args += (jax.ShapeDtypeStruct((8,), jnp.float32),)
+  for platform, kernel in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
+    assert kernel in fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _lowered(platform, *, latent=False):
