@@ -47,6 +47,7 @@ from atlas_jax.training.metrics import (
   matmul_params,
   mfu,
   param_count,
+  peak_memory,
   peak_memory_bytes,
 )
 from atlas_jax.training.pipeline import reorder_layers
@@ -481,6 +482,8 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
         break
     mngr.wait_until_finished()  # still guarded: a save is never cut off halfway
   logger.close()
+  if (peak := peak_memory()) is not None:
+    run.say(f"peak memory: {peak[0] / 2**30:.3f} GiB ({peak[1]}, process {jax.process_index()})")
   return out
 
 

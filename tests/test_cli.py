@@ -55,6 +55,13 @@ def test_train_learns_and_checkpoints(run_dir):
   assert [r["step"] for r in records] == [20, 40]
   # A CPU's peak is not in the device table and train.peak_tflops is not given: no MFU.
   assert not any("mfu" in r for r in records)
+  # A CPU reports no device memory: the peak is the process's resident set, at most what this
+  # (same) process has peaked at by now, and more than the run's train state.
+  from atlas_jax.training.metrics import peak_memory
+
+  peak, what = peak_memory()
+  assert what == "process peak RSS"
+  assert 2**20 < records[-1]["peak_memory_gb"] * 2**30 <= peak
   assert records[-1]["loss"] < 3.0  # well below ln(259) = 5.56: it learned the byte statistics
   assert records[-1]["eval_loss"] < 3.0
   assert (run_dir / "config.yaml").is_file()

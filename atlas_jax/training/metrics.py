@@ -10,8 +10,9 @@ What a run logs, to the terminal, `metrics.jsonl` and TensorBoard files (`tensor
 directory (`train.py`'s `step_record` builds each line): `loss` and `eval_loss`, always the
 next-token cross-entropy; `loss_total` where the objective adds to it (MTP heads, z-loss, router
 losses), with each MTP head's `loss_mtp_J`; `grad_norm`, `learning_rate`, `tokens_per_s`,
-`peak_memory_gb` where the device reports it, and `mfu` only where the device's peak is known or
-given (`train.peak_tflops`; never on a CPU). A mixture of experts adds its router losses and its
+`peak_memory_gb` (the devices' peak bytes in use, or on a CPU the process's peak resident set:
+`peak_memory`), and `mfu` only where the device's peak is known or given (`train.peak_tflops`;
+never on a CPU). A mixture of experts adds its router losses and its
 experts' load: `moe_load_max` (the busiest expert's tokens over the mean),
 `moe_tokens_per_expert` and `moe_dropped` (the share of assignments a capacity factor dropped).
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 from pathlib import Path
 
 import jax
@@ -79,9 +82,27 @@ def mfu(
   return tokens_per_s * flops_per_tok / (n_devices * peak)
 
 
+def peak_memory() -> tuple[int, str] | None:
+  """(bytes, what they measure) of this process's peak so far: on GPU and TPU the largest of its
+  devices' `peak_bytes_in_use` (the allocator's high-water mark: arrays and XLA's temporaries);
+  on a CPU, whose devices' memory is the process's own, the process's peak resident set
+  (`getrusage`: every array and temporary, compiled programs, the C allocator's kept pages and
+  Python itself); None where neither is known."""
+  devices = jax.local_devices()
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  peaks = [p for p in peaks if p is not None]
+  if peaks:
+    return max(peaks), "device peak_bytes_in_use"
+  if devices[0].platform == "cpu":
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return (rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+  return None
+
+
 def peak_memory_bytes() -> int | None:
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
+  peak = peak_memory()
+  return None if peak is None else peak[0]
 
 
 class Logger:

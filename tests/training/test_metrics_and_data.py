@@ -1,14 +1,18 @@
 """MFU's FLOP count against XLA's cost analysis; the packed grain pipeline's invariants."""
 
+import resource
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from atlas_jax.data.pipeline import PackedSequences, eval_batches, train_dataset
 from atlas_jax.model.transformer import Transformer
 from atlas_jax.plan.compute import train_flops_per_token
-from atlas_jax.training.metrics import matmul_params
+from atlas_jax.training.metrics import matmul_params, peak_memory
 from atlas_jax.training.step import loss_fn
 
 from .common import tiny_config
@@ -77,3 +81,21 @@ def test_shuffle_is_deterministic_per_epoch_and_hosts_are_disjoint():
   seen = [int(hosts[h][i]["tokens"][0, 0]) // 16 for h in range(2) for i in range(n // 2)]
   assert sorted(seen) == list(range(n))  # one epoch split across two hosts, nothing twice
   assert len(eval_batches(tokens, starts, seq_len=16, batch_size=2, n_batches=2)) == 2
+
+
+def test_the_cpu_peak_is_the_process_peak_resident_set():
+  """On a CPU the peak is getrusage's high-water mark: not below what the process holds resident
+  now, a 256 MiB array written (so its pages are resident) among it."""
+  held = np.ones(2**28 // 8, np.float64)  # 256 MiB, every page touched
+  status = Path("/proc/self/status")
+  if not status.is_file():
+    pytest.skip("no /proc: the resident set cannot be read directly")
+  fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+  resident = int(fields["VmRSS"].split()[0]) * 1024
+  peak, what = peak_memory()
+  later = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a high-water mark: only grows
+  assert what == "process peak RSS"
+  assert held.nbytes <= resident and peak <= later
+  # The kernel folds its per-thread page counts into the high-water mark in batches, so the mark
+  # may trail the resident set read a moment before by a little (70 kB seen): 16 MiB allowed.
+  assert peak >= resident - 16 * 2**20
