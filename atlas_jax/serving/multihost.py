@@ -232,7 +232,7 @@ class Liveness:
 
 
 class Channel:
-  """Messages from the leader to every process, as collectives: a fixed-shape header i64[2]
+  """Messages from the leader to every process, as collectives: a fixed-shape header i32[2]
   (kind, payload bytes), then the payload as u8[a power of two]."""
 
   def __init__(self, on_failure):
@@ -249,7 +249,7 @@ class Channel:
   def send(self, kind: int, body=None) -> None:
     """The leader's side."""
     data = b"" if body is None else pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
-    self._broadcast(np.array([kind, len(data)], np.int64))
+    self._broadcast(np.array([kind, len(data)], np.int32))
     if data:
       buf = np.zeros((pow2(len(data), MIN_PAYLOAD),), np.uint8)
       buf[: len(data)] = np.frombuffer(data, np.uint8)
@@ -257,7 +257,7 @@ class Channel:
 
   def receive(self):
     """A follower's side: (kind, body or None)."""
-    kind, n = (int(v) for v in self._broadcast(np.zeros((2,), np.int64)))
+    kind, n = (int(v) for v in self._broadcast(np.zeros((2,), np.int32)))
     if n == 0:
       return kind, None
     buf = self._broadcast(np.zeros((pow2(n, MIN_PAYLOAD),), np.uint8))
@@ -292,11 +292,11 @@ class Mirror:
   as records are placed here, from the host copy every process holds; `runner.reset_pools`).
   """
 
-  def __init__(self, runner, liveness: Liveness):
+  def __init__(self, runner, liveness: Liveness | None, channel: Channel | None = None):
     self.runner = runner
     self.programs = runner.programs
     self.liveness = liveness
-    self.channel = Channel(self._lost)
+    self.channel = Channel(self._lost) if channel is None else channel
     self._lock = threading.Lock()  # a message and its run together: every process, one order
     mesh = runner.mesh
     self.rows = NamedSharding(mesh, runner.layout.spec("batch"))
@@ -312,7 +312,7 @@ class Mirror:
     """A collective across the processes failed: a process is gone. The heartbeat watch names
     it and stops the group; past its timeout this process stops anyway."""
     log.error("a collective across the %d processes failed: %s", jax.process_count(), error)
-    deadline = time.monotonic() + 2 * self.liveness.timeout
+    deadline = time.monotonic() + (0 if self.liveness is None else 2 * self.liveness.timeout)
     while time.monotonic() < deadline:
       time.sleep(0.1)
     _exit("stopping the group: a collective failed and no process was found missing")
@@ -406,9 +406,11 @@ class Mirror:
   def stop(self) -> None:
     """Ends the followers' loops (the leader's last message) and waits for them to leave: the
     coordination service lives in this process, and must outlast them."""
-    self.liveness.stop()
     with self._lock:
       self.channel.send(STOP)
+    if self.liveness is None:
+      return
+    self.liveness.stop()
     client, wait_ms = self.liveness.client, int(self.liveness.timeout * 1000)
     for pid in range(1, jax.process_count()):
       try:
@@ -425,9 +427,10 @@ class Mirror:
     while True:
       kind, body = self.channel.receive()
       if kind == STOP:
-        self.liveness.stop()
         log.info("process %d: stopped by the leader after %d calls", jax.process_index(), n)
-        self.liveness.client.key_value_set(_left(jax.process_index()), "1")
+        if self.liveness is not None:
+          self.liveness.stop()
+          self.liveness.client.key_value_set(_left(jax.process_index()), "1")
         return
       if kind == RESET:
         self._reset()
@@ -474,7 +477,7 @@ def start(engine, liveness: Liveness | None) -> Mirror | None:
     return None
   runner = engine.runner
   mine = engine.pool_size.n_blocks
-  leaders = int(multihost_utils.broadcast_one_to_all(np.array(mine, np.int64)))
+  leaders = int(multihost_utils.broadcast_one_to_all(np.array(mine, np.int32)))
   if leaders != mine:
     if leaders > mine:
       log.warning(

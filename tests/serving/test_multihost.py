@@ -2,8 +2,10 @@
 collectives) serve one tiny Llama over one mesh of 8 devices; the leader's HTTP answers equal
 one device's, and a follower killed mid-request stops the group with a message, not a hang."""
 
+import dataclasses
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -11,14 +13,20 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
+import numpy as np
 import pytest
 
+from atlas_jax.config import ConfigError
+from atlas_jax.serving import multihost
+from atlas_jax.serving.engine import Engine, EngineConfig
 from tests.conftest import COMPILE_FAST
 from tests.training.runs import free_port
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from . import test_mesh as mesh_test  # noqa: E402
 from .hf_folders import build_folder  # noqa: E402
 from .test_hf_serving import served  # noqa: E402
 
@@ -148,10 +156,12 @@ def test_two_processes_serve_as_one_device_and_stop_when_one_is_lost(folder, one
 
 @pytest.mark.slow
 def test_data_parallel_replicas_on_their_own_hosts(folder, one_device):
-  """Data 2 x tensor 4: each process's devices hold one replica; decode bursts; one device's
-  greedy tokens; Ctrl-C to the leader stops both processes cleanly."""
+  """Data 2 x tensor 4: each process's devices hold one replica; the warm-up's runs and decode
+  bursts mirrored too; one device's greedy tokens; Ctrl-C to the leader stops both processes
+  cleanly."""
   port = free_port()
-  procs = start_group(folder, port, "--tensor-parallel-size", "4", "--data-parallel-size", "2")
+  mesh = ["--tensor-parallel-size", "4", "--data-parallel-size", "2"]
+  procs = start_group(folder, port, *mesh, "--warmup", "default")
   try:
     wait_healthy(f"http://127.0.0.1:{port}", procs)
     got = completions(f"http://127.0.0.1:{port}")
@@ -160,3 +170,64 @@ def test_data_parallel_replicas_on_their_own_hosts(folder, one_device):
   assert got == one_device, outs[0]
   assert [p.returncode for p in procs] == [0, 0], outs
   assert "stopped by the leader" in outs[1]
+
+
+class Recorded(multihost.Channel):
+  """The leader's messages kept in order (through pickle, as they travel) for a follower in the
+  same process to receive."""
+
+  def __init__(self):
+    self.messages = []
+
+  def send(self, kind, body=None):
+    self.messages.append((kind, pickle.loads(pickle.dumps(body))))
+
+  def receive(self):
+    return self.messages.pop(0)
+
+
+def test_a_follower_replaying_the_leaders_calls_holds_the_same_pools():
+  """In one process: a leader engine over data 2 x tensor 2 whose calls go through the mirror
+  (records and outputs on the host, every other program argument by name) draws what the
+  engine draws without it, and a second engine replaying its messages (the warm-up's runs,
+  steps and bursts) ends with the same pools."""
+  config = dataclasses.replace(mesh_test.CONFIG, tensor_parallel_size=2, data_parallel_size=2)
+  model = mesh_test.model_of("gqa")
+  want, _ = mesh_test.serve(model, config)
+
+  leader = Engine(model, config, eos_id=3)
+  follower = Engine(model, config, eos_id=3)
+  channel = Recorded()
+  sent = multihost.Mirror(leader.runner, None, channel=channel)
+  leader.warmup(first=2)
+  assert leader.generate(*mesh_test.workload()) == want
+  sent.stop()
+  kinds = [kind for kind, _ in channel.messages]
+  assert kinds.count(multihost.CALL) > 10 and kinds[-1] == multihost.STOP
+  names = {body[0] for kind, body in channel.messages if kind == multihost.CALL}
+  assert {"forward_sample", "decode_burst"} <= names
+
+  multihost.Mirror(follower.runner, None, channel=channel).follow()
+  assert channel.messages == []
+  for a, b in zip(jax.tree.leaves(leader.pools), jax.tree.leaves(follower.pools)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_multihost_flags_are_checked():
+  with pytest.raises(ConfigError, match="given together"):
+    multihost.Distributed("127.0.0.1:1234", 2, None)
+  with pytest.raises(ConfigError, match="--coordinator-address='host' .*HOST:PORT"):
+    multihost.Distributed("host", 2, 0)
+  with pytest.raises(ConfigError, match=r"--process-id=2 .*\[0, 2\)"):
+    multihost.Distributed("127.0.0.1:1234", 2, 2)
+  with pytest.raises(ConfigError, match="--num-processes=0"):
+    multihost.Distributed("127.0.0.1:1234", 0, 0)
+  assert multihost.Distributed().leader and not multihost.Distributed().enabled
+  config = EngineConfig(tensor_parallel_size=8)
+  assert multihost.engine_config(config, lora=False).runner == "ragged"
+  with pytest.raises(ConfigError, match="runner='cpu' is not allowed across processes"):
+    multihost.engine_config(dataclasses.replace(config, runner="cpu"), lora=False)
+  with pytest.raises(ConfigError, match="--enable-lora"):
+    multihost.engine_config(config, lora=True)
+  with pytest.raises(ConfigError, match="tensor_parallel_size=4 .* must take all 8 devices"):
+    multihost.engine_config(EngineConfig(tensor_parallel_size=4), lora=False)
