@@ -8,7 +8,11 @@ over the query heads of a group inside the kernel, so K and V are never repeated
 
 Masking follows `kernels.reference` exactly (bottom-right aligned causal mask, kv lengths,
 query positions, sliding window, packed-sequence segment ids). The wrapper folds all of it into
-two per-query-row key bounds `klo <= s < khi` before the kernels run (see `kernels.flash_kernels`).
+two per-query-row key bounds `klo <= s < khi` before the kernels run (see `kernels.flash_kernels`);
+key tiles wholly outside a query tile's bounds (past the causal diagonal, before a sliding
+window) are skipped. A logit soft-cap and attention sinks are applied inside the online softmax
+(forward and backward); the sinks' gradient, d sink_n = -sum_t exp(sink_n - lse_t) delta_t over
+the rows of head n, is a reduction of the per-row statistics the backward already has.
 
 Lengths that are not multiples of the block sizes are padded here and the tail is masked;
 head dims the GPU backend cannot tile directly (not a power of two) are zero-padded, which leaves
@@ -68,6 +72,7 @@ class _Config:
   has_segments: bool
   backend: str
   interpret: bool
+  soft_cap: float | None = None
 
 
 def _canonical_backend(backend: str | None) -> str:
@@ -193,12 +198,22 @@ def _compiler_params(cfg: _Config, head_dim: int):
   return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
+def _sink_rows(sinks_N, block_q: int):
+  """f32[N, Q, 1]: each head's sink logit on every row of a query block (None without sinks)."""
+  if sinks_N is None:
+    return None
+  return jnp.broadcast_to(
+    sinks_N.astype(jnp.float32)[:, None, None], (sinks_N.shape[0], block_q, 1)
+  )
+
+
+def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, sinks):
   """out [B, Tp, N, H] (TPU: [B, N, Tp, H]), lse f32[B, N, Tp, 1] from padded inputs."""
+  sink_NQ1 = _sink_rows(sinks, cfg.block_q)
   if cfg.backend == "tpu":
     from . import flash_tpu
 
-    return flash_tpu.forward(cfg, q, k, v, klo, khi, qseg, kvseg)
+    return flash_tpu.forward(cfg, q, k, v, klo, khi, qseg, kvseg, sink_NQ1)
   B, Tp, N, H = q.shape
   Sp = k.shape[1]
   G, bq = cfg.groups, cfg.block_q
@@ -207,6 +222,9 @@ def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
   q_spec = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
   in_specs = [q_spec, kv_spec, kv_spec, row_spec, row_spec]
   args = [q, k, v, klo, khi]
+  if sink_NQ1 is not None:
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, n, i: (n, 0, 0)), *in_specs]
+    args = [sink_NQ1, *args]
   if cfg.has_segments:
     in_specs += [row_spec, pl.BlockSpec((None, 1, Sp), lambda b, n, i: (b, 0, 0))]
     args += [qseg, kvseg]
@@ -215,6 +233,8 @@ def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
     scale=cfg.scale,
     block_k=cfg.block_k,
     has_segments=cfg.has_segments,
+    soft_cap=cfg.soft_cap,
+    has_sinks=sink_NQ1 is not None,
   )
   return pl.pallas_call(
     kernel,
@@ -231,8 +251,8 @@ def _forward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
   )(*args)
 
 
-def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
-  """dq, dk, dv from padded inputs; dlse is the cotangent of the log-sum-exp output."""
+def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, sinks, out, lse, do, dlse):
+  """dq, dk, dv, dsinks from padded inputs; dlse is the cotangent of the log-sum-exp output."""
   # delta_t = sum_s p_ts dp_ts = <do_t, o_t>; a cotangent on lse_t adds p_ts to ds_ts, which
   # is the same as lowering delta_t by dlse_t.
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
@@ -241,10 +261,16 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
   delta = delta[..., None] - dlse
   # Fully masked rows have lse = -inf; any finite stand-in gives p = exp(-inf - c) = 0.
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  dsinks = None
+  if sinks is not None:
+    # The sink column has no value, so dp = 0 there and ds_sink = p_sink * (0 - delta), with
+    # p_sink = exp(sink - lse); padded rows have delta = 0.
+    p_sink_BNT1 = jnp.exp(sinks.astype(jnp.float32)[None, :, None, None] - lse)
+    dsinks = -jnp.sum(p_sink_BNT1 * delta, axis=(0, 2, 3)).astype(sinks.dtype)
   if cfg.backend == "tpu":
     from . import flash_tpu
 
-    return flash_tpu.backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg)
+    return (*flash_tpu.backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg), dsinks)
 
   B, Tp, N, H = q.shape
   Sp, K = k.shape[1], k.shape[2]
@@ -261,7 +287,11 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
     in_specs += [row_spec, pl.BlockSpec((None, 1, Sp), lambda b, n, i: (b, 0, 0))]
   dq = pl.pallas_call(
     functools.partial(
-      flash_kernels.flash_dq_kernel, scale=cfg.scale, block_k=bk, has_segments=cfg.has_segments
+      flash_kernels.flash_dq_kernel,
+      scale=cfg.scale,
+      block_k=bk,
+      has_segments=cfg.has_segments,
+      soft_cap=cfg.soft_cap,
     ),
     grid=(B, N, Tp // bq),
     in_specs=in_specs,
@@ -301,6 +331,7 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
       block_q=bq,
       groups=G,
       has_segments=cfg.has_segments,
+      soft_cap=cfg.soft_cap,
     ),
     grid=(B, K, Sp // bk),
     in_specs=in_specs,
@@ -313,25 +344,25 @@ def _backward(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse):
     interpret=cfg.interpret,
     name="flash_attention_dkdv",
   )(q, k, v, do, lse, delta, klo, khi, qfirst, qlast, *seg_args)
-  return dq, dk, dv
+  return dq, dk, dv, dsinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
-  return _forward(cfg, q, k, v, klo, khi, qseg, kvseg)
+def _flash(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, sinks):
+  return _forward(cfg, q, k, v, klo, khi, qseg, kvseg, sinks)
 
 
-def _flash_fwd(cfg: _Config, q, k, v, klo, khi, qseg, kvseg):
-  out, lse = _forward(cfg, q, k, v, klo, khi, qseg, kvseg)
+def _flash_fwd(cfg: _Config, q, k, v, klo, khi, qseg, kvseg, sinks):
+  out, lse = _forward(cfg, q, k, v, klo, khi, qseg, kvseg, sinks)
   # The only activations kept for the backward: the output and one float per query row.
-  return (out, lse), (q, k, v, klo, khi, qseg, kvseg, out, lse)
+  return (out, lse), (q, k, v, klo, khi, qseg, kvseg, sinks, out, lse)
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, klo, khi, qseg, kvseg, out, lse = residuals
+  q, k, v, klo, khi, qseg, kvseg, sinks, out, lse = residuals
   do, dlse = cotangents
-  dq, dk, dv = _backward(cfg, q, k, v, klo, khi, qseg, kvseg, out, lse, do, dlse)
-  return dq, dk, dv, None, None, None, None
+  dq, dk, dv, dsinks = _backward(cfg, q, k, v, klo, khi, qseg, kvseg, sinks, out, lse, do, dlse)
+  return dq, dk, dv, None, None, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -343,6 +374,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
     "causal",
     "scale",
     "sliding_window",
+    "soft_cap",
     "return_lse",
     "block_q",
     "block_k",
@@ -364,6 +396,8 @@ def flash_attention(
   sliding_window: int | None = None,
   q_positions: Array | None = None,
   kv_lengths: Array | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   return_lse: bool = False,
   block_q: int | None = None,
   block_k: int | None = None,
@@ -380,6 +414,8 @@ def flash_attention(
     v: [B, S, K, H] values.
     causal, scale, q_segment_ids, kv_segment_ids, sliding_window, q_positions, kv_lengths: see
       `kernels.reference` (bottom-right aligned causal mask; scale defaults to H ** -0.5).
+    soft_cap: c (static), scores capped as c * tanh(s / c) before the softmax; None: not capped.
+    sinks: f32[N] a sink logit per query head (`kernels.reference`), differentiable; None: none.
     return_lse: also return the per-row log-sum-exp (differentiable).
     block_q, block_k: forward (and dq) tile sizes along T and S; None picks the backend default.
     block_q_bwd, block_k_bwd: tile sizes of the backward kernels.
@@ -388,7 +424,8 @@ def flash_attention(
 
   Returns:
     out [B, T, N, H] in q.dtype, and with `return_lse` the log-sum-exp f32[B, T, N] (-inf for
-    rows that see no key, whose output is zero).
+    rows that see no key, whose output is zero; with sinks it includes the sink column, so such
+    rows get their sink).
   """
   check_attention_inputs(
     q,
@@ -399,6 +436,8 @@ def flash_attention(
     q_positions=q_positions,
     kv_lengths=kv_lengths,
     sliding_window=sliding_window,
+    soft_cap=soft_cap,
+    sinks=sinks,
   )
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(
@@ -434,6 +473,7 @@ def flash_attention(
     has_segments=q_segment_ids is not None,
     backend=backend,
     interpret=interpret,
+    soft_cap=None if soft_cap is None else float(soft_cap),
   )
 
   klo, khi = _key_bounds(
@@ -461,7 +501,8 @@ def flash_attention(
   if backend == "tpu":
     # Mosaic tiles the last two dims, so TPU kernels take head-major [B, N, T, H] arrays.
     q_p, k_p, v_p = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q_p, k_p, v_p))
-  out_p, lse_p = _flash(cfg, q_p, k_p, v_p, klo, khi, qseg, kvseg)
+  sinks = None if sinks is None else sinks.astype(jnp.float32)
+  out_p, lse_p = _flash(cfg, q_p, k_p, v_p, klo, khi, qseg, kvseg, sinks)
   if backend == "tpu":
     out_p = jnp.transpose(out_p, (0, 2, 1, 3))
   out_BTNH = out_p[:, :T, :, :H]

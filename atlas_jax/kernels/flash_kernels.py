@@ -9,7 +9,15 @@ Masking arrives pre-folded by the wrapper (`kernels.flash_attention`) into two p
 bounds: key s is visible to query row t iff `klo[t] <= s < khi[t]` (and, with packed sequences,
 the segment ids match). Causal masks, sliding windows, kv lengths, query positions and the padded
 tail all reduce to these bounds, so the kernels stay small, and the per-block min/max of the
-bounds gives the range of key blocks worth visiting.
+bounds gives the range of key blocks worth visiting: a sliding window's rows start late, so the
+key blocks wholly before every row's window are never loaded.
+
+A logit soft-cap (`soft_cap`, static) passes each tile's scaled scores through c * tanh(s / c)
+before the mask, and the backward multiplies ds by the cap's derivative 1 - tanh^2. Attention
+sinks enter the forward as the online softmax's starting state: a row begins having seen the
+sink column (m = sink, l = exp(sink - m) = 1, no value), so the sink is counted once and the
+log-sum-exp includes it; the backward's p = exp(s - lse) is then right unchanged, and the sinks'
+own gradient needs only lse and delta (`kernels.flash_attention`).
 
 Ref shapes in the comments use Q = block_q, Z = block_k, and Tp / Sp for the padded lengths.
 """
@@ -20,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from .reference import cap_scores
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # contract the first dims: a.T @ b
@@ -48,9 +58,9 @@ def _key_block_range(klo_Q1, khi_Q1, block_k):
   return first, last
 
 
-def online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1):
+def online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1, soft_cap=None):
   """Folds one key block into the running (acc, m, l) of a query block (FlashAttention-2)."""
-  s_QZ = jnp.where(mask_QZ, _dot(q_QH, k_ZH, _NT) * scale, -jnp.inf)
+  s_QZ = jnp.where(mask_QZ, cap_scores(_dot(q_QH, k_ZH, _NT) * scale, soft_cap), -jnp.inf)
   m_new_Q1 = jnp.maximum(m_Q1, jnp.max(s_QZ, axis=1, keepdims=True))
   # A row with nothing visible yet keeps m = -inf; subtracting a finite 0 instead makes
   # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
@@ -70,13 +80,29 @@ def finalize(acc_QH, m_Q1, l_Q1):
   return acc_QH / l_safe_Q1, jnp.where(empty_Q1, -jnp.inf, m_Q1 + jnp.log(l_safe_Q1))
 
 
-def probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale):
+def probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale, soft_cap=None):
   """Recomputes p = softmax(s) of one tile from lse, and ds = dL/ds (without the scale)."""
-  s_QZ = _dot(q_QH, k_ZH, _NT) * scale
+  s_QZ = cap_scores(_dot(q_QH, k_ZH, _NT) * scale, soft_cap)
   # lse of a fully masked row arrives as a finite stand-in, so masked entries give exp(-inf) = 0.
   p_QZ = jnp.exp(jnp.where(mask_QZ, s_QZ, -jnp.inf) - lse_Q1)
   dp_QZ = _dot(do_QH, v_ZH, _NT)
-  return p_QZ, p_QZ * (dp_QZ - delta_Q1)
+  ds_QZ = p_QZ * (dp_QZ - delta_Q1)
+  if soft_cap is not None:  # d(c * tanh(x / c))/dx = 1 - tanh(x / c)^2
+    tanh_QZ = s_QZ / jnp.float32(soft_cap)
+    ds_QZ = ds_QZ * (1.0 - tanh_QZ * tanh_QZ)
+  return p_QZ, ds_QZ
+
+
+def initial_state(block_q: int, head_dim: int, sink_Q1=None):
+  """(acc, m, l) before any key: nothing seen (m = -inf, l = 0), or the sink column seen."""
+  acc_QH = jnp.zeros((block_q, head_dim), jnp.float32)
+  if sink_Q1 is None:
+    return (
+      acc_QH,
+      jnp.full((block_q, 1), -jnp.inf, jnp.float32),
+      jnp.zeros((block_q, 1), jnp.float32),
+    )
+  return acc_QH, sink_Q1.astype(jnp.float32), jnp.ones((block_q, 1), jnp.float32)
 
 
 def key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1=None, kvseg_1Z=None):
@@ -92,12 +118,20 @@ def _kv_segments(kvseg_ref, s0, block_k):
   return None if kvseg_ref is None else kvseg_ref[:, pl.ds(s0, block_k)]
 
 
-def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
+def flash_fwd_kernel(
+  *refs,
+  scale: float,
+  block_k: int,
+  has_segments: bool,
+  soft_cap: float | None = None,
+  has_sinks: bool = False,
+):
   """One query block of one head against all visible key blocks of its kv head.
 
-  Refs: q [Q, H], k [Sp, H], v [Sp, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1], kvseg [1, Sp]);
-  outputs o [Q, H], lse f32[Q, 1].
+  Refs: (sink f32[Q, 1], the head's sink logit on every row;) q [Q, H], k [Sp, H], v [Sp, H],
+  klo [Q, 1], khi [Q, 1], (qseg [Q, 1], kvseg [1, Sp]); outputs o [Q, H], lse f32[Q, 1].
   """
+  sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   if has_segments:
     q_ref, k_ref, v_ref, klo_ref, khi_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
     qseg_Q1 = qseg_ref[...]
@@ -115,21 +149,19 @@ def flash_fwd_kernel(*refs, scale: float, block_k: int, has_segments: bool):
     v_ZH = v_ref[pl.ds(s0, block_k), :]
     kvseg_1Z = _kv_segments(kvseg_ref, s0, block_k)
     mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
-    return online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1)
+    return online_softmax_step(q_QH, k_ZH, v_ZH, mask_QZ, scale, acc_QH, m_Q1, l_Q1, soft_cap)
 
   first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
-  init = (
-    jnp.zeros((block_q, head_dim), jnp.float32),
-    jnp.full((block_q, 1), -jnp.inf, jnp.float32),
-    jnp.zeros((block_q, 1), jnp.float32),
-  )
+  init = initial_state(block_q, head_dim, None if sink_ref is None else sink_ref[...])
   acc_QH, m_Q1, l_Q1 = lax.fori_loop(first, last, body, init)
   out_QH, lse_Q1 = finalize(acc_QH, m_Q1, l_Q1)
   o_ref[...] = out_QH.astype(o_ref.dtype)
   lse_ref[...] = lse_Q1
 
 
-def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
+def flash_dq_kernel(
+  *refs, scale: float, block_k: int, has_segments: bool, soft_cap: float | None = None
+):
   """dq for one query block of one head: the forward's loop again, recomputing p from lse.
 
   Refs: q [Q, H], k [Sp, H], v [Sp, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
@@ -164,7 +196,9 @@ def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
     v_ZH = v_ref[pl.ds(s0, block_k), :]
     kvseg_1Z = _kv_segments(kvseg_ref, s0, block_k)
     mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
-    _, ds_QZ = probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale)
+    _, ds_QZ = probs_and_dscores(
+      q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale, soft_cap
+    )
     return dq_QH + _dot(ds_QZ.astype(k_ZH.dtype), k_ZH)
 
   first, last = _key_block_range(klo_Q1, khi_Q1, block_k)
@@ -172,7 +206,14 @@ def flash_dq_kernel(*refs, scale: float, block_k: int, has_segments: bool):
   dq_ref[...] = (dq_QH * scale).astype(dq_ref.dtype)
 
 
-def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segments: bool):
+def flash_dkdv_kernel(
+  *refs,
+  scale: float,
+  block_q: int,
+  groups: int,
+  has_segments: bool,
+  soft_cap: float | None = None,
+):
   """dk, dv for one key block of one kv head, summed over the `groups` query heads that read it.
 
   Refs: q [Tp, G, H], k [Z, H], v [Z, H], do [Tp, G, H], lse f32[G, Tp, 1], delta f32[G, Tp, 1],
@@ -230,7 +271,9 @@ def flash_dkdv_kernel(*refs, scale: float, block_q: int, groups: int, has_segmen
     delta_Q1 = delta_ref[g, rows, :]
     qseg_Q1 = None if qseg_ref is None else qseg_ref[rows, :]
     mask_QZ = key_mask(s0, block_k, klo_ref[rows, :], khi_ref[rows, :], qseg_Q1, kvseg_1Z)
-    p_QZ, ds_QZ = probs_and_dscores(q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale)
+    p_QZ, ds_QZ = probs_and_dscores(
+      q_QH, k_ZH, v_ZH, do_QH, lse_Q1, delta_Q1, mask_QZ, scale, soft_cap
+    )
     dv_ZH = dv_ZH + _dot(p_QZ.astype(do_QH.dtype), do_QH, _TN)
     dk_ZH = dk_ZH + _dot(ds_QZ.astype(q_QH.dtype), q_QH, _TN)
     return dk_ZH, dv_ZH

@@ -22,6 +22,7 @@ from .flash_kernels import (
   _TN,
   _dot,
   finalize,
+  initial_state,
   key_mask,
   online_softmax_step,
   out_struct,
@@ -34,12 +35,13 @@ def _block_visible(s0, block_k, klo_Q1, khi_Q1):
   return (s0 < jnp.max(khi_Q1)) & (s0 + block_k > jnp.min(klo_Q1))
 
 
-def _fwd_kernel(*refs, scale: float, has_segments: bool):
+def _fwd_kernel(*refs, scale: float, has_segments: bool, soft_cap, has_sinks: bool):
   """Grid (B, N, Tp/Q, Sp/Z), the last axis sequential.
 
-  Refs: q [Q, H], k [Z, H], v [Z, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]);
-  outputs o [Q, H], lse f32[Q, 1]; scratch acc f32[Q, H], m f32[Q, 1], l f32[Q, 1].
+  Refs: (sink f32[Q, 1];) q [Q, H], k [Z, H], v [Z, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1],
+  kvseg [1, Z]); outputs o [Q, H], lse f32[Q, 1]; scratch acc f32[Q, H], m f32[Q, 1], l f32[Q, 1].
   """
+  sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   if has_segments:
     (
       q_ref,
@@ -65,9 +67,8 @@ def _fwd_kernel(*refs, scale: float, has_segments: bool):
 
   @pl.when(j == 0)
   def _init():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
-    l_ref[...] = jnp.zeros_like(l_ref)
+    sink_Q1 = None if sink_ref is None else sink_ref[...]
+    acc_ref[...], m_ref[...], l_ref[...] = initial_state(*acc_ref.shape, sink_Q1)
 
   @pl.when(_block_visible(s0, block_k, klo_Q1, khi_Q1))
   def _step():
@@ -75,7 +76,15 @@ def _fwd_kernel(*refs, scale: float, has_segments: bool):
     kvseg_1Z = None if kvseg_ref is None else kvseg_ref[...]
     mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
     acc_QH, m_Q1, l_Q1 = online_softmax_step(
-      q_ref[...], k_ref[...], v_ref[...], mask_QZ, scale, acc_ref[...], m_ref[...], l_ref[...]
+      q_ref[...],
+      k_ref[...],
+      v_ref[...],
+      mask_QZ,
+      scale,
+      acc_ref[...],
+      m_ref[...],
+      l_ref[...],
+      soft_cap,
     )
     acc_ref[...], m_ref[...], l_ref[...] = acc_QH, m_Q1, l_Q1
 
@@ -86,7 +95,7 @@ def _fwd_kernel(*refs, scale: float, has_segments: bool):
     lse_ref[...] = lse_Q1
 
 
-def _dq_kernel(*refs, scale: float, has_segments: bool):
+def _dq_kernel(*refs, scale: float, has_segments: bool, soft_cap):
   """Grid (B, N, Tp/Q, Sp/Z), the last axis sequential.
 
   Refs: q [Q, H], k [Z, H], v [Z, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
@@ -126,7 +135,15 @@ def _dq_kernel(*refs, scale: float, has_segments: bool):
     mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
     k_ZH = k_ref[...]
     _, ds_QZ = probs_and_dscores(
-      q_ref[...], k_ZH, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask_QZ, scale
+      q_ref[...],
+      k_ZH,
+      v_ref[...],
+      do_ref[...],
+      lse_ref[...],
+      delta_ref[...],
+      mask_QZ,
+      scale,
+      soft_cap,
     )
     acc_ref[...] += _dot(ds_QZ.astype(k_ZH.dtype), k_ZH)
 
@@ -135,7 +152,7 @@ def _dq_kernel(*refs, scale: float, has_segments: bool):
     dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, scale: float, has_segments: bool):
+def _dkdv_kernel(*refs, scale: float, has_segments: bool, soft_cap):
   """Grid (B, K, Sp/Z, G, Tp/Q), the last two axes sequential (the G heads of a group, then
   query blocks), so dk/dv of a key block sum over every query head that reads it.
 
@@ -194,7 +211,7 @@ def _dkdv_kernel(*refs, scale: float, has_segments: bool):
     mask_QZ = key_mask(s0, block_k, klo_Q1, khi_Q1, qseg_Q1, kvseg_1Z)
     q_QH, do_QH = q_ref[...], do_ref[...]
     p_QZ, ds_QZ = probs_and_dscores(
-      q_QH, k_ref[...], v_ref[...], do_QH, lse_ref[...], delta_ref[...], mask_QZ, scale
+      q_QH, k_ref[...], v_ref[...], do_QH, lse_ref[...], delta_ref[...], mask_QZ, scale, soft_cap
     )
     dv_acc_ref[...] += _dot(p_QZ.astype(do_QH.dtype), do_QH, _TN)
     dk_acc_ref[...] += _dot(ds_QZ.astype(q_QH.dtype), q_QH, _TN)
@@ -209,8 +226,9 @@ def _params(interpret: bool, semantics: tuple[str, ...]):
   return None if interpret else pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def forward(cfg, q, k, v, klo, khi, qseg, kvseg):
-  """out [B, N, Tp, H], lse f32[B, N, Tp, 1] from head-major padded inputs."""
+def forward(cfg, q, k, v, klo, khi, qseg, kvseg, sink_NQ1=None):
+  """out [B, N, Tp, H], lse f32[B, N, Tp, 1] from head-major padded inputs; sink_NQ1 f32[N, Q, 1]
+  each head's sink logit on every row of a query block, or None."""
   B, N, Tp, H = q.shape
   Sp = k.shape[2]
   G, bq, bk = cfg.groups, cfg.block_q, cfg.block_k
@@ -219,11 +237,20 @@ def forward(cfg, q, k, v, klo, khi, qseg, kvseg):
   row_spec = pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0))
   in_specs = [q_spec, kv_spec, kv_spec, row_spec, row_spec]
   args = [q, k, v, klo, khi]
+  if sink_NQ1 is not None:
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (n, 0, 0)), *in_specs]
+    args = [sink_NQ1, *args]
   if cfg.has_segments:
     in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))]
     args += [qseg, kvseg]
   return pl.pallas_call(
-    functools.partial(_fwd_kernel, scale=cfg.scale, has_segments=cfg.has_segments),
+    functools.partial(
+      _fwd_kernel,
+      scale=cfg.scale,
+      has_segments=cfg.has_segments,
+      soft_cap=cfg.soft_cap,
+      has_sinks=sink_NQ1 is not None,
+    ),
     grid=(B, N, Tp // bq, Sp // bk),
     in_specs=in_specs,
     out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))],
@@ -257,7 +284,9 @@ def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
   if cfg.has_segments:
     in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))]
   dq = pl.pallas_call(
-    functools.partial(_dq_kernel, scale=cfg.scale, has_segments=cfg.has_segments),
+    functools.partial(
+      _dq_kernel, scale=cfg.scale, has_segments=cfg.has_segments, soft_cap=cfg.soft_cap
+    ),
     grid=(B, N, Tp // bq, Sp // bk),
     in_specs=in_specs,
     out_specs=q_spec,
@@ -277,7 +306,9 @@ def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
   if cfg.has_segments:
     in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j))]
   dk, dv = pl.pallas_call(
-    functools.partial(_dkdv_kernel, scale=cfg.scale, has_segments=cfg.has_segments),
+    functools.partial(
+      _dkdv_kernel, scale=cfg.scale, has_segments=cfg.has_segments, soft_cap=cfg.soft_cap
+    ),
     grid=(B, K, Sp // bk, G, Tp // bq),
     in_specs=in_specs,
     out_specs=[kv_spec, kv_spec],
