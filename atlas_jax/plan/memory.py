@@ -242,7 +242,9 @@ def quantized_parts(spec: ParamSpec, fmt: str, group_size: int) -> list | None:
     raise ValueError(f"--base-quantization={fmt!r} is not one of {tuple(QUANT_BITS)}")
   float_weight = jax.ShapeDtypeStruct(spec.shape, jnp.float32)
   q = jax.eval_shape(
-    lambda w: quant.quantize_weight(w, spec.axes, fmt, group_size=group_size, name=spec.path),
+    lambda w: quant.quantize_weight(
+      w, spec.axes, fmt, group_size=group_size, name=spec.path, field="--base-quantization"
+    ),
     float_weight,
   )
   scales = ParamSpec(f"{spec.path}/scale", tuple(q.scale.shape), spec.axes, trainable=False)

@@ -34,12 +34,14 @@ def contracted_axes(axes: tuple[str, ...]) -> tuple[int, ...]:
   return tuple(range(first, first + n))
 
 
-def _groups(shape, contracted: tuple[int, ...], group_size: int, name: str) -> dict[int, int]:
+def _groups(
+  shape, contracted: tuple[int, ...], group_size: int, name: str, field: str
+) -> dict[int, int]:
   """qwix `tiled_axes` that cut the flattened contracted dims into runs of `group_size`."""
   n_in = math.prod(shape[a] for a in contracted)
   if group_size <= 0 or n_in % group_size:
     raise ValueError(
-      f"serve.quantization_group_size={group_size} must divide {name}'s input dim {n_in} "
+      f"{field}_group_size={group_size} must divide {name}'s input dim {n_in} "
       f"(shape {tuple(shape)}); pick a divisor of it"
     )
   tiles, g = {}, group_size
@@ -52,22 +54,29 @@ def _groups(shape, contracted: tuple[int, ...], group_size: int, name: str) -> d
       tiles[a], g = g, 1
     else:
       raise ValueError(
-        f"serve.quantization_group_size={group_size}: groups of {name}'s input dims "
+        f"{field}_group_size={group_size}: groups of {name}'s input dims "
         f"{[shape[i] for i in contracted]} would straddle axis {a}; pick a divisor of {shape[a]}"
       )
   return tiles
 
 
 def quantize_weight(
-  w: Array, axes: tuple[str, ...], fmt: str, *, group_size: int = 128, name: str = "weight"
+  w: Array,
+  axes: tuple[str, ...],
+  fmt: str,
+  *,
+  group_size: int = 128,
+  name: str = "weight",
+  field: str = "serve.quantization",
 ) -> QArray:
   """w as a symmetric QArray: scales per output channel (and per stacked slice), and for int4
-  per `group_size` run of contracted inputs too. Scales are float32."""
+  per `group_size` run of contracted inputs too. Scales are float32. `field`: the setting that
+  asked for it, which errors name (serve.py's, or train.base_quantization)."""
   if fmt not in FORMATS:
-    raise ValueError(f"serve.quantization={fmt!r} is not one of {FORMATS}")
+    raise ValueError(f"{field}={fmt!r} is not one of {FORMATS}")
   contracted = contracted_axes(axes)
   channels = tuple(i for i in range(w.ndim) if i not in contracted)
-  tiles = _groups(w.shape, contracted, group_size, name) if fmt == "int4" else {}
+  tiles = _groups(w.shape, contracted, group_size, name, field) if fmt == "int4" else {}
   return qwix.quantize(
     w.astype(jnp.float32), _QTYPES[fmt], channelwise_axes=channels, tiled_axes=tiles
   )
@@ -133,11 +142,18 @@ def _product(x: Array, w: QArray, contract: int) -> Array:
   return y_MO.reshape(*x.shape[: x.ndim - contract], *out_shape)
 
 
-def quantize_model(model: nnx.Module, fmt: str, *, group_size: int = 128, lm_head: bool = False):
+def quantize_model(
+  model: nnx.Module,
+  fmt: str,
+  *,
+  group_size: int = 128,
+  lm_head: bool = False,
+  field: str = "serve.quantization",
+):
   """Replaces `model`'s projections (`PROJECTIONS`; the untied LM head with `lm_head`) with
   QArrays, in place. Returns the names of the parameters quantized, as dotted paths."""
   if fmt not in FORMATS:
-    raise ValueError(f"serve.quantization={fmt!r} is not one of {FORMATS}")
+    raise ValueError(f"{field}={fmt!r} is not one of {FORMATS}")
   names = PROJECTIONS | ({"lm_head"} if lm_head else set())
   done = []
   for path, node in nnx.iter_graph(model):
@@ -150,7 +166,8 @@ def quantize_model(model: nnx.Module, fmt: str, *, group_size: int = 128, lm_hea
     if len(axes) != value.ndim:
       raise ValueError(f"quantize_model: {'.'.join(map(str, path))} has no logical axes")
     label = ".".join(map(str, path))
-    node.set_value(quantize_weight(value, axes, fmt, group_size=group_size, name=label))
+    q = quantize_weight(value, axes, fmt, group_size=group_size, name=label, field=field)
+    node.set_value(q)
     done.append(label)
   return done
 

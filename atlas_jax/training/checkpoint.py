@@ -178,7 +178,8 @@ def abstract_params(cfg: Config, *, implementation: str | None = None):
     )
     if cfg.train.base_quantization is not None:
       group = cfg.train.base_quantization_group_size
-      quant.quantize_model(model, cfg.train.base_quantization, group_size=group)
+      fmt = cfg.train.base_quantization
+      quant.quantize_model(model, fmt, group_size=group, field="train.base_quantization")
     return model
 
   return nnx.split(nnx.eval_shape(model))

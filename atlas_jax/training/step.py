@@ -101,7 +101,10 @@ def quantize_base(cfg: Config, model: Transformer) -> list[str]:
   t = cfg.train
   if t.base_quantization is None:
     return []
-  return quant.quantize_model(model, t.base_quantization, group_size=t.base_quantization_group_size)
+  group = t.base_quantization_group_size
+  return quant.quantize_model(
+    model, t.base_quantization, group_size=group, field="train.base_quantization"
+  )
 
 
 def split_trainable(cfg: Config, params: nnx.State) -> tuple[nnx.State, nnx.State]:

@@ -187,3 +187,9 @@ def test_the_quantized_product_saves_no_float_copy_of_its_weight():
   lora = measure.saved_activation_bytes(tiny_config("train.lora={rank: 4}", *sizes), batch=2)
   for fmt in ("int8", "int4"):
     assert measure.saved_activation_bytes(qlora_config(fmt, *sizes), batch=2) == lora
+
+
+def test_a_group_size_that_does_not_divide_is_named_as_the_train_field():
+  cfg = qlora_config("int4", "train.base_quantization_group_size=24")
+  with pytest.raises(ValueError, match=r"train.base_quantization_group_size=24 must divide"):
+    make_trainer(cfg)
