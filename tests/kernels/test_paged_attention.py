@@ -116,9 +116,53 @@ class PagedAttentionTest:
     )
     chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
 
+  @pytest.mark.parametrize("T", [1, 3])
+  @pytest.mark.parametrize(
+    "options",
+    [
+      dict(sliding_window=9),
+      dict(soft_cap=1.5, sinks=True),
+      dict(sliding_window=5, soft_cap=2.0, sinks=True),
+    ],
+    ids=["window", "cap_sinks", "window_cap_sinks"],
+  )
+  def test_window_soft_cap_and_sinks(self, T, options):
+    q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+      lengths=(0, 1, 3, 40, 70), T=T, N=4, K=2, H=16, Z=8, dtype=jnp.float32, seed=T
+    )
+    q_BTNH = q_BTNH * 3.0  # scores large enough for the cap to matter
+    kw = dict(options)
+    if kw.pop("sinks", False):
+      kw["sinks"] = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    q = q_BTNH[:, 0] if T == 1 else q_BTNH
+    out = self.run_kernel(q, pool_k, pool_v, table, lengths, **kw)
+    expected = attention_reference(
+      q_BTNH, dense["k"], dense["v"], causal=True, kv_lengths=lengths, **kw
+    )
+    expected = expected[:, 0] if T == 1 else expected
+    chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+    ref = paged_attention_reference(q, pool_k, pool_v, table, lengths, **kw)
+    chex.assert_trees_all_close(ref, expected, atol=1e-5, rtol=1e-5)
+
 
 class TestPagedAttentionInterpret(PagedAttentionTest):
   INTERPRET = True
+
+  def test_window_skips_the_pages_before_it(self):
+    """Pages wholly before every query's window are never read: NaN there stays out."""
+    q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+      lengths=(70, 45), T=1, N=4, K=2, H=16, Z=8, dtype=jnp.float32
+    )
+    window = 12  # the queries at 69 and 44 see from 58 and 33: pages 0-6 and 0-3 unread
+    before = jnp.concatenate([table[0, :7], table[1, :4]])
+    pool_k, pool_v = (x.at[before].set(jnp.nan) for x in (pool_k, pool_v))
+    out = self.run_kernel(
+      q_BTNH[:, 0], pool_k, pool_v, table, lengths, sliding_window=window, num_splits=3
+    )
+    expected = attention_reference(
+      q_BTNH, dense["k"], dense["v"], causal=True, kv_lengths=lengths, sliding_window=window
+    )
+    chex.assert_trees_all_close(out, expected[:, 0], atol=1e-5, rtol=1e-5)
 
 
 class TestPagedAttentionXLA(PagedAttentionTest):
@@ -289,3 +333,17 @@ def test_lowers_to_triton_for_cuda_on_a_cpu():
   )
   assert "xla.gpu.triton" in text
   assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in text
+
+
+def test_window_soft_cap_and_sinks_lower_to_triton_for_cuda():
+  q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 16, 8, 128), jnp.bfloat16)
+  ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  sinks = jax.ShapeDtypeStruct((32,), jnp.float32)
+  fn = jax.jit(
+    lambda q, k, v, t, n, l, sinks: paged_attention_pallas(
+      q, k, v, t, n, layer=l, sliding_window=64, soft_cap=30.0, sinks=sinks
+    )
+  )
+  args = (q, pool, pool, ints(4, 16), ints(4), ints(), sinks)
+  assert "xla.gpu.triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
