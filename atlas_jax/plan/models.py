@@ -4,9 +4,11 @@ Shapes are copied from each model's released `config.json` on the Hugging Face h
 (meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-70b-hf, meta-llama/Meta-Llama-3-8B,
 meta-llama/Llama-3.1-8B, meta-llama/Meta-Llama-3-70B, deepseek-ai/DeepSeek-V2,
 deepseek-ai/DeepSeek-V2-Lite, deepseek-ai/DeepSeek-V3, mistralai/Mixtral-8x7B-v0.1,
-Qwen/Qwen3-30B-A3B), mixture-of-experts layers included: total and active parameters are the
-published ones (DeepSeek-V3 671B / 37B, Mixtral-8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B,
-DeepSeek-V2 236B / 21B, DeepSeek-V2-Lite 15.7B / 2.4B; `tests/plan/test_published.py`).
+Qwen/Qwen3-30B-A3B, microsoft/Phi-4-mini-instruct, google/gemma-3-1b-pt, and the text configs
+of google/gemma-3-4b-pt and google/gemma-3-27b-pt, HuggingFaceTB/SmolLM3-3B), mixture-of-experts
+layers included: total and active parameters are the published ones (DeepSeek-V3 671B / 37B,
+Mixtral-8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V2 236B / 21B, DeepSeek-V2-Lite
+15.7B / 2.4B, Phi-4-mini 3.8B, Gemma-3-1B 1.0B; `tests/plan/test_published.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _llama(V, D, L, N, K, F, max_len, theta, scaling=None, **extra) -> ModelConf
     max_seq_len=max_len,
     rope_theta=theta,
     rope_scaling=scaling,
-    norm_eps=1e-5,
+    norm_eps=extra.pop("norm_eps", 1e-5),
     dtype="bfloat16",
     param_dtype="bfloat16",
     **extra,
@@ -72,6 +74,27 @@ _LLAMA3_ROPE = RopeScaling(
   low_freq_factor=1.0,
   high_freq_factor=4.0,
   original_max_position_embeddings=8192,
+)
+
+# Phi-4-mini-instruct's LongRoPE: 48 factors, one per rotated pair of its 96 rotated dims (of 128);
+# the long ones from its config.json, the short ones all 1. Its sliding_window (262,144) exceeds
+# its context and is left out.
+# fmt: off
+_PHI4_MINI_LONG = (
+  1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+  2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+  5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+  11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+  25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+  32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+)
+# fmt: on
+PHI4_MINI_ROPE = RopeScaling(
+  type="longrope",
+  factor=32.0,  # max_position_embeddings 131,072 / original 4,096
+  original_max_position_embeddings=4096,
+  short_factor=(1.0,) * 48,
+  long_factor=_PHI4_MINI_LONG,
 )
 
 REFERENCE_MODELS: dict[str, ReferenceModel] = {
@@ -192,7 +215,87 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
       moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_dim=768, norm_topk_prob=True),
     ),
   ),
+  "phi-4-mini": ReferenceModel(
+    "Phi-4-mini (GQA-8, LongRoPE, 3/4 of each head rotated)",
+    _llama(
+      200064,
+      3072,
+      32,
+      24,
+      8,
+      8192,
+      131072,
+      10000.0,
+      PHI4_MINI_ROPE,
+      tie_embeddings=True,
+      partial_rotary_factor=0.75,
+    ),
+  ),
 }
+
+
+def _gemma3(V, D, L, N, K, H, F, window, scalar, max_len, scaling) -> ModelConfig:
+  """Gemma 3's text model: five sliding-window layers per global one (local RoPE base 10,000,
+  global 1,000,000, linearly scaled past 1B), QK-norm, post-norms, GeGLU, scaled embeddings."""
+  return _llama(
+    V,
+    D,
+    L,
+    N,
+    K,
+    F,
+    max_len,
+    1e6,
+    scaling,
+    head_dim=H,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+    qk_norm=True,
+    sliding_window=window,
+    layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(L)),
+    rope_local_theta=10000.0,
+    query_pre_attn_scalar=scalar,
+    post_norms=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+  )
+
+
+GEMMA3_ROPE = RopeScaling(type="linear", factor=8.0)
+REFERENCE_MODELS.update(
+  {
+    "gemma-3-1b": ReferenceModel(
+      "Gemma-3-1B (MQA, 5:1 local 512-token windows / global layers)",
+      _gemma3(262144, 1152, 26, 4, 1, 256, 6912, 512, 256, 32768, None),
+    ),
+    "gemma-3-4b": ReferenceModel(
+      "Gemma-3-4B text (GQA-2, 5:1 local 1024-token windows / global layers)",
+      _gemma3(262208, 2560, 34, 8, 4, 256, 10240, 1024, 256, 131072, GEMMA3_ROPE),
+      "the language model alone (the released checkpoint adds a 0.4B vision tower)",
+    ),
+    "gemma-3-27b": ReferenceModel(
+      "Gemma-3-27B text (GQA-2, 5:1 local 1024-token windows / global layers)",
+      _gemma3(262208, 5376, 62, 32, 16, 128, 21504, 1024, 168, 131072, GEMMA3_ROPE),
+      "the language model alone (the released checkpoint adds a 0.4B vision tower)",
+    ),
+    "smollm3-3b": ReferenceModel(
+      "SmolLM3-3B (GQA-4, every 4th layer without RoPE)",
+      _llama(
+        128256,
+        2048,
+        36,
+        16,
+        4,
+        11008,
+        65536,
+        5e6,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        nope_layers=tuple(i for i in range(36) if (i + 1) % 4 == 0),
+      ),
+    ),
+  }
+)
 
 
 def get_reference(name: str) -> ReferenceModel | None:

@@ -123,10 +123,15 @@ def block(cfg: ModelConfig, sparse: bool = False) -> list[ParamSpec]:
   """One transformer block's parameters (no leading layer axis); `sparse`: an MoE layer."""
   D, F = cfg.d_model, cfg.ffn_dim
   attn = [dataclasses.replace(p, path=f"attn/{p.path}") for p in _attention(cfg)]
+  # The norms before each sublayer (`pre_norms`) and on its output (`post_norms`).
+  norms = lambda where: (
+    ([ParamSpec(f"{where}_norm/scale", (D,), ("embed",))] if cfg.pre_norms else [])
+    + ([ParamSpec(f"{where}_post_norm/scale", (D,), ("embed",))] if cfg.post_norms else [])
+  )
   return [
-    ParamSpec("attn_norm/scale", (D,), ("embed",)),
+    *norms("attn"),
     *attn,
-    ParamSpec("mlp_norm/scale", (D,), ("embed",)),
+    *norms("mlp"),
     *(_experts(cfg) if sparse else _swiglu("mlp", D, F)),
   ]
 

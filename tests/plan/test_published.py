@@ -162,3 +162,43 @@ def test_deepseek_v3_expert_memory_per_device_under_the_expert_axis():
   routers = 59 * 7168 * 256
   whole = pc.total - pc.experts - pc.mtp_experts - routers
   assert st.params == 4 * whole + st.experts + 4 * (routers + 59 * 256) // 8
+
+
+def test_phi4_mini_parameters_and_kv_cache():
+  """Phi-4-mini: 3,836,021,760 parameters (the released safetensors' count; tied embeddings), the
+  real modules' at full size; 32 layers x 8 kv heads x 128 dims x (K and V) x 2 bytes per token.
+  The preset `configs/phi4-mini.yaml` is the same model."""
+  from pathlib import Path
+
+  from atlas_jax.config import load_config
+
+  cfg = REFERENCE_MODELS["phi-4-mini"].model
+  assert (cfg.rotary_dim, cfg.rope_scaling.type) == (96, "longrope")
+  pc = params.counts(cfg)
+  assert pc.total == measure.param_counts(cfg)["total"] == 3_836_021_760
+  kv = plan("phi-4-mini", precision="bf16")["kv_cache"]
+  assert kv["bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131_072
+  preset = load_config(Path(__file__).parents[2] / "configs" / "phi4-mini.yaml").model
+  assert dataclasses.replace(preset, dtype="bfloat16", param_dtype="bfloat16") == cfg
+
+
+# Released parameter counts of the language models (Gemma 3's 4B and 27B checkpoints add a
+# vision tower of 0.4B the planner does not hold).
+PUBLISHED_DENSE = {
+  "gemma-3-1b": 999_885_952,
+  "gemma-3-4b": 3_880_263_168,
+  "gemma-3-27b": 27_009_346_304,
+  "smollm3-3b": 3_075_098_624,
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_DENSE))
+def test_patterned_families_parameters_and_kv_cache(name):
+  """Gemma 3 (post-norms, QK-norm, local and global layers) and SmolLM3 (NoPE layers): the
+  planner's count is the real modules' at full size, and the released one; the cache holds every
+  layer's K and V for each token (the server keeps the windowed layers' blocks too)."""
+  cfg = REFERENCE_MODELS[name].model
+  pc = params.counts(cfg)
+  assert pc.total == measure.param_counts(cfg)["total"] == PUBLISHED_DENSE[name]
+  kv = plan(name, precision="bf16")["kv_cache"]
+  assert kv["bytes_per_token"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2

@@ -31,6 +31,18 @@ MODELS = {
   # Parallel MTP heads read the last block's input: a second activation through the stages.
   "llama_parallel_mtp": ["model.mtp.kind=parallel", "model.mtp.n_predict=2", "train.z_loss=1e-3"],
   "base": [],  # the MoE cases bring their own layers
+  # Gemma's layout: local and global layers alternating (each stage of a circular pipeline
+  # holds layers of one kind), post-norms, GeGLU, scaled embeddings, both soft-caps.
+  "gemma": [
+    "model.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]",
+    "model.sliding_window=5",
+    "model.rope_local_theta=1000.0",
+    "model.post_norms=true",
+    "model.mlp_activation=gelu_tanh",
+    "model.scale_embeddings=true",
+    "model.attn_logit_softcapping=5.0",
+    "model.final_logit_softcapping=3.0",
+  ],
 }
 STAGE2_FSDP2_TENSOR2 = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]
 # (model, pipeline and training overrides): GPipe and circular, with remat, grad accumulation,
@@ -90,6 +102,15 @@ CASES = {
       "train.lora={rank: 4}",
       "train.pipeline_microbatches=4",
       "train.pipeline_repeats=2",
+    ],
+  ),
+  "gemma_circular_chunked": (
+    "gemma",
+    [
+      *STAGE2_FSDP2_TENSOR2,
+      "train.pipeline_microbatches=2",
+      "train.pipeline_repeats=2",
+      "train.loss_chunk=8",
     ],
   ),
   "parallel_mtp_circular": (
