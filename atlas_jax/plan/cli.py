@@ -133,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tokens", type=float, help="training tokens (default: Chinchilla-optimal)")
   p.add_argument("--block-size", type=int, default=16, help="paged KV block size (default 16)")
   p.add_argument(
+    "--devices-per-host",
+    type=int,
+    default=8,
+    help="serving across hosts: devices per host, for the all-reduce bytes that cross hosts "
+    "(default 8)",
+  )
+  p.add_argument(
     "--kv-cache-dtype",
     default="auto",
     help="serving's pool: auto (the compute dtype), int8 or fp8 (a byte a value and a scale "
@@ -179,6 +186,7 @@ def build_plan(args: argparse.Namespace) -> dict:
     mfu=args.mfu,
     block_size=args.block_size,
     kv_cache_dtype=args.kv_cache_dtype,
+    devices_per_host=args.devices_per_host,
   )
   return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=source.notes)
 

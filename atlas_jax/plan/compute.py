@@ -153,12 +153,34 @@ def all_reduce_bytes(cfg: ModelConfig, *, tensor: int, rows: int, dtype_bytes: i
   there), and its shared experts' as a dense MLP's. 0 on one device."""
   if tensor == 1:
     return 0
+  return _reduced_bytes(cfg, rows, dtype_bytes) * 2 * (tensor - 1) // tensor
+
+
+def _reduced_bytes(cfg: ModelConfig, rows: int, dtype_bytes: int) -> int:
+  """Bytes a decode step of `rows` sequences all-reduces over the tensor axis (`all_reduce_bytes`'
+  messages, each counted once)."""
   messages = 1 + cfg.n_layers  # the embedding, and every layer's attention output
   for sparse in cfg.sparse_layers():
     m = cfg.moe
     messages += (m.top_k + (1 if m.shared_ffn_dim else 0)) if sparse else 1
-  message = rows * cfg.d_model * dtype_bytes
-  return messages * message * 2 * (tensor - 1) // tensor
+  return messages * rows * cfg.d_model * dtype_bytes
+
+
+def hosts_spanned(tensor: int, devices_per_host: int) -> int:
+  """The hosts one replica's `tensor` devices span (a replica's devices are consecutive)."""
+  return -(-tensor // devices_per_host)
+
+
+def all_reduce_host_bytes(
+  cfg: ModelConfig, *, tensor: int, devices_per_host: int, rows: int, dtype_bytes: int
+) -> int:
+  """Bytes each host sends to the other hosts per decode step of `rows` sequences when a
+  replica's tensor axis spans h hosts: a hierarchical all-reduce (each message reduced over the
+  host's own links, then a ring over the h hosts, then broadcast back within each, as NCCL's
+  tree and ring algorithms arrange it) sends 2 (h - 1) / h of every message out of each host.
+  0 when the replica fits one host."""
+  h = hosts_spanned(tensor, devices_per_host)
+  return _reduced_bytes(cfg, rows, dtype_bytes) * 2 * (h - 1) // h
 
 
 def logits_gather_bytes(cfg: ModelConfig, *, tensor: int, rows: int) -> int:

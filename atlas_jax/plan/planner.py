@@ -59,6 +59,7 @@ class PlanInputs:
   tokens: int | None = None  # training tokens; default Chinchilla-optimal
   block_size: int = 16  # paged KV cache block size (tokens)
   kv_cache_dtype: str = "auto"  # serving's pool: the compute dtype, or 8-bit codes and scales
+  devices_per_host: int = 8  # serving across hosts: a replica's tensor axis spans hosts of these
   # LoRA (train.lora): adapters of this rank on these projections, the only trained parameters;
   # 0: every parameter trains.
   lora_rank: int = 0
@@ -70,7 +71,7 @@ class PlanInputs:
 
   def __post_init__(self):
     names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
-    for name in (*names, "pipeline", "microbatches", "repeats"):
+    for name in (*names, "pipeline", "microbatches", "repeats", "devices_per_host"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 1")
@@ -471,6 +472,11 @@ def make_plan(
     "pool_bytes_per_device": pool_dev,
     "pool_tokens_per_replica": pool_dev // kv_dev,
     "sequences_per_replica": pool_dev // (kv_dev * T),
+    # Across hosts (serve.py --num-processes): the per-device figures stay; a replica whose
+    # tensor axis spans hosts sends part of every all-reduce over the hosts' network.
+    "devices_per_host": inputs.devices_per_host,
+    "hosts": compute.hosts_spanned(inputs.devices, inputs.devices_per_host),
+    "hosts_per_replica": compute.hosts_spanned(tp, inputs.devices_per_host),
     "bounds": [],
   }
   for batch in sorted({dp, max(B, dp)}):  # one sequence per replica, and the batch
@@ -491,6 +497,13 @@ def make_plan(
         "bytes_per_step_per_device": bound.bytes_per_step,
         "all_reduce_bytes_per_device": bound.all_reduce_bytes,
         "all_gather_bytes_per_device": bound.all_gather_bytes,
+        "all_reduce_bytes_leaving_each_host": compute.all_reduce_host_bytes(
+          cfg,
+          tensor=tp,
+          devices_per_host=inputs.devices_per_host,
+          rows=-(-batch // dp),
+          dtype_bytes=c,
+        ),
         "seconds_per_step": batch / bound.tokens_per_s,
         "network_seconds": bound.network_seconds,
         "tokens_per_s": bound.tokens_per_s,

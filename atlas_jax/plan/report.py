@@ -314,7 +314,19 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
         + f", {bnd['tokens_per_s']:,.0f}",
       )
     )
+    if sv["hosts_per_replica"] > 1:
+      rows.append(
+        (
+          f"decode, batch {bnd['batch']}: all-reduce bytes leaving each host per step",
+          fmt_bytes(bnd["all_reduce_bytes_leaving_each_host"]),
+        )
+      )
   title = f"Serving on {sv['data']} x {sv['tensor']} (data x tensor){heads}"
+  if sv["hosts"] > 1:
+    title += (
+      f", {sv['hosts']} hosts of {sv['devices_per_host']} devices"
+      f" ({sv['hosts_per_replica']} per replica)"
+    )
   out.append(
     _section(title, table(("serving", "per device"), rows, markdown=markdown), markdown=markdown)
   )

@@ -159,3 +159,29 @@ def test_the_collective_bytes_are_the_compiled_decode_steps(kind, mesh):
     assert collectives(hlo, "all-gather") == [logits]
     for op in ("all-to-all", "reduce-scatter", "collective-permute"):
       assert collectives(hlo, op) == [], op
+
+
+def test_serving_across_hosts_counts_the_all_reduce_bytes_leaving_each_host():
+  """Per-device figures do not depend on the hosts; a replica whose tensor axis spans h hosts
+  sends 2 (h - 1) / h of each all-reduced message out of every host: here the embedding's and
+  each layer's attention and MLP outputs, [rows, D] in bf16."""
+  cfg = dataclasses.replace(MODELS["gqa"], n_heads=16)  # 2 dense layers, D = 32
+  message = 3 * 32 * 2  # rows 3
+  host_bytes = lambda tensor, per_host: compute.all_reduce_host_bytes(
+    cfg, tensor=tensor, devices_per_host=per_host, rows=3, dtype_bytes=2
+  )
+  assert host_bytes(8, 8) == 0
+  assert host_bytes(16, 8) == 5 * message  # 2 hosts: every message once
+  assert host_bytes(16, 4) == 5 * message * 2 * 3 // 4
+  inputs = PlanInputs(seq_len=64, batch=6, devices=16, tensor=8, strategy="dp")
+  two_replicas = make_plan(cfg, inputs)["serving"]
+  one_replica = make_plan(cfg, dataclasses.replace(inputs, tensor=16))["serving"]
+  assert (two_replicas["hosts"], two_replicas["hosts_per_replica"]) == (2, 1)
+  assert (one_replica["hosts"], one_replica["hosts_per_replica"]) == (2, 2)
+  assert all(b["all_reduce_bytes_leaving_each_host"] == 0 for b in two_replicas["bounds"])
+  assert [b["all_reduce_bytes_leaving_each_host"] for b in one_replica["bounds"]] == [
+    5 * 1 * 32 * 2,  # batch 1
+    5 * 6 * 32 * 2,  # batch 6: every row on the one replica
+  ]
+  with pytest.raises(ValueError, match="--devices-per-host=0"):
+    PlanInputs(devices_per_host=0)
