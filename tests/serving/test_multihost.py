@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from . import test_mesh as mesh_test  # noqa: E402
 from .hf_folders import build_folder  # noqa: E402
-from .test_hf_serving import served  # noqa: E402
+from .test_hf_serving import serve, served  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 PROMPTS = ["def foo(x):\n    return", "Hello, how are", "The quick brown"]
@@ -231,3 +231,11 @@ def test_multihost_flags_are_checked():
     multihost.engine_config(config, lora=True)
   with pytest.raises(ConfigError, match="tensor_parallel_size=4 .* must take all 8 devices"):
     multihost.engine_config(EngineConfig(tensor_parallel_size=4), lora=False)
+
+
+def test_serve_names_a_bad_multihost_flag(folder, capsys):
+  argv = ["--checkpoint", str(folder), "--prompt", "x", "--coordinator-address", "127.0.0.1:1"]
+  assert serve.main([*argv, "--num-processes", "2"]) == 2
+  assert "given together" in capsys.readouterr().err
+  assert serve.main([*argv, "--num-processes", "2", "--process-id", "3"]) == 2
+  assert "--process-id=3 is not allowed" in capsys.readouterr().err
