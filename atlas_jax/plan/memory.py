@@ -38,14 +38,15 @@ Activations. What the train step's forward pass saves for its backward pass (the
 
 with c the compute dtype's bytes, S = T the context. `full` keeps each block's input (D*c per
 token), `every_k` every k-th, `selective` the eight named matmul outputs (2D + 2F + 2N*H + 2K*H,
-times c; MLA keeps its query (and bottleneck), latent, K and V up-projections and output). With
-bf16 compute, `none` also keeps the bf16 copy of every weight it cast. The final norm, the f32
-logits and the loss add a fixed amount per token: 4V + 17 bytes for the logits and the loss, or
-12 with the chunked cross-entropy (train.loss_chunk), which also keeps no compute-dtype copy of
-the head. Multi-token-prediction heads run outside the remat policy and always keep their
-residuals. A pipelined step (`activation_bytes(schedule=...)`) keeps, on each stage, its layers'
-residuals for every one of the schedule's iterations (one micro-batch each). `tests/plan` checks
-these against the real train step's residuals (per device, for the pipelined step).
+times c; MLA keeps its query (and bottleneck), latent, K and V up-projections and output). With bf16
+compute, `none` also keeps the bf16 copy of every weight it cast (of a QLoRA base's quantized
+projections, only their scales'). The final norm, the f32 logits and the loss add a fixed amount per
+token: 4V + 17 bytes for the logits and the loss, or 12 with the chunked cross-entropy
+(train.loss_chunk), which also keeps no compute-dtype copy of the head. Multi-token-prediction heads
+run outside the remat policy and always keep their residuals. A pipelined step
+(`activation_bytes(schedule=...)`) keeps, on each stage, its layers' residuals for every one of the
+schedule's iterations (one micro-batch each). `tests/plan` checks these against the real train
+step's residuals (per device, for the pipelined step).
 Mixture-of-experts layers are an estimate, not checked: the dense MLP's terms replaced by k
 experts' (each token's k copies, their SwiGLU, the float32 router logits and probabilities) plus
 the shared experts'.
@@ -329,17 +330,27 @@ def _layer_tokens(
   return out + 8 * n_norms
 
 
-def _layer_fixed(specs: list[ParamSpec], c: int, master_bytes: int, tp: int) -> float:
+def _layer_fixed(
+  specs: list[ParamSpec],
+  c: int,
+  master_bytes: int,
+  tp: int,
+  base_quantization: tuple[str, int] | None = None,
+) -> float:
   """Bytes one block saves whatever the token count: the compute-dtype copies of its weights.
 
   With bf16/fp16 compute every weight is cast at use and the cast kept; in float32 only the
-  RMSNorm scales' broadcasts are new arrays.
+  RMSNorm scales' broadcasts are new arrays. A QLoRA base's quantized projection
+  (`base_quantization`) keeps only its scales' cast: its product's backward pass dequantizes the
+  held values afresh (`atlas_jax.quant.quantized_product`).
   """
   cast = c != master_bytes
   total = 0.0
   for p in specs:
     if cast or p.is_norm:
-      dims = [_split(n, tp) if axis in TENSOR_AXES else n for n, axis in zip(p.shape, p.axes)]
+      parts = None if base_quantization is None else quantized_parts(p, *base_quantization)
+      held = p if parts is None else parts[1][0]  # a quantized weight: its scales
+      dims = [_split(n, tp) if a in TENSOR_AXES else n for n, a in zip(held.shape, held.axes)]
       total += c * math.prod(dims)
   return total
 
@@ -447,7 +458,15 @@ def _blocks(
 
 
 def _after_blocks(
-  cfg: ModelConfig, c: int, S: int, attention: str, tp: int, chunked: bool, M: int, master: int
+  cfg: ModelConfig,
+  c: int,
+  S: int,
+  attention: str,
+  tp: int,
+  chunked: bool,
+  M: int,
+  master: int,
+  base_quantization: tuple[str, int] | None = None,
 ) -> float:
   """Bytes kept after the layer stack for M tokens: final norm, head and loss, MTP heads."""
   D, V = cfg.d_model, _split(cfg.vocab_size, tp)
@@ -456,7 +475,7 @@ def _after_blocks(
     out += c * D * V  # the head's compute-dtype copy, or transpose
   if cfg.mtp is not None:
     out += _mtp_tokens(cfg, c, S, attention, tp, chunked) * M
-    out += cfg.mtp.n_predict * _layer_fixed(mtp_head(cfg), c, master, tp)
+    out += cfg.mtp.n_predict * _layer_fixed(mtp_head(cfg), c, master, tp, base_quantization)
     if c != master and not chunked:
       out += c * D * V  # the head is cast again for the MTP logits
   return out
@@ -475,6 +494,7 @@ def activation_bytes(
   master_bytes: int = 4,
   loss_chunk: int = 0,
   schedule: Schedule | None = None,
+  base_quantization: tuple[str, int] | None = None,
 ) -> ActivationBytes:
   """Activation bytes of a `batch` x `seq_len` micro-batch on one device.
 
@@ -493,6 +513,9 @@ def activation_bytes(
     schedule: pipeline stages (`atlas_jax.training.pipeline.Schedule`, more than one stage):
       one stage's bytes, `batch` then being a data-parallel shard's rows of an accumulation
       step (`_pipelined`).
+    base_quantization: (format, group size) of a QLoRA base: its projections keep no
+      compute-dtype copies, only their scales' (not applied to a pipelined step's figure, which
+      counts the float copies: an upper bound there).
   """
   if policy not in REMAT_POLICIES:
     raise ValueError(f"--remat={policy!r} is not allowed; allowed: {', '.join(REMAT_POLICIES)}")
@@ -507,9 +530,10 @@ def activation_bytes(
   S = seq_len
   chunked = loss_chunk > 0
   glob = (4 + sum(_scan_input_tokens(cfg, c, S, attention, policy, tp))) * M
-  glob += _after_blocks(cfg, c, S, attention, tp, chunked, M, master_bytes)
+  quantized = base_quantization
+  glob += _after_blocks(cfg, c, S, attention, tp, chunked, M, master_bytes, quantized)
   saved, recompute, per_layer = _runs(
-    cfg, cfg.layer_runs(), policy, M, c, S, attention, tp, master_bytes, remat_every
+    cfg, cfg.layer_runs(), policy, M, c, S, attention, tp, master_bytes, remat_every, quantized
   )
   return ActivationBytes(
     policy=policy,
@@ -521,20 +545,28 @@ def activation_bytes(
 
 
 def _per_layer(
-  cfg: ModelConfig, sparse: bool, M: int, c: int, S: int, attention: str, tp: int, master: int
+  cfg: ModelConfig,
+  sparse: bool,
+  M: int,
+  c: int,
+  S: int,
+  attention: str,
+  tp: int,
+  master: int,
+  base_quantization: tuple[str, int] | None = None,
 ) -> float:
   """One block's residuals on M tokens without remat (dense or MoE)."""
   per_token = _layer_tokens(cfg, c, S, attention, tp, sparse) * M
-  return per_token + _layer_fixed(block(cfg, sparse), c, master, tp)
+  return per_token + _layer_fixed(block(cfg, sparse), c, master, tp, base_quantization)
 
 
-def _runs(cfg, runs, policy, M, c, S, attention, tp, master, remat_every):
+def _runs(cfg, runs, policy, M, c, S, attention, tp, master, remat_every, quantized=None):
   """(saved, recomputed at a time, the largest block's residuals) of runs of identical layers
   ((sparse, layers), ...), each its own layer scan (`atlas_jax.model.transformer`) on M
   tokens."""
   saved, recompute, largest = 0.0, 0.0, 0.0
   for sparse, n in runs:
-    per_layer = _per_layer(cfg, sparse, M, c, S, attention, tp, master)
+    per_layer = _per_layer(cfg, sparse, M, c, S, attention, tp, master, quantized)
     k = default_every(n) if remat_every is None else remat_every
     if policy == "every_k" and n % k:
       where = f"the model's n_layers={n}" if n == cfg.n_layers else f"each run of {n} layers"

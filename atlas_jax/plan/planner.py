@@ -321,7 +321,12 @@ def make_plan(
       loss_chunk=inputs.loss_chunk,
       tensor=tensor,
     )
-    return memory.activation_bytes(cfg, **common, schedule=inputs.schedule)
+    quantized = None
+    if inputs.base_quantization is not None:
+      quantized = (inputs.base_quantization, inputs.base_quantization_group_size)
+    return memory.activation_bytes(
+      cfg, **common, schedule=inputs.schedule, base_quantization=quantized
+    )
 
   # Training memory per device, every strategy at the selected remat policy. The state does not
   # depend on the batch; the activations need the batch to split as the trainer splits it.

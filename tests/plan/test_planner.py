@@ -363,6 +363,30 @@ def test_activation_bytes_match_the_saved_residuals(name, precision, impl, polic
   assert abs(planned.saved - real) <= max(100, 1e-3 * real), (planned.saved, real)
 
 
+@pytest.mark.parametrize("fmt,policy", [("int8", "none"), ("int4", "none"), ("int4", "every_k")])
+def test_qlora_activations_keep_no_compute_copy_of_the_quantized_weights(fmt, policy):
+  """bf16 compute without remat: a LoRA step keeps each projection's bf16 copy for its backward
+  pass, a QLoRA step only the copy of its scales. The planner's difference between the two is
+  the real step's saved residuals' (the adapters' own residuals, which it does not count, cancel
+  out)."""
+  sets = ("train.seq_len=24", "train.precision=bf16", f"train.remat={policy}")
+  sets += ("train.lora={rank: 4}", "attention.implementation=reference")
+  lora = config("tiny", *sets)
+  qlora = config(
+    "tiny", *sets, f"train.base_quantization={fmt}", "train.base_quantization_group_size=64"
+  )
+  real = measure.saved_activation_bytes(lora, batch=3) - measure.saved_activation_bytes(
+    qlora, batch=3
+  )
+  plan = lambda **kw: (
+    memory.activation_bytes(
+      lora.model, policy=policy, batch=3, seq_len=24, compute_bytes=2, attention="xla", **kw
+    ).saved
+  )
+  assert (real > 0) == (policy == "none")  # every_k recomputes the copies: none is kept
+  assert plan() - plan(base_quantization=(fmt, 64)) == real
+
+
 @pytest.mark.parametrize(
   "name,precision,policy",
   [
