@@ -248,6 +248,72 @@ def test_openai_agent_loop(url):
   assert tokens["count"] == len(want.encode())
 
 
+@pytest.mark.slow  # builds a Hugging Face folder and starts serve.py (compiles on first use)
+def test_openai_agent_loop_against_serve_py(tmp_path):
+  """The same loop against serve.py itself: a tiny Qwen2-shaped folder with the tools template,
+  the hermes and qwen3 parsers on."""
+  import socket
+  import subprocess
+  import sys
+  import time
+  from pathlib import Path
+
+  from .hf_folders import build_folder
+
+  build_folder("qwen", tmp_path)
+  for name, key, value in [
+    ("tokenizer_config.json", "chat_template", QWEN_TOOLS_TEMPLATE),
+    ("config.json", "max_position_embeddings", 2048),  # room for the tools in the prompt
+  ]:
+    settings = json.loads((tmp_path / name).read_text())
+    (tmp_path / name).write_text(json.dumps({**settings, key: value}))
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = Path(__file__).resolve().parents[2]
+  cmd = [sys.executable, str(root / "serve.py"), "--checkpoint", str(tmp_path), "--port", str(port)]
+  cmd += ["--served-model-name", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+  cmd += ["--reasoning-parser", "qwen3", "--max-batch", "2", "--warmup", "none"]
+  proc = subprocess.Popen(
+    cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  try:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+      assert proc.poll() is None, proc.stdout.read()
+      try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      assert time.monotonic() < deadline, "serve.py did not come up"
+      time.sleep(0.5)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = client.chat.completions.create(
+      model="m",
+      messages=messages,
+      tools=TOOLS,
+      tool_choice="required",
+      parallel_tool_calls=False,
+      max_tokens=200,
+    )
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "clear, 9 C"})
+    final = client.chat.completions.create(
+      model="m", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=16
+    )
+    # the folder's model always ends at once: an answer with no calls
+    assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 CALL = (
   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}\n</tool_call>'
 )
