@@ -170,20 +170,11 @@ def _key_bounds(
 
 
 def _query_block_range(klo_BT1: Array, khi_BT1: Array, block_q: int, block_k: int, Sp: int):
-  """i32[B, 1, Sp] qfirst, qlast: for each key, the query blocks [qfirst, qlast) that may see it.
-
-  Each key block gets one contiguous range. Bounds made monotone over query blocks (a running
-  max of khi, a reversed running min of klo) only ever widen it, so the range stays exact for
-  ordinary positions and a safe superset for arbitrary `q_positions`.
-  """
-  B, Tp, _ = klo_BT1.shape
-  klo_BI = jnp.min(klo_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
-  khi_BI = jnp.max(khi_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
-  khi_BI = lax.cummax(khi_BI, axis=1)
-  klo_BI = lax.cummin(klo_BI, axis=1, reverse=True)
-  s0_J = jnp.arange(Sp // block_k, dtype=jnp.int32) * block_k
-  qfirst_BJ = jnp.sum(khi_BI[:, None, :] <= s0_J[None, :, None], axis=-1, dtype=jnp.int32)
-  qlast_BJ = jnp.sum(klo_BI[:, None, :] < s0_J[None, :, None] + block_k, axis=-1, dtype=jnp.int32)
+  """i32[B, 1, Sp] qfirst, qlast: for each key, the query blocks [qfirst, qlast) that may see it
+  (`flash_kernels.query_blocks_per_key_block`, repeated over the keys of each key block)."""
+  qfirst_BJ, qlast_BJ = flash_kernels.query_blocks_per_key_block(
+    klo_BT1, khi_BT1, block_q, block_k, Sp
+  )
   qfirst_B1S = jnp.repeat(qfirst_BJ, block_k, axis=1)[:, None, :]
   qlast_B1S = jnp.repeat(qlast_BJ, block_k, axis=1)[:, None, :]
   return qfirst_B1S, qlast_B1S

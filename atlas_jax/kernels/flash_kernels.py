@@ -50,6 +50,34 @@ def _dot(a, b, dims=None):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def query_blocks_per_key_block(klo_BT1, khi_BT1, block_q: int, block_k: int, Sp: int):
+  """i32[B, J] qfirst, qlast: for each key block, the query blocks [qfirst, qlast) that may see
+  any of its keys.
+
+  Each key block gets one contiguous range. Bounds made monotone over query blocks (a running
+  max of khi, a reversed running min of klo) only ever widen it, so the range stays exact for
+  ordinary positions and a safe superset for arbitrary `q_positions`.
+  """
+  B, Tp, _ = klo_BT1.shape
+  klo_BI = jnp.min(klo_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
+  khi_BI = jnp.max(khi_BT1.reshape(B, Tp // block_q, block_q), axis=-1)
+  khi_BI = lax.cummax(khi_BI, axis=1)
+  klo_BI = lax.cummin(klo_BI, axis=1, reverse=True)
+  s0_J = jnp.arange(Sp // block_k, dtype=jnp.int32) * block_k
+  qfirst_BJ = jnp.sum(khi_BI[:, None, :] <= s0_J[None, :, None], axis=-1, dtype=jnp.int32)
+  qlast_BJ = jnp.sum(klo_BI[:, None, :] < s0_J[None, :, None] + block_k, axis=-1, dtype=jnp.int32)
+  return qfirst_BJ, qlast_BJ
+
+
+def key_blocks_per_query_block(klo_BT1, khi_BT1, block_q: int, block_k: int):
+  """i32[B, I] kfirst, klast: for each query block, the key blocks [kfirst, klast) holding a
+  key any of its rows sees (empty, kfirst >= klast, for a block whose rows see nothing)."""
+  B, Tp, _ = klo_BT1.shape
+  kfirst_BI = jnp.min(klo_BT1.reshape(B, Tp // block_q, block_q), axis=-1) // block_k
+  klast_BI = -(-jnp.max(khi_BT1.reshape(B, Tp // block_q, block_q), axis=-1) // block_k)
+  return kfirst_BI.astype(jnp.int32), klast_BI.astype(jnp.int32)
+
+
 def _key_block_range(klo_Q1, khi_Q1, block_k):
   """[first, last) key blocks that hold a visible key for any row of this query block."""
   # Empty rows carry klo = Sp, khi = 0 (set by the wrapper), so they never widen the range.

@@ -6,7 +6,12 @@ grid axis marked "arbitrary" (sequential on one core) and the softmax state live
 across grid steps, instead of an in-kernel loop over a whole-sequence ref that would have to fit
 in VMEM. Tiles must be (8, 128)-aligned in their last two dims, so the arrays are head-major:
 q [B, N, Tp, H], k and v [B, K, Sp, H]; per-query-row vectors are [B, Tp, 1] and per-key vectors
-[B, 1, Sp]. Blocks no query row can see are skipped with `pl.when` (their copies still run).
+[B, 1, Sp]. Blocks no query row can see are skipped twice over: their compute with `pl.when`, and
+their copies by the index maps, which read each query block's range of visible key blocks (and,
+for dk/dv, each key block's range of query blocks) from scalar-prefetched tables and clamp the
+streamed index into it. A step outside the range names the block its neighbour holds, and the
+pipeline issues no copy for a block index that did not change, so a causal diagonal or a sliding
+window costs neither the FLOPs nor the HBM reads of the tiles it hides.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from .flash_kernels import (
   _dot,
   finalize,
   initial_state,
+  key_blocks_per_query_block,
   key_mask,
   online_softmax_step,
   out_struct,
   probs_and_dscores,
+  query_blocks_per_key_block,
 )
 
 
@@ -35,12 +42,16 @@ def _block_visible(s0, block_k, klo_Q1, khi_Q1):
   return (s0 < jnp.max(khi_Q1)) & (s0 + block_k > jnp.min(klo_Q1))
 
 
-def _fwd_kernel(*refs, scale: float, has_segments: bool, soft_cap, has_sinks: bool):
+def _fwd_kernel(
+  kfirst_ref, klast_ref, *refs, scale: float, has_segments: bool, soft_cap, has_sinks: bool
+):
   """Grid (B, N, Tp/Q, Sp/Z), the last axis sequential.
 
-  Refs: (sink f32[Q, 1];) q [Q, H], k [Z, H], v [Z, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1],
-  kvseg [1, Z]); outputs o [Q, H], lse f32[Q, 1]; scratch acc f32[Q, H], m f32[Q, 1], l f32[Q, 1].
+  Refs: scalar-prefetched kfirst, klast i32[B * Tp/Q] (read by the index maps); (sink
+  f32[Q, 1];) q [Q, H], k [Z, H], v [Z, H], klo [Q, 1], khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]);
+  outputs o [Q, H], lse f32[Q, 1]; scratch acc f32[Q, H], m f32[Q, 1], l f32[Q, 1].
   """
+  del kfirst_ref, klast_ref
   sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   if has_segments:
     (
@@ -95,11 +106,12 @@ def _fwd_kernel(*refs, scale: float, has_segments: bool, soft_cap, has_sinks: bo
     lse_ref[...] = lse_Q1
 
 
-def _dq_kernel(*refs, scale: float, has_segments: bool, soft_cap):
+def _dq_kernel(kfirst_ref, klast_ref, *refs, scale: float, has_segments: bool, soft_cap):
   """Grid (B, N, Tp/Q, Sp/Z), the last axis sequential.
 
-  Refs: q [Q, H], k [Z, H], v [Z, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
-  khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]); output dq [Q, H]; scratch dq f32[Q, H].
+  Refs: scalar-prefetched kfirst, klast i32[B * Tp/Q] (read by the index maps); q [Q, H],
+  k [Z, H], v [Z, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1], khi [Q, 1],
+  (qseg [Q, 1], kvseg [1, Z]); output dq [Q, H]; scratch dq f32[Q, H].
   """
   if has_segments:
     (
@@ -119,6 +131,7 @@ def _dq_kernel(*refs, scale: float, has_segments: bool, soft_cap):
   else:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref, dq_ref, acc_ref) = refs
     qseg_ref = kvseg_ref = None
+  del kfirst_ref, klast_ref
   j = pl.program_id(3)
   block_k = k_ref.shape[0]
   s0 = j * block_k
@@ -152,11 +165,13 @@ def _dq_kernel(*refs, scale: float, has_segments: bool, soft_cap):
     dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, scale: float, has_segments: bool, soft_cap):
+def _dkdv_kernel(qfirst_ref, qlast_ref, *refs, scale: float, has_segments: bool, soft_cap):
   """Grid (B, K, Sp/Z, G, Tp/Q), the last two axes sequential (the G heads of a group, then
   query blocks), so dk/dv of a key block sum over every query head that reads it.
 
-  Refs: q [Q, H], k [Z, H], v [Z, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
+  Refs: scalar-prefetched qfirst, qlast i32[B * Sp/Z], each key block's range of query blocks
+  (outside it the query-side blocks are a neighbour's, so the guard checks the range too);
+  q [Q, H], k [Z, H], v [Z, H], do [Q, H], lse f32[Q, 1], delta f32[Q, 1], klo [Q, 1],
   khi [Q, 1], (qseg [Q, 1], kvseg [1, Z]); outputs dk [Z, H], dv [Z, H]; scratch f32[Z, H] x2.
   """
   if has_segments:
@@ -195,6 +210,8 @@ def _dkdv_kernel(*refs, scale: float, has_segments: bool, soft_cap):
   g, i = pl.program_id(3), pl.program_id(4)
   block_k = k_ref.shape[0]
   s0 = pl.program_id(2) * block_k
+  key_block = pl.program_id(0) * pl.num_programs(2) + pl.program_id(2)
+  in_range = (i >= qfirst_ref[key_block]) & (i < qlast_ref[key_block])
   klo_Q1, khi_Q1 = klo_ref[...], khi_ref[...]
   first_step = (g == 0) & (i == 0)
   last_step = (g == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1)
@@ -204,7 +221,7 @@ def _dkdv_kernel(*refs, scale: float, has_segments: bool, soft_cap):
     dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
     dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
 
-  @pl.when(_block_visible(s0, block_k, klo_Q1, khi_Q1))
+  @pl.when(in_range & _block_visible(s0, block_k, klo_Q1, khi_Q1))
   def _step():
     qseg_Q1 = None if qseg_ref is None else qseg_ref[...]
     kvseg_1Z = None if kvseg_ref is None else kvseg_ref[...]
@@ -226,23 +243,50 @@ def _params(interpret: bool, semantics: tuple[str, ...]):
   return None if interpret else pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+def _clamped(index, first, last, n_blocks: int):
+  """A streamed block index clamped into [first, last) (the visible blocks), so a step outside
+  them names a block already held and no copy is issued; within [0, n_blocks) when the range is
+  empty."""
+  return jnp.minimum(jnp.clip(index, first, jnp.maximum(last - 1, first)), n_blocks - 1)
+
+
 def forward(cfg, q, k, v, klo, khi, qseg, kvseg, sink_NQ1=None):
   """out [B, N, Tp, H], lse f32[B, N, Tp, 1] from head-major padded inputs; sink_NQ1 f32[N, Q, 1]
   each head's sink logit on every row of a query block, or None."""
   B, N, Tp, H = q.shape
   Sp = k.shape[2]
   G, bq, bk = cfg.groups, cfg.block_q, cfg.block_k
-  q_spec = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, lax.div(n, G), j, 0))
-  row_spec = pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0))
+  nI, nJ = Tp // bq, Sp // bk
+  kfirst_BI, klast_BI = key_blocks_per_query_block(klo, khi, bq, bk)
+
+  def key_block(b, i, j, kfirst, klast):
+    return _clamped(j, kfirst[b * nI + i], klast[b * nI + i], nJ)
+
+  q_spec = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j, *_: (b, n, i, 0))
+  kv_spec = pl.BlockSpec(
+    (None, None, bk, H), lambda b, n, i, j, *t: (b, lax.div(n, G), key_block(b, i, j, *t), 0)
+  )
+  row_spec = pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0))
   in_specs = [q_spec, kv_spec, kv_spec, row_spec, row_spec]
   args = [q, k, v, klo, khi]
   if sink_NQ1 is not None:
-    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (n, 0, 0)), *in_specs]
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (n, 0, 0)), *in_specs]
     args = [sink_NQ1, *args]
   if cfg.has_segments:
-    in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))]
+    kvseg_spec = pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *t: (b, 0, key_block(b, i, j, *t)))
+    in_specs += [row_spec, kvseg_spec]
     args += [qseg, kvseg]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=2,
+    grid=(B, N, nI, nJ),
+    in_specs=in_specs,
+    out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *_: (b, n, i, 0))],
+    scratch_shapes=[
+      pltpu.VMEM((bq, H), jnp.float32),
+      pltpu.VMEM((bq, 1), jnp.float32),
+      pltpu.VMEM((bq, 1), jnp.float32),
+    ],
+  )
   return pl.pallas_call(
     functools.partial(
       _fwd_kernel,
@@ -251,22 +295,15 @@ def forward(cfg, q, k, v, klo, khi, qseg, kvseg, sink_NQ1=None):
       soft_cap=cfg.soft_cap,
       has_sinks=sink_NQ1 is not None,
     ),
-    grid=(B, N, Tp // bq, Sp // bk),
-    in_specs=in_specs,
-    out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))],
+    grid_spec=grid_spec,
     out_shape=[
       out_struct(q.shape, q.dtype, q, k, v),
       out_struct((B, N, Tp, 1), jnp.float32, q, k, v),
     ],
-    scratch_shapes=[
-      pltpu.VMEM((bq, H), jnp.float32),
-      pltpu.VMEM((bq, 1), jnp.float32),
-      pltpu.VMEM((bq, 1), jnp.float32),
-    ],
     compiler_params=_params(cfg.interpret, ("parallel", "parallel", "parallel", "arbitrary")),
     interpret=cfg.interpret,
     name="flash_attention_fwd_tpu",
-  )(*args)
+  )(kfirst_BI.reshape(-1), klast_BI.reshape(-1), *args)
 
 
 def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
@@ -274,53 +311,76 @@ def backward(cfg, q, k, v, do, lse, delta, klo, khi, qseg, kvseg):
   B, N, Tp, H = q.shape
   K, Sp = k.shape[1], k.shape[2]
   G, bq, bk = cfg.groups, cfg.block_q_bwd, cfg.block_k_bwd
+  nI, nJ = Tp // bq, Sp // bk
   seg_args = [qseg, kvseg] if cfg.has_segments else []
+  kfirst_BI, klast_BI = key_blocks_per_query_block(klo, khi, bq, bk)
 
-  q_spec = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, lax.div(n, G), j, 0))
-  stat_spec = pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))
-  row_spec = pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0))
+  def key_block(b, i, j, kfirst, klast):
+    return _clamped(j, kfirst[b * nI + i], klast[b * nI + i], nJ)
+
+  q_spec = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j, *_: (b, n, i, 0))
+  kv_spec = pl.BlockSpec(
+    (None, None, bk, H), lambda b, n, i, j, *t: (b, lax.div(n, G), key_block(b, i, j, *t), 0)
+  )
+  stat_spec = pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *_: (b, n, i, 0))
+  row_spec = pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, row_spec, row_spec]
   if cfg.has_segments:
-    in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, j))]
+    kvseg_spec = pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *t: (b, 0, key_block(b, i, j, *t)))
+    in_specs += [row_spec, kvseg_spec]
   dq = pl.pallas_call(
     functools.partial(
       _dq_kernel, scale=cfg.scale, has_segments=cfg.has_segments, soft_cap=cfg.soft_cap
     ),
-    grid=(B, N, Tp // bq, Sp // bk),
-    in_specs=in_specs,
-    out_specs=q_spec,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(B, N, nI, nJ),
+      in_specs=in_specs,
+      out_specs=q_spec,
+      scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
+    ),
     out_shape=out_struct(q.shape, q.dtype, q, k, v, do),
-    scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
     compiler_params=_params(cfg.interpret, ("parallel", "parallel", "parallel", "arbitrary")),
     interpret=cfg.interpret,
     name="flash_attention_dq_tpu",
-  )(q, k, v, do, lse, delta, klo, khi, *seg_args)
+  )(kfirst_BI.reshape(-1), klast_BI.reshape(-1), q, k, v, do, lse, delta, klo, khi, *seg_args)
 
-  # Query head h * G + g reads kv head h.
-  q_spec = pl.BlockSpec((None, None, bq, H), lambda b, h, j, g, i: (b, h * G + g, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
-  stat_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, j, g, i: (b, h * G + g, i, 0))
-  row_spec = pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, i, 0))
+  # Query head h * G + g reads kv head h; the query-side blocks follow the clamped query block.
+  qfirst_BJ, qlast_BJ = query_blocks_per_key_block(klo, khi, bq, bk, Sp)
+
+  def query_block(b, j, i, qfirst, qlast):
+    return _clamped(i, qfirst[b * nJ + j], qlast[b * nJ + j], nI)
+
+  q_spec = pl.BlockSpec(
+    (None, None, bq, H), lambda b, h, j, g, i, *t: (b, h * G + g, query_block(b, j, i, *t), 0)
+  )
+  kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i, *_: (b, h, j, 0))
+  stat_spec = pl.BlockSpec(
+    (None, None, bq, 1), lambda b, h, j, g, i, *t: (b, h * G + g, query_block(b, j, i, *t), 0)
+  )
+  row_spec = pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i, *t: (b, query_block(b, j, i, *t), 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, row_spec, row_spec]
   if cfg.has_segments:
-    in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j))]
+    in_specs += [row_spec, pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i, *_: (b, 0, j))]
   dk, dv = pl.pallas_call(
     functools.partial(
       _dkdv_kernel, scale=cfg.scale, has_segments=cfg.has_segments, soft_cap=cfg.soft_cap
     ),
-    grid=(B, K, Sp // bk, G, Tp // bq),
-    in_specs=in_specs,
-    out_specs=[kv_spec, kv_spec],
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(B, K, nJ, G, nI),
+      in_specs=in_specs,
+      out_specs=[kv_spec, kv_spec],
+      scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
+    ),
     out_shape=[
       out_struct(k.shape, k.dtype, q, k, v, do),
       out_struct(v.shape, v.dtype, q, k, v, do),
     ],
-    scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
     compiler_params=_params(
       cfg.interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
     ),
     interpret=cfg.interpret,
     name="flash_attention_dkdv_tpu",
-  )(q, k, v, do, lse, delta, klo, khi, *seg_args)
+  )(qfirst_BJ.reshape(-1), qlast_BJ.reshape(-1), q, k, v, do, lse, delta, klo, khi, *seg_args)
   return dq, dk, dv

@@ -472,3 +472,25 @@ def test_lowers_for_accelerators(platform, backend):
   text = exported.mlir_module()
   target = "__gpu$xla.gpu.triton" if backend == "gpu" else "tpu_custom_call"
   assert text.count(target) >= 3  # forward, dq and dk/dv kernels
+
+
+def test_tpu_index_maps_stream_only_the_visible_key_blocks():
+  """Causal with a window of 100 over 512 keys in 128-key blocks: each query block's visible key
+  blocks, and the streamed index clamped into them (a repeated index issues no copy)."""
+  from atlas_jax.kernels.flash_attention import _key_bounds
+  from atlas_jax.kernels.flash_kernels import (
+    key_blocks_per_query_block,
+    query_blocks_per_key_block,
+  )
+  from atlas_jax.kernels.flash_tpu import _clamped
+
+  T = S = 512
+  klo, khi = _key_bounds(
+    1, T, S, T, S, causal=True, sliding_window=100, q_positions=None, kv_lengths=None
+  )
+  kfirst, klast = key_blocks_per_query_block(klo, khi, 128, 128)
+  assert kfirst.tolist() == [[0, 0, 1, 2]] and klast.tolist() == [[1, 2, 3, 4]]
+  streamed = [[int(_clamped(j, kfirst[0, i], klast[0, i], 4)) for j in range(4)] for i in range(4)]
+  assert streamed == [[0, 0, 0, 0], [0, 1, 1, 1], [1, 1, 2, 2], [2, 2, 2, 3]]
+  qfirst, qlast = query_blocks_per_key_block(klo, khi, 128, 128, S)
+  assert qfirst.tolist() == [[0, 1, 2, 3]] and qlast.tolist() == [[2, 3, 4, 4]]
