@@ -7,7 +7,7 @@
 
 Families (model_type -> module): llama, mistral, qwen2, qwen3 (`llama`); mixtral (`mixtral`);
 qwen2_moe, qwen3_moe (`qwen_moe`); olmoe (`olmoe`); deepseek_v2, deepseek_v3 (`deepseek`); phi3
-(`phi3`: Phi-3, Phi-4). Each
+(`phi3`: Phi-3, Phi-4); glm4_moe (`glm4_moe`: GLM-4.5, GLM-4.6). Each
 maps config.json onto a `ModelConfig` (`config_from_hf`), describes its stored tensors
 (`spec`, a table `atlas_jax.hf.weights` reads both ways) and writes config.json back
 (`config_to_hf`); the checks every family needs (config fields, tensor names and shapes, the
@@ -44,6 +44,7 @@ from atlas_jax.hf import (
   fp8,
   gemma,
   gguf_file,
+  glm4_moe,
   llama,
   mixtral,
   olmo2,
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 
 FAMILIES = {
   t: module
-  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, gemma, olmo2, smollm3, phi3)
+  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, glm4_moe, gemma, olmo2, smollm3, phi3)
   for t in module.MODEL_TYPES
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -196,7 +197,7 @@ def load_tokenizer(path: str | Path):
 # Tried in order: the first family whose `model_type(cfg)` names a model type writes the folder.
 # The families after `_PATTERNED` hold only blocks of Llama's layout (`_llama_blocks`).
 _PATTERNED = (gemma, olmo2, smollm3)
-_EXPORTERS = (*_PATTERNED, deepseek, olmoe, qwen_moe, mixtral, phi3, llama)
+_EXPORTERS = (*_PATTERNED, deepseek, glm4_moe, olmoe, qwen_moe, mixtral, phi3, llama)
 
 
 def _llama_blocks(cfg: ModelConfig) -> bool:

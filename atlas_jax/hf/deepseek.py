@@ -21,7 +21,7 @@ experts, and V3's multi-token-prediction modules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,8 @@ def stored_mtp_layers(hf: Mapping[str, Any], names: set[str]) -> int:
   stored = 0
   while any(n.startswith(f"model.layers.{L + stored}.") for n in names):
     stored += 1
-  announced = n_mtp_layers(hf) if hf.get("model_type") == "deepseek_v3" else 0
+  # DeepSeek-V2 announces none; V3 and GLM-4.5 (glm4_moe) in num_nextn_predict_layers.
+  announced = n_mtp_layers(hf) if hf.get("model_type") != "deepseek_v2" else 0
   if stored > announced:
     raise HFLoadError(
       f"the checkpoint holds {stored} layers past num_hidden_layers={L} but "
@@ -261,28 +262,41 @@ def feed_forward(cfg: ModelConfig, sparse: bool, prefix: str, names) -> list[Wei
 def spec(cfg: ModelConfig, hf: Mapping[str, Any], names: set[str] | None = None) -> Spec:
   interleaved = hf.get("model_type") == "deepseek_v2" or field(hf, "rope_interleave", bool, True)
   sparse_L = cfg.sparse_layers()
-  L, D = cfg.n_layers, cfg.d_model
+  L = cfg.n_layers
 
   def layer(i, prefix):
     return tuple(attention(cfg, interleaved) + feed_forward(cfg, sparse_L[i], prefix, names))
 
-  groups = [model_group(cfg), *trunk_groups(cfg, layer)]
-  J = 0 if cfg.mtp is None else cfg.mtp.n_predict
   sparse_mtp = cfg.moe is not None and cfg.moe.is_sparse(L)
-  d = "hidden_size"
+  mtp, ignored = mtp_groups(
+    cfg,
+    lambda prefix: attention(cfg, interleaved) + feed_forward(cfg, sparse_mtp, prefix, names),
+  )
+  return Spec((model_group(cfg), *trunk_groups(cfg, layer), *mtp), ignored)
+
+
+def mtp_groups(
+  cfg: ModelConfig, block: Callable[[str], list[Weights]]
+) -> tuple[tuple[Group, ...], frozenset[str]]:
+  """The sequential MTP modules of `cfg.mtp`, stored as model.layers.{L + j} (DeepSeek-V3's
+  layout, which GLM-4.5 shares): each module's norms and projection, and `block(prefix)`, its
+  decoder layer's tensors; and the stored names read by nothing (the module's copies of the
+  embedding and output head)."""
+  L, D, d = cfg.n_layers, cfg.d_model, "hidden_size"
+  J = 0 if cfg.mtp is None else cfg.mtp.n_predict
+  groups = []
   for j in range(J):
     prefix = f"model.layers.{L + j}."
-    block = attention(cfg, interleaved) + feed_forward(cfg, sparse_mtp, prefix, names)
     head = [
       norm("enorm.weight", D, d, ("enorm", "scale")),
       norm("hnorm.weight", D, d, ("hnorm", "scale")),
       linear("eh_proj.weight", D, 2 * D, f"{d}, 2 * {d}", ("eh_proj",)),
       norm("shared_head.norm.weight", D, d, ("norm", "scale")),
     ]
-    nested = [_inside("block", w) for w in block]
+    nested = [_inside("block", w) for w in block(prefix)]
     groups.append(Group(prefix, ("mtp", "heads"), j, tuple(head + nested)))
   ignored = frozenset(f"model.layers.{L + j}.{n}" for j in range(J) for n in MTP_SHARED)
-  return Spec(tuple(groups), ignored)
+  return tuple(groups), ignored
 
 
 def _inside(module: str, w: Weights) -> Weights:

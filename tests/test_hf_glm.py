@@ -1,0 +1,244 @@
+"""GLM-4.5 MoE (glm4_moe) against transformers: q/k/v biases, per-head QK-norm, half of each head
+rotated, a dense first layer, then sigmoid-routed experts with a selection bias over expert groups
+and a shared expert; logits, greedy generation, the fused expert layout, the stored MTP module
+(against transformers' MtpLayer) and export back."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from atlas_jax import hf  # noqa: E402
+from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
+
+V = 101
+GLM = dict(
+  vocab_size=V,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=32,  # partial_rotary_factor 0.5: 16 dims of each head rotate
+  partial_rotary_factor=0.5,
+  max_position_embeddings=256,
+  attention_bias=True,
+  use_qk_norm=True,
+  first_k_dense_replace=1,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  moe_intermediate_size=24,
+  n_shared_experts=1,
+  n_group=4,  # 2 experts per group; a token picks from the 2 best groups
+  topk_group=2,
+  norm_topk_prob=True,
+  routed_scaling_factor=2.5,
+  pad_token_id=0,
+)
+TOKENS = np.random.RandomState(0).randint(0, V, (2, 21))
+
+
+def randomise(module, std: float):
+  """Every weight drawn at random (norms near 1), the routed experts and the selection bias
+  too (transformers initialises the bias to zeros), large enough to change the picked experts."""
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      else:
+        p.normal_(0.0, std)
+    for name, b in module.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(0.3 * torch.randn_like(b))
+
+
+def build_hf(folder, *, std=0.2, fused=False, **overrides):
+  torch.manual_seed(0)
+  model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**{**GLM, **overrides}))
+  model.eval()
+  randomise(model, std)
+  model.save_pretrained(folder, save_original_format=not fused)
+  return model
+
+
+def hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
+
+def ours(model, tokens):
+  return np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens, jnp.int32)))
+
+
+def test_config_fields(tmp_path):
+  build_hf(tmp_path)
+  cfg = hf.load_config(tmp_path)
+  assert (cfg.head_dim, cfg.rotary_dim, cfg.qkv_bias, cfg.qk_norm) == (32, 16, True, True)
+  m = cfg.moe
+  assert (m.scoring, m.topk_method, m.n_group, m.topk_group) == ("sigmoid", "noaux_tc", 4, 2)
+  assert (m.shared_ffn_dim, m.routed_scaling_factor, m.norm_topk_prob) == (24, 2.5, True)
+  assert cfg.sparse_layers() == (False, True, True, True) and cfg.mtp is None
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_logits_match_transformers(fused, tmp_path):
+  """Both stored layouts of the experts (transformers v5 writes either)."""
+  ref = build_hf(tmp_path, fused=fused)
+  names = set(load_file(str(tmp_path / "model.safetensors")))
+  assert ("model.layers.1.mlp.experts.gate_up_proj" in names) == fused
+  model = hf.load(tmp_path)
+  # The selection bias reaches the router (layer 1 is the first MoE layer: blocks[0]).
+  bias = ref.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
+  np.testing.assert_array_equal(np.asarray(model.blocks.mlp.score_bias[...])[0], bias)
+  for T in (1, 9, 21):
+    got = ours(model, TOKENS[:, :T])
+    np.testing.assert_allclose(got, hf_logits(ref, TOKENS[:, :T]), atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+  ref = build_hf(tmp_path, std=0.3)
+  model = hf.load(tmp_path)
+  prompts = [[5, 17, 3, 90, 42, 8, 1], [60, 2, 33]]
+  got = generate(model, prompts, SamplingParams(max_new_tokens=12))
+  for prompt, new in zip(prompts, got):
+    with torch.no_grad():
+      out = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+      )
+    assert new == out[0, len(prompt) :].tolist()
+
+
+def test_save_round_trips_through_transformers(tmp_path):
+  build_hf(tmp_path / "a")
+  model = hf.load(tmp_path / "a")
+  hf.save(model, tmp_path / "b")
+  written = json.loads((tmp_path / "b" / "config.json").read_text())
+  assert written["model_type"] == "glm4_moe"
+  stored = load_file(str(tmp_path / "b" / "model.safetensors"))
+  assert set(stored) == set(load_file(str(tmp_path / "a" / "model.safetensors")))
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+  assert isinstance(back, transformers.Glm4MoeForCausalLM)
+  got = ours(model, TOKENS)
+  np.testing.assert_allclose(hf_logits(back, TOKENS), got, atol=2e-4, rtol=1e-4)
+  again = hf.load(tmp_path / "b")
+  assert again.cfg == model.cfg
+  assert np.abs(ours(again, TOKENS) - got).max() == 0
+
+
+def test_whole_head_rotary_exports_its_factor(tmp_path):
+  """partial_rotary_factor 1 is written out: left out, Glm4MoeConfig would read 0.5."""
+  build_hf(tmp_path / "a", partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)
+  model = hf.load(tmp_path / "a")
+  assert model.cfg.rotary_dim == 32
+  hf.save(model, tmp_path / "b")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+  np.testing.assert_allclose(hf_logits(back, TOKENS), ours(model, TOKENS), atol=2e-4, rtol=1e-4)
+
+
+def with_mtp_module(tmp_path):
+  """A checkpoint as GLM-4.5 releases it: its MTP module stored as layer L (an MoE layer, as
+  transformers' MtpLayer builds it). Returns (the main model, the MtpLayer)."""
+  from transformers.modeling_layers import MtpLayer
+  from transformers.models.glm4_moe import modeling_glm4_moe as glm
+
+  ref = build_hf(tmp_path)
+  L = ref.config.num_hidden_layers
+  layer = MtpLayer(ref.config, glm.Glm4MoeDecoderLayer, glm.Glm4MoeRMSNorm, L).eval()
+  torch.manual_seed(1)
+  randomise(layer, 0.2)
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  for name, p in layer.state_dict().items():
+    name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+    tensors[f"model.layers.{L}.{name}"] = p.contiguous()
+  # The released checkpoints repeat the embedding and head in the MTP layer; they are not read.
+  tensors[f"model.layers.{L}.embed_tokens.weight"] = ref.model.embed_tokens.weight.data.clone()
+  tensors[f"model.layers.{L}.shared_head.head.weight"] = ref.lm_head.weight.data.clone()
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["num_nextn_predict_layers"] == 1  # Glm4MoeConfig's default
+  return ref, layer
+
+
+def test_mtp_module_loads_and_matches_transformers_mtp_layer(tmp_path):
+  """Glm4MoeForCausalLM skips the stored MTP module; we load it into the sequential head (its
+  logits equal MtpLayer's), and export keeps it."""
+  ref, layer = with_mtp_module(tmp_path)
+  model = hf.load(tmp_path)
+  assert model.cfg.mtp.kind == "sequential" and model.cfg.mtp.n_predict == 1
+  T = 12
+  toks = jnp.asarray(TOKENS[:, :T], jnp.int32)
+  main, mtp = jax.jit(lambda t: model.forward_mtp(t))(toks)
+  with torch.no_grad():
+    tt = torch.tensor(TOKENS[:, :T])
+    h = ref.model(tt).last_hidden_state  # normalised, as MtpModel receives it
+    emb = ref.model.embed_tokens(torch.roll(tt, -1, dims=1))
+    pos = torch.arange(T)[None] + 1
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    out = layer(emb, h, ref.model.rotary_emb(emb, pos), mask, pos, None)
+    np.testing.assert_allclose(np.asarray(mtp[0]), ref.lm_head(out).numpy(), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(main), ref(tt).logits.numpy(), atol=2e-4)
+  # Export writes the module back.
+  hf.save(model, tmp_path / "b")
+  written = json.loads((tmp_path / "b" / "config.json").read_text())
+  assert written["num_nextn_predict_layers"] == 1
+  again = hf.load(tmp_path / "b")
+  assert np.abs(np.asarray(jax.jit(lambda t: again.forward_mtp(t))(toks)[1]) - mtp).max() == 0
+
+
+@pytest.mark.slow
+def test_self_speculation_with_the_stored_mtp_module(tmp_path):
+  """Drafting with the loaded head gives the greedy tokens of plain decoding."""
+  with_mtp_module(tmp_path)
+  model = hf.load(tmp_path)
+  prompts = [[5, 17, 3, 90, 42], [60, 2, 33]]
+  params = SamplingParams(max_new_tokens=8)
+  want = generate(model, prompts, params)
+  assert generate(model, prompts, params, draft="mtp", num_speculative_tokens=1) == want
+
+
+def config_json(tmp_path, **changes):
+  build_hf(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  for key, value in changes.items():
+    if value is None:
+      config.pop(key, None)
+    else:
+      config[key] = value
+  return config
+
+
+def test_partial_rotary_factor_as_transformers_reads_it(tmp_path):
+  """The rope dict's factor wins over the top-level one; with neither, Glm4MoeConfig's 0.5."""
+  config = config_json(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+  config.pop("partial_rotary_factor", None)
+  assert hf.config_from_hf(config).partial_rotary_factor == 0.5
+  config["partial_rotary_factor"] = 0.25
+  assert hf.config_from_hf(config).partial_rotary_factor == 0.25
+  config["rope_parameters"]["partial_rotary_factor"] = 1.0
+  assert hf.config_from_hf(config).partial_rotary_factor == 1.0
+
+
+@pytest.mark.parametrize(
+  "changes, match",
+  [
+    ({"n_group": 3}, r"model\.moe\.n_group=3 .*must divide model\.moe\.n_experts=8"),
+    ({"first_k_dense_replace": -1}, r"'first_k_dense_replace'=-1 must be >= 0"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"n_routed_experts": None}, r"lacks the field 'n_routed_experts'"),
+  ],
+)
+def test_bad_config_is_refused_naming_the_field(changes, match, tmp_path):
+  with pytest.raises(hf.HFLoadError, match=match):
+    hf.config_from_hf(config_json(tmp_path, **changes))
