@@ -22,6 +22,13 @@ block pairs whose device data the caller must copy before writing the new tokens
 `reserve` takes blocks for tokens whose values are not known yet (a burst of decode steps on the
 device); `append` fills them once the tokens are read back, and `truncate` gives back the rest.
 
+`drop_before` releases the blocks of a sequence that no later token will read: a model whose
+every layer attends within a sliding window of W positions reads, from the token at position p
+on, only positions past p - W, so the blocks wholly before that return to the pool (to the prefix
+cache, when hashed) and a sequence holds at most about W / Z + 1 blocks however long it grows, as
+vLLM's sliding-window manager frees them. A dropped block's place in the sequence's list holds
+`DROPPED`.
+
 Every operation checks what it needs before it changes anything, so a raised error leaves the
 allocator exactly as it was.
 """
@@ -37,6 +44,7 @@ import numpy as np
 
 SeqId = Hashable
 _ROOT_HASH = b""
+DROPPED = -1  # a released block's place in its sequence (`drop_before`)
 
 
 class AllocatorError(Exception):
@@ -95,6 +103,7 @@ class _Sequence:
   tokens: list[int]
   hashes: list[bytes]  # chained hash of each full block, in order
   root: bytes = _ROOT_HASH  # the parent hash of its first block (`root_hash` of its salt)
+  dropped: int = 0  # leading blocks released by `drop_before`
 
 
 class BlockAllocator:
@@ -172,7 +181,8 @@ class BlockAllocator:
   def block_table(
     self, seq_ids: Sequence[SeqId], max_blocks: int, *, pad: int = 0
   ) -> tuple[np.ndarray, np.ndarray]:
-    """(i32[B, max_blocks] block table, i32[B] lengths) for a batch; padding entries are `pad`."""
+    """(i32[B, max_blocks] block table, i32[B] lengths) for a batch; padding entries, and those of
+    dropped blocks (`drop_before`), are `pad`."""
     table = np.full((len(seq_ids), max_blocks), pad, np.int32)
     lengths = np.zeros((len(seq_ids),), np.int32)
     for row, seq_id in enumerate(seq_ids):
@@ -182,7 +192,7 @@ class BlockAllocator:
           f"block_table: sequence {seq_id!r} holds {len(seq.blocks)} blocks > "
           f"max_blocks={max_blocks}"
         )
-      table[row, : len(seq.blocks)] = seq.blocks
+      table[row, : len(seq.blocks)] = [pad if b == DROPPED else b for b in seq.blocks]
       lengths[row] = len(seq.tokens)
     return table, lengths
 
@@ -329,12 +339,14 @@ class BlockAllocator:
     if child_id in self._seqs:
       raise DuplicateSequenceError(f"fork: sequence {child_id!r} already exists")
     for block in parent.blocks:
-      self._ref[block] += 1
+      if block != DROPPED:
+        self._ref[block] += 1
     self._seqs[child_id] = _Sequence(
       blocks=list(parent.blocks),
       tokens=list(parent.tokens),
       hashes=list(parent.hashes),
       root=parent.root,
+      dropped=parent.dropped,
     )
 
   def truncate(self, seq_id: SeqId, length: int) -> list[tuple[int, int]]:
@@ -359,6 +371,11 @@ class BlockAllocator:
       )
     Z = self.block_size
     keep = -(-length // Z)
+    if keep < seq.dropped or (length % Z and keep == seq.dropped):
+      raise ValueError(
+        f"truncate: length={length} reaches into sequence {seq_id!r}'s dropped blocks (the first "
+        f"{seq.dropped * Z} positions)"
+      )
     tail = seq.blocks[keep - 1] if length % Z else None
     if tail is not None and self._ref[tail] > 1:
       released = sum(1 for b in seq.blocks[keep:] if self._ref[b] == 1)
@@ -403,7 +420,28 @@ class BlockAllocator:
     # Release the tail first so that, among this sequence's blocks, the tail is evicted first
     # and the more widely useful prefix blocks survive longest.
     for block in reversed(seq.blocks):
-      self._release(block)
+      if block != DROPPED:
+        self._release(block)
+
+  def drop_before(self, seq_id: SeqId, position: int) -> int:
+    """Releases the sequence's blocks that lie wholly before token `position` (no later token
+    reads them: a sliding window's bound) and returns how many it released. Their places hold
+    `DROPPED`; hashed ones stay in the prefix cache until evicted.
+
+    Raises:
+      UnknownSequenceError; ValueError for a position past the sequence's length.
+    """
+    seq = self._get(seq_id)
+    if position > len(seq.tokens):
+      raise ValueError(
+        f"drop_before: position={position} is past sequence {seq_id!r}'s length {len(seq.tokens)}"
+      )
+    first, stop = seq.dropped, max(0, position) // self.block_size
+    for i in range(first, stop):
+      self._release(seq.blocks[i])
+      seq.blocks[i] = DROPPED
+    seq.dropped = max(first, stop)
+    return max(0, stop - first)
 
   # -- internals -----------------------------------------------------------------------------
 

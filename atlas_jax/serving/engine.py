@@ -259,7 +259,9 @@ class Engine:
       tensor_parallel_size=tp,
     )
     self.runner.allocate(n_blocks, self.config)
-    self.scheduler = Scheduler(self.config, dp, speculates=drafter is not None)
+    self.scheduler = Scheduler(
+      self.config, dp, speculates=drafter is not None, window=window_bound(cfg, drafter)
+    )
     self.intake = Intake(cfg.vocab_size, max_model_len, n_blocks, Z, self.eos_ids, detokenize)
     self.outputs = OutputProcessor(self._prompt_logprobs)
     self._inflight: Drawn | None = None  # a dispatched burst the host has not read yet
@@ -864,3 +866,14 @@ def _log_finished(req: Request, reason: str | None) -> None:
 
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "Row"]
+
+
+def window_bound(cfg, drafter) -> int | None:
+  """W when every layer of the model attends within a sliding window (the largest, when they
+  differ): a request's blocks before its last W positions are then never read again and go back
+  to the pool. None when some layer attends to everything, or a drafter reads the whole history
+  through the same block tables (a draft model's cache, the n-gram drafter's token pool)."""
+  windows = [kind.sliding_window for kind in cfg.attention_kinds()[0]]
+  if drafter is not None or any(w is None for w in windows):
+    return None
+  return max(windows)

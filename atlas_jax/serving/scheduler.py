@@ -85,10 +85,20 @@ class Scheduler:
     speculates: whether a drafter is there to run speculative rounds.
   """
 
-  def __init__(self, config: EngineConfig, n_replicas: int, *, speculates: bool):
+  def __init__(
+    self,
+    config: EngineConfig,
+    n_replicas: int,
+    *,
+    speculates: bool,
+    window: int | None = None,
+  ):
     self.config = config
     self.n_replicas = n_replicas
     self.speculates = speculates
+    # W when every layer of the served model attends within a sliding window of W positions:
+    # a request's blocks before its last W positions then go back to the pool as it advances.
+    self.window = window
     self.allocators = [self._allocator() for _ in range(n_replicas)]
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # oldest first
@@ -129,9 +139,16 @@ class Scheduler:
     return [(src + first, dst + first) for src, dst in pairs]
 
   def blocks(self, req: Request) -> list[int]:
-    """The global ids of a request's blocks."""
+    """The global ids of a request's blocks; a dropped one (`forget_outside_window`) reads as
+    its replica's first block, whose entries the window masks, never writes."""
     first = req.replica * self.config.n_blocks
-    return [b + first for b in self.allocator(req).blocks(req.id)]
+    return [first + max(b, 0) for b in self.allocator(req).blocks(req.id)]
+
+  def forget_outside_window(self, req: Request) -> None:
+    """Releases the blocks of a request that its next tokens cannot see: those wholly before
+    position n_computed - W + 1 (the first key the next query at n_computed reads)."""
+    if self.window is not None and req.id in self.allocator(req):
+      self.allocator(req).drop_before(req.id, max(0, req.n_computed - self.window + 1))
 
   def row(self, req: Request, n: int, start: int | None = None, step: int | None = None) -> Row:
     """A request's row computing `n` tokens from `start` (default: its computed ones)."""
@@ -378,6 +395,7 @@ class Scheduler:
       req.n_computed += row.n
       if req.id in self.followers and req.n_computed == len(req.prompt):
         self.fork_followers(req)  # before `accept` may finish and free the leader
+      self.forget_outside_window(req)
       if req.n_pending:  # a prompt chunk before the last: its draw is not a token yet
         continue
       token, logprob, top_ids, top_lp = draws[req.id]
@@ -424,8 +442,10 @@ class Scheduler:
     req.n_computed = row.start + n_kept
     if finished:
       self.release(req)
-    elif not chained:
+      return
+    if not chained:
       self.allocator(req).truncate(req.id, req.n_computed)
+    self.forget_outside_window(req)
 
   # -- the mixed step ----------------------------------------------------------------------------
 
