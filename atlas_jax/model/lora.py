@@ -39,6 +39,7 @@ from atlas_jax.config import (
   LoRAConfig,
   ModelConfig,
 )
+from atlas_jax.quant import dequantized
 
 Array = jax.Array
 
@@ -162,9 +163,13 @@ def plus(y: Array, lora: LoRA | None, x: Array) -> Array:
 
 
 def adapted(weight: nnx.Param, lora: LoRA | None) -> Array:
-  """The weight with its adapter folded in (for paths that use W itself, like MLA decoding)."""
+  """The weight with its adapter folded in (for paths that use W itself, like MLA decoding); a
+  quantized weight (QLoRA's base) is dequantized first, or kept as it is without an adapter."""
   w = weight[...]
-  return w if lora is None else (w + lora.delta()).astype(w.dtype)
+  if lora is None:
+    return w
+  w = dequantized(w)
+  return (w + lora.delta()).astype(w.dtype)
 
 
 def merged_params(model: nnx.Module) -> dict:
