@@ -6,6 +6,10 @@ per call when none is named); paged caches call `ragged_paged_attention` (every 
 call over its sequence's pages, read in place: decode tokens, speculative rounds and prompt
 chunks alike). `paged_attention` and `kernels.mla_decode.mla_decode` are the decode-only kernels
 (one or a few tokens per sequence), kept for callers with a rows layout.
+
+Beside the masks, every attention over K/V (all of the above but MLA's) takes `soft_cap` (scores
+through c * tanh(s / c), Gemma 2) and `sinks` (a valueless softmax column per query head,
+gpt-oss), with the semantics of `kernels.reference`.
 """
 
 from .attention import IMPLEMENTATIONS, attention, default_implementation
