@@ -242,3 +242,54 @@ def test_partial_rotary_factor_as_transformers_reads_it(tmp_path):
 def test_bad_config_is_refused_naming_the_field(changes, match, tmp_path):
   with pytest.raises(hf.HFLoadError, match=match):
     hf.config_from_hf(config_json(tmp_path, **changes))
+
+
+# zai-org/GLM-4.5-Air's config.json (the fields the import reads).
+GLM45_AIR = {
+  "architectures": ["Glm4MoeForCausalLM"],
+  "model_type": "glm4_moe",
+  "attention_bias": True,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "partial_rotary_factor": 0.5,
+  "intermediate_size": 10944,
+  "max_position_embeddings": 131072,
+  "moe_intermediate_size": 1408,
+  "norm_topk_prob": True,
+  "num_attention_heads": 96,
+  "n_group": 1,
+  "topk_group": 1,
+  "n_routed_experts": 128,
+  "n_shared_experts": 1,
+  "routed_scaling_factor": 1.0,
+  "num_experts_per_tok": 8,
+  "first_k_dense_replace": 1,
+  "num_hidden_layers": 46,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": None,
+  "rope_theta": 1000000,
+  "num_nextn_predict_layers": 1,
+  "tie_word_embeddings": False,
+  "use_qk_norm": False,
+  "vocab_size": 151552,
+}
+
+
+def test_glm45_air_config_is_the_planner_preset():
+  """The released config.json, with its MTP layer (46) stored, maps onto the planner's
+  `glm-4.5-air`; every stored tensor's shape follows (transformers' names, 46 + 1 layers)."""
+  import dataclasses
+
+  from atlas_jax.plan.models import REFERENCE_MODELS
+
+  names = {"model.layers.46.enorm.weight"}
+  cfg = hf.config_from_hf(GLM45_AIR, dtype="bfloat16", names=names)
+  preset = REFERENCE_MODELS["glm-4.5-air"].model
+  assert cfg == dataclasses.replace(preset, init_std=cfg.init_std)
+  shapes = hf.tensor_shapes(GLM45_AIR, names)
+  assert shapes["model.layers.0.mlp.gate_proj.weight"] == (10944, 4096)
+  assert shapes["model.layers.1.self_attn.q_proj.bias"] == (96 * 128,)
+  assert shapes["model.layers.46.mlp.experts.127.down_proj.weight"] == (4096, 1408)
+  assert shapes["model.layers.46.mlp.gate.e_score_correction_bias"] == (128,)

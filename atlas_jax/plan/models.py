@@ -5,10 +5,11 @@ Shapes are copied from each model's released `config.json` on the Hugging Face h
 meta-llama/Llama-3.1-8B, meta-llama/Meta-Llama-3-70B, deepseek-ai/DeepSeek-V2,
 deepseek-ai/DeepSeek-V2-Lite, deepseek-ai/DeepSeek-V3, mistralai/Mixtral-8x7B-v0.1,
 Qwen/Qwen3-30B-A3B, microsoft/Phi-4-mini-instruct, google/gemma-3-1b-pt, and the text configs
-of google/gemma-3-4b-pt and google/gemma-3-27b-pt, HuggingFaceTB/SmolLM3-3B), mixture-of-experts
-layers included: total and active parameters are the published ones (DeepSeek-V3 671B / 37B,
-Mixtral-8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V2 236B / 21B, DeepSeek-V2-Lite
-15.7B / 2.4B, Phi-4-mini 3.8B, Gemma-3-1B 1.0B; `tests/plan/test_published.py`).
+of google/gemma-3-4b-pt and google/gemma-3-27b-pt, HuggingFaceTB/SmolLM3-3B, zai-org/GLM-4.5-Air),
+mixture-of-experts layers included: total and active parameters are the published ones
+(DeepSeek-V3 671B / 37B, Mixtral-8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V2
+236B / 21B, DeepSeek-V2-Lite 15.7B / 2.4B, GLM-4.5-Air 106B / 12B, Phi-4-mini 3.8B, Gemma-3-1B
+1.0B; `tests/plan/test_published.py`).
 """
 
 from __future__ import annotations
@@ -214,6 +215,35 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
       qk_norm=True,
       moe=MoEConfig(n_experts=128, top_k=8, expert_ffn_dim=768, norm_topk_prob=True),
     ),
+  ),
+  "glm-4.5-air": ReferenceModel(
+    "GLM-4.5-Air (GQA-8, half of each head rotated, MoE 128 experts, top-8, MTP)",
+    _llama(
+      151552,
+      4096,
+      46,
+      96,
+      8,
+      10944,
+      131072,
+      1e6,
+      head_dim=128,
+      qkv_bias=True,
+      partial_rotary_factor=0.5,
+      mtp=MTPConfig(kind="sequential", n_predict=1),
+      moe=MoEConfig(
+        n_experts=128,
+        top_k=8,
+        expert_ffn_dim=1408,
+        scoring="sigmoid",
+        topk_method="noaux_tc",
+        norm_topk_prob=True,
+        shared_ffn_dim=1408,
+        first_k_dense=1,
+      ),
+    ),
+    "the published 106B total / 12B active leave out the MTP module (2.4B), which the released"
+    " checkpoint stores as layer 46",
   ),
   "phi-4-mini": ReferenceModel(
     "Phi-4-mini (GQA-8, LongRoPE, 3/4 of each head rotated)",
