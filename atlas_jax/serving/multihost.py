@@ -18,9 +18,10 @@ fixed shape (its kind and its length), then the pickled call padded to a power o
 so the broadcast compiles once per size bucket, never per step. Every output but the pools is
 gathered to every process (`process_allgather`), so the leader reads the rows of every replica.
 
-Losing a process: a collective with a dead peer raises (gloo) or never returns (NCCL), so every
-process beats a heartbeat into the coordination service's key-value store, and the leader
-watches the followers' beats (`Liveness`). A follower silent for `heartbeat_timeout` seconds,
+Losing a process: a collective with a dead peer may raise or may never return (gloo does
+either, depending on where the peer died; NCCL waits), so every process beats a heartbeat into
+the coordination service's key-value store, and the leader watches the followers' beats
+(`Liveness`). A follower silent for `heartbeat_timeout` seconds,
 or a collective that fails, stops the group: the leader logs which process was lost and exits
 with status 1; a follower that loses the leader does the same. JAX's own recoverability is on,
 so the coordination service reports a lost task to us instead of aborting every process first.
@@ -49,7 +50,9 @@ log = logging.getLogger("atlas_jax.serving")
 # Message kinds (the header's first word).
 # SETTLED follows a call that raised on the leader: the followers, whose call raised alike, go
 # on; the engine's recovery (`faults`) then sends what it does.
-CALL, RESET, STOP, SETTLED = 1, 2, 3, 4
+# WARMUP: the shapes the leader compiles ahead, for the followers to compile too, in the
+# background (each process compiles its own programs).
+CALL, RESET, STOP, SETTLED, WARMUP = 1, 2, 3, 4, 5
 # A payload's bytes round up to a power of two from here: one compiled broadcast per bucket.
 MIN_PAYLOAD = 4096
 # Programs that return only their pools, and the one that takes no pools.
@@ -289,7 +292,8 @@ class Mirror:
   followers, which run them in the same order (`follow`).
 
   Installed on the runner (`runner.programs`, whose calls it takes over; `runner.on_devices`,
-  as records are placed here, from the host copy every process holds; `runner.reset_pools`).
+  as records are placed here, from the host copy every process holds; `runner.reset_pools`;
+  `runner.warmup`).
   """
 
   def __init__(self, runner, liveness: Liveness | None, channel: Channel | None = None):
@@ -301,9 +305,10 @@ class Mirror:
     mesh = runner.mesh
     self.rows = NamedSharding(mesh, runner.layout.spec("batch"))
     self.replicated = NamedSharding(mesh, PartitionSpec())
-    self._reset = runner.reset_pools
+    self._reset, self._warmup = runner.reset_pools, runner.warmup
     runner.on_devices = lambda x: x
     runner.reset_pools = self.reset_pools
+    runner.warmup = self.warmup
     runner.programs = _Programs(self)
 
   # -- both sides --------------------------------------------------------------------------------
@@ -383,8 +388,8 @@ class Mirror:
     return tuple(out)
 
   def call(self, name: str, args: tuple):
-    wire = self._wire(args)
     with self._lock:
+      wire = self._wire(args)
       self.channel.send(CALL, (name, wire))
       try:
         return self.run(name, wire)
@@ -402,6 +407,14 @@ class Mirror:
     with self._lock:
       self.channel.send(RESET)
       self._reset()
+
+  def warmup(self, shapes, progress=None, threads=None, *, first=None):
+    """`ModelRunner.warmup` on the leader, the followers compiling the same shapes in the
+    background meanwhile (the runs of the first `first` reach them as calls)."""
+    shapes = list(shapes)
+    with self._lock:
+      self.channel.send(WARMUP, shapes)
+    return self._warmup(shapes, progress, threads, first=first)
 
   def stop(self) -> None:
     """Ends the followers' loops (the leader's last message) and waits for them to leave: the
@@ -434,6 +447,8 @@ class Mirror:
         return
       if kind == RESET:
         self._reset()
+      elif kind == WARMUP:
+        self._warmup(body, first=0)  # all of them on its background thread
       elif kind == CALL:
         n += 1
         name, wire = body

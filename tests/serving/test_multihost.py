@@ -163,7 +163,7 @@ def test_data_parallel_replicas_on_their_own_hosts(folder, one_device):
   mesh = ["--tensor-parallel-size", "4", "--data-parallel-size", "2"]
   procs = start_group(folder, port, *mesh, "--warmup", "default")
   try:
-    wait_healthy(f"http://127.0.0.1:{port}", procs)
+    wait_healthy(f"http://127.0.0.1:{port}", procs, timeout=300)
     got = completions(f"http://127.0.0.1:{port}")
   finally:
     outs = stop(procs)
@@ -203,12 +203,14 @@ def test_a_follower_replaying_the_leaders_calls_holds_the_same_pools():
   assert leader.generate(*mesh_test.workload()) == want
   sent.stop()
   kinds = [kind for kind, _ in channel.messages]
-  assert kinds.count(multihost.CALL) > 10 and kinds[-1] == multihost.STOP
+  assert kinds[0] == multihost.WARMUP and kinds[-1] == multihost.STOP
+  assert kinds.count(multihost.CALL) > 10
   names = {body[0] for kind, body in channel.messages if kind == multihost.CALL}
   assert {"forward_sample", "decode_burst"} <= names
 
   multihost.Mirror(follower.runner, None, channel=channel).follow()
   assert channel.messages == []
+  assert follower.runner.wait_compiled(60)  # the leader's warm-up shapes, compiled here too
   for a, b in zip(jax.tree.leaves(leader.pools), jax.tree.leaves(follower.pools)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
