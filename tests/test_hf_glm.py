@@ -87,7 +87,9 @@ def test_config_fields(tmp_path):
   assert cfg.sparse_layers() == (False, True, True, True) and cfg.mtp is None
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+@pytest.mark.parametrize(
+  "fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per-expert", "fused"]
+)
 def test_logits_match_transformers(fused, tmp_path):
   """Both stored layouts of the experts (transformers v5 writes either)."""
   ref = build_hf(tmp_path, fused=fused)
@@ -118,6 +120,40 @@ def test_greedy_generation_matches_transformers(tmp_path):
         eos_token_id=None,
       )
     assert new == out[0, len(prompt) :].tolist()
+
+
+# One device under -m slow: `generate` covers the single-device cache in the default run.
+@pytest.mark.parametrize("tensor", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_the_engine_serves_transformers_greedy_tokens(tensor, tmp_path):
+  """The paged pool and ragged steps (chunked prefill), on one device and with the heads and the
+  experts' hidden dims split over two."""
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  ref = build_hf(tmp_path, std=0.3)
+  model = hf.load(tmp_path)
+  rng = np.random.RandomState(1)
+  prompts = [rng.randint(3, V, n).tolist() for n in (19, 5, 11)]
+  n = 10
+  config = EngineConfig(
+    runner="ragged",
+    n_blocks=32,
+    block_size=4,
+    max_num_seqs=2,
+    prefill_chunk=8,
+    tensor_parallel_size=tensor,
+  )
+  got = Engine(model, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
+  for prompt, tokens in zip(prompts, got):
+    with torch.no_grad():
+      want = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      ).numpy()[0, len(prompt) :]
+    assert list(tokens) == want.tolist()
 
 
 def test_save_round_trips_through_transformers(tmp_path):
