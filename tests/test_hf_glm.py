@@ -173,6 +173,52 @@ def test_save_round_trips_through_transformers(tmp_path):
   assert np.abs(ours(again, TOKENS) - got).max() == 0
 
 
+@pytest.mark.slow
+def test_fine_tuning_with_lora_under_an_expert_mesh_exports_to_transformers(tmp_path):
+  """train.init_from a GLM folder, LoRA on q/v/o by their Hugging Face names, fsdp 2 x expert 2
+  x tensor 2: the step-0 model gives the folder's logits, the loss falls, and the merged model
+  saves as glm4_moe that transformers reads to our logits."""
+  from flax import nnx
+
+  from atlas_jax import sources
+  from atlas_jax.hf import init_from
+  from atlas_jax.model.lora import merged_params
+  from atlas_jax.training.step import make_train_step, make_trainer
+
+  build_hf(tmp_path / "a")
+  sets = [
+    f"train.init_from={tmp_path / 'a'}",
+    "train.seq_len=16",
+    "train.batch_size=8",
+    "train.learning_rate=3e-3",
+    "train.warmup_steps=1",
+    "train.lora={rank: 4, targets: [q_proj, v_proj, o_proj]}",
+    "mesh.fsdp=2",
+    "mesh.expert=2",
+    "mesh.tensor=2",
+  ]
+  cfg = sources.load_config(None, sets)
+  trainer = make_trainer(cfg)
+  state = trainer.init(jax.random.key(0), init_from.base_params(tmp_path / "a", trainer))
+  toks = np.random.RandomState(0).randint(0, V, (8, 17))
+  got = nnx.merge(trainer.graphdef, state.params)(toks[:2, :16])
+  want = hf.load(tmp_path / "a")(toks[:2, :16])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+  step = make_train_step(trainer)
+  losses = []
+  for _ in range(3):
+    state, metrics = step(state, {"tokens": toks})
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
+  tuned = nnx.merge(trainer.graphdef, state.params)
+  merged = hf.build_model(cfg.model, jax.device_get(merged_params(tuned)))
+  hf.save(merged, tmp_path / "b")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+  tuned_logits = np.asarray(tuned(toks[:2, :16]))
+  assert np.abs(tuned_logits - np.asarray(want)).max() > 1e-2  # the adapters moved the model
+  np.testing.assert_allclose(hf_logits(back, toks[:2, :16]), tuned_logits, atol=2e-4, rtol=2e-4)
+
+
 def test_whole_head_rotary_exports_its_factor(tmp_path):
   """partial_rotary_factor 1 is written out: left out, Glm4MoeConfig would read 0.5."""
   build_hf(tmp_path / "a", partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)
