@@ -261,3 +261,17 @@ def test_engine_serves_transformers_greedy_tokens_past_the_original_context(runn
         pad_token_id=0,
       )
     assert got[i] == out[0, len(prompt) :].tolist(), (runner, i)
+
+
+def test_partial_rotary_is_never_exported_as_a_family_rotating_whole_heads():
+  import dataclasses
+
+  from atlas_jax.config import ModelConfig, MoEConfig
+  from atlas_jax.hf import llama, mixtral, olmoe, qwen_moe
+
+  moe = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32)
+  cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, partial_rotary_factor=0.5, moe=moe)
+  assert [m.model_type(cfg) for m in (llama, mixtral, olmoe, qwen_moe)] == [None] * 4
+  assert mixtral.model_type(dataclasses.replace(cfg, partial_rotary_factor=1.0)) == "mixtral"
+  dense = dataclasses.replace(cfg, moe=None)
+  assert llama.model_type(dense) is None and hf.config_to_hf(dense)["model_type"] == "phi3"

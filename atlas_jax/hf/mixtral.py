@@ -53,6 +53,8 @@ def spec(cfg: ModelConfig, hf=None, names=None) -> Spec:
 def model_type(cfg: ModelConfig) -> str | None:
   if cfg.moe is None or cfg.mla is not None or cfg.qk_norm or cfg.qkv_bias:
     return None
+  if cfg.partial_rotary_factor != 1:  # transformers' Mixtral rotates every dim of a head
+    return None
   return "mixtral" if plain_top_k(cfg.moe) else None
 
 

@@ -80,6 +80,8 @@ def spec(cfg: ModelConfig, hf=None, names=None) -> Spec:
 def model_type(cfg: ModelConfig) -> str | None:
   if cfg.moe is None or cfg.mla is not None or cfg.sliding_window is not None:
     return None
+  if cfg.partial_rotary_factor != 1:  # transformers' Qwen-MoE rotates every dim of a head
+    return None
   m = cfg.moe
   if m.scoring != "softmax" or m.topk_method != "greedy" or m.first_k_dense:
     return None  # Qwen's routers are plain top-k; its dense layers are mlp_only_layers

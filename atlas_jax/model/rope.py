@@ -30,7 +30,10 @@ class Rope:
   the scaling's attention factor (YaRN, LongRoPE), so q.k grows by its square on the rotated dims.
   LongRoPE has two frequency sets: the short one while every position of the call is inside the
   original context, the long one once any is past it (Hugging Face's rule, per forward call); the
-  choice is a traced select, so one compiled program serves both.
+  choice is a traced select, so one compiled program serves both. A KV cache keeps each key as the
+  call that wrote it rotated it, so a sequence whose calls fall on both sides (a chunked prefill,
+  or a decode, crossing the original context) holds keys of both sets: transformers' Phi-3
+  generate recomputes its cache at the crossing, vLLM fixes the set from max_model_len.
   """
 
   head_dim: int  # H
