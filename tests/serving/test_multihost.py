@@ -186,6 +186,7 @@ class Recorded(multihost.Channel):
     return self.messages.pop(0)
 
 
+@pytest.mark.slow
 def test_a_follower_replaying_the_leaders_calls_holds_the_same_pools():
   """In one process: a leader engine over data 2 x tensor 2 whose calls go through the mirror
   (records and outputs on the host, every other program argument by name) draws what the
