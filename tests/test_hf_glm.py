@@ -375,3 +375,7 @@ def test_glm45_air_config_is_the_planner_preset():
   assert shapes["model.layers.1.self_attn.q_proj.bias"] == (96 * 128,)
   assert shapes["model.layers.46.mlp.experts.127.down_proj.weight"] == (4096, 1408)
   assert shapes["model.layers.46.mlp.gate.e_score_correction_bias"] == (128,)
+  # Export writes the released fields back, a training run's expert capacity aside.
+  trained = dataclasses.replace(preset, moe=dataclasses.replace(preset.moe, capacity_factor=1.25))
+  written = hf.config_to_hf(trained)
+  assert {k: written[k] for k in GLM45_AIR} == GLM45_AIR

@@ -149,8 +149,12 @@ def model_type(cfg: ModelConfig) -> str | None:
     back = config_from_hf(_to_hf(cfg), dtype=cfg.dtype)
   except HFLoadError:
     return None
-  # config.json alone never holds MTP heads (the stored tensors decide them).
-  back = dataclasses.replace(back, param_dtype=cfg.param_dtype, init_std=cfg.init_std, mtp=cfg.mtp)
+  # config.json alone never holds MTP heads (the stored tensors decide them), nor the training
+  # run's expert capacity.
+  moe = dataclasses.replace(back.moe, capacity_factor=m.capacity_factor) if back.moe else None
+  back = dataclasses.replace(
+    back, param_dtype=cfg.param_dtype, init_std=cfg.init_std, mtp=cfg.mtp, moe=moe
+  )
   return "glm4_moe" if back == cfg else None
 
 
