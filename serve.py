@@ -121,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=[],
     metavar="serve.SECTION.FIELD=VALUE",
     help="any serving setting, as train.py's --set (sections: engine, limits, sampling); the "
-    "flags below are aliases of these fields",
+    "flags below are aliases of these fields; also train.py's mesh.coordinator_address, "
+    "mesh.num_processes and mesh.process_id",
   )
   for path, (names, kind, what) in CONFIG_FLAGS.items():
     default = config_default(d, path)
@@ -976,8 +977,27 @@ def prepare(args):
   return engine, tokenizer, chat_template, prompts
 
 
+# train.py's names for the multi-host flags, taken by --set too.
+MESH_FIELDS = {"coordinator_address": str, "num_processes": int, "process_id": int}
+
+
 def distributed(args) -> multihost.Distributed:
-  """The multi-host flags, checked."""
+  """The multi-host flags (or train.py's --set mesh.FIELD=VALUE for them; the flags win),
+  checked. The mesh items leave `args.set`, which holds serve.* fields only."""
+  rest = []
+  for item in args.set:
+    key, sep, value = item.strip().partition("=")
+    field = key.removeprefix("mesh.")
+    if not (key.startswith("mesh.") and sep and field in MESH_FIELDS):
+      rest.append(item)
+      continue
+    try:
+      value = MESH_FIELDS[field](value)
+    except ValueError:
+      raise ConfigError(f"--set {item} is not allowed: {field} is an integer") from None
+    if getattr(args, field) is None:
+      setattr(args, field, value)
+  args.set = rest
   return multihost.Distributed(
     args.coordinator_address, args.num_processes, args.process_id, args.heartbeat_timeout
   )

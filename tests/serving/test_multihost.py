@@ -242,3 +242,9 @@ def test_serve_names_a_bad_multihost_flag(folder, capsys):
   assert "given together" in capsys.readouterr().err
   assert serve.main([*argv, "--num-processes", "2", "--process-id", "3"]) == 2
   assert "--process-id=3 is not allowed" in capsys.readouterr().err
+  # train.py's field names, through --set
+  sets = ["--set", "mesh.num_processes=2", "--set", "mesh.process_id=3"]
+  assert serve.main([*argv, *sets]) == 2
+  assert "--process-id=3 is not allowed" in capsys.readouterr().err
+  assert serve.main([*argv, "--set", "mesh.process_id=one"]) == 2
+  assert "--set mesh.process_id=one is not allowed" in capsys.readouterr().err
