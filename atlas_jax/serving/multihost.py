@@ -21,10 +21,11 @@ gathered to every process (`process_allgather`), so the leader reads the rows of
 Losing a process: a collective with a dead peer may raise or may never return (gloo does
 either, depending on where the peer died; NCCL waits), so every process beats a heartbeat into
 the coordination service's key-value store, and the leader watches the followers' beats
-(`Liveness`). A follower silent for `heartbeat_timeout` seconds,
-or a collective that fails, stops the group: the leader logs which process was lost and exits
-with status 1; a follower that loses the leader does the same. JAX's own recoverability is on,
-so the coordination service reports a lost task to us instead of aborting every process first.
+(`Liveness`). A follower silent for `heartbeat_timeout` seconds, or a collective that fails,
+stops the group: the leader logs which process was lost and exits with status 1 (JAX's own
+recoverability is on, so the coordination service does not abort the leader first). A follower
+that loses the leader stops at once: the coordination service runs in the leader, and jax's
+client in the follower aborts when it goes (saying so), else its next heartbeat fails.
 """
 
 from __future__ import annotations
