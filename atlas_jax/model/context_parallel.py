@@ -139,6 +139,9 @@ def context_attention(
   *,
   segment_ids_BT: Array | None = None,
   sliding_window: int | None = None,
+  scale: float | None = None,
+  soft_cap: float | None = None,
+  sinks: Array | None = None,
   implementation: str | None = None,
   mode: str = "all_gather",
 ) -> Array:
@@ -147,7 +150,8 @@ def context_attention(
   Args:
     q_BTNH, k_BTKH, v_BTKH: queries, keys and values in striped order (`stripe_permutation`).
     segment_ids_BT: i32[B, T] packed-document ids, striped too.
-    sliding_window, implementation: as `atlas_jax.kernels.attention`.
+    sliding_window, scale, soft_cap, sinks, implementation: as `atlas_jax.kernels.attention`.
+      The ring merges its blocks' partial softmaxes first and adds the sinks' share once.
     mode: "all_gather" or "ring".
 
   Returns:
@@ -166,13 +170,14 @@ def context_attention(
   spec_x = P(rows, AXIS, heads, None)
   spec_s = P(rows, AXIS)
   body = _all_gather_local if mode == "all_gather" else _ring_local
-  local = functools.partial(
-    body, C=C, sliding_window=sliding_window, implementation=implementation, T=T
-  )
+  scoring = dict(sliding_window=sliding_window, scale=scale, soft_cap=soft_cap)
+  local = functools.partial(body, C=C, implementation=implementation, T=T, **scoring)
   args, specs = [q_BTNH, k_BTKH, v_BTKH, perm_CT], [spec_x, spec_x, spec_x, P()]
-  if segment_ids_BT is not None:
-    args.append(segment_ids_BT)
-    specs.append(spec_s)
+  args.append(jnp.zeros((0,), jnp.float32) if segment_ids_BT is None else segment_ids_BT)
+  specs.append(P() if segment_ids_BT is None else spec_s)
+  if sinks is not None:
+    args.append(sinks)
+    specs.append(P(heads))
   run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=spec_x, check_vma=False)
   return run(*args)
 
@@ -183,8 +188,9 @@ def _local_positions(perm_CT: Array, b: int) -> Array:
   return jnp.broadcast_to(perm_CT[i][None], (b, perm_CT.shape[1]))
 
 
-def _all_gather_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, implementation):
+def _all_gather_local(q, k, v, perm_CT, seg, sinks=None, *, C, T, implementation, **scoring):
   """One device's queries against the whole sequence's K/V, gathered and put back in order."""
+  seg = None if seg.ndim == 1 else seg  # a placeholder where there are no segment ids
   inv = unstripe_permutation(T, C)
   gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)[:, inv]
   k_all, v_all = gather(k), gather(v)
@@ -197,13 +203,15 @@ def _all_gather_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, imple
     q_positions=_local_positions(perm_CT, q.shape[0]),
     q_segment_ids=seg,
     kv_segment_ids=seg_all,
-    sliding_window=sliding_window,
+    sinks=sinks,
     implementation=implementation,
+    **scoring,
   )
 
 
-def _ring_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, implementation):
+def _ring_local(q, k, v, perm_CT, seg, sinks=None, *, C, T, implementation, **scoring):
   """One device's queries against each device's K/V block in turn, passed around the ring."""
+  seg = None if seg.ndim == 1 else seg  # a placeholder where there are no segment ids
   b, t = q.shape[:2]
   i = jax.lax.axis_index(AXIS)
   q_pos = _local_positions(perm_CT, b)
@@ -214,11 +222,14 @@ def _ring_local(q, k, v, perm_CT, seg=None, *, C, T, sliding_window, implementat
     src = (i - step) % C  # the device whose block this is
     kv_pos = perm_CT[src]
     partial = _flash_partial if use_kernel else _xla_partial
-    o_s, lse_s = partial(q, k, v, q_pos, kv_pos, seg, kv_seg, sliding_window=sliding_window)
+    o_s, lse_s = partial(q, k, v, q_pos, kv_pos, seg, kv_seg, **scoring)
     out, lse = (o_s, lse_s) if out is None else merge_partials(out, lse, o_s, lse_s)
     if step + 1 < C:
       k, v = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v))
       kv_seg = None if seg is None else jax.lax.ppermute(kv_seg, AXIS, shift)
+  if sinks is not None:  # each head's sink joins the softmax once: the keys' share shrinks
+    sink_N = sinks.astype(jnp.float32)
+    out = out * jnp.exp(lse - jnp.logaddexp(lse, sink_N))[..., None]
   return out.astype(q.dtype)
 
 
@@ -229,14 +240,19 @@ def _picks_kernel(q, k, implementation) -> bool:
   return impl in ("pallas", "cudnn")
 
 
-def _xla_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window):
+def _xla_partial(
+  q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window, scale=None, soft_cap=None
+):
   """(f32[b, t, N, H] softmax-weighted values, f32[b, t, N] log-sum-exp; -inf where no key is
   visible) of q against one block of keys at global indices kv_pos_s."""
   b, t, N, H = q.shape
   K = k.shape[2]
   G = N // K
   qg = q.reshape(b, t, K, G, H).astype(jnp.float32)
-  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * H**-0.5
+  scale = H**-0.5 if scale is None else scale
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
   visible = kv_pos_s[None, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
   if sliding_window is not None:
     visible &= q_pos_bt[:, :, None] - kv_pos_s[None, None, :] < sliding_window
@@ -254,7 +270,9 @@ def _xla_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window):
   return o.reshape(b, t, N, H), lse.transpose(0, 3, 1, 2).reshape(b, t, N)
 
 
-def _flash_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window):
+def _flash_partial(
+  q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window, scale=None, soft_cap=None
+):
   """`_xla_partial` by FlashAttention: a block holds two contiguous chunks, each one kernel call
   with the query positions taken relative to the chunk's first key."""
   s = k.shape[1]
@@ -270,6 +288,8 @@ def _flash_partial(q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window
       q_segment_ids=q_seg,
       kv_segment_ids=None if kv_seg is None else kv_seg[:, lo : lo + half],
       sliding_window=sliding_window,
+      scale=scale,
+      soft_cap=soft_cap,
       return_lse=True,
     )
     o_c = o_c.astype(jnp.float32)

@@ -236,3 +236,39 @@ def test_mixture_of_experts_with_expert_and_context_axes_equals_one_device():
   assert trainer.mesh.shape["context"] == 2
   for key in ("loss", "moe_balance_loss", "moe_load_max", "grad_norm"):
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_soft_capped_attention_with_sinks_matches_one_device(mode):
+  """Gemma's scale and soft-cap and gpt-oss's sinks on the split sequence: the output and the
+  gradients (the sinks' too) equal the whole sequence's; the ring adds the sinks once, after
+  merging its blocks."""
+  B, T, N, K, H, C = 2, 16, 4, 2, 8, 4
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.float32) for n in (N, K, K))
+  sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  options = dict(scale=0.3, soft_cap=2.0, sliding_window=6)
+
+  def whole(q, k, v, sinks):
+    out = kernels.attention(q, k, v, causal=True, sinks=sinks, **options)
+    return jnp.sum(out * weights), out
+
+  mesh = shd.make_mesh(
+    tiny_config("mesh.fsdp=1", "mesh.tensor=2", f"mesh.context={C}").mesh, jax.devices()
+  )
+
+  def split(q, k, v, sinks):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      st = lambda x: cp.stripe(x, C)
+      out = cp.context_attention(st(q), st(k), st(v), sinks=sinks, mode=mode, **options)
+    out = cp.unstripe(out, C)
+    return jnp.sum(out * weights), out
+
+  grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+  (_, want), want_grads = grad(whole)(q, k, v, sinks)
+  with jax.sharding.set_mesh(mesh):
+    (_, got), got_grads = jax.jit(grad(split))(q, k, v, sinks)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=1e-5)
