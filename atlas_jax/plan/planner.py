@@ -285,6 +285,14 @@ def make_plan(
   for row in alternatives:
     row["bytes_per_sequence"] = row["bytes_per_token"] * T
     row["vs_model"] = row["bytes_per_token"] / per_token
+  # Sliding-window layers: a decode step reads only a window's K/V on them; a model whose layers
+  # all slide holds only its window's blocks per sequence (`Scheduler.forget_outside_window`).
+  kinds, index = cfg.attention_kinds()
+  windows = [kinds[i].sliding_window for i in index]
+  read_tokens = sum(T if w is None else min(T, w) for w in windows)  # summed over the layers
+  read_bytes = per_token // cfg.n_layers * read_tokens
+  bound = None if None in windows else max(windows)
+  held_blocks = blocks if bound is None else min(blocks, -(-(bound - 1) // Z) + 1)
   kv = {
     "attention": attention_kind(cfg),
     "dtype_bytes": c,
@@ -296,6 +304,10 @@ def make_plan(
     "block_size": Z,
     "blocks_per_sequence": blocks,
     "paged_bytes_per_sequence": blocks * Z * per_token,
+    "window": bound,  # W when every layer slides: the server's bound on a sequence's blocks
+    "held_blocks_per_sequence": held_blocks,
+    "held_bytes_per_sequence": held_blocks * Z * per_token,
+    "decode_read_bytes_per_sequence": read_bytes,  # each layer's window (or all) of the T tokens
     "alternatives": alternatives,
   }
 
@@ -437,13 +449,13 @@ def make_plan(
   # only the experts its batch reaches.
   weight_bytes = pc.matmul * c
   decode_flops = compute.decode_flops_per_token(cfg, T)
-  decode = {"weight_bytes": weight_bytes, "cache_bytes_per_sequence": per_token * T}
+  decode = {"weight_bytes": weight_bytes, "cache_bytes_per_sequence": read_bytes}
   for key, n in (("one_device", 1), ("all_devices", inputs.devices)):
     for batch in sorted({1, B}):
       bound = compute.decode_bound(
         batch=batch,
         weight_bytes=round(compute.decode_weight_params(cfg, batch) * c),
-        cache_bytes_per_seq=per_token * T,
+        cache_bytes_per_seq=read_bytes,
         flops_per_token=decode_flops,
         bandwidth=n * dev.hbm_bytes_per_s,
         peak_flops=n * dev.peak_bf16_flops,
@@ -476,7 +488,7 @@ def make_plan(
     "memory_utilization": SERVING_MEMORY_UTILIZATION,
     "pool_bytes_per_device": pool_dev,
     "pool_tokens_per_replica": pool_dev // kv_dev,
-    "sequences_per_replica": pool_dev // (kv_dev * T),
+    "sequences_per_replica": pool_dev // (kv_dev * held_blocks * Z),
     # Across hosts (serve.py --num-processes): the per-device figures stay; a replica whose
     # tensor axis spans hosts sends part of every all-reduce over the hosts' network.
     "devices_per_host": inputs.devices_per_host,
