@@ -184,11 +184,28 @@ def _pool_gathers(text: str, pools) -> list[str]:
 SHAPES = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=128)
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "draft"])
+GEMMA = dict(
+  n_kv_heads=2,
+  layer_types=("sliding_attention", "full_attention"),
+  sliding_window=8,
+  rope_local_theta=1000.0,
+  attn_logit_softcapping=5.0,
+  final_logit_softcapping=3.0,
+  query_pre_attn_scalar=24.0,
+  post_norms=True,
+  mlp_activation="gelu_tanh",
+  scale_embeddings=True,
+)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "draft", "gemma"])
 def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   """On a CPU host, each program lowered for cuda holds the Triton kernel and for tpu the
-  Mosaic one, and neither gathers a pool: no sequence's pages are copied densely."""
-  if kind == "mla":
+  Mosaic one, and neither gathers a pool: no sequence's pages are copied densely. Gemma's
+  local and global layers: each layer's branch of the switch holds its own kernel call."""
+  if kind == "gemma":
+    cfg = ModelConfig(**SHAPES, **GEMMA)
+  elif kind == "mla":
     mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
     cfg = ModelConfig(**SHAPES, n_kv_heads=4, mla=mla)
   else:
@@ -202,6 +219,8 @@ def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   for platform, marker in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
     for name, text in _lowered(engine, platform).items():
       assert marker in text, (platform, name)
+      if kind == "gemma":  # a kernel call in each window's branch
+        assert text.count(marker) >= 2 and "stablehlo.case" in text, (platform, name)
       assert not _pool_gathers(text, engine.pools), (platform, name, _pool_gathers(text, [1]))
   # The check finds gathers from a pool where there are some: the CPU lowering's XLA loop reads
   # its pages through gathers (a page step at a time).
