@@ -25,7 +25,7 @@ from atlas_jax.config import ConfigError, ModelConfig
 from atlas_jax.model import lora
 from atlas_jax.training import checkpoint
 from atlas_jax.training import sharding as shd
-from atlas_jax.training.step import Trainer
+from atlas_jax.training.step import Trainer, quantize_base
 
 # Model fields a fine-tuning config may set whatever the source says (`atlas_jax.sources`): the
 # compute and storage dtypes (train.precision decides the training ones), the init scale (the
@@ -41,14 +41,16 @@ def comparable(cfg: ModelConfig) -> ModelConfig:
   return dataclasses.replace(cfg, **keep, mtp=mtp)
 
 
-def base_targets(trainer: Trainer) -> tuple[dict, dict]:
+def base_targets(trainer: Trainer, *, quantized: bool = False) -> tuple[dict, dict]:
   """(abstract base variables, their shardings) as pure dicts: the run's model less its
-  adapters (the routers' selection biases included)."""
+  adapters (the routers' selection biases included). A QLoRA run's quantized projections
+  (train.base_quantization) as float32 arrays laid out as their values are (the run quantizes
+  them as it initialises), or with `quantized` as the QArrays it holds."""
   _, abstract = nnx.split_state(trainer.abstract_state().params, lora.LoRAParam, ...)
   _, shardings = nnx.split_state(trainer.state_shardings.params, lora.LoRAParam, ...)
   abstract, shardings = nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings)
-  # A QLoRA run (train.base_quantization) quantizes the source's float weights as it
-  # initialises: each projection is read as a float32 array laid out as its values are.
+  if quantized:
+    return abstract, shardings
   floats = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32) if quant.is_quantized(a) else a
   values = lambda s: s.qvalue if quant.is_quantized(s) else s
   return (
@@ -94,7 +96,12 @@ def place(host: dict, abstract: dict, shardings: dict) -> dict:
 def _from_hf(path: Path, trainer: Trainer, abstract: dict, shardings: dict) -> dict:
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     model = hf.load(path)
-  _check_same_model(model.cfg, trainer.cfg.model, str(path))
+    _check_same_model(model.cfg, trainer.cfg.model, str(path))
+    if trainer.cfg.train.base_quantization is not None:
+      # QLoRA: the projections quantized here, on the host, so each device receives only its
+      # shards of the 8- or 4-bit values and scales and never holds the float base.
+      quantize_base(trainer.cfg, model)
+      abstract, shardings = base_targets(trainer, quantized=True)
   host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
   del model
   return place(host, abstract, shardings)

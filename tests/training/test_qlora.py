@@ -218,3 +218,40 @@ def test_an_mla_moe_qlora_model_decodes_as_its_dequantized_copy():
   reference = nnx.merge(trainer.graphdef, state.params)
   quant.dequantize_model(reference)
   assert got == generate(reference, prompts, params)
+
+
+def test_a_hugging_face_base_is_quantized_on_the_host(tmp_path):
+  """train.init_from with QLoRA: the devices receive the projections already quantized (values
+  and scales in their shardings, never the float weights), equal to quantizing the folder's
+  weights, and the run starts from them."""
+  pytest.importorskip("torch")
+  from atlas_jax import hf, sources
+  from atlas_jax.hf import init_from
+
+  from ..test_hf import build_hf
+
+  build_hf("Llama", tmp_path / "base", std=0.02, hidden_size=64, intermediate_size=128)
+  cfg = sources.load_config(
+    None,
+    [
+      f"train.init_from={tmp_path / 'base'}",
+      "train.lora={rank: 4}",
+      "train.base_quantization=int4",
+      "train.base_quantization_group_size=32",
+    ],
+  )
+  trainer = make_trainer(cfg)
+  base = init_from.base_params(tmp_path / "base", trainer)
+  wq = base["blocks"]["attn"]["wq"]
+  assert quant.is_quantized(wq) and wq.qvalue.dtype == jnp.int4
+  assert (
+    wq.qvalue.sharding == trainer.state_shardings.params["blocks"]["attn"]["wq"].get_value().qvalue
+  )
+  source = hf.load(tmp_path / "base")
+  want = quant.quantize_weight(
+    source.blocks.attn.wq[...], ("layers", "embed", "q_heads", "head_dim"), "int4", group_size=32
+  )
+  state = trainer.init(jax.random.key(0), base)
+  got = state.params["blocks"]["attn"]["wq"].get_value()
+  np.testing.assert_array_equal(np.asarray(got.qvalue), np.asarray(want.qvalue))
+  np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
