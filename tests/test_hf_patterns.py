@@ -124,10 +124,14 @@ def test_layer_kinds_follow_the_config():
   assert {kinds[i].rope_theta for i in index} == {10000.0, 1000000.0}
 
 
-@pytest.mark.parametrize("tensor", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_the_engine_serves_transformers_greedy_tokens_past_the_window(tensor, tmp_path):
+@pytest.mark.parametrize(
+  "tensor, runner", [pytest.param(1, "ragged", marks=pytest.mark.slow), (2, "ragged"), (1, "cpu")]
+)
+def test_the_engine_serves_transformers_greedy_tokens_past_the_window(tensor, runner, tmp_path):
   """Gemma 3's local and global layers over the paged pool (ragged steps, chunked prefill), on
-  one device and with the heads split over two."""
+  one device and with the heads split over two; and by the CPU runner, whose unrolled layers
+  each call their own window's kernel."""
+  from atlas_jax.config import CPUConfig
   from atlas_jax.serving.engine import Engine, EngineConfig
 
   family, overrides = CASES["gemma3"]
@@ -137,14 +141,19 @@ def test_the_engine_serves_transformers_greedy_tokens_past_the_window(tensor, tm
   prompts = [rng.randint(3, V, n).tolist() for n in (2 * W + 3, 5, 3 * W)]
   n = W + 4
   config = EngineConfig(
-    runner="ragged",
+    runner=runner,
     n_blocks=32,
     block_size=4,
     max_num_seqs=2,
     prefill_chunk=8,
     tensor_parallel_size=tensor,
+    # The CPU runner's layers one array each, each layer's kernel chosen when it is traced.
+    **({"cpu": CPUConfig(weight_layout="in_major", matmul="ynnpack")} if runner == "cpu" else {}),
   )
-  got = Engine(ours, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
+  engine = Engine(ours, config)
+  if runner == "cpu":
+    assert not engine.runner.stacked
+  got = engine.generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
   for prompt, tokens in zip(prompts, got):
     with torch.no_grad():
       want = ref.generate(

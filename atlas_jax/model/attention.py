@@ -122,7 +122,8 @@ class Attention(nnx.Module):
       cache: this layer's view of a cache; the new tokens are written at their positions and
         attend to everything held before them.
       kind: i32[2] this layer's (RoPE, window) among `self.ropes` and `self.windows`
-        (`layer_kinds`); None when the model has one of each.
+        (`layer_kinds`), or the same as a tuple of ints where the layer is unrolled; None when
+        the model has one of each.
 
     Returns:
       [B, T, D] and the updated layer cache (None without).
@@ -253,13 +254,16 @@ def _distinct(items: list) -> tuple:
   return tuple(dict.fromkeys(items))
 
 
-def _switch(kind: Array | None, which: int, branches: list, *operands):
-  """`branches[kind[which]](*operands)`: the only branch when there is one, else the one this
-  layer's kind picks (`jax.lax.switch` runs that branch alone)."""
+def _switch(kind: Array | tuple | None, which: int, branches: list, *operands):
+  """`branches[kind[which]](*operands)`: the only branch when there is one; the one a static
+  kind names (a tuple: a layer the program holds on its own, unrolled); else the one this
+  layer's kind picks in the scan (`jax.lax.switch` runs that branch alone)."""
   if len(branches) == 1:
     return branches[0](*operands)
   if kind is None:
     raise ValueError(f"attention: this model has {len(branches)} kinds of layer; pass kind=")
+  if isinstance(kind, tuple):
+    return branches[kind[which]](*operands)
   return jax.lax.switch(kind[which], branches, *operands)
 
 

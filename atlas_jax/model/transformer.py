@@ -186,6 +186,11 @@ class Transformer(nnx.Module):
     kinds = np.asarray(self.kinds_L[first : first + n], np.int32)
     return jnp.asarray(kinds if order is None else kinds[order])
 
+  def _static_kinds(self, first: int, n: int):
+    """The run's layers' kinds as tuples of ints, for layers the program holds one by one: each
+    then calls its own window's kernel, with no switch."""
+    return None if self.kinds_L is None else self.kinds_L[first : first + n]
+
   def _head_DV(self) -> Array:
     return self.embed[...].T if self.lm_head is None else dequantized(self.lm_head[...])
 
@@ -309,7 +314,7 @@ class Transformer(nnx.Module):
     remat = dict(policy=policy, every=every, unroll=unroll)
     n = layer_count(state)
     if is_unstacked(state):  # a served model's layers, one array each: a loop, no slices
-      kinds = self._kinds(first, n)
+      kinds = self._static_kinds(first, n)
       extra = [None] * n if kinds is None else list(kinds)
       return run_unstacked(lambda c, layer: step(c, layer, rows), carry, state, extra)
     if not pipelined:
@@ -340,10 +345,11 @@ class Transformer(nnx.Module):
       # The layer index stays opaque to XLA: a constant one would turn the pool's per-layer
       # gather into a copy of the whole layer's pool, then a gather from it.
       index = lambda i: jax.lax.optimization_barrier(jnp.int32(first + i))
-      extra = [(index(i), None if kinds is None else kinds[i]) for i in range(n)]
+      static = self._static_kinds(first, n)
+      extra = [(index(i), None if static is None else static[i]) for i in range(n)]
       return run_unstacked(step, carry, state, extra)
     if n == 1:  # one layer: no loop around it
-      kind = None if kinds is None else kinds[0]
+      kind = None if kinds is None else self._static_kinds(first, 1)[0]
       carry, ys = step(carry, (jax.tree.map(lambda a: a[0], state), (jnp.int32(first), kind)))
       return carry, jax.tree.map(lambda y: y[None], ys)
     unroll = self.remat[2]  # `unroll_layers`: XLA's cost analysis then counts every layer
