@@ -53,7 +53,7 @@ from atlas_jax.hf import (
   qwen_moe,
   smollm3,
 )
-from atlas_jax.hf.common import REQUIRED, HFLoadError, field, read_json
+from atlas_jax.hf.common import REQUIRED, HFLoadError, field, llama_scoring, read_json
 from atlas_jax.hf.weights import (
   build_model,
   check_tensor_shapes,
@@ -205,14 +205,9 @@ def _llama_blocks(cfg: ModelConfig) -> bool:
   return (
     cfg.pre_norms
     and not cfg.post_norms
-    and cfg.mlp_activation == "silu"
-    and not cfg.scale_embeddings
     and cfg.layer_types is None
     and not cfg.nope_layers
-    and cfg.rope_local_theta is None
-    and cfg.attn_logit_softcapping is None
-    and cfg.final_logit_softcapping is None
-    and cfg.query_pre_attn_scalar is None
+    and llama_scoring(cfg)
   )
 
 

@@ -291,3 +291,16 @@ def model_config(**fields) -> ModelConfig:
 
 def export_error(family: str, name: str, value: Any, allowed: str) -> HFLoadError:
   return HFLoadError(f"cannot export to {family}: {name}={value!r} is not allowed: {allowed}")
+
+
+def llama_scoring(cfg: ModelConfig) -> bool:
+  """What a Llama computes beside its block layout and windows: a SwiGLU feed-forward,
+  embeddings as stored, the softmax scale H ** -0.5, nothing soft-capped, one RoPE base."""
+  return (
+    cfg.mlp_activation == "silu"
+    and not cfg.scale_embeddings
+    and cfg.rope_local_theta is None
+    and cfg.attn_logit_softcapping is None
+    and cfg.final_logit_softcapping is None
+    and cfg.query_pre_attn_scalar is None
+  )

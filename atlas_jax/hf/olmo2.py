@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.hf.common import HFLoadError, base_to_hf, field, model_config
+from atlas_jax.hf.common import HFLoadError, base_to_hf, field, llama_scoring, model_config
 from atlas_jax.hf.llama import attention, gqa_fields
 from atlas_jax.hf.weights import Spec, model_group, norm, swiglu, trunk_groups
 
@@ -54,14 +54,10 @@ def model_type(cfg: ModelConfig) -> str | None:
     and cfg.qk_norm
     and cfg.qk_norm_scope == "all_heads"
     and not cfg.qkv_bias
-    and cfg.mlp_activation == "silu"
-    and not cfg.scale_embeddings
     and cfg.layer_types is None
     and cfg.sliding_window is None
     and not cfg.nope_layers
-    and cfg.attn_logit_softcapping is None
-    and cfg.final_logit_softcapping is None
-    and cfg.query_pre_attn_scalar is None
+    and llama_scoring(cfg)
   )
   return "olmo2" if olmo2 else None
 

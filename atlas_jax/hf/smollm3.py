@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.hf.common import HFLoadError, base_to_hf, field, model_config
+from atlas_jax.hf.common import HFLoadError, base_to_hf, field, llama_scoring, model_config
 from atlas_jax.hf.llama import gqa_fields, gqa_spec
 from atlas_jax.hf.weights import Spec
 
@@ -63,12 +63,7 @@ def model_type(cfg: ModelConfig) -> str | None:
     and not cfg.post_norms
     and not cfg.qk_norm
     and not cfg.qkv_bias
-    and cfg.mlp_activation == "silu"
-    and not cfg.scale_embeddings
-    and cfg.rope_local_theta is None
-    and cfg.attn_logit_softcapping is None
-    and cfg.final_logit_softcapping is None
-    and cfg.query_pre_attn_scalar is None
+    and llama_scoring(cfg)
   )
   return "smollm3" if smol else None
 
