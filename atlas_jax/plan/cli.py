@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,6 +33,25 @@ class Source:
   model: ModelConfig
   config: Config | None  # a YAML preset's full config (training defaults), else None
   notes: tuple[str, ...] = ()
+  folder_dtype: str | None = None  # a Hugging Face folder's stored dtype (config.json's)
+
+
+# A folder's stored dtype -> the precision serve.py --dtype auto serves it in.
+FOLDER_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update(kib=2**10, mib=2**20, gib=2**30, tib=2**40, k=10**3, m=10**6, g=10**9, t=10**12)
+
+
+def parse_size(text: str, flag: str) -> int:
+  """Bytes from "24GB", "80GiB", "24G" or a plain number; ValueError naming the flag."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+  unit = m[2].lower() if m else None
+  if m is None or unit not in _UNITS or float(m[1]) <= 0:
+    raise ValueError(
+      f"{flag}={text!r} is not a size: a positive number with a unit of B, KB, MB, GB, TB "
+      "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+    )
+  return int(float(m[1]) * _UNITS[unit])
 
 
 def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Source:
@@ -52,9 +72,10 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
         f"--config={spec!r}: the folder has no config.json (expected a Hugging Face model folder)"
       )
     from atlas_jax import hf
+    from atlas_jax.serving.model_files import checkpoint_dtype
 
     try:
-      return Source(path.name, hf.load_config(path), None)
+      return Source(path.name, hf.load_config(path), None, folder_dtype=checkpoint_dtype(path))
     except hf.HFLoadError as e:
       raise ValueError(f"--config={spec!r}: {e}") from e
   ref = get_reference(spec)
@@ -121,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--remat-every", type=int, help="k for --remat every_k")
   p.add_argument("--precision", choices=PRECISIONS, help="compute precision (default bf16)")
   p.add_argument("--device", default="H100", help=f"one of: {', '.join(DEVICES)}")
+  p.add_argument(
+    "--memory",
+    metavar="SIZE",
+    help="memory per device (e.g. 24GB, 80GiB), in place of the --device's own",
+  )
   p.add_argument("--attention", choices=memory.ATTENTION_IMPLS, help="attention implementation")
   p.add_argument("--grad-accum", type=int, help="micro-batches per step")
   p.add_argument("--pipeline", type=int, help="pipeline stages (the layer stack split S ways)")
@@ -181,6 +207,13 @@ def build_plan(args: argparse.Namespace) -> dict:
     fields["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(","))
   if args.tokens is not None:
     fields["tokens"] = int(args.tokens)
+  notes = source.notes
+  if args.precision is None and source.folder_dtype in FOLDER_PRECISIONS:
+    # What serve.py --dtype auto serves a folder in: its checkpoint's dtype.
+    fields["precision"] = FOLDER_PRECISIONS[source.folder_dtype]
+    notes = (*notes, f"precision {fields['precision']}: the folder's {source.folder_dtype}")
+  if args.memory is not None:
+    fields["memory_bytes"] = parse_size(args.memory, "--memory")
   fields.update(
     device=args.device,
     mfu=args.mfu,
@@ -188,7 +221,7 @@ def build_plan(args: argparse.Namespace) -> dict:
     kv_cache_dtype=args.kv_cache_dtype,
     devices_per_host=args.devices_per_host,
   )
-  return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=source.notes)
+  return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=notes)
 
 
 def main(argv: list[str] | None = None) -> int:

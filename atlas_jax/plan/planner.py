@@ -49,6 +49,7 @@ class PlanInputs:
   remat_every: int | None = None
   precision: str = "bf16"  # compute dtype: activations, KV cache and served weights
   device: str = "H100"
+  memory_bytes: int | None = None  # memory per device in place of the device's own (--memory)
   attention: str = "flash"  # "flash" (GPU/TPU default) or "xla" (materialises probabilities)
   grad_accum: int = 1
   pipeline: int = 1  # pipeline stages (mesh.stage); the other axes share devices / pipeline
@@ -273,6 +274,9 @@ def make_plan(
 ) -> dict[str, Any]:
   """Every figure for `cfg` under `inputs`: a JSON-ready dict of bytes, tokens and FLOPs."""
   dev = get_device(inputs.device)
+  if inputs.memory_bytes is not None:
+    dev = dataclasses.replace(dev, name=f"{dev.name}, {inputs.memory_bytes / 1e9:g} GB")
+    dev = dataclasses.replace(dev, hbm_bytes=inputs.memory_bytes)
   c = memory.PRECISIONS[inputs.precision]
   T, B = inputs.seq_len, inputs.batch
   pc = counts(cfg)

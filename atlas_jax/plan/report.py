@@ -262,9 +262,12 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
 
   d = plan["decode"]
   rows = []
+  seen = set()
   for bound in d.values():
-    if not isinstance(bound, dict):
+    # One row per (devices, batch): on one device the whole group's row is the device's.
+    if not isinstance(bound, dict) or (bound["devices"], bound["batch"]) in seen:
       continue
+    seen.add((bound["devices"], bound["batch"]))
     rows.append(
       (
         f"{bound['devices']} device{'s' if bound['devices'] > 1 else ''}, batch {bound['batch']}",

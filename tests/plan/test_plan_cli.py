@@ -126,6 +126,8 @@ def test_plot_writes_pngs(tmp_path, capsys):
     (["--config", "llama-2-7b", "--remat-every", "3"], "--remat-every=3 must divide"),
     (["--config", "llama-2-7b", "--set", "a.b=1"], "overrides apply to YAML presets only"),
     (["--config", "configs/tiny.yaml", "--set", "train.remat=most"], "train.remat='most'"),
+    (["--config", "llama-2-7b", "--memory", "24XB"], "--memory='24XB' is not a size"),
+    (["--config", "llama-2-7b", "--memory=0GB"], "--memory='0GB' is not a size"),
   ],
 )
 def test_bad_input_names_the_flag_and_the_allowed_values(argv, message, capsys, monkeypatch):
@@ -201,3 +203,23 @@ def test_pipeline_flags(capsys):
   assert zero3["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "stage": 4, "tensor": 2}
   rc, out, _ = run(capsys, *argv[:-1], "--pipeline", "4", "--microbatches", "8")
   assert rc == 0 and "4 stages x 8 micro-batches (GPipe)" in out and "bubble" in out
+
+
+def test_serving_figures_start_from_what_serve_py_serves(tmp_path, capsys):
+  """A float32 folder is planned in float32 (serve.py --dtype auto serves its checkpoint's
+  dtype) unless --precision says otherwise; --memory replaces the device's memory; the decode
+  ceiling prints each (devices, batch) row once."""
+  cfg = REFERENCE_MODELS["llama-3-8b"].model
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))  # dtype float32
+  rc, out, _ = run(capsys, "--config", str(tmp_path), "--devices", "1", "--batch", "1", "--json")
+  plan = json.loads(out)
+  assert plan["inputs"]["precision"] == "fp32" and plan["kv_cache"]["dtype_bytes"] == 4
+  rc, out, _ = run(capsys, "--config", str(tmp_path), "--precision", "bf16", "--json")
+  assert json.loads(out)["inputs"]["precision"] == "bf16"
+  args = ("--config", "llama-3-8b", "--devices", "1", "--batch", "1", "--json")
+  h100 = json.loads(run(capsys, *args)[1])["serving"]
+  small = json.loads(run(capsys, *args, "--memory", "24GB")[1])["serving"]
+  assert small["pool_bytes_per_device"] == int(0.9 * 24e9) - small["weight_bytes_per_device"]
+  assert h100["pool_bytes_per_device"] == int(0.9 * 80e9) - h100["weight_bytes_per_device"]
+  rc, out, _ = run(capsys, "--config", "llama-3-8b", "--devices", "1", "--batch", "1")
+  assert rc == 0 and out.count("1 device, batch 1") == 1
