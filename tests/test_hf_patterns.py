@@ -135,8 +135,15 @@ def test_the_engine_serves_transformers_greedy_tokens_past_the_window(tensor, ru
   from atlas_jax.serving.engine import Engine, EngineConfig
 
   family, overrides = CASES["gemma3"]
+  # Three layers, local, global and local again, hold both kinds and the switch back to the
+  # local RoPE base (the 5:1 pattern itself: the logits test). The CPU runner unrolls its
+  # layers into each step program, so each layer fewer is less to compile.
+  layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+  overrides = {**overrides, "num_hidden_layers": 3, "layer_types": layer_types}
   ref = build_hf(family, tmp_path, **overrides)
   ours = hf.load(tmp_path)
+  kinds, index = ours.cfg.attention_kinds()
+  assert [kinds[i].sliding_window for i in index] == [W, None, W]
   rng = np.random.RandomState(1)
   prompts = [rng.randint(3, V, n).tolist() for n in (2 * W + 3, 5, 3 * W)]
   n = W + 4
