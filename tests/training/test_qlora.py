@@ -37,7 +37,8 @@ def quantized_leaves(tree) -> list:
   return [x for x in leaves if quant.is_quantized(x)]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+# int8 under -m slow: the same step over the simpler per-channel format.
+@pytest.mark.parametrize("fmt", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
 def test_qlora_trains_the_adapters_over_a_frozen_quantized_base(fmt):
   """Every block projection is stored quantized (values in the format's dtype, float32 scales),
   the optimizer holds moments of the adapters alone, the loss falls over a few steps on one
