@@ -259,10 +259,15 @@ class Engine:
       tensor_parallel_size=tp,
     )
     self.runner.allocate(n_blocks, self.config)
-    self.scheduler = Scheduler(
-      self.config, dp, speculates=drafter is not None, window=window_bound(cfg, drafter)
+    window = window_bound(cfg, drafter)
+    self.scheduler = Scheduler(self.config, dp, speculates=drafter is not None, window=window)
+    # A windowed request holds the blocks of its window, of the chunk or burst it computes next,
+    # and a partial block on either side.
+    ahead = max(self.config.prefill_chunk, burst_capacity(self.config))
+    window_blocks = None if window is None else -(-(window - 1 + ahead) // Z) + 2
+    self.intake = Intake(
+      cfg.vocab_size, max_model_len, n_blocks, Z, self.eos_ids, detokenize, window_blocks
     )
-    self.intake = Intake(cfg.vocab_size, max_model_len, n_blocks, Z, self.eos_ids, detokenize)
     self.outputs = OutputProcessor(self._prompt_logprobs)
     self._inflight: Drawn | None = None  # a dispatched burst the host has not read yet
     self._aborts: list[RequestId] = []

@@ -110,6 +110,9 @@ class Intake:
   block_size: int  # Z
   eos_ids: frozenset[int]
   detokenize: Callable[..., str] | None = None
+  # The most blocks a request holds at once when a sliding window bounds them (every layer's
+  # window: `Scheduler.forget_outside_window`), however long it grows; None: all of its blocks.
+  window_blocks: int | None = None
 
   def make(
     self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None, arrival: int
@@ -148,10 +151,13 @@ class Intake:
         f"the context length {self.max_model_len}"
       )
     Z = self.block_size
-    if -(-total // Z) > self.n_blocks:
+    need = -(-total // Z)
+    if self.window_blocks is not None:
+      need = min(need, self.window_blocks)
+    if need > self.n_blocks:
       raise RequestError(
         f"prompt length {len(prompt)} + max_tokens {params.max_new_tokens} needs "
-        f"{-(-total // Z)} KV blocks of {Z} tokens; the pool holds {self.n_blocks}"
+        f"{need} KV blocks of {Z} tokens; the pool holds {self.n_blocks}"
       )
     for token, _ in params.logit_bias:
       if token >= V:

@@ -108,3 +108,48 @@ def test_a_model_with_global_layers_keeps_every_block():
   )
   assert engine.scheduler.window is None
   assert dataclasses.replace(cfg, layer_types=None).attention_kinds()[0][0].sliding_window == W
+
+
+def test_windowed_serving_under_preemption_and_prefix_sharing_equals_generate():
+  """A tight pool (preemption, recompute), prompts sharing a prefix (cached blocks taken, then
+  dropped behind the window), sampled and greedy rows, decode bursts: every request's tokens
+  are plain decoding's."""
+  import numpy as np
+
+  cfg = ModelConfig(
+    vocab_size=48,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=64,
+    max_seq_len=128,
+    sliding_window=W,
+    init_std=0.3,
+  )
+  model = build(cfg, rngs=nnx.Rngs(1))
+  rng = np.random.default_rng(0)
+  shared = rng.integers(0, 48, 14).tolist()
+  prompts = [shared + rng.integers(0, 48, int(n)).tolist() for n in (3, 9, 1, 6)]
+  prompts += [rng.integers(0, 48, int(n)).tolist() for n in (20, 5)]
+  params = [
+    SamplingParams(max_new_tokens=int(rng.integers(12, 30)), temperature=float(i % 2), seed=i)
+    for i in range(len(prompts))
+  ]
+  want = generate(model, prompts, params)
+  config = EngineConfig(
+    runner="ragged",
+    n_blocks=9,
+    block_size=Z,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    prefill_chunk=8,
+    decode_burst=4,
+    offline_burst=4,
+  )
+  engine = Engine(model, config)
+  # 12 blocks (46 tokens) for the longest request; the window bounds what it holds to 6.
+  assert engine.intake.window_blocks == 6 < 12
+  assert engine.generate(prompts, params) == want
+  s = engine.kv_stats()
+  assert engine.n_preemptions > 0 and s.prefix_hit_tokens > 0 and s.n_used == 0
