@@ -1,13 +1,19 @@
 """Every program's --help prints: train.py, serve.py, the package's `-m` programs, bench/*.py.
 
 argparse builds the help only when asked, so a help string it cannot format (a bare "%") breaks
---help and nothing else. Each program runs in its own process, all at once (each imports jax).
+--help and nothing else. The programs run in this process as the interpreter runs them (`runpy`:
+the file or module as `__main__`, its own argv), so their imports are the ones already made; the
+bench programs, whose imports set up devices of their own, each run in a process, all at once.
 """
 
 import ast
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,9 +75,40 @@ def run_helps(programs: dict) -> dict[str, subprocess.CompletedProcess]:
     return dict(zip(programs, results))
 
 
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+  """`python *args` (a script under ROOT or `-m module`) run here as `__main__`: its exit status
+  and what it printed. The help is wrapped at 80 columns, as in a process whose output is a
+  pipe."""
+  out, err = io.StringIO(), io.StringIO()
+  saved = sys.argv, sys.path[:], os.environ.get("COLUMNS")
+  os.environ["COLUMNS"] = "80"
+  code = 0
+  try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]  # runpy puts the module's file first, as python -m does
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+      else:
+        sys.argv = [str(ROOT / args[0]), *args[1:]]
+        sys.path.insert(0, str(ROOT))  # a script's folder leads sys.path
+        runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else int(e.code is not None)
+  except Exception:  # as the interpreter would: the traceback on stderr, status 1
+    err.write(traceback.format_exc())
+    code = 1
+  finally:
+    sys.argv, sys.path[:] = saved[0], saved[1]
+    if saved[2] is None:
+      os.environ.pop("COLUMNS", None)
+    else:
+      os.environ["COLUMNS"] = saved[2]
+  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def helps() -> dict[str, subprocess.CompletedProcess]:
-  return run_helps(PROGRAMS)
+  return {name: run_in_process(args) for name, (args, _, _) in PROGRAMS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,15 @@
 
 A flag belongs to the program invoked before it in the same paragraph (`serve.py --port`,
 `python -m atlas_jax.hf export --out`), else to its section's programs (a flag in "Serving"
-is serve.py's). Each program's --help runs once, in its own process, against this tree.
+is serve.py's). Each program's --help runs once, in this process as the interpreter runs it
+(tests/test_help.py's `run_in_process`), against this tree.
 """
 
 import functools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.test_help import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -84,16 +84,7 @@ def flag_mentions() -> list[tuple[str, tuple[str, ...], str]]:
 
 @functools.cache
 def help_text(program: str) -> str:
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-  env["JAX_PLATFORMS"] = "cpu"  # --help needs no accelerator
-  result = subprocess.run(
-    [sys.executable, *HELP_ARGS[program]],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = run_in_process(HELP_ARGS[program])
   assert result.returncode == 0, f"{program} --help: {result.stderr[-2000:]}"
   return result.stdout
 
