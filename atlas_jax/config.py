@@ -179,6 +179,14 @@ class MoEConfig:
   sparse_step: int = 1
   dense_layers: tuple[int, ...] = ()
   capacity_factor: float | None = None
+  # gpt-oss: a bias on the router's logits (router_bias) and on each expert's gate, up and down
+  # projections (expert_bias); with swiglu_limit set, the experts' activation is gpt-oss's clamped
+  # SwiGLU: gate clamped to <= limit, up to [-limit, limit], out = (up + 1) * gate *
+  # sigmoid(swiglu_alpha * gate). null: the plain SwiGLU, silu(gate) * up.
+  router_bias: bool = False
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
 
   def __post_init__(self):
     _positive("model.moe", self, "n_experts", "top_k", "expert_ffn_dim", "n_group", "topk_group")
@@ -213,6 +221,10 @@ class MoEConfig:
       _fail("model.moe.first_k_dense", self.first_k_dense, "must be >= 0")
     if self.capacity_factor is not None and self.capacity_factor <= 0:
       _fail("model.moe.capacity_factor", self.capacity_factor, "must be > 0 or null (dropless)")
+    if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+      _fail("model.moe.swiglu_limit", self.swiglu_limit, "must be > 0 or null (plain SwiGLU)")
+    if not self.swiglu_alpha > 0:
+      _fail("model.moe.swiglu_alpha", self.swiglu_alpha, "must be > 0")
 
   def is_sparse(self, layer: int) -> bool:
     """Whether layer `layer` (0-based; MTP modules count on past the trunk) is an MoE layer."""
@@ -255,6 +267,10 @@ class ModelConfig:
   partial_rotary_factor: float = 1.0
   norm_eps: float = 1e-5
   qkv_bias: bool = False  # Qwen2
+  attn_out_bias: bool = False  # gpt-oss: a bias on the attention's output projection
+  # gpt-oss: a learned logit per query head that joins each query's softmax denominator (a
+  # "sink" key with no value), so a head can attend to nothing.
+  attention_sinks: bool = False
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
   # What qk_norm normalises: each head ("head", Qwen3) or all heads of q (and of k) together
   # ("all_heads", OLMoE: one RMSNorm over the whole projection).
@@ -328,7 +344,7 @@ class ModelConfig:
     self._check_layer_pattern()
     self._check_rotary()
     if self.mla is not None:
-      for name in ("qkv_bias", "qk_norm"):
+      for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks"):
         if getattr(self, name):
           _fail(f"model.{name}", True, "must be false with model.mla (MLA has no such option)")
       if self.sliding_window is not None:

@@ -45,6 +45,7 @@ from atlas_jax.hf import (
   gemma,
   gguf_file,
   glm4_moe,
+  gpt_oss,
   llama,
   mixtral,
   olmo2,
@@ -68,7 +69,19 @@ log = logging.getLogger(__name__)
 
 FAMILIES = {
   t: module
-  for module in (llama, mixtral, qwen_moe, olmoe, deepseek, glm4_moe, gemma, olmo2, smollm3, phi3)
+  for module in (
+    llama,
+    mixtral,
+    qwen_moe,
+    olmoe,
+    deepseek,
+    glm4_moe,
+    gemma,
+    olmo2,
+    smollm3,
+    phi3,
+    gpt_oss,
+  )
   for t in module.MODEL_TYPES
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -196,7 +209,7 @@ def load_tokenizer(path: str | Path):
 
 # Tried in order: the first family whose `model_type(cfg)` names a model type writes the folder.
 # The families after `_PATTERNED` hold only blocks of Llama's layout (`_llama_blocks`).
-_PATTERNED = (gemma, olmo2, smollm3)
+_PATTERNED = (gpt_oss, gemma, olmo2, smollm3)
 _EXPORTERS = (*_PATTERNED, deepseek, glm4_moe, olmoe, qwen_moe, mixtral, phi3, llama)
 
 

@@ -70,6 +70,16 @@ class Attention(nnx.Module):
       self.bv = param(jnp.zeros((K, H), pdt), ("kv_heads", "head_dim"), decay=False)  # [K, H]
     else:
       self.bq = self.bk = self.bv = None
+    self.bo = (  # [D]
+      param(jnp.zeros((D,), pdt), ("embed",), decay=False) if cfg.attn_out_bias else None
+    )
+    # One logit per query head, joining its softmax denominator (the kernels' `sinks=`); kept in
+    # float32 like the kernels' scores.
+    self.sinks = (  # [N]
+      param(jnp.zeros((N,), jnp.float32), ("q_heads",), decay=False)
+      if cfg.attention_sinks
+      else None
+    )
     self.qk_norm_scope = cfg.qk_norm_scope  # static
     if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
       # OLMoE: one RMSNorm over all heads of q (of k), a scale per head and dim.
@@ -200,6 +210,8 @@ class Attention(nnx.Module):
       ),
       "o_proj",
     )
+    if self.bo is not None:
+      out_BTD += self.bo[...].astype(dtype)
     return out_BTD, cache
 
   def _rotate(self, q_BTNH, k_BTKH, positions_BT, *, rope):
@@ -211,8 +223,12 @@ class Attention(nnx.Module):
     )
 
   def _options(self) -> dict:
-    """The kernels' scoring options this attention sets (none for a Llama)."""
+    """The kernels' scoring options this attention sets (none for a Llama): scale, soft-cap,
+    and the sinks f32[N], which the kernels add to each query's softmax denominator as
+    exp(sink) (transformers' gpt-oss concatenates them to the scores as one more column)."""
     out = {} if self.scale is None else {"scale": self.scale}
+    if self.sinks is not None:
+      out["sinks"] = self.sinks[...].astype(jnp.float32)
     return out if self.soft_cap is None else {**out, "soft_cap": self.soft_cap}
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, sliding_window):

@@ -175,13 +175,30 @@ def _combine(out_tkD: Array, weights_tk: Array) -> Array:
   return jnp.einsum("tkD,tk->tD", out_tkD.astype(jnp.float32), weights_tk.astype(jnp.float32))
 
 
-def _swiglu(x, w_gate, w_up, w_down, matmul, matmul_down=None):
+def clamped_swiglu(gate: Array, up: Array, *, limit: float, alpha: float) -> Array:
+  """gpt-oss's expert activation: gate clamped to <= limit, up to [-limit, limit], then
+  (up + 1) * gate * sigmoid(alpha * gate)."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+
+
+def _swiglu(x, w_gate, w_up, w_down, matmul, matmul_down=None, *, bias=None, act=None):
   """The experts' SwiGLU with `matmul` (and `matmul_down` for the down projection, default the
-  same); the outputs are named for the selective remat policy."""
-  gate = checkpoint_name(matmul(x, w_gate), "expert_gate")
-  up = checkpoint_name(matmul(x, w_up), "expert_up")
+  same); the outputs are named for the selective remat policy.
+
+  `bias`: None or (gate, up, down) biases, each broadcasting against its projection's output
+  (the rows' experts' biases); `act`: (gate, up) -> hidden, default silu(gate) * up."""
+  gate, up = matmul(x, w_gate), matmul(x, w_up)
+  if bias is not None:
+    gate, up = gate + bias[0].astype(gate.dtype), up + bias[1].astype(up.dtype)
+  gate = checkpoint_name(gate, "expert_gate")
+  up = checkpoint_name(up, "expert_up")
   down = matmul if matmul_down is None else matmul_down
-  return checkpoint_name(down(jax.nn.silu(gate) * up, w_down), "expert_down")
+  out = down(jax.nn.silu(gate) * up if act is None else act(gate, up), w_down)
+  if bias is not None:
+    out = out + bias[2].astype(out.dtype)
+  return checkpoint_name(out, "expert_down")
 
 
 def _sorted(experts_tk: Array, E: int) -> tuple[Array, Array, Array]:
@@ -199,7 +216,9 @@ def _sorted(experts_tk: Array, E: int) -> tuple[Array, Array, Array]:
   return order_a, sizes_E, rank_a
 
 
-def _grouped_f32(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> Array:
+def _grouped_f32(
+  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+) -> Array:
   t, k = experts_tk.shape
   D = x_tD.shape[-1]
   E = w_gate_EDF.shape[0]
@@ -208,14 +227,20 @@ def _grouped_f32(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD)
   x_aD = jnp.take(x_tD, order_a // k, axis=0)  # the assignments' tokens, grouped by expert
   # Rows past the last group (ids outside [0, E)) come out of ragged_dot as zeros.
   matmul = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E)
-  out_aD = _swiglu(x_aD, w_gate_EDF, w_up_EDF, w_down_EFD, matmul)
+  bias = None
+  if biases is not None:  # each sorted row takes its expert's biases (none past the groups)
+    ids_a = jnp.where(_valid(experts_tk, E), experts_tk, E).reshape(-1)[order_a]
+    bias = tuple(jnp.take(b, ids_a, axis=0, mode="fill", fill_value=0) for b in biases)
+  out_aD = _swiglu(x_aD, w_gate_EDF, w_up_EDF, w_down_EFD, matmul, bias=bias, act=act)
   # Back to assignment order (the inverse permutation), then summed per token.
   inverse_a = jnp.zeros_like(order_a).at[order_a].set(jnp.arange(t * k, dtype=order_a.dtype))
   out_tkD = jnp.take(out_aD, inverse_a, axis=0).reshape(t, k, D)
   return _combine(out_tkD, jnp.where(_valid(experts_tk, E), weights_tk, 0.0))
 
 
-def grouped_experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> Array:
+def grouped_experts(
+  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+) -> Array:
   """Dropless: the assignments sorted by expert, one `jax.lax.ragged_dot` per matmul.
 
   Args:
@@ -223,15 +248,21 @@ def grouped_experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_E
     experts_tk: i32[t, k] each token's experts; ids outside [0, E) contribute nothing.
     weights_tk: f32[t, k] their weights.
     w_gate_EDF, w_up_EDF: [E, D, F]; w_down_EFD: [E, F, D] the experts' SwiGLU weights.
+    biases: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases (gpt-oss).
+    act: (gate, up) -> hidden; None: silu(gate) * up.
 
   Returns:
     [t, D] in x's dtype.
   """
-  y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD)
+  y_tD = _grouped_f32(
+    x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, biases=biases, act=act
+  )
   return y_tD.astype(x_tD.dtype)
 
 
-def dense_experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> Array:
+def dense_experts(
+  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+) -> Array:
   """The reference: every expert on every token, combined through a one-hot [t, E] matrix."""
   E = w_gate_EDF.shape[0]
   dtype = x_tD.dtype
@@ -240,7 +271,12 @@ def dense_experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD
   )  # ids outside [0, E) one-hot to zero rows
   gate_tEF = jnp.einsum("tD,EDF->tEF", x_tD, w_gate_EDF.astype(dtype))
   up_tEF = jnp.einsum("tD,EDF->tEF", x_tD, w_up_EDF.astype(dtype))
-  out_tED = jnp.einsum("tEF,EFD->tED", jax.nn.silu(gate_tEF) * up_tEF, w_down_EFD.astype(dtype))
+  if biases is not None:
+    gate_tEF, up_tEF = gate_tEF + biases[0].astype(dtype), up_tEF + biases[1].astype(dtype)
+  h_tEF = jax.nn.silu(gate_tEF) * up_tEF if act is None else act(gate_tEF, up_tEF)
+  out_tED = jnp.einsum("tEF,EFD->tED", h_tEF, w_down_EFD.astype(dtype))
+  if biases is not None:
+    out_tED = out_tED + biases[2].astype(dtype)
   y_tD = jnp.einsum("tED,tE->tD", out_tED.astype(jnp.float32), combine_tE)
   return y_tD.astype(dtype)
 
@@ -251,7 +287,17 @@ def capacity(cfg: MoEConfig, tokens: int) -> int:
 
 
 def capacity_experts(
-  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, slots: int, out_dtype=None
+  x_tD,
+  experts_tk,
+  weights_tk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  slots: int,
+  out_dtype=None,
+  biases=None,
+  act=None,
 ) -> tuple[Array, Array]:
   """GShard's fixed capacity: `slots` (e) tokens per expert, the rest dropped in token order.
 
@@ -271,7 +317,8 @@ def capacity_experts(
   buffer_EeD = buffer_EeD.reshape(E, slots, D)
   up = lambda x_EeD, w_EDF: jnp.einsum("EeD,EDF->EeF", x_EeD, w_EDF.astype(dtype))
   down = lambda h_EeF, w_EFD: jnp.einsum("EeF,EFD->EeD", h_EeF, w_EFD.astype(dtype))
-  out_EeD = _swiglu(buffer_EeD, w_gate_EDF, w_up_EDF, w_down_EFD, up, down)
+  bias = None if biases is None else tuple(b[:, None] for b in biases)  # [E, 1, F or D]
+  out_EeD = _swiglu(buffer_EeD, w_gate_EDF, w_up_EDF, w_down_EFD, up, down, bias=bias, act=act)
   out_aD = jnp.take(out_EeD.reshape(E * slots, D), slot_a, axis=0, mode="fill", fill_value=0)
   weights_tk = jnp.where(keep_a.reshape(t, k), weights_tk, 0.0)
   y_tD = _combine(out_aD.reshape(t, k, D), weights_tk).astype(out_dtype or dtype)
@@ -279,7 +326,19 @@ def capacity_experts(
 
 
 def _expert_parallel_local(
-  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tp, batch, slots
+  x_tD,
+  experts_tk,
+  weights_tk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  biases,
+  *,
+  ep,
+  tp,
+  batch,
+  slots,
+  act,
 ):
   """One device's part of `expert_parallel` (inside its shard_map): f32[t, D] and its drops."""
   E_local = w_gate_EDF.shape[0]
@@ -291,12 +350,24 @@ def _expert_parallel_local(
     # every other id falls outside and contributes nothing here.
     experts_tk = experts_tk - jax.lax.axis_index(ep) * E_local
   w = (w_gate_EDF, w_up_EDF, w_down_EFD)
+  biases = biases or None
+  if biases is not None and tp is not None:
+    # The down projection is a partial sum over the tensor shards: one shard adds its bias.
+    first = (jax.lax.axis_index(tp) == 0).astype(biases[2].dtype)
+    biases = (biases[0], biases[1], biases[2] * first)
+  options = dict(biases=biases, act=act)
   if slots is None:
-    y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, *w)
+    y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, *w, **options)
     dropped = jnp.zeros((), jnp.int32)
   else:
     y_tD, dropped = capacity_experts(
-      x_tD, experts_tk, weights_tk, *w, slots=slots(x_tD.shape[0]), out_dtype=jnp.float32
+      x_tD,
+      experts_tk,
+      weights_tk,
+      *w,
+      slots=slots(x_tD.shape[0]),
+      out_dtype=jnp.float32,
+      **options,
     )
   if ep is not None:
     y_tD = jax.lax.psum_scatter(y_tD, ep, scatter_dimension=0, tiled=True)
@@ -331,7 +402,8 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
       capacity is per group of devices).
 
   Returns:
-    (x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> ([t, D], i32[] dropped).
+    (x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None)
+    -> ([t, D], i32[] dropped).
   """
 
   free = free_axes(mesh)
@@ -341,7 +413,9 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
     size = mesh.shape.get(name, 1)
     return name if size > 1 and dim % size == 0 else None
 
-  def experts(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD):
+  def experts(
+    x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+  ):
     E, _, F = w_gate_EDF.shape
     # The tokens split as the batch is (every axis but tensor), as far as their count divides.
     # Axes already manual (a pipeline stage's, inside its shard_map) are not this map's.
@@ -354,14 +428,17 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
     ep = axis("expert", E) if "expert" in batch else None
     tp = axis("tensor", F)
     tokens, up = P(batch, None), P(ep, None, tp)
+    bias_specs = () if biases is None else (P(ep, tp), P(ep, tp), P(ep, None))
     run = jax.shard_map(
-      functools.partial(_expert_parallel_local, ep=ep, tp=tp, batch=batch, slots=slots),
+      functools.partial(_expert_parallel_local, ep=ep, tp=tp, batch=batch, slots=slots, act=act),
       mesh=mesh,
-      in_specs=(tokens, tokens, tokens, up, up, P(ep, tp, None)),
+      in_specs=(tokens, tokens, tokens, up, up, P(ep, tp, None), bias_specs),
       out_specs=(tokens, P()),
       axis_names=set(free),
     )
-    y_tD, dropped = run(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD)
+    y_tD, dropped = run(
+      x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, tuple(biases or ())
+    )
     return y_tD.astype(x_tD.dtype), dropped
 
   return experts
@@ -381,6 +458,9 @@ class MoE(nnx.Module):
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.cfg = m
     self.router = param(normal(rngs, (D, E), std, jnp.float32), ("embed", "experts"))  # [D, E]
+    self.router_bias = (  # [E] gpt-oss
+      param(jnp.zeros((E,), jnp.float32), ("experts",), decay=False) if m.router_bias else None
+    )
     self.score_bias = (
       RouterBias(jnp.zeros((E,), jnp.float32), logical_axes=("experts",))  # [E]
       if m.topk_method == "noaux_tc"
@@ -392,6 +472,17 @@ class MoE(nnx.Module):
     self.w_down = param(
       normal(rngs, (E, F, D), out_std, pdt), ("experts", "expert_mlp", "embed")
     )  # [E, F, D]
+    if m.expert_bias:  # gpt-oss: [E, F], [E, F], [E, D]
+      bias = lambda *shape_axes: param(
+        jnp.zeros(tuple(n for n, _ in shape_axes), pdt),
+        tuple(a for _, a in shape_axes),
+        decay=False,
+      )
+      self.b_gate = bias((E, "experts"), (F, "expert_mlp"))
+      self.b_up = bias((E, "experts"), (F, "expert_mlp"))
+      self.b_down = bias((E, "experts"), (D, "embed"))
+    else:
+      self.b_gate = self.b_up = self.b_down = None
     self.shared = (
       MLP(D, m.shared_ffn_dim, init_std=std, out_std=out_std, rngs=rngs, param_dtype=pdt)
       if m.shared_ffn_dim
@@ -410,21 +501,33 @@ class MoE(nnx.Module):
     # The router in float32: its logits choose the experts, and bf16 rounding would flip
     # near-ties.
     logits_tE = jnp.einsum("tD,DE->tE", x_tD.astype(jnp.float32), self.router[...])
+    if self.router_bias is not None:
+      logits_tE = logits_tE + self.router_bias[...]
     bias_E = None if self.score_bias is None else self.score_bias[...]
     experts_tk, weights_tk, probs_tE = route(logits_tE, self.cfg, bias_E)
     # Quantized experts (`atlas_jax.quant`) are dequantized here, inside the step.
     weights = tuple(dequantized(w[...]) for w in (self.w_gate, self.w_up, self.w_down))
+    options = {}
+    if self.b_gate is not None:
+      options["biases"] = tuple(b[...] for b in (self.b_gate, self.b_up, self.b_down))
+    if self.cfg.swiglu_limit is not None:
+      limit, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+      options["act"] = functools.partial(clamped_swiglu, limit=limit, alpha=alpha)
     mesh = jax.sharding.get_abstract_mesh()
     capped = self.cfg.capacity_factor is not None and not dropless
     dropped = jnp.zeros((), jnp.int32)
     if free_axes(mesh):
       slots = (lambda tokens: capacity(self.cfg, tokens)) if capped else None
-      y_tD, dropped = expert_parallel(mesh, slots=slots)(x_tD, experts_tk, weights_tk, *weights)
+      y_tD, dropped = expert_parallel(mesh, slots=slots)(
+        x_tD, experts_tk, weights_tk, *weights, **options
+      )
     elif capped:
       slots = capacity(self.cfg, B * T)
-      y_tD, dropped = capacity_experts(x_tD, experts_tk, weights_tk, *weights, slots=slots)
+      y_tD, dropped = capacity_experts(
+        x_tD, experts_tk, weights_tk, *weights, slots=slots, **options
+      )
     else:
-      y_tD = grouped_experts(x_tD, experts_tk, weights_tk, *weights)
+      y_tD = grouped_experts(x_tD, experts_tk, weights_tk, *weights, **options)
     if self.shared is not None:
       shared_tD = self.shared(x_tD[None])[0]
       if self.shared_gate is not None:

@@ -318,3 +318,68 @@ def test_capacity_applies_to_the_uncached_forward_only():
   assert not np.allclose(model(tokens), free(tokens), atol=1e-3)
   cached, _ = model(tokens, cache=model.init_cache(2, 12))
   np.testing.assert_allclose(cached, free(tokens), atol=2e-5)
+
+
+# --- gpt-oss's experts: biases and the clamped SwiGLU -------------------------------------------
+
+
+def test_biased_clamped_experts_equal_a_per_assignment_loop_in_every_form(expert_inputs):
+  """Gate/up/down biases and gpt-oss's clamped SwiGLU: the dense reference against a numpy loop,
+  and the grouped, capacity and expert-parallel (expert 2 x tensor 2, the down bias added once
+  across the tensor shards) forms against it."""
+  from functools import partial
+
+  from atlas_jax.model.moe import clamped_swiglu, expert_parallel
+
+  x_tD, experts_tk, weights_tk, w = expert_inputs
+  keys = jax.random.split(jax.random.key(5), 3)
+  biases = tuple(0.5 * jax.random.normal(k, s) for k, s in zip(keys, [(E, F), (E, F), (E, D)]))
+  limit, alpha = 0.8, 1.702  # low enough that both clamps act here
+  act = partial(clamped_swiglu, limit=limit, alpha=alpha)
+  args = (x_tD, experts_tk, weights_tk, *w)
+  want = np.zeros((T, D))
+  x, ids, wts = np.asarray(x_tD, np.float64), np.asarray(experts_tk), np.asarray(weights_tk)
+  wg, wu, wd = (np.asarray(a, np.float64) for a in w)
+  bg, bu, bd = (np.asarray(b, np.float64) for b in biases)
+  clamped = 0
+  for t in range(T):
+    for j in range(K):
+      e = ids[t, j]
+      if not 0 <= e < E:
+        continue
+      g, u = x[t] @ wg[e] + bg[e], x[t] @ wu[e] + bu[e]
+      clamped += int(np.sum(g > limit) + np.sum(np.abs(u) > limit))
+      g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+      h = (u + 1) * g / (1 + np.exp(-alpha * g))
+      want[t] += wts[t, j] * (h @ wd[e] + bd[e])
+  assert clamped > 0
+  dense = dense_experts(*args, biases=biases, act=act)
+  np.testing.assert_allclose(dense, want, atol=1e-5)
+  np.testing.assert_allclose(grouped_experts(*args, biases=biases, act=act), want, atol=1e-5)
+  ample, _ = capacity_experts(*args, slots=T * K, biases=biases, act=act)
+  np.testing.assert_allclose(ample, want, atol=1e-5)
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"), axis_types=auto)
+  F_even = [a[..., : F // 2 * 2] if i < 2 else a[:, : F // 2 * 2] for i, a in enumerate(w)]
+  b_even = (biases[0][:, : F // 2 * 2], biases[1][:, : F // 2 * 2], biases[2])
+  with jax.set_mesh(mesh):
+    run = jax.jit(lambda *a: expert_parallel(mesh.abstract_mesh)(*a, biases=b_even, act=act))
+    got, dropped = run(x_tD[:T], experts_tk % E, weights_tk, *F_even)
+  ref = dense_experts(x_tD, experts_tk % E, weights_tk, *F_even, biases=b_even, act=act)
+  assert int(dropped) == 0
+  np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_gpt_oss_router_is_a_softmax_over_the_top_k_of_biased_logits():
+  """gpt-oss: top-k of x @ W + b, then a softmax over the k (renormalised softmax scores)."""
+  cfg = tiny_cfg(router_bias=True, expert_bias=True, swiglu_limit=7.0)
+  layer = MoE(cfg, rngs=nnx.Rngs(1))
+  layer.router_bias[...] = jax.random.normal(jax.random.key(3), (E,))
+  x_tD = np.asarray(jax.random.normal(jax.random.key(2), (7, D)), np.float64)
+  logits = x_tD @ np.asarray(layer.router[...], np.float64) + np.asarray(layer.router_bias[...])
+  experts_tk, weights_tk, _ = route(jnp.asarray(logits, jnp.float32), cfg.moe)
+  top = np.argsort(-logits, axis=-1)[:, :K]
+  np.testing.assert_array_equal(np.asarray(experts_tk), top)
+  chosen = np.take_along_axis(logits, top, axis=-1)
+  soft = np.exp(chosen - chosen.max(-1, keepdims=True))
+  np.testing.assert_allclose(weights_tk, soft / soft.sum(-1, keepdims=True), atol=1e-6)

@@ -1,0 +1,118 @@
+"""gpt-oss against transformers: attention sinks, q/k/v/o biases, alternating sliding and full
+layers, YaRN (truncate false), a biased router (softmax over the top k) and biased experts with
+the clamped SwiGLU. Logits for prompts several windows long, greedy generation through the cache,
+export back, and the engine's paged serving."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from atlas_jax import hf  # noqa: E402
+from atlas_jax.config import ConfigError, ModelConfig, MoEConfig  # noqa: E402
+from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
+from atlas_jax.hf.common import HFLoadError  # noqa: E402
+
+V = 101
+W = 8  # the sliding window: the prompts below are several windows long
+
+
+def build_hf(folder, **overrides):
+  """A tiny random gpt-oss, every weight drawn (sinks and biases too), norms around 1. The
+  swiglu limit is low enough that the clamps act on these activations."""
+  torch.manual_seed(0)
+  kw = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=W,
+    swiglu_limit=1.5,
+    max_position_embeddings=256,
+    rope_parameters={
+      "rope_type": "yarn",
+      "rope_theta": 10000.0,
+      "factor": 4.0,
+      "beta_fast": 32.0,
+      "beta_slow": 1.0,
+      "truncate": False,
+      "original_max_position_embeddings": 64,
+    },
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+  )
+  kw.update(overrides)
+  config = transformers.GptOssConfig(**kw)
+  config._attn_implementation = "eager"
+  model = transformers.GptOssForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      else:
+        p.normal_(0.0, 0.2)
+  model.save_pretrained(folder)
+  return model
+
+
+def hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
+
+def test_logits_generation_and_export_match_transformers(tmp_path):
+  ref = build_hf(tmp_path / "hf")
+  ours = hf.load(tmp_path / "hf")
+  cfg = ours.cfg
+  assert cfg.attention_sinks and cfg.attn_out_bias and cfg.qkv_bias
+  assert cfg.moe.router_bias and cfg.moe.expert_bias and cfg.moe.swiglu_limit == 1.5
+  assert cfg.rope_scaling.type == "yarn" and not cfg.rope_scaling.truncate
+  kinds, index = cfg.attention_kinds()
+  assert [kinds[i].sliding_window for i in index] == [W, None, W, None]
+  rng = np.random.RandomState(0)
+  toks = rng.randint(0, V, (2, 3 * W + 5))
+  np.testing.assert_allclose(np.asarray(ours(toks)), hf_logits(ref, toks), atol=2e-4, rtol=2e-4)
+
+  # Greedy through the cache, past the window, against transformers' own generate.
+  prompt = rng.randint(0, V, 2 * W + 3).tolist()
+  n = W + 4
+  with torch.no_grad():
+    want = ref.generate(
+      torch.tensor([prompt]),
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+      max_new_tokens=n,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+    ).numpy()[0, len(prompt) :]
+  (got,) = generate(ours, [prompt], SamplingParams(max_new_tokens=n))
+  assert list(got) == want.tolist()
+
+  hf.save(ours, tmp_path / "out")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  np.testing.assert_allclose(hf_logits(back, toks), hf_logits(ref, toks), atol=2e-4, rtol=2e-4)
+
+
+def test_mxfp4_checkpoints_are_refused_by_name():
+  config = transformers.GptOssConfig(num_hidden_layers=2).to_dict()
+  config["quantization_config"] = {"quant_method": "mxfp4"}
+  with pytest.raises(HFLoadError, match="quant_method='mxfp4'"):
+    hf.config_from_hf(config)
+
+
+def test_bad_fields_name_themselves():
+  with pytest.raises(ConfigError, match="model.moe.swiglu_limit=0.0"):
+    MoEConfig(swiglu_limit=0.0)
+  with pytest.raises(ConfigError, match="model.moe.swiglu_alpha=-1.0"):
+    MoEConfig(swiglu_alpha=-1.0)
+  from atlas_jax.config import MLAConfig
+
+  with pytest.raises(ConfigError, match="model.attention_sinks=True"):
+    ModelConfig(mla=MLAConfig(), attention_sinks=True)
