@@ -116,3 +116,29 @@ def test_bad_fields_name_themselves():
 
   with pytest.raises(ConfigError, match="model.attention_sinks=True"):
     ModelConfig(mla=MLAConfig(), attention_sinks=True)
+
+
+@pytest.mark.parametrize("runner", ["ragged", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, tmp_path):
+  """The paged pool (ragged steps, chunked prefill) with sinks in the kernel, sliding and full
+  layers, biased experts; one device."""
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  ref = build_hf(tmp_path, num_hidden_layers=2)
+  ours = hf.load(tmp_path)
+  rng = np.random.RandomState(1)
+  prompts = [rng.randint(3, V, n).tolist() for n in (2 * W + 3, 5, 3 * W)]
+  n = W + 4
+  config = EngineConfig(runner=runner, n_blocks=32, block_size=4, max_num_seqs=2, prefill_chunk=8)
+  got = Engine(ours, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
+  for prompt, tokens in zip(prompts, got):
+    with torch.no_grad():
+      want = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      ).numpy()[0, len(prompt) :]
+    assert list(tokens) == want.tolist()
