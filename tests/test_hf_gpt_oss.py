@@ -100,10 +100,48 @@ def test_logits_generation_and_export_match_transformers(tmp_path):
   np.testing.assert_allclose(hf_logits(back, toks), hf_logits(ref, toks), atol=2e-4, rtol=2e-4)
 
 
-def test_mxfp4_checkpoints_are_refused_by_name():
-  config = transformers.GptOssConfig(num_hidden_layers=2).to_dict()
+def test_an_mxfp4_folder_loads_as_transformers_dequantizes_it(tmp_path):
+  """The released layout: experts as u8 `*_blocks` [E, out, in / 32, 16] and `*_scales`
+  [E, out, in / 32], dequantized at load; the reference is transformers' float model holding
+  transformers' own dequantization of the same bytes."""
+  import json
+
+  from safetensors.numpy import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+  F, D, E = 64, 64, 4  # in / 32 whole for both projections
+  ref = build_hf(tmp_path / "hf", intermediate_size=F, num_hidden_layers=2)
+  rng = np.random.RandomState(3)
+  stored = {}
+  for i, layer in enumerate(ref.model.layers):
+    for proj, (out, inp) in (("gate_up_proj", (2 * F, D)), ("down_proj", (D, F))):
+      blocks = rng.randint(0, 256, (E, out, inp // 32, 16)).astype(np.uint8)
+      scales = rng.randint(122, 126, (E, out, inp // 32)).astype(np.uint8)
+      name = f"model.layers.{i}.mlp.experts.{proj}"
+      stored[name + "_blocks"], stored[name + "_scales"] = blocks, scales
+      w = convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+      )
+      with torch.no_grad():
+        getattr(layer.mlp.experts, proj).copy_(w)
+  folder = tmp_path / "mxfp4"
+  ref.save_pretrained(folder)
+  (file,) = folder.glob("*.safetensors")
+  tensors = load_file(file)
+  for name in stored:
+    tensors.pop(name.rsplit("_", 1)[0], None)
+  save_file({**tensors, **stored}, file, metadata={"format": "pt"})
+  config = json.loads((folder / "config.json").read_text())
   config["quantization_config"] = {"quant_method": "mxfp4"}
-  with pytest.raises(HFLoadError, match="quant_method='mxfp4'"):
+  (folder / "config.json").write_text(json.dumps(config))
+
+  ours = hf.load(folder)
+  toks = np.random.RandomState(0).randint(0, V, (2, 2 * W + 5))
+  want = hf_logits(ref, toks)
+  np.testing.assert_allclose(np.asarray(ours(toks)), want, atol=2e-4 * np.abs(want).max())
+
+  config["quantization_config"] = {"quant_method": "bitsandbytes"}
+  with pytest.raises(HFLoadError, match="quant_method='bitsandbytes'"):
     hf.config_from_hf(config)
 
 

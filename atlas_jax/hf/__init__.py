@@ -48,6 +48,7 @@ from atlas_jax.hf import (
   gpt_oss,
   llama,
   mixtral,
+  mxfp4,
   olmo2,
   olmoe,
   phi3,
@@ -157,8 +158,9 @@ def load(
 ) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) or a GGUF file into a Transformer.
 
-  FP8 folders (config.json's `quantization_config` with `quant_method: fp8`) and GGUF's quantized
-  tensors are dequantized at load, exactly, to `dtype` (`fp8`, `gguf_file`).
+  FP8 and MXFP4 folders (config.json's `quantization_config` with `quant_method: fp8` or
+  `mxfp4`) and GGUF's quantized tensors are dequantized at load, exactly, to `dtype` (`fp8`,
+  `mxfp4`, `gguf_file`).
 
   Args:
     path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub),
@@ -184,7 +186,11 @@ def load(
     hf_config = read_json(folder / "config.json")
     family = _family(hf_config)
     family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
-    tensors = fp8.dequantize_tensors(read_safetensors(folder), hf_config, dtype=dtype, where=folder)
+    tensors = read_safetensors(folder)
+    if mxfp4.applies(hf_config):  # gpt-oss's released experts
+      tensors = mxfp4.dequantize_tensors(tensors, dtype=dtype, where=folder)
+    else:
+      tensors = fp8.dequantize_tensors(tensors, hf_config, dtype=dtype, where=folder)
   names = set(tensors)
   cfg = family.config_from_hf(hf_config, dtype=dtype, names=names)
   params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg)

@@ -14,8 +14,8 @@ its differences a config field.
   up interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]) and its bias [E, 2F];
   `down_proj` [E, F, D] and its bias [E, D] (already in our [in, out] layout).
 
-The released checkpoints store the experts quantized to MXFP4 (`*_blocks`, `*_scales`); those are
-refused at load with the quantization method named: only float checkpoints load here.
+The released checkpoints store the experts quantized to MXFP4 (`*_blocks`, `*_scales`):
+`atlas_jax.hf.mxfp4` dequantizes them at load into the float layout this table reads.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from atlas_jax.config import ModelConfig
+from atlas_jax.hf import mxfp4
 from atlas_jax.hf.common import (
   HFLoadError,
   base_fields,
@@ -45,12 +46,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", names=None) -> ModelConfig:
   quant = hf.get("quantization_config")
-  if quant is not None:
+  if quant is not None and not mxfp4.applies(hf):
     method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
     raise HFLoadError(
-      f"gpt_oss with quantization_config.quant_method={method!r} is not supported: only float "
-      "checkpoints (bf16, fp16, fp32) load; dequantize the MXFP4 experts first (transformers: "
-      "Mxfp4Config(dequantize=True), then save_pretrained)"
+      f"gpt_oss with quantization_config.quant_method={method!r} is not supported: only "
+      "'mxfp4' (the released checkpoints' experts, dequantized at load) or float checkpoints"
     )
   if not field(hf, "attention_bias", bool, True):
     raise HFLoadError("gpt_oss with attention_bias=false is not supported (only true)")
@@ -140,11 +140,6 @@ def _experts(cfg: ModelConfig) -> list[Weights]:
 
 
 def spec(cfg: ModelConfig, hf: Mapping[str, Any] | None = None, names=None) -> Spec:
-  if names is not None and any(n.endswith("_blocks") or n.endswith("_scales") for n in names):
-    raise HFLoadError(
-      "gpt_oss: the checkpoint stores MXFP4 experts (*_blocks, *_scales; quant_method 'mxfp4'), "
-      "which are not supported: only float checkpoints load"
-    )
   N, D = cfg.n_heads, cfg.d_model
   extra = [
     weight("self_attn.o_proj.bias", (D,), "hidden_size", ("attn", "bo")),
