@@ -180,3 +180,25 @@ def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, tm
         pad_token_id=0,
       ).numpy()[0, len(prompt) :]
     assert list(tokens) == want.tolist()
+
+
+def test_the_planner_holds_every_gpt_oss_parameter_with_its_axes():
+  """gpt-oss-20b at full size (`jax.eval_shape`, nothing allocated): the planner's inventory has
+  the real modules' shapes and logical axes, sinks and biases included; the experts' biases count
+  among the routed experts (k / E of them active)."""
+  import jax
+  from flax import nnx
+
+  from atlas_jax import measure
+  from atlas_jax.plan import params
+  from atlas_jax.plan.models import REFERENCE_MODELS
+  from atlas_jax.training import sharding as shd
+
+  cfg = REFERENCE_MODELS["gpt-oss-20b"].model
+  planned = sorted((p.shape, p.axes) for p in params.inventory(cfg))
+  state = nnx.state(measure.abstract_model(cfg))
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert planned == sorted((tuple(v.shape), shd.logical_axes_of(v)) for v in leaves)
+  pc = params.counts(cfg)
+  E, F, D, L = 32, 2880, 2880, 24
+  assert pc.experts == L * E * (3 * D * F + 2 * F + D)

@@ -5,11 +5,12 @@ Shapes are copied from each model's released `config.json` on the Hugging Face h
 meta-llama/Llama-3.1-8B, meta-llama/Meta-Llama-3-70B, deepseek-ai/DeepSeek-V2,
 deepseek-ai/DeepSeek-V2-Lite, deepseek-ai/DeepSeek-V3, mistralai/Mixtral-8x7B-v0.1,
 Qwen/Qwen3-30B-A3B, microsoft/Phi-4-mini-instruct, google/gemma-3-1b-pt, and the text configs
-of google/gemma-3-4b-pt and google/gemma-3-27b-pt, HuggingFaceTB/SmolLM3-3B, zai-org/GLM-4.5-Air),
+of google/gemma-3-4b-pt and google/gemma-3-27b-pt, HuggingFaceTB/SmolLM3-3B, zai-org/GLM-4.5-Air,
+openai/gpt-oss-20b),
 mixture-of-experts layers included: total and active parameters are the published ones
 (DeepSeek-V3 671B / 37B, Mixtral-8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V2
-236B / 21B, DeepSeek-V2-Lite 15.7B / 2.4B, GLM-4.5-Air 106B / 12B, Phi-4-mini 3.8B, Gemma-3-1B
-1.0B; `tests/plan/test_published.py`).
+236B / 21B, DeepSeek-V2-Lite 15.7B / 2.4B, GLM-4.5-Air 106B / 12B, gpt-oss-20b 20.91B / 3.61B,
+Phi-4-mini 3.8B, Gemma-3-1B 1.0B; `tests/plan/test_published.py`).
 """
 
 from __future__ import annotations
@@ -244,6 +245,43 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
     ),
     "the published 106B total / 12B active leave out the MTP module (2.4B), which the released"
     " checkpoint stores as layer 46",
+  ),
+  "gpt-oss-20b": ReferenceModel(
+    "gpt-oss-20b (GQA-8, attention sinks, alternating 128-token windows / full layers, YaRN, MoE"
+    " 32 experts, top-4, biased experts with the clamped SwiGLU)",
+    _llama(
+      201088,
+      2880,
+      24,
+      64,
+      8,
+      2880,
+      131072,
+      150000.0,
+      RopeScaling(
+        type="yarn",
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+      ),
+      head_dim=64,
+      qkv_bias=True,
+      attn_out_bias=True,
+      attention_sinks=True,
+      sliding_window=128,
+      layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)),
+      moe=MoEConfig(
+        n_experts=32,
+        top_k=4,
+        expert_ffn_dim=2880,
+        norm_topk_prob=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=7.0,
+      ),
+    ),
   ),
   "phi-4-mini": ReferenceModel(
     "Phi-4-mini (GQA-8, LongRoPE, 3/4 of each head rotated)",

@@ -43,7 +43,15 @@ class ParamSpec:
   @property
   def is_routed_expert(self) -> bool:
     """One of the routed experts' weights ([.., E, ...]), of which a token uses k / E."""
-    return "experts" in self.axes and self.path.rsplit("/", 1)[-1] in ("w_gate", "w_up", "w_down")
+    name = self.path.rsplit("/", 1)[-1]
+    return "experts" in self.axes and name in (
+      "w_gate",
+      "w_up",
+      "w_down",
+      "b_gate",
+      "b_up",
+      "b_down",
+    )
 
 
 def _attention(cfg: ModelConfig) -> list[ParamSpec]:
@@ -61,6 +69,10 @@ def _attention(cfg: ModelConfig) -> list[ParamSpec]:
         ParamSpec("bk", (K, H), ("kv_heads", "head_dim")),
         ParamSpec("bv", (K, H), ("kv_heads", "head_dim")),
       ]
+    if cfg.attn_out_bias:
+      out.append(ParamSpec("bo", (D,), ("embed",)))
+    if cfg.attention_sinks:
+      out.append(ParamSpec("sinks", (N,), ("q_heads",)))
     if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
       out += [
         ParamSpec("q_norm", (N, H), ("q_heads", "head_dim")),
@@ -105,6 +117,8 @@ def _experts(cfg: ModelConfig) -> list[ParamSpec]:
   m, D = cfg.moe, cfg.d_model
   E, F = m.n_experts, m.expert_ffn_dim
   out = [ParamSpec("mlp/router", (D, E), ("embed", "experts"))]
+  if m.router_bias:
+    out.append(ParamSpec("mlp/router_bias", (E,), ("experts",)))
   if m.topk_method == "noaux_tc":
     out.append(ParamSpec("mlp/score_bias", (E,), ("experts",), trainable=False))
   out += [
@@ -112,6 +126,12 @@ def _experts(cfg: ModelConfig) -> list[ParamSpec]:
     ParamSpec("mlp/w_up", (E, D, F), ("experts", "embed", "expert_mlp")),
     ParamSpec("mlp/w_down", (E, F, D), ("experts", "expert_mlp", "embed")),
   ]
+  if m.expert_bias:
+    out += [
+      ParamSpec("mlp/b_gate", (E, F), ("experts", "expert_mlp")),
+      ParamSpec("mlp/b_up", (E, F), ("experts", "expert_mlp")),
+      ParamSpec("mlp/b_down", (E, D), ("experts", "embed")),
+    ]
   if m.shared_ffn_dim:
     out += _swiglu("mlp/shared", D, m.shared_ffn_dim)
   if m.shared_expert_gate:

@@ -123,7 +123,8 @@ def test_decode_ceiling_is_bytes_over_bandwidth():
 # Published total and active parameters (billions, as released), with the digit they are given
 # to. DeepSeek counts the activated parameters without the embedding table (the planner's
 # `matmul_active`; DeepSeek-V2-Lite's 2.4B is 2.45B with it left out, 2.66B with it); GLM-4.5-Air's
-# 12B is read the same way (12.8B; 13.4B with it); Mistral and Qwen count it (`active`).
+# 12B is read the same way (12.8B; 13.4B with it), and gpt-oss-20b's 3.61B (4.19B with it; its
+# 20.91B total is the planner's to the last digit); Mistral and Qwen count it (`active`).
 PUBLISHED_MOE = {
   "deepseek-v2-lite": (15.7, 0.1, 2.4, 0.1, "matmul_active"),
   "deepseek-v2": (236, 1, 21, 1, "matmul_active"),
@@ -131,6 +132,7 @@ PUBLISHED_MOE = {
   "mixtral-8x7b": (46.7, 0.1, 12.9, 0.1, "active"),
   "qwen3-30b-a3b": (30.5, 0.1, 3.3, 0.1, "active"),
   "glm-4.5-air": (106, 1, 12, 1, "matmul_active"),
+  "gpt-oss-20b": (20.91, 0.01, 3.61, 0.01, "matmul_active"),
 }
 
 
