@@ -44,6 +44,7 @@ LONGEST_FIRST = (
   "kernels/test_ragged_paged_attention.py",
   "serving/test_cpu_runner.py",
   "test_hf_glm.py",
+  "test_hf_gpt_oss.py",
   "training/test_moe_training.py",
   "decoding/test_drafting.py",
   "serving/test_multihost.py",
