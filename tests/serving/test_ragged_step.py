@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from atlas_jax.config import MLAConfig, ModelConfig
+from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
 from atlas_jax.serving.batch import pow2
@@ -193,13 +193,32 @@ GEMMA = dict(
 )
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "draft", "gemma"])
+GPT_OSS = dict(
+  n_kv_heads=2,
+  layer_types=("sliding_attention", "full_attention"),
+  sliding_window=8,
+  qkv_bias=True,
+  attn_out_bias=True,
+  attention_sinks=True,
+  moe=MoEConfig(
+    n_experts=4,
+    top_k=2,
+    expert_ffn_dim=32,
+    router_bias=True,
+    expert_bias=True,
+    swiglu_limit=7.0,
+  ),
+)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "draft", "gemma", "gpt_oss"])
 def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   """On a CPU host, each program lowered for cuda holds the Triton kernel and for tpu the
   Mosaic one, and neither gathers a pool: no sequence's pages are copied densely. Gemma's
-  local and global layers: each layer's branch of the switch holds its own kernel call."""
-  if kind == "gemma":
-    cfg = ModelConfig(**SHAPES, **GEMMA)
+  local and global layers: each layer's branch of the switch holds its own kernel call (and
+  gpt-oss's, with its sinks)."""
+  if kind in ("gemma", "gpt_oss"):
+    cfg = ModelConfig(**SHAPES, **(GEMMA if kind == "gemma" else GPT_OSS))
   elif kind == "mla":
     mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
     cfg = ModelConfig(**SHAPES, n_kv_heads=4, mla=mla)
@@ -214,7 +233,7 @@ def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   for platform, marker in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
     for name, text in _lowered(engine, platform).items():
       assert marker in text, (platform, name)
-      if kind == "gemma":  # a kernel call in each window's branch
+      if kind in ("gemma", "gpt_oss"):  # a kernel call in each window's branch
         assert text.count(marker) >= 2 and "stablehlo.case" in text, (platform, name)
       assert not _pool_gathers(text, engine.pools), (platform, name, _pool_gathers(text, [1]))
   # The check finds gathers from a pool where there are some: the CPU lowering's XLA loop reads
