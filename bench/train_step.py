@@ -74,10 +74,10 @@ def _patches(piece: str) -> list[tuple]:
   if piece == "norm":  # RMSNorm without the normalisation: scale * x
     return [(layers, "rms_norm", lambda x, scale, eps: scale.astype(x.dtype) * x)]
   if piece == "rope":  # q and k unrotated
-    return [(attention_layer, "apply_rope", lambda x, positions, inv_freq, **_: x)]
+    unrotated = lambda self, q_BTNH, k_BTKH, positions_BT, **_: (q_BTNH, k_BTKH)
+    return [(attention_layer.Attention, "_rotate", unrotated)]
   if piece == "activation":  # the MLP's gate unactivated: gate * up
-    nn = types.SimpleNamespace(**{**vars(jax.nn), "silu": lambda x: x})
-    return [_replaced(layers, "jax", nn=nn)]
+    return [(layers, "ACTIVATIONS", {**layers.ACTIVATIONS, "silu": lambda x: x})]
   if piece == "embedding":  # row 0 of the table at every position
     return [_replaced(transformer, "jnp", take=_embedding_stand_in)]
   raise ValueError(f"piece {piece!r}: expected one of {PIECES}")
