@@ -13,7 +13,9 @@ plain (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2 `greedy`), within the best group
 biased scores); optional renormalisation of the k weights; `routed_scaling_factor`.
 
 The experts' computation has one signature,
-`(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_tD`, in four forms:
+`(x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_tD`, in four forms, each
+taking gpt-oss's options as keywords: `biases` (each expert's gate, up and down biases, gathered
+per row by its expert) and `act` (the hidden activation; `clamped_swiglu`):
 
 * `grouped_experts` (default, dropless): the t x k assignments sorted by expert, so each expert's
   rows are one contiguous group, and `jax.lax.ragged_dot` multiplies every group by its expert's
