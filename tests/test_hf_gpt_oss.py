@@ -202,3 +202,59 @@ def test_the_planner_holds_every_gpt_oss_parameter_with_its_axes():
   pc = params.counts(cfg)
   E, F, D, L = 32, 2880, 2880, 24
   assert pc.experts == L * E * (3 * D * F + 2 * F + D)
+
+
+# openai/gpt-oss-20b's released config.json (the fields its loader reads, and a few it ignores).
+RELEASED_20B = {
+  "architectures": ["GptOssForCausalLM"],
+  "attention_bias": True,
+  "eos_token_id": 200002,
+  "experts_per_token": 4,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 2880,
+  "initial_context_length": 4096,
+  "intermediate_size": 2880,
+  "layer_types": ["sliding_attention", "full_attention"] * 12,
+  "max_position_embeddings": 131072,
+  "model_type": "gpt_oss",
+  "num_attention_heads": 64,
+  "num_experts_per_tok": 4,
+  "num_hidden_layers": 24,
+  "num_key_value_heads": 8,
+  "num_local_experts": 32,
+  "pad_token_id": 199999,
+  "quantization_config": {
+    "modules_to_not_convert": [
+      "model.layers.*.self_attn",
+      "model.layers.*.mlp.router",
+      "model.embed_tokens",
+      "lm_head",
+    ],
+    "quant_method": "mxfp4",
+  },
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "rope_type": "yarn",
+    "truncate": False,
+  },
+  "rope_theta": 150000,
+  "sliding_window": 128,
+  "swiglu_limit": 7.0,
+  "tie_word_embeddings": False,
+  "torch_dtype": "bfloat16",
+  "vocab_size": 201088,
+}
+
+
+def test_the_released_20b_config_is_the_planners_preset():
+  import dataclasses
+
+  from atlas_jax.plan.models import REFERENCE_MODELS
+
+  cfg = hf.config_from_hf(RELEASED_20B, dtype="bfloat16")
+  assert cfg == dataclasses.replace(REFERENCE_MODELS["gpt-oss-20b"].model, dtype="bfloat16")

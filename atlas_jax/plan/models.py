@@ -264,6 +264,7 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
         original_max_position_embeddings=4096,
         beta_fast=32.0,
         beta_slow=1.0,
+        mscale=0.0,  # as a config.json without one reads (unused without mscale_all_dim)
         truncate=False,
       ),
       head_dim=64,
