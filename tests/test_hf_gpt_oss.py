@@ -156,10 +156,18 @@ def test_bad_fields_name_themselves():
     ModelConfig(mla=MLAConfig(), attention_sinks=True)
 
 
-@pytest.mark.parametrize("runner", ["ragged", pytest.param("cpu", marks=pytest.mark.slow)])
-def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, tmp_path):
+@pytest.mark.parametrize(
+  "runner, tensor",
+  [
+    ("ragged", 1),
+    ("ragged", 2),
+    pytest.param("cpu", 1, marks=pytest.mark.slow),
+  ],
+)
+def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, tensor, tmp_path):
   """The paged pool (ragged steps, chunked prefill) with sinks in the kernel, sliding and full
-  layers, biased experts; one device."""
+  layers, biased experts; on one device, and with the heads (and their sinks) and the experts'
+  width split over two."""
   from atlas_jax.serving.engine import Engine, EngineConfig
 
   ref = build_hf(tmp_path, num_hidden_layers=2)
@@ -167,7 +175,14 @@ def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, tm
   rng = np.random.RandomState(1)
   prompts = [rng.randint(3, V, n).tolist() for n in (2 * W + 3, 5, 3 * W)]
   n = W + 4
-  config = EngineConfig(runner=runner, n_blocks=32, block_size=4, max_num_seqs=2, prefill_chunk=8)
+  config = EngineConfig(
+    runner=runner,
+    n_blocks=32,
+    block_size=4,
+    max_num_seqs=2,
+    prefill_chunk=8,
+    tensor_parallel_size=tensor,
+  )
   got = Engine(ours, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
   for prompt, tokens in zip(prompts, got):
     with torch.no_grad():
