@@ -100,9 +100,7 @@ class Attention(nnx.Module):
     # layers stay one scan; a kind picks its RoPE and its window by `jax.lax.switch` among the
     # distinct ones (one branch runs), each branch static: a window skips the kernel's tiles
     # outside it, exactly as a model with one window does.
-    kinds, _ = cfg.attention_kinds()
-    self.ropes = _distinct([Rope(H, k.rope_theta, k.rope_scaling, cfg.rotary_dim) for k in kinds])
-    self.windows = _distinct([k.sliding_window for k in kinds])
+    self.ropes, self.windows = _branches(cfg)
     self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     self.soft_cap = cfg.attn_logit_softcapping
     self.implementation = implementation
@@ -283,14 +281,22 @@ def _switch(kind: Array | tuple | None, which: int, branches: list, *operands):
   return jax.lax.switch(kind[which], branches, *operands)
 
 
+def _rope_of(cfg: ModelConfig, kind) -> Rope:
+  return Rope(cfg.head_dim, kind.rope_theta, kind.rope_scaling, cfg.rotary_dim)
+
+
+def _branches(cfg: ModelConfig) -> tuple[tuple[Rope, ...], tuple[int | None, ...]]:
+  """The distinct RoPEs and windows of the model's attention kinds, in first-use order: the
+  branches an attention switches among."""
+  kinds, _ = cfg.attention_kinds()
+  return _distinct([_rope_of(cfg, k) for k in kinds]), _distinct([k.sliding_window for k in kinds])
+
+
 def layer_kinds(cfg: ModelConfig) -> np.ndarray:
   """i32[L, 2]: each layer's (RoPE, window) index into its attention's `ropes` and `windows`."""
   kinds, index_L = cfg.attention_kinds()
-  ropes = _distinct([(k.rope_theta, k.rope_scaling) for k in kinds])
-  windows = _distinct([k.sliding_window for k in kinds])
-  slots = [
-    (ropes.index((k.rope_theta, k.rope_scaling)), windows.index(k.sliding_window)) for k in kinds
-  ]
+  ropes, windows = _branches(cfg)
+  slots = [(ropes.index(_rope_of(cfg, k)), windows.index(k.sliding_window)) for k in kinds]
   return np.array([slots[i] for i in index_L], np.int32).reshape(cfg.n_layers, 2)
 
 

@@ -4,6 +4,7 @@ its last W positions per sequence: the blocks before return to the pool as the s
 
 import dataclasses
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -11,7 +12,7 @@ from atlas_jax.cache.allocator import DROPPED, BlockAllocator
 from atlas_jax.config import ModelConfig
 from atlas_jax.decoding import SamplingParams, generate
 from atlas_jax.model import build
-from atlas_jax.serving.engine import Engine, EngineConfig
+from atlas_jax.serving.engine import Engine, EngineConfig, window_bound
 
 W, Z = 8, 4
 
@@ -41,6 +42,15 @@ def test_drop_before_releases_whole_blocks_and_keeps_the_rest_working():
     alloc.drop_before("c", 3)
 
 
+# Every layer slides over W positions.
+SHAPE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def windowed_model(seed: int):
+  cfg = ModelConfig(**SHAPE, max_seq_len=128, sliding_window=W, init_std=0.3)
+  return build(cfg, rngs=nnx.Rngs(seed))
+
+
 def held(n: int) -> int:
   """Blocks a sequence of n computed tokens holds: its last, partial or not, down to the one
   holding position n - W + 1."""
@@ -49,18 +59,7 @@ def held(n: int) -> int:
 
 @pytest.mark.parametrize("burst", [1, 8])
 def test_a_windowed_sequence_holds_its_windows_blocks_and_decodes_as_generate(burst):
-  cfg = ModelConfig(
-    vocab_size=48,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    max_seq_len=128,
-    sliding_window=W,
-    init_std=0.3,
-  )
-  model = build(cfg, rngs=nnx.Rngs(0))
+  model = windowed_model(0)
   prompt, n_new = list(range(3, 22)), 40
   params = SamplingParams(max_new_tokens=n_new)
   (want,) = generate(model, [prompt], params)
@@ -93,41 +92,21 @@ def test_a_windowed_sequence_holds_its_windows_blocks_and_decodes_as_generate(bu
 
 
 def test_a_model_with_global_layers_keeps_every_block():
-  cfg = ModelConfig(
-    vocab_size=48,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    sliding_window=W,
-    layer_types=("sliding_attention", "full_attention"),
-  )
+  cfg = ModelConfig(**SHAPE, sliding_window=W, layer_types=("sliding_attention", "full_attention"))
   engine = Engine(
     build(cfg, rngs=nnx.Rngs(0)), EngineConfig(runner="ragged", n_blocks=16, block_size=Z)
   )
   assert engine.scheduler.window is None
-  assert dataclasses.replace(cfg, layer_types=None).attention_kinds()[0][0].sliding_window == W
+  # The same layers all sliding are bounded; any drafter reading the history lifts the bound.
+  assert window_bound(dataclasses.replace(cfg, layer_types=None), None) == W
+  assert window_bound(dataclasses.replace(cfg, layer_types=None), object()) is None
 
 
 def test_windowed_serving_under_preemption_and_prefix_sharing_equals_generate():
   """A tight pool (preemption, recompute), prompts sharing a prefix (cached blocks taken, then
   dropped behind the window), sampled and greedy rows, decode bursts: every request's tokens
   are plain decoding's."""
-  import numpy as np
-
-  cfg = ModelConfig(
-    vocab_size=48,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=64,
-    max_seq_len=128,
-    sliding_window=W,
-    init_std=0.3,
-  )
-  model = build(cfg, rngs=nnx.Rngs(1))
+  model = windowed_model(1)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 48, 14).tolist()
   prompts = [shared + rng.integers(0, 48, int(n)).tolist() for n in (3, 9, 1, 6)]
