@@ -27,7 +27,14 @@ every layer attends within a sliding window of W positions reads, from the token
 on, only positions past p - W, so the blocks wholly before that return to the pool (to the prefix
 cache, when hashed) and a sequence holds at most about W / Z + 1 blocks however long it grows, as
 vLLM's sliding-window manager frees them. A dropped block's place in the sequence's list holds
-`DROPPED`.
+`DROPPED`. An allocator made with that `window` also serves prefix hits by the window: a hit of
+n tokens needs only the cached blocks the token at position n reads (those from n - W + 1 on),
+and takes only those.
+
+`HybridAllocator` holds the two block sets of a model whose layers mix full attention with
+sliding windows (Gemma 2 and 3, gpt-oss): one allocator per group of layers, each with its own
+pool, as vLLM's hybrid manager does, so the windowed layers' memory stops growing past the
+window while the others keep every block.
 
 Every operation checks what it needs before it changes anything, so a raised error leaves the
 allocator exactly as it was.
@@ -115,13 +122,25 @@ class BlockAllocator:
     enable_prefix_caching: keep and reuse full blocks by prefix hash.
   """
 
-  def __init__(self, n_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+  def __init__(
+    self,
+    n_blocks: int,
+    block_size: int,
+    *,
+    enable_prefix_caching: bool = True,
+    window: int | None = None,
+  ):
     for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockAllocator: {name} must be a positive int, got {value!r}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+      raise ValueError(f"BlockAllocator: window must be a positive int or None, got {window!r}")
     self.n_blocks = n_blocks
     self.block_size = block_size
     self.enable_prefix_caching = enable_prefix_caching
+    # W when the layers this pool serves attend within a sliding window of W positions: a
+    # prefix hit then needs only the blocks inside the window of its first computed token.
+    self.window = window
     # Popped from the left, so low block ids are handed out first (deterministic tables).
     self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
     self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -212,33 +231,62 @@ class BlockAllocator:
       n_copies=self._n_copies,
     )
 
-  def cached_prefix_length(self, prompt: Sequence[int], *, salt: bytes = b"") -> int:
-    """Leading tokens of `prompt` that `add_sequence` (with the same `salt`) would serve from the
-    prefix cache.
+  def cached_prefix_length(
+    self, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
+  ) -> int:
+    """Leading tokens of `prompt` that `add_sequence` (with the same `salt` and `limit`) would
+    serve from the prefix cache.
 
     A read-only lookup: nothing is allocated, referenced or hashed into the cache (a block's hash
     may only be registered once its K/V are computed).
     """
+    return self._hit_blocks(self._chain(prompt, salt), limit) * self.block_size
+
+  def _chain(self, prompt: Sequence[int], salt: bytes) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks before its last token (which is always
+    recomputed)."""
+    Z, parent, out = self.block_size, root_hash(salt), []
+    for i in range((len(prompt) - 1) // Z if len(prompt) else 0):
+      parent = block_hash(parent, prompt[i * Z : (i + 1) * Z])
+      out.append(parent)
+    return out
+
+  def _first_read(self, n_hit: int) -> int:
+    """The first block the token after `n_hit` cached blocks reads: 0, or with a window the
+    one holding position n_hit * Z - W + 1."""
+    if self.window is None:
+      return 0
+    return max(0, n_hit * self.block_size - self.window + 1) // self.block_size
+
+  def _hit_blocks(self, chain: list[bytes], limit: int | None) -> int:
+    """How many of the chain's blocks a new sequence starts with (at most `limit` tokens'
+    worth): the longest run from the first block that is cached; with a window, the most
+    blocks whose last ones, from `_first_read` on, are cached (earlier ones are never read)."""
     if not self.enable_prefix_caching:
       return 0
-    Z = self.block_size
-    parent, n = root_hash(salt), 0
-    for i in range((len(prompt) - 1) // Z):  # the last token is always recomputed
-      parent = block_hash(parent, prompt[i * Z : (i + 1) * Z])
-      if parent not in self._block_of:
+    n = len(chain) if limit is None else min(len(chain), max(0, limit) // self.block_size)
+    run = 0  # cached blocks in a row ending at block k - 1
+    best = 0
+    for k in range(1, n + 1):
+      run = run + 1 if chain[k - 1] in self._block_of else 0
+      if self.window is None and run < k:
         break
-      n += Z
-    return n
+      if run >= k - self._first_read(k):
+        best = k
+    return best
 
   # -- operations ----------------------------------------------------------------------------
 
-  def add_sequence(self, seq_id: SeqId, prompt: Sequence[int], *, salt: bytes = b"") -> int:
+  def add_sequence(
+    self, seq_id: SeqId, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
+  ) -> int:
     """Starts a sequence holding `prompt`, reusing the longest cached chain of its full blocks
-    among those hashed under the same `salt` (b"": none).
+    among those hashed under the same `salt` (b"": none), at most `limit` tokens of it.
 
     The last prompt token is never served from the cache, so the model always computes at least
     one token (whose logits start generation); a prompt that is a whole number of cached blocks
-    recomputes its last block into a fresh block.
+    recomputes its last block into a fresh block. With a window, the cached blocks before the
+    window of the first computed token are not taken: their places hold `DROPPED`.
 
     Returns:
       The number of leading prompt tokens whose K/V are already in the pool (a multiple of Z);
@@ -252,20 +300,11 @@ class BlockAllocator:
       raise DuplicateSequenceError(f"add_sequence: sequence {seq_id!r} already exists")
     prompt = [int(t) for t in prompt]
     Z = self.block_size
-    hits: list[int] = []
-    hashes: list[bytes] = []
-    root = parent = root_hash(salt)
-    if self.enable_prefix_caching:
-      for i in range((len(prompt) - 1) // Z if prompt else 0):
-        h = block_hash(parent, prompt[i * Z : (i + 1) * Z])
-        block = self._block_of.get(h)
-        if block is None:
-          break
-        hits.append(block)
-        hashes.append(h)
-        parent = h
-    n_total = -(-len(prompt) // Z)
-    n_new = n_total - len(hits)
+    chain = self._chain(prompt, salt)
+    n_hit = self._hit_blocks(chain, limit)
+    first = self._first_read(n_hit)
+    hits = [self._block_of[h] for h in chain[first:n_hit]]
+    n_new = -(-len(prompt) // Z) - n_hit
     # Reviving a cached hit takes it out of the evictable set, so it counts against availability.
     n_revived = sum(1 for b in hits if self._ref[b] == 0)
     if n_new + n_revived > self.n_available:
@@ -275,13 +314,29 @@ class BlockAllocator:
       )
     for block in hits:
       self._take(block)
-    seq = _Sequence(blocks=list(hits), tokens=prompt[: len(hits) * Z], hashes=hashes, root=root)
+    seq = _Sequence(
+      blocks=[DROPPED] * first + hits,
+      tokens=prompt[: n_hit * Z],
+      hashes=chain[:n_hit],
+      root=root_hash(salt),
+      dropped=first,
+    )
     self._seqs[seq_id] = seq
     self._prefix_query_tokens += len(prompt)
-    self._prefix_hit_tokens += len(hits) * Z
-    copies = self._extend(seq, prompt[len(hits) * Z :])
+    self._prefix_hit_tokens += n_hit * Z
+    copies = self._extend(seq, prompt[n_hit * Z :])
     assert not copies, "a fresh sequence owns its partial block"
-    return len(hits) * Z
+    return n_hit * Z
+
+  def add_cost(
+    self, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
+  ) -> int:
+    """Blocks `add_sequence` would take from the available ones (new plus revived cached)."""
+    chain = self._chain(prompt, salt)
+    n_hit = self._hit_blocks(chain, limit)
+    hits = [self._block_of[h] for h in chain[self._first_read(n_hit) : n_hit]]
+    n_new = -(-len(prompt) // self.block_size) - n_hit
+    return n_new + sum(1 for b in hits if self._ref[b] == 0)
 
   def append(self, seq_id: SeqId, tokens: Sequence[int]) -> list[tuple[int, int]]:
     """Appends tokens to a sequence, allocating blocks as the last one fills.
@@ -307,6 +362,10 @@ class BlockAllocator:
   def blocks_needed(self, seq_id: SeqId, n_tokens: int) -> int:
     """Blocks that `append` or `reserve` of `n_tokens` more tokens would take from the pool."""
     return self._blocks_needed(self._get(seq_id), n_tokens)
+
+  def can_reserve(self, seq_ids: Sequence[SeqId], n_tokens: int) -> bool:
+    """Whether `reserve(seq_id, n_tokens)` of every one of `seq_ids` fits the available blocks."""
+    return sum(self.blocks_needed(s, n_tokens) for s in seq_ids) <= self.n_available
 
   def reserve(self, seq_id: SeqId, n_tokens: int) -> list[tuple[int, int]]:
     """Makes room for `n_tokens` more tokens before their values are known.
@@ -535,3 +594,132 @@ class BlockAllocator:
     if self.enable_prefix_caching and h not in self._block_of:
       self._block_of[h] = block
       self._hash_of[block] = h
+
+
+class HybridAllocator:
+  """One set of sequences over two pools: the blocks of the layers that attend to everything
+  (`full`) and of those that attend within a sliding window of W positions (`sliding`), as
+  vLLM's hybrid KV-cache manager keeps a block table per group of layers.
+
+  Every operation applies to both, checked on both before either changes. The sliding group
+  lets go of the blocks that left the window (`drop_before`, that group only) and takes a prefix
+  hit's blocks only inside the window of the first computed token; a prefix hit is the longest
+  that both can serve. `blocks` are the full group's ids and `window_blocks` the sliding
+  group's; copy-on-write pairs of the sliding group come back offset by `full.n_blocks`, so one
+  list names both pools' copies.
+  """
+
+  def __init__(
+    self,
+    n_blocks: int,
+    n_window_blocks: int,
+    block_size: int,
+    window: int,
+    *,
+    enable_prefix_caching: bool = True,
+  ):
+    self.full = BlockAllocator(n_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+    self.sliding = BlockAllocator(
+      n_window_blocks, block_size, enable_prefix_caching=enable_prefix_caching, window=window
+    )
+    self.n_blocks, self.block_size, self.window = n_blocks, block_size, window
+    self.enable_prefix_caching = enable_prefix_caching
+
+  def _both(self) -> tuple[BlockAllocator, BlockAllocator]:
+    return self.full, self.sliding
+
+  def _merge(self, full_pairs, sliding_pairs) -> list[tuple[int, int]]:
+    shift = self.full.n_blocks
+    return [*full_pairs, *((s + shift, d + shift) for s, d in sliding_pairs)]
+
+  def _check(self, needed: tuple[int, int], what: str) -> None:
+    for alloc, n, group in zip(self._both(), needed, ("full", "sliding")):
+      if n > alloc.n_available:
+        raise OutOfBlocksError(
+          f"{what} needs {n} blocks of the {group}-attention layers' pool, only "
+          f"{alloc.n_available} available"
+        )
+
+  # -- queries -------------------------------------------------------------------------------
+
+  @property
+  def n_available(self) -> int:
+    """Blocks of the scarcer pool that can be handed out now."""
+    return min(a.n_available for a in self._both())
+
+  def __contains__(self, seq_id: SeqId) -> bool:
+    return seq_id in self.full
+
+  def sequences(self) -> list[SeqId]:
+    return self.full.sequences()
+
+  def blocks(self, seq_id: SeqId) -> list[int]:
+    return self.full.blocks(seq_id)
+
+  def window_blocks(self, seq_id: SeqId) -> list[int]:
+    return self.sliding.blocks(seq_id)
+
+  def tokens(self, seq_id: SeqId) -> list[int]:
+    return self.full.tokens(seq_id)
+
+  def length(self, seq_id: SeqId) -> int:
+    return self.full.length(seq_id)
+
+  def stats(self) -> AllocatorStats:
+    """The full group's occupancy and counters (the sliding group's: `sliding.stats()`)."""
+    return self.full.stats()
+
+  def cached_prefix_length(
+    self, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
+  ) -> int:
+    full = self.full.cached_prefix_length(prompt, salt=salt, limit=limit)
+    return self.sliding.cached_prefix_length(prompt, salt=salt, limit=full)
+
+  def blocks_needed(self, seq_id: SeqId, n_tokens: int) -> int:
+    return max(a.blocks_needed(seq_id, n_tokens) for a in self._both())
+
+  def can_reserve(self, seq_ids: Sequence[SeqId], n_tokens: int) -> bool:
+    return all(a.can_reserve(seq_ids, n_tokens) for a in self._both())
+
+  # -- operations ----------------------------------------------------------------------------
+
+  def add_sequence(
+    self, seq_id: SeqId, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
+  ) -> int:
+    if seq_id in self.full:
+      raise DuplicateSequenceError(f"add_sequence: sequence {seq_id!r} already exists")
+    hit = self.cached_prefix_length(prompt, salt=salt, limit=limit)
+    needed = tuple(a.add_cost(prompt, salt=salt, limit=hit) for a in self._both())
+    self._check(needed, f"add_sequence: sequence {seq_id!r} with {len(prompt)} prompt tokens")
+    for alloc in self._both():
+      got = alloc.add_sequence(seq_id, prompt, salt=salt, limit=hit)
+      assert got == hit, (got, hit)
+    return hit
+
+  def append(self, seq_id: SeqId, tokens: Sequence[int]) -> list[tuple[int, int]]:
+    needed = tuple(a.blocks_needed(seq_id, len(tokens)) for a in self._both())
+    self._check(needed, f"append: sequence {seq_id!r}, {len(tokens)} tokens,")
+    return self._merge(*(a.append(seq_id, tokens) for a in self._both()))
+
+  def reserve(self, seq_id: SeqId, n_tokens: int) -> list[tuple[int, int]]:
+    needed = tuple(a.blocks_needed(seq_id, n_tokens) for a in self._both())
+    self._check(needed, f"reserve: sequence {seq_id!r}, {n_tokens} tokens,")
+    return self._merge(*(a.reserve(seq_id, n_tokens) for a in self._both()))
+
+  def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    for alloc in self._both():
+      alloc.fork(parent_id, child_id)
+
+  def truncate(self, seq_id: SeqId, length: int) -> list[tuple[int, int]]:
+    # The sliding group first: it alone may refuse a length inside its dropped blocks.
+    sliding = self.sliding.truncate(seq_id, length)
+    return self._merge(self.full.truncate(seq_id, length), sliding)
+
+  def free(self, seq_id: SeqId, *, computed: int | None = None) -> None:
+    for alloc in self._both():
+      alloc.free(seq_id, computed=computed)
+
+  def drop_before(self, seq_id: SeqId, position: int) -> int:
+    """Releases the sliding group's blocks wholly before `position` (`BlockAllocator.drop_before`);
+    the full group keeps every block."""
+    return self.sliding.drop_before(seq_id, position)

@@ -221,6 +221,10 @@ def copy_pages(array_LP_: Array, src_c: Array, dst_c: Array, layout: PoolLayout 
 # -- pools ---------------------------------------------------------------------------------------
 
 
+def _static(default=None):
+  return dataclasses.field(default=default, metadata=dict(static=True))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
@@ -318,6 +322,87 @@ class LatentPool:
     return PagedLatentLayer(c, layer, block_table, queries, self.rope_dim, layout, (), *scale)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridPool:
+  """The pools of a model whose layers mix full attention with sliding windows (Gemma 2 and 3,
+  gpt-oss): the full-attention layers' `full` pool, one block per Z tokens of each sequence,
+  and the windowed layers' `sliding` pool, where a sequence holds only the blocks of its
+  window (`atlas_jax.cache.allocator.HybridAllocator`), each read through its own block table.
+
+  Layer l of the model is layer `rank` of its group's pool, its group given by `windowed_L`
+  (static); a `PagedCache` over it takes the sliding pool's table as `window_table`.
+  """
+
+  full: KVPool  # [L_full, P, Z, K, H]
+  sliding: KVPool  # [L_windowed, P_w, Z, K, H]
+  windowed_L: tuple[bool, ...] = _static(())  # per model layer: whether it is windowed
+
+  @classmethod
+  def init(cls, windowed_L, *, n_blocks: int, n_window_blocks: int, **dims) -> HybridPool:
+    """Zeroed pools of `n_blocks` and `n_window_blocks` blocks for the model's layers, split by
+    `windowed_L`; `dims` as `KVPool.init`'s (without n_layers and n_blocks)."""
+    windowed_L = tuple(bool(w) for w in windowed_L)
+    n_windowed = sum(windowed_L)
+    if not 0 < n_windowed < len(windowed_L):
+      raise ValueError(
+        f"HybridPool: needs windowed and full-attention layers both, got {n_windowed} windowed "
+        f"of {len(windowed_L)}"
+      )
+    full = KVPool.init(n_layers=len(windowed_L) - n_windowed, n_blocks=n_blocks, **dims)
+    sliding = KVPool.init(n_layers=n_windowed, n_blocks=n_window_blocks, **dims)
+    return cls(full, sliding, windowed_L)
+
+  @property
+  def arrays(self) -> tuple[Array, ...]:
+    """The full pool's arrays, then the sliding pool's."""
+    return self.full.arrays + self.sliding.arrays
+
+  def with_arrays(self, arrays) -> HybridPool:
+    n = len(self.full.arrays)
+    return HybridPool(
+      self.full.with_arrays(arrays[:n]), self.sliding.with_arrays(arrays[n:]), self.windowed_L
+    )
+
+  def offset(self) -> int:
+    """The first copy id naming the sliding pool (the full pool's block count)."""
+    return self.full.k.shape[1]
+
+  def layer(
+    self, storage, layer, block_table, queries, layout=None, window_table=None
+  ) -> HybridKVLayer:
+    if window_table is None:
+      raise ValueError("HybridPool.layer: a hybrid pool needs the windowed layers' window_table")
+    n = len(self.full.arrays)
+    windowed_L = np.asarray(self.windowed_L)
+    # Each layer's index within its own group's pool.
+    rank_L = np.where(windowed_L, np.cumsum(windowed_L) - 1, np.cumsum(~windowed_L) - 1)
+    windowed = jnp.asarray(windowed_L)[layer]
+    rank = jnp.asarray(rank_L, jnp.int32)[layer]
+    full = self.full.layer(
+      storage[:n], jnp.where(windowed, 0, rank), block_table, queries, layout
+    )
+    sliding = self.sliding.layer(
+      storage[n:], jnp.where(windowed, rank, 0), window_table, queries, layout
+    )
+    return HybridKVLayer(full, sliding, windowed)
+
+  def copy(self, src_c: Array, dst_c: Array, layout: PoolLayout | None) -> HybridPool:
+    """`copy_pages` of pairs whose ids from `offset()` on name the sliding pool's pages (as the
+    scheduler numbers them); each pool copies its own pairs and drops the other's."""
+    off = self.offset()
+    out_of_range = jnp.int32(2**30)
+    is_full = src_c < off
+    full_src, full_dst = jnp.where(is_full, src_c, 0), jnp.where(is_full, dst_c, out_of_range)
+    slide_src = jnp.where(is_full, 0, src_c - off)
+    slide_dst = jnp.where(is_full, out_of_range, dst_c - off)
+    return HybridPool(
+      jax.tree.map(lambda a: copy_pages(a, full_src, full_dst, layout), self.full),
+      jax.tree.map(lambda a: copy_pages(a, slide_src, slide_dst, layout), self.sliding),
+      self.windowed_L,
+    )
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _zeros(shapes: tuple[tuple[int, ...], ...], dtype) -> tuple[Array, ...]:
   """Zeroed arrays made on the device; compiled once per shape, not once per pool."""
@@ -341,10 +426,6 @@ def pool_bytes_per_token(pool: KVPool | LatentPool) -> int:
 
 
 # -- the cache and its per-layer views -----------------------------------------------------------
-
-
-def _static(default=None):
-  return dataclasses.field(default=default, metadata=dict(static=True))
 
 
 def token_slots(
@@ -679,6 +760,45 @@ class PagedLatentLayer:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HybridKVLayer:
+  """Layer `layer` of a `HybridPool`: its views of both pools, of which it writes and reads
+  only its own group's (the other's writes are dropped, its reads never made): attention with a
+  sliding window reads the sliding pool, without one the full pool."""
+
+  full: PagedKVLayer
+  sliding: PagedKVLayer
+  windowed: Array  # bool[] whether this layer is one of the windowed ones
+
+  attends_in_place = True
+
+  @property
+  def kv_lengths(self) -> Array:
+    return self.full.kv_lengths
+
+  @property
+  def storage(self) -> tuple[Array, ...]:
+    return self.full.storage + self.sliding.storage
+
+  def write(self, positions_BT: Array, k_BTKH: Array, v_BTKH: Array) -> HybridKVLayer:
+    # A negative position is padding, which neither pool writes.
+    none = jnp.full_like(positions_BT, -1)
+    full = self.full.write(jnp.where(self.windowed, none, positions_BT), k_BTKH, v_BTKH)
+    sliding = self.sliding.write(jnp.where(self.windowed, positions_BT, none), k_BTKH, v_BTKH)
+    return HybridKVLayer(full, sliding, self.windowed)
+
+  def attend(self, q_BTNH, positions_BT, *, sliding_window=None, **options):
+    own = self.full if sliding_window is None else self.sliding
+    return own.attend(q_BTNH, positions_BT, sliding_window=sliding_window, **options)
+
+  def read(self) -> tuple[Array, Array]:
+    raise NotImplementedError(
+      "HybridKVLayer.read: a windowed layer's pool no longer holds the blocks before its window; "
+      "attend in place instead"
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedCache:
   """A batch of sequences over a shared block pool (KV or latent).
 
@@ -704,6 +824,8 @@ class PagedCache:
   query_len: Array | None = None  # i32[B] ragged: its new tokens
   max_query_len: int | None = _static()  # the most new tokens a sequence has, if known
   options: tuple = _static(())  # (name, value) pairs for `kernels.ragged_paged_attention`
+  # i32[B, M] the windowed layers' blocks of a `HybridPool` (global ids into its sliding pool)
+  window_table: Array | None = None
 
   @property
   def layers(self) -> tuple[Array, ...]:
@@ -723,6 +845,15 @@ class PagedCache:
 
   def layer(self, storage, layer, positions_BT):
     queries = self.queries(positions_BT)
+    if isinstance(self.pool, HybridPool):
+      view = self.pool.layer(
+        storage, layer, self.block_table, queries, self.layout, self.window_table
+      )
+      return dataclasses.replace(
+        view,
+        full=dataclasses.replace(view.full, options=self.options),
+        sliding=dataclasses.replace(view.sliding, options=self.options),
+      )
     view = self.pool.layer(storage, layer, self.block_table, queries, self.layout)
     return dataclasses.replace(view, options=self.options)
 

@@ -39,7 +39,7 @@ from flax import nnx, struct
 
 from atlas_jax import platforms
 from atlas_jax.cache.contiguous import KVCache, LatentCache
-from atlas_jax.cache.paged import KVPool, LatentPool
+from atlas_jax.cache.paged import HybridPool, KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import LoRAConfig, ModelConfig
 from atlas_jax.model import lora as lora_lib
@@ -162,20 +162,29 @@ class Transformer(nnx.Module):
       **attn.cache_dims(cfg),
     )
 
-  def init_pool(self, n_blocks: int, block_size: int, dtype=None) -> KVPool | LatentPool:
+  def init_pool(
+    self, n_blocks: int, block_size: int, dtype=None, *, n_window_blocks: int | None = None
+  ) -> KVPool | LatentPool | HybridPool:
     """A zeroed paged pool of `n_blocks` blocks of `block_size` tokens (KV, or MLA latents).
 
-    Wrap it with a block table and lengths in `atlas_jax.cache.paged.PagedCache` to call the
-    model on it.
+    With `n_window_blocks`, for a model mixing sliding-window and full-attention layers: a
+    `HybridPool`, the windowed layers' blocks (that many) apart from the others' (`n_blocks`).
+    Wrap it with a block table and lengths in `atlas_jax.cache.paged.PagedCache` (a hybrid
+    pool's windowed layers' table as its `window_table`) to call the model on it.
     """
     cfg, attn = self.cfg, attention_class(self.cfg)
-    return attn.pool_type.init(
-      n_layers=cfg.n_layers,
-      n_blocks=n_blocks,
+    dims = dict(
       block_size=block_size,
       dtype=jnp.dtype(cfg.dtype if dtype is None else dtype),
       **attn.cache_dims(cfg),
     )
+    if n_window_blocks is not None:
+      if attn.pool_type is not KVPool:
+        raise ValueError("init_pool: n_window_blocks is for KV pools; MLA has no sliding window")
+      return HybridPool.init(
+        windowed_layers(cfg), n_blocks=n_blocks, n_window_blocks=n_window_blocks, **dims
+      )
+    return attn.pool_type.init(n_layers=cfg.n_layers, n_blocks=n_blocks, **dims)
 
   # -- forward -----------------------------------------------------------------------------------
 
@@ -464,6 +473,12 @@ class TrainOutputs:
 def soft_cap(logits: Array, cap: float | None) -> Array:
   """Gemma's logit capping, cap * tanh(logits / cap); `logits` unchanged for None."""
   return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...]:
+  """Per layer: whether it attends within a sliding window (`ModelConfig.attention_kinds`)."""
+  kinds, index_L = cfg.attention_kinds()
+  return tuple(kinds[i].sliding_window is not None for i in index_L)
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:

@@ -36,6 +36,9 @@ class Row:
   start: int  # its tokens in the pool before the step (the first new token's position)
   step: int  # the index of the first token the step draws for it
   blocks: tuple[int, ...]  # its blocks' global ids, reserved ones included
+  # its blocks in the windowed layers' pool (global ids), for a model mixing windowed and
+  # full-attention layers (`atlas_jax.cache.allocator.HybridAllocator`); else empty
+  window_blocks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,9 @@ class StepRecord:
   # i32[R, T] each new token's LoRA adapter slot (0: the base) when the server holds adapters
   # (`atlas_jax.serving.lora`), else None
   adapter_RT: Any = None
+  # i32[B, M] its blocks in the windowed layers' pool (`Row.window_blocks`) for a model mixing
+  # windowed and full-attention layers, else None
+  window_table_BM: Any = None
 
   @property
   def rows_form(self) -> bool:
@@ -150,11 +156,13 @@ def adapter_slots(rows, layout: Layout) -> np.ndarray:
   return slots
 
 
-def block_table(rows, slots, B: int, M: int) -> np.ndarray:
-  """i32[B, M]: each row's blocks in its slot, the first M of them."""
+def block_table(rows, slots, B: int, M: int, *, window: bool = False) -> np.ndarray:
+  """i32[B, M]: each row's blocks in its slot, the first M of them (`window`: its blocks in the
+  windowed layers' pool)."""
   table = np.zeros((B, M), np.int32)
   for row, b in zip(rows, slots):
-    table[b, : len(row.blocks)] = row.blocks[:M]
+    blocks = row.window_blocks if window else row.blocks
+    table[b, : len(blocks)] = blocks[:M]
   return table
 
 

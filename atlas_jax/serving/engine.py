@@ -113,7 +113,7 @@ from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator
 from atlas_jax.config import WARMUP_LEVELS, ConfigError, EngineConfig
 from atlas_jax.decoding.drafters import NGramDrafter, make_drafter
 from atlas_jax.decoding.sampling import SamplingParams, eos_ids
-from atlas_jax.model.transformer import Transformer
+from atlas_jax.model.transformer import Transformer, windowed_layers
 from atlas_jax.serving import faults, sizing
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving.batch import Row, pow2
@@ -252,21 +252,53 @@ class Engine:
       max_model_len=max_model_len,
       platform=device.platform,
     )
-    n_blocks = self.pool_size.n_blocks
+    n_blocks, n_window_blocks = self.pool_size.n_blocks, None
+    window, hybrid = window_bound(cfg, drafter), hybrid_window(cfg, drafter, config)
+    window = window if hybrid is None else hybrid
+    # A windowed request holds the blocks of its window, of the chunk or burst it computes next,
+    # and a partial block on either side.
+    ahead = max(config.prefill_chunk, burst_capacity(config))
+    window_blocks = None if window is None else -(-(window - 1 + ahead) // Z) + 2
+    if hybrid is not None:
+      windowed = sum(windowed_layers(cfg))
+      n_blocks, n_window_blocks = sizing.split_window_pool(
+        n_blocks,
+        n_layers=cfg.n_layers,
+        n_windowed=windowed,
+        request_blocks=window_blocks,
+        max_num_seqs=config.max_num_seqs,
+      )
+      log.info(
+        "pool: %d of %d layers attend within a %d-token window: their blocks are a pool of "
+        "their own, %d per replica, beside %d for the other layers",
+        windowed,
+        cfg.n_layers,
+        window,
+        n_window_blocks,
+        n_blocks,
+      )
     self.config = dataclasses.replace(
       sizing.resolve(config, n_blocks, max_model_len, k),
       data_parallel_size=dp,
       tensor_parallel_size=tp,
     )
-    self.runner.allocate(n_blocks, self.config)
-    window = window_bound(cfg, drafter)
-    self.scheduler = Scheduler(self.config, dp, speculates=drafter is not None, window=window)
-    # A windowed request holds the blocks of its window, of the chunk or burst it computes next,
-    # and a partial block on either side.
-    ahead = max(self.config.prefill_chunk, burst_capacity(self.config))
-    window_blocks = None if window is None else -(-(window - 1 + ahead) // Z) + 2
+    self.runner.allocate(n_blocks, self.config, n_window_blocks)
+    self.scheduler = Scheduler(
+      self.config,
+      dp,
+      speculates=drafter is not None,
+      window=window,
+      n_window_blocks=n_window_blocks,
+    )
     self.intake = Intake(
-      cfg.vocab_size, max_model_len, n_blocks, Z, self.eos_ids, detokenize, window_blocks
+      cfg.vocab_size,
+      max_model_len,
+      n_blocks,
+      Z,
+      self.eos_ids,
+      detokenize,
+      window_blocks,
+      n_window_blocks,
     )
     self.outputs = OutputProcessor(self._prompt_logprobs)
     self._inflight: Drawn | None = None  # a dispatched burst the host has not read yet
@@ -871,6 +903,18 @@ def _log_finished(req: Request, reason: str | None) -> None:
 
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "Row"]
+
+
+def hybrid_window(cfg, drafter, config) -> int | None:
+  """W (the largest window) when the model mixes sliding-window and full-attention layers and
+  the windowed layers' blocks can live in a pool of their own (`HybridPool`): a KV pool, no
+  drafter (it reads the whole history through the same tables) and no pre-allocation (whose
+  reservations are whole contexts); None otherwise."""
+  windows = [kind.sliding_window for kind in cfg.attention_kinds()[0]]
+  windowed = sum(windowed_layers(cfg))
+  if drafter is not None or config.preallocate or not 0 < windowed < cfg.n_layers:
+    return None
+  return max(w for w in windows if w is not None)
 
 
 def window_bound(cfg, drafter) -> int | None:

@@ -492,17 +492,20 @@ def start(engine, liveness: Liveness | None) -> Mirror | None:
   if liveness is None:
     return None
   runner = engine.runner
-  mine = engine.pool_size.n_blocks
-  leaders = int(multihost_utils.broadcast_one_to_all(np.array(mine, np.int32)))
+  # (blocks per replica, the windowed layers' own blocks of a hybrid pool or 0)
+  mine = (engine.config.n_blocks, runner.n_window_blocks or 0)
+  leaders = tuple(
+    int(n) for n in multihost_utils.broadcast_one_to_all(np.array(mine, np.int32))
+  )
   if leaders != mine:
     if leaders > mine:
       log.warning(
-        "process %d sized %d blocks per replica, the leader %d: taking the leader's",
+        "process %d sized %s blocks per replica, the leader %s: taking the leader's",
         jax.process_index(),
         mine,
         leaders,
       )
-    runner.allocate(leaders, runner.limits)
+    runner.allocate(leaders[0], runner.limits, leaders[1] or None)
   return Mirror(runner, liveness)
 
 

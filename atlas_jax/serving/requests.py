@@ -113,6 +113,10 @@ class Intake:
   # The most blocks a request holds at once when a sliding window bounds them (every layer's
   # window: `Scheduler.forget_outside_window`), however long it grows; None: all of its blocks.
   window_blocks: int | None = None
+  # The windowed layers' own pool, per replica, for a model mixing windowed and full-attention
+  # layers (`HybridAllocator`): `window_blocks` then bounds what a request holds there, and
+  # `n_blocks` (the full-attention layers' pool) must hold all of its blocks.
+  n_window_blocks: int | None = None
 
   def make(
     self, request_id: RequestId, prompt: Sequence[int], params: SamplingParams | None, arrival: int
@@ -152,13 +156,22 @@ class Intake:
       )
     Z = self.block_size
     need = -(-total // Z)
+    pools = [(need, self.n_blocks, "the pool")]
     if self.window_blocks is not None:
-      need = min(need, self.window_blocks)
-    if need > self.n_blocks:
-      raise RequestError(
-        f"prompt length {len(prompt)} + max_tokens {params.max_new_tokens} needs "
-        f"{need} KV blocks of {Z} tokens; the pool holds {self.n_blocks}"
-      )
+      windowed = min(need, self.window_blocks)
+      if self.n_window_blocks is None:
+        pools = [(windowed, self.n_blocks, "the pool")]
+      else:
+        pools = [
+          (need, self.n_blocks, "the full-attention layers' pool"),
+          (windowed, self.n_window_blocks, "the windowed layers' pool"),
+        ]
+    for n, held, where in pools:
+      if n > held:
+        raise RequestError(
+          f"prompt length {len(prompt)} + max_tokens {params.max_new_tokens} needs "
+          f"{n} KV blocks of {Z} tokens; {where} holds {held}"
+        )
     for token, _ in params.logit_bias:
       if token >= V:
         raise RequestError(

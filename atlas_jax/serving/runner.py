@@ -165,6 +165,9 @@ class ModelRunner:
     self.min_blocks = min(pow2(-(-64 // block_size)), max_blocks)
     self.model, self.draft, self.drafter = model, draft, drafter
     self.limits = None  # the engine's resolved limits (`allocate`)
+    # Blocks per replica of the windowed layers' own pool, for a model mixing windowed and
+    # full-attention layers (`allocate`; `atlas_jax.cache.paged.HybridPool`), else None.
+    self.n_window_blocks: int | None = None
     # Every shape a call has run (a program compiles once per shape; see `shapes`).
     self.shapes_met: set[Shape] = set()
     self.rules = placement.model_rules(cfg, self.tensor)
@@ -206,10 +209,12 @@ class ModelRunner:
     """Weight bytes on the most loaded device (the draft's included)."""
     return placement.bytes_per_device(self.states)
 
-  def pool_spec(self, n_blocks: int):
-    """The pools' shapes for `n_blocks` blocks per replica (nothing allocated)."""
+  def pool_spec(self, n_blocks: int, n_window_blocks: int | None = None):
+    """The pools' shapes for `n_blocks` blocks per replica (nothing allocated); with
+    `n_window_blocks`, a hybrid pool whose windowed layers hold that many per replica."""
     P, Z, cfg = n_blocks * self.n_replicas, self.block_size, self.model_config
-    target = jax.eval_shape(lambda: self.model.init_pool(P, Z, self.kv_dtype))
+    P_w = None if n_window_blocks is None else n_window_blocks * self.n_replicas
+    target = jax.eval_shape(lambda: self.model.init_pool(P, Z, self.kv_dtype, n_window_blocks=P_w))
     draft = None
     if self.drafter is not None and self.drafter.needs_hidden:
       heads = jax.eval_shape(
@@ -239,7 +244,8 @@ class ModelRunner:
 
   def block_bytes(self) -> int:
     """Bytes one block of every pool takes on one device (per shard: heads split over tensor
-    count 1 / tensor of their bytes)."""
+    count 1 / tensor of their bytes), every layer's (a hybrid pool's two kinds of block split
+    these between them: `sizing.split_window_pool`)."""
     spec = self.pool_spec(1)
     leaves = jax.tree.leaves(spec)
     if self.mesh is None:
@@ -249,10 +255,12 @@ class ModelRunner:
     )
     return sum(placement.shard_bytes(x, s) for x, s in zip(leaves, shardings))
 
-  def allocate(self, n_blocks: int, limits=None) -> None:
+  def allocate(self, n_blocks: int, limits=None, n_window_blocks: int | None = None) -> None:
     """Zeroed pools of `n_blocks` blocks per replica, made in place on their devices; `limits`
-    (the engine's resolved `EngineConfig`) bound the step shapes."""
-    spec = self.pool_spec(n_blocks)
+    (the engine's resolved `EngineConfig`) bound the step shapes. With `n_window_blocks`, a
+    hybrid pool: the windowed layers' blocks apart, that many per replica."""
+    self.n_window_blocks = n_window_blocks
+    spec = self.pool_spec(n_blocks, n_window_blocks)
     shardings = self.pool_shardings(spec)
     self._pool_spec = (spec, shardings)
     self.programs = self._programs(shardings)
@@ -289,13 +297,14 @@ class ModelRunner:
   def step_bytes(self, shape: Shape) -> int:
     """Per-device temporaries of one step shape's compiled program."""
     R, B, M = self.record_rows(shape), shape.b * self.n_replicas, shape.M
-    spec = self.pool_spec(self.max_blocks)
+    hybrid = None if self.n_window_blocks is None else self.max_blocks
+    spec = self.pool_spec(self.max_blocks, hybrid)
     shardings = self.pool_shardings(spec)
     rows = None if self.mesh is None else NamedSharding(self.mesh, self.layout.spec("batch"))
     abstract = lambda shape, dtype, s=rows: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
     if shardings is not None:
       spec = jax.tree.map(lambda x, s: abstract(x.shape, x.dtype, s), spec, shardings)
-    x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_record(R, shape.T, B, M))
+    x = jax.tree.map(lambda a: abstract(a.shape, a.dtype), self.padding(R, shape.T, B, M))
     compiled = self._programs(shardings).forward_sample.lower(self.states, spec, x).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
@@ -367,6 +376,16 @@ class ModelRunner:
       out += [Shape("speculate", b, k + 1, M) for M in widths for b in buckets if b <= most]
     return out
 
+  def padding(self, R: int, T: int, B: int, M: int) -> StepRecord:
+    """`padding_record` with the fields this runner's records carry: adapter slots (LoRA), the
+    windowed layers' table (a hybrid pool)."""
+    x = padding_record(R, T, B, M)
+    if self.lora:
+      x = dataclasses.replace(x, adapter_RT=np.zeros(x.tokens_RT.shape, np.int32))
+    if self.n_window_blocks is not None:
+      x = dataclasses.replace(x, window_table_BM=np.zeros((B, M), np.int32))
+    return x
+
   def _met(self, kind: str, x: StepRecord, T: int | None = None) -> None:
     B, M = x.block_table_BM.shape
     T = x.tokens_RT.shape[1] if T is None else T
@@ -414,8 +433,12 @@ class ModelRunner:
         np.add.at(counts[b], np.asarray(row.req.output, np.int64), 1)
         prompt_mask[b, row.req.prompt] = True
     bits = self._allowed_bits(rows, layout.slot, B) if allowed else None
+    window = None
+    if self.n_window_blocks is not None:
+      window = batch.block_table(rows, layout.slot, B, M, window=True)
     return StepRecord(
       adapter_RT=batch.adapter_slots(rows, layout) if self.lora else None,
+      window_table_BM=window,
       **fields,
       block_table_BM=batch.block_table(rows, layout.slot, B, M),
       seed_B=seeds,
@@ -644,10 +667,7 @@ class ModelRunner:
     """(program, a padding record of the shape, its static arguments)."""
     B = shape.b * self.n_replicas
     T = shape.T if shape.kind == "step" else 1
-    x = padding_record(self.record_rows(shape), T, B, shape.M)
-    if self.lora:
-      x = dataclasses.replace(x, adapter_RT=np.zeros(x.tokens_RT.shape, np.int32))
-    x = self.on_devices(x)
+    x = self.on_devices(self.padding(self.record_rows(shape), T, B, shape.M))
     progs = self.programs
     if shape.kind == "step":
       return progs.forward_sample, x

@@ -37,7 +37,12 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator, OutOfBlocksError
+from atlas_jax.cache.allocator import (
+  AllocatorStats,
+  BlockAllocator,
+  HybridAllocator,
+  OutOfBlocksError,
+)
 from atlas_jax.config import EngineConfig
 from atlas_jax.serving.batch import Row
 from atlas_jax.serving.requests import Request, RequestId
@@ -92,13 +97,18 @@ class Scheduler:
     *,
     speculates: bool,
     window: int | None = None,
+    n_window_blocks: int | None = None,
   ):
     self.config = config
     self.n_replicas = n_replicas
     self.speculates = speculates
-    # W when every layer of the served model attends within a sliding window of W positions:
-    # a request's blocks before its last W positions then go back to the pool as it advances.
+    # W when the served model's windowed layers attend within a sliding window of W positions:
+    # a request's blocks before its last W positions then go back to their pool as it
+    # advances. With `n_window_blocks` (a model mixing windowed and full-attention layers) the
+    # windowed layers have a pool of their own, that many blocks per replica
+    # (`HybridAllocator`); without, every layer is windowed and shares the one pool.
     self.window = window
+    self.n_window_blocks = n_window_blocks
     self.allocators = [self._allocator() for _ in range(n_replicas)]
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # oldest first
@@ -112,9 +122,19 @@ class Scheduler:
     # batch mode): no arrival can then wait for a burst, so bursts run `offline_burst` steps.
     self.offline = False
 
-  def _allocator(self) -> BlockAllocator:
+  def _allocator(self) -> BlockAllocator | HybridAllocator:
     c = self.config
-    return BlockAllocator(c.n_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching)
+    if self.n_window_blocks is not None:
+      return HybridAllocator(
+        c.n_blocks,
+        self.n_window_blocks,
+        c.block_size,
+        self.window,
+        enable_prefix_caching=c.enable_prefix_caching,
+      )
+    return BlockAllocator(
+      c.n_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching, window=self.window
+    )
 
   def reset(self) -> None:
     """Fresh allocators (the pools were lost): every running request recomputes."""
@@ -131,18 +151,35 @@ class Scheduler:
 
   # -- bookkeeping -------------------------------------------------------------------------------
 
-  def allocator(self, req: Request) -> BlockAllocator:
+  def allocator(self, req: Request) -> BlockAllocator | HybridAllocator:
     return self.allocators[req.replica]
 
   def _global(self, req: Request, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    first = req.replica * self.config.n_blocks
-    return [(src + first, dst + first) for src, dst in pairs]
+    """Copy pairs with global ids. A hybrid allocator's pairs of its sliding group (ids from
+    `n_blocks` on) name the windowed layers' pool: they come after every replica's full-group
+    ids, at R * n_blocks + (that pool's global id)."""
+    n, first = self.config.n_blocks, req.replica * self.config.n_blocks
+
+    def gid(b: int) -> int:
+      if b < n:
+        return first + b
+      return self.n_replicas * n + req.replica * self.n_window_blocks + b - n
+
+    return [(gid(src), gid(dst)) for src, dst in pairs]
 
   def blocks(self, req: Request) -> list[int]:
     """The global ids of a request's blocks; a dropped one (`forget_outside_window`) reads as
     its replica's first block, whose entries the window masks, never writes."""
     first = req.replica * self.config.n_blocks
     return [first + max(b, 0) for b in self.allocator(req).blocks(req.id)]
+
+  def window_blocks(self, req: Request) -> list[int]:
+    """The global ids of a request's blocks in the windowed layers' pool (a hybrid model's;
+    empty otherwise), dropped ones as in `blocks`."""
+    if self.n_window_blocks is None:
+      return []
+    first = req.replica * self.n_window_blocks
+    return [first + max(b, 0) for b in self.allocator(req).window_blocks(req.id)]
 
   def forget_outside_window(self, req: Request) -> None:
     """Releases the blocks of a request that its next tokens cannot see: those wholly before
@@ -154,7 +191,7 @@ class Scheduler:
     """A request's row computing `n` tokens from `start` (default: its computed ones)."""
     start = req.n_computed if start is None else start
     step = len(req.output) if step is None else step
-    return Row(req, n, start, step, tuple(self.blocks(req)))
+    return Row(req, n, start, step, tuple(self.blocks(req)), tuple(self.window_blocks(req)))
 
   def stats(self) -> AllocatorStats:
     """Every replica's allocator, summed."""
@@ -353,10 +390,8 @@ class Scheduler:
   def reserve(self, rows: list[Request], n_tokens: int) -> list[tuple[int, int]] | None:
     """Reserves blocks for `n_tokens` tokens past each row's computed ones; None (and nothing
     reserved) when a replica's pool cannot hold its rows'."""
-    needed = [0] * self.n_replicas
-    for r in rows:
-      needed[r.replica] += self.allocator(r).blocks_needed(r.id, n_tokens)
-    if any(n > a.n_available for n, a in zip(needed, self.allocators)):
+    ids = [[r.id for r in rows if r.replica == rep] for rep in range(self.n_replicas)]
+    if not all(a.can_reserve(i, n_tokens) for a, i in zip(self.allocators, ids)):
       return None
     return [p for r in rows for p in self._global(r, self.allocator(r).reserve(r.id, n_tokens))]
 

@@ -15,6 +15,10 @@ reports in use, if more); `activations` the temporaries of the largest step, rea
 compiled program (`jax.stages.Compiled.memory_analysis`): the token budget in prefill chunks,
 over a block table as wide as the context.
 
+A model mixing sliding-window and full-attention layers keeps the windowed layers' blocks in a
+pool of their own (`split_window_pool`): the same bytes, split so that the windowed layers hold
+every running request's window and the full-attention layers the rest.
+
 Where a device does not report its memory (a CPU), the pool holds `FULL_CONTEXTS_WITHOUT_MEMORY`
 full contexts unless bytes are given. `max_num_seqs` defaults to what the pool holds at a typical
 length (`TYPICAL_TOKENS`, or the context if shorter), at most `MAX_DEFAULT_SEQS` (and at most
@@ -122,6 +126,24 @@ def size_pool(
       "tensor-parallel devices"
     )
   return size
+
+
+def split_window_pool(
+  n_blocks: int, *, n_layers: int, n_windowed: int, request_blocks: int, max_num_seqs: int | None
+) -> tuple[int, int]:
+  """(full-attention layers' blocks, windowed layers' blocks) per replica for a model mixing
+  the two (`atlas_jax.cache.paged.HybridPool`), in the memory of `n_blocks` blocks of every
+  layer: the windowed layers get what every request the batch can hold needs at most
+  (`request_blocks` each: its window and what one step adds; `max_num_seqs`, or the largest
+  default batch), never more than `n_blocks`, and the full-attention layers the rest. A block of
+  the one pool costs n_layers - n_windowed layers' bytes, of the other n_windowed layers'.
+  """
+  if not 0 < n_windowed < n_layers:
+    raise ValueError(f"split_window_pool: {n_windowed} windowed layers of {n_layers}")
+  seats = max_num_seqs or MAX_DEFAULT_SEQS
+  n_window = min(n_blocks, seats * request_blocks)
+  n_full = n_blocks + (n_blocks - n_window) * n_windowed // (n_layers - n_windowed)
+  return n_full, n_window
 
 
 def default_max_num_seqs(n_blocks: int, block_size: int, max_model_len: int) -> int:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from atlas_jax.cache.paged import PagedCache, PoolLayout, copy_pages
+from atlas_jax.cache.paged import HybridPool, PagedCache, PoolLayout, copy_pages
 from atlas_jax.decoding.drafters import DraftCache, Drafter, Window
 from atlas_jax.decoding.sampling import MAX_LOGPROBS, sample_rows, step_keys
 from atlas_jax.decoding.speculative import round_keys, top_logprobs, verify_drafts
@@ -95,8 +95,12 @@ class _Bound:
     """The pool as the cache of the record's sequences, laid out as the record's tokens: in rows
     form each row's new tokens are its non-padding positions (a burst's one, a round's k + 1),
     ragged they are where the record's query fields say."""
+    # A hybrid pool's windowed layers read their own table; other pools (a drafter's) do not.
+    window = x.window_table_BM if isinstance(pool, HybridPool) else None
     if x.rows_form:
-      return PagedCache(pool, x.block_table_BM, lengths_B, layout, options=self.options)
+      return PagedCache(
+        pool, x.block_table_BM, lengths_B, layout, options=self.options, window_table=window
+      )
     return PagedCache(
       pool,
       x.block_table_BM,
@@ -105,6 +109,7 @@ class _Bound:
       query_start=x.query_start_B,
       query_len=x.query_len_B,
       options=self.options,
+      window_table=window,
     )
 
   @property
@@ -366,6 +371,8 @@ def copy_blocks(b: _Bound, pools, src_c, dst_c):
   """Copies pool blocks src -> dst (i32[c] each) in every pool array; the pools are donated."""
   target, draft = pools
   copy = lambda lay: lambda a_LP_: copy_pages(a_LP_, src_c, dst_c, lay)
+  if isinstance(target, HybridPool):  # each of its pools copies the pairs that name it
+    return target.copy(src_c, dst_c, b.layout), draft
   return jax.tree.map(copy(b.layout), target), jax.tree.map(copy(b.draft_layout), draft)
 
 
