@@ -230,6 +230,8 @@ def test_every_step_program_lowers_for_cuda_and_tpu(kind):
     dcfg = ModelConfig(**{**SHAPES, "n_layers": 1}, n_kv_heads=2)
     draft = build(dcfg, rngs=nnx.Rngs(1))
   engine = Engine(model, dataclasses.replace(CONFIG, num_speculative_tokens=2), draft=draft)
+  # Gemma's and gpt-oss's windowed layers keep their blocks in a pool of their own.
+  assert (engine.runner.n_window_blocks is not None) == (kind in ("gemma", "gpt_oss"))
   for platform, marker in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
     for name, text in _lowered(engine, platform).items():
       assert marker in text, (platform, name)
