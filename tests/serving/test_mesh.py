@@ -43,6 +43,11 @@ def model_of(kind: str, **kw):
     return build(cfg, rngs=nnx.Rngs(0))
   if kind == "gqa":  # K=2 < 4 and 8: kv heads repeated up to the tensor size
     cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, **kw)
+  elif kind == "hybrid":  # a windowed and a full-attention layer: two pools (`HybridPool`)
+    types = ("sliding_attention", "full_attention")
+    cfg = ModelConfig(
+      **SHAPE, n_kv_heads=2, init_std=0.3, sliding_window=8, layer_types=types, **kw
+    )
   else:
     mla = MLAConfig(16, 8, 8, 8, q_lora_rank=12 if kind == "mla_qlora" else None)
     cfg = ModelConfig(**SHAPE, n_kv_heads=8, mla=mla, init_std=0.3, **kw)
@@ -95,6 +100,7 @@ FAST = {
   ("gqa", (2, 4)),
   ("mla_qlora", (2, 4)),
   ("moe_mla", (1, 4)),
+  ("hybrid", (2, 4)),
 }
 CASES = [
   pytest.param(
@@ -103,7 +109,7 @@ CASES = [
     id=f"{kind}-data{mesh[0]}xtensor{mesh[1]}",
     marks=() if (kind, mesh) in FAST else pytest.mark.slow,
   )
-  for kind in ("gqa", "mla", "mla_qlora", "moe", "moe_mla")
+  for kind in ("gqa", "mla", "mla_qlora", "moe", "moe_mla", "hybrid")
   for mesh in MESHES
 ]
 
@@ -122,7 +128,12 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
       assert w.shape[0] == sum(model.cfg.sparse_layers()), name
       assert w.addressable_shards[0].data.size == w.size // tp, name
   s = engine.kv_stats()
-  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == 16 * dp
+  assert s.n_used == 0 and s.n_free + s.n_cached == s.n_blocks == engine.config.n_blocks * dp
+  if kind == "hybrid":  # the windowed layer's pool apart, its pages split over the replicas
+    assert all(a.sliding.stats().n_used == 0 for a in engine.allocators)
+    sliding = engine.pools[0].sliding.k
+    assert sliding.shape[1] == engine.runner.n_window_blocks * dp
+    assert sliding.addressable_shards[0].data.shape[1] == engine.runner.n_window_blocks
   if dp <= 2:  # 8 replicas hold the 6 requests without preempting or sharing a prefix
     assert engine.n_preemptions > 0 and s.prefix_hit_tokens > 0
   # The requests were spread over the replicas, each admitted on the least loaded.
