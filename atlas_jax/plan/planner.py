@@ -289,14 +289,19 @@ def make_plan(
   for row in alternatives:
     row["bytes_per_sequence"] = row["bytes_per_token"] * T
     row["vs_model"] = row["bytes_per_token"] / per_token
-  # Sliding-window layers: a decode step reads only a window's K/V on them; a model whose layers
-  # all slide holds only its window's blocks per sequence (`Scheduler.forget_outside_window`).
+  # Sliding-window layers: a decode step reads only a window's K/V on them, and the server
+  # holds only a window's blocks per sequence for them (`Scheduler.forget_outside_window`; a
+  # pool of their own where other layers attend to everything, `HybridPool`).
   kinds, index = cfg.attention_kinds()
   windows = [kinds[i].sliding_window for i in index]
   read_tokens = sum(T if w is None else min(T, w) for w in windows)  # summed over the layers
   read_bytes = per_token // cfg.n_layers * read_tokens
-  bound = None if None in windows else max(windows)
-  held_blocks = blocks if bound is None else min(blocks, -(-(bound - 1) // Z) + 1)
+  windowed = [w for w in windows if w is not None]
+  bound = max(windowed) if windowed else None
+  window_blocks = blocks if bound is None else min(blocks, -(-(bound - 1) // Z) + 1)
+  held_blocks = window_blocks if len(windowed) == cfg.n_layers else blocks
+  # Blocks held per sequence summed over the layers.
+  held_layer_blocks = (cfg.n_layers - len(windowed)) * blocks + len(windowed) * window_blocks
   kv = {
     "attention": attention_kind(cfg),
     "dtype_bytes": c,
@@ -308,9 +313,13 @@ def make_plan(
     "block_size": Z,
     "blocks_per_sequence": blocks,
     "paged_bytes_per_sequence": blocks * Z * per_token,
-    "window": bound,  # W when every layer slides: the server's bound on a sequence's blocks
+    "window": bound,  # the windowed layers' (largest) window, None without any
+    "windowed_layers": len(windowed),
+    # the most blocks a sequence holds in any layer: every block where a layer attends to
+    # everything, else the window's
     "held_blocks_per_sequence": held_blocks,
-    "held_bytes_per_sequence": held_blocks * Z * per_token,
+    "held_window_blocks_per_sequence": window_blocks if windowed else None,
+    "held_bytes_per_sequence": held_layer_blocks * Z * per_token // cfg.n_layers,
     "decode_read_bytes_per_sequence": read_bytes,  # each layer's window (or all) of the T tokens
     "alternatives": alternatives,
   }
@@ -492,7 +501,7 @@ def make_plan(
     "memory_utilization": SERVING_MEMORY_UTILIZATION,
     "pool_bytes_per_device": pool_dev,
     "pool_tokens_per_replica": pool_dev // kv_dev,
-    "sequences_per_replica": pool_dev // (kv_dev * held_blocks * Z),
+    "sequences_per_replica": pool_dev * cfg.n_layers // (kv_dev * held_layer_blocks * Z),
     # Across hosts (serve.py --num-processes): the per-device figures stay; a replica whose
     # tensor axis spans hosts sends part of every all-reduce over the hosts' network.
     "devices_per_host": inputs.devices_per_host,

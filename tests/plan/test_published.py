@@ -209,15 +209,25 @@ def test_patterned_families_parameters_and_kv_cache(name):
 
 def test_windowed_layers_bound_decode_reads_and_an_all_windowed_pool():
   """Gemma-3-1B at 32k tokens: a decode step reads 512 tokens' K/V on each of its 22 local
-  layers and all 32,768 on the 4 global ones, and the server keeps every block (global layers).
-  A model whose every layer slides holds only its window's blocks per sequence."""
+  layers and all 32,768 on the 4 global ones; the server keeps every block of the global layers
+  and a window's of the local ones (their own pool). A model whose every layer slides holds
+  only its window's blocks per sequence."""
   T = 32768
   cfg = REFERENCE_MODELS["gemma-3-1b"].model
   kv = plan("gemma-3-1b", precision="bf16", seq_len=T)["kv_cache"]
   per_layer = 2 * 1 * 256 * 2  # K and V, one kv head of 256 dims, bf16
   assert kv["bytes_per_token_per_layer"] == per_layer
   assert kv["decode_read_bytes_per_sequence"] == per_layer * (22 * 512 + 4 * T)
-  assert kv["window"] is None and kv["held_blocks_per_sequence"] == kv["blocks_per_sequence"]
+  blocks, Z = kv["blocks_per_sequence"], kv["block_size"]
+  assert kv["window"] == 512 and kv["windowed_layers"] == 22
+  assert kv["held_blocks_per_sequence"] == blocks
+  assert kv["held_window_blocks_per_sequence"] == -(-511 // Z) + 1
+  held = 4 * blocks + 22 * (-(-511 // Z) + 1)  # blocks summed over the layers
+  assert kv["held_bytes_per_sequence"] == per_layer * Z * held
+  serving = plan("gemma-3-1b", precision="bf16", seq_len=T)["serving"]
+  assert serving["sequences_per_replica"] == serving["pool_bytes_per_device"] * 26 // (
+    serving["kv_bytes_per_token_per_device"] * held * Z
+  )
   windowed = dataclasses.replace(cfg, layer_types=None)  # every layer slides
   p = make_plan(windowed, PlanInputs(seq_len=T, batch=1, devices=1, precision="bf16"))
   Z = p["kv_cache"]["block_size"]

@@ -243,9 +243,10 @@ def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst):
   assert alloc.full.stats().n_used == alloc.sliding.stats().n_used == 0
 
 
-def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate():
+@pytest.mark.parametrize("runner", ["ragged", "cpu"])
+def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate(runner):
   """The workload of the all-windowed test on the hybrid model: a tight pool, shared prefixes
-  (hits that both groups hold), sampled and greedy rows, bursts."""
+  (hits that both groups hold), sampled and greedy rows, bursts; on either runner."""
   model = hybrid_model(1)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 48, 14).tolist()
@@ -257,7 +258,7 @@ def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate():
   ]
   want = generate(model, prompts, params)
   config = EngineConfig(
-    runner="ragged",
+    runner=runner,
     n_blocks=12,
     block_size=Z,
     max_num_seqs=4,
