@@ -443,6 +443,11 @@ CONFIG_FLAGS = {
     int,
     "replicas, each with its own requests and pages of the pool",
   ),
+  "engine.prefill_context_parallel_size": (
+    ("--prefill-context-parallel-size", "-pcp"),
+    int,
+    "devices per replica splitting each step's tokens (a long prompt's chunks) between them",
+  ),
   "engine.kv_cache_memory": (
     ("--kv-cache-memory",),
     memory_amount,
@@ -637,7 +642,10 @@ def check_args(args) -> ServeConfig:
     except ValueError as e:
       raise ValueError(f"{args.sources.get(name, flag)}={getattr(args, name)}: {e}") from None
   config = serve_config(args)
-  placement.check_devices(config.engine.data_parallel_size, config.engine.tensor_parallel_size)
+  e = config.engine
+  placement.check_devices(
+    e.data_parallel_size, e.tensor_parallel_size, context=e.prefill_context_parallel_size
+  )
   if args.port is not None and not 1 <= args.port <= 65535:
     raise ValueError(f"--port={args.port} is not allowed: must be in [1, 65535]")
   if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -955,7 +963,8 @@ def prepare(args):
   config = check_args(args).engine
   cache = compilation_cache(args.compilation_cache_dir)
   prompts = read_prompts(args) if args.port is None else []
-  if config.tensor_parallel_size * config.data_parallel_size > 1:
+  devices = config.tensor_parallel_size * config.data_parallel_size
+  if devices * config.prefill_context_parallel_size > 1:
     import jax
 
     # Host memory first: the runner places each device's shard, never a whole copy on one.

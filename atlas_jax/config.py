@@ -851,6 +851,10 @@ class EngineConfig:
   min_batch_bucket: int | None = None
   tensor_parallel_size: int = 1  # devices per replica: heads, FFN and vocabulary split over them
   data_parallel_size: int = 1  # replicas, each with its own requests and pages of the pool
+  # Devices per replica that split a step's tokens between them (vLLM's prefill context
+  # parallelism): each computes its share of a long prompt's chunk, its queries reading the
+  # whole pool, which every one of them holds; decode steps run whole on each.
+  prefill_context_parallel_size: int = 1
   # Which step shapes `Engine.warmup` compiles at start-up (`Engine.warmup_shapes` lists them):
   # "none"; "default": every shape a step, burst or speculative round can take (the CPU runner:
   # every decode, burst and speculative shape and every batch of fresh prompts); "all": on the
@@ -887,6 +891,7 @@ class EngineConfig:
       "guided_speculative_max_batch",
       "tensor_parallel_size",
       "data_parallel_size",
+      "prefill_context_parallel_size",
     ):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

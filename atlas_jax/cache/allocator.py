@@ -328,9 +328,7 @@ class BlockAllocator:
     assert not copies, "a fresh sequence owns its partial block"
     return n_hit * Z
 
-  def add_cost(
-    self, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None
-  ) -> int:
+  def add_cost(self, prompt: Sequence[int], *, salt: bytes = b"", limit: int | None = None) -> int:
     """Blocks `add_sequence` would take from the available ones (new plus revived cached)."""
     chain = self._chain(prompt, salt)
     n_hit = self._hit_blocks(chain, limit)

@@ -176,6 +176,13 @@ class PoolLayout:
   def data(self) -> str | None:
     return dict(self.rules).get("pages")
 
+  @property
+  def tokens(self) -> str | None:
+    """The mesh axis that splits a ragged call's tokens (prefill context parallelism), where
+    it has more than one device; else None."""
+    axis = dict(self.rules).get("tokens")
+    return axis if axis is not None and self.mesh.shape.get(axis, 1) > 1 else None
+
   def shard(self, fn, in_specs, out_specs):
     """`fn` run on every device's shards (no check of replication: the specs say it)."""
     return jax.shard_map(
@@ -379,9 +386,7 @@ class HybridPool:
     rank_L = np.where(windowed_L, np.cumsum(windowed_L) - 1, np.cumsum(~windowed_L) - 1)
     windowed = jnp.asarray(windowed_L)[layer]
     rank = jnp.asarray(rank_L, jnp.int32)[layer]
-    full = self.full.layer(
-      storage[:n], jnp.where(windowed, 0, rank), block_table, queries, layout
-    )
+    full = self.full.layer(storage[:n], jnp.where(windowed, 0, rank), block_table, queries, layout)
     sliding = self.sliding.layer(
       storage[n:], jnp.where(windowed, rank, 0), window_table, queries, layout
     )
@@ -470,6 +475,18 @@ class Queries:
   kv_lengths: Array  # i32[B] tokens held, the new ones included
   max_length: int | None = _static()  # the most new tokens any sequence has, if known
 
+  def shard(self, T: int, index: Array) -> Queries:
+    """The queries of shard `index` of the call's token axis split into pieces of T: each
+    sequence's tokens within it, and what the sequence holds up to its last one there (a
+    sequence with none there holds nothing here)."""
+    offset = index * T
+    lo = jnp.clip(self.start - offset, 0, T)
+    hi = jnp.clip(self.start + self.length - offset, 0, T)
+    length = hi - lo
+    held = self.kv_lengths - self.length + (offset + hi - self.start)
+    longest = T if self.max_length is None else min(T, self.max_length)
+    return Queries(lo, length, jnp.where(length > 0, held, 0), longest)
+
   def flat_starts(self, R: int, T: int) -> Array:
     """i32[B] each sequence's first token on the call's flattened [R * T] axis."""
     per_row = self.start.shape[0] // R
@@ -493,6 +510,13 @@ def _attend(q_RTN_, storage, table_BM, queries: Queries, layer, **kw):
   return out.reshape(R, T, *out.shape[1:])
 
 
+def _split_axis(view) -> str | None:
+  """The mesh axis a view's call splits its tokens over, or None."""
+  if not view.split_tokens or view.layout is None:
+    return None
+  return view.layout.tokens
+
+
 def _implementation(implementation):
   # The model's attention choice names FlashAttention's too ("cudnn"); the paged kernels have
   # their Pallas kernel and an XLA path, and the dispatcher picks per platform for the rest.
@@ -514,6 +538,8 @@ class PagedKVLayer:
   options: tuple = _static(())  # (name, value) pairs for the attention kernel's dispatcher
   k_scale: Array | None = None  # f32[L, P, Z, K] when k and v hold 8-bit codes
   v_scale: Array | None = None  # f32[L, P, Z, K]
+  # The call's tokens split over the layout's `tokens` axis (`PagedCache.split_tokens`).
+  split_tokens: bool = _static(False)
 
   # Attention reads the pool in place for any number of new tokens: no dense `read` is needed.
   attends_in_place = True
@@ -596,8 +622,12 @@ class PagedKVLayer:
       **dict(self.options),
     )
 
+    tokens = _split_axis(self)
+
     def local(q_RTNH, table_BM, queries, layer, sinks_N, k, v, *scales):
       table_BM = local_table(table_BM, layout, k.shape[1])
+      if tokens is not None:  # this device's share of the tokens
+        queries = queries.shard(q_RTNH.shape[1], jax.lax.axis_index(tokens))
       if scales:  # 8-bit codes: the queries stay in the model's dtype
         scaled = dict(k_scale=scales[0], v_scale=scales[1])
         return _attend(q_RTNH, (k, v), table_BM, queries, layer, sinks=sinks_N, **scaled, **kw)
@@ -609,8 +639,9 @@ class PagedKVLayer:
     scale = self._scale_spec()
     pools = (pool, pool) + ((scale, scale) if self.k_scale is not None else ())
     sink_spec = None if layout is None or sinks is None else layout.spec("q_heads")
-    specs = (heads("q_heads"), seqs(2), q_specs, P(), sink_spec, *pools)
-    out = per_shard(layout, local, specs, heads("q_heads"))(
+    q_spec = heads("q_heads") if tokens is None else layout.spec("batch", "tokens", "q_heads")
+    specs = (q_spec, seqs(2), q_specs, P(), sink_spec, *pools)
+    out = per_shard(layout, local, specs, q_spec)(
       q_BTNH, self.block_table, self.queries, self.layer, sinks, *self.storage
     )
     return out.astype(dtype)
@@ -650,6 +681,7 @@ class PagedLatentLayer:
   layout: PoolLayout | None = _static()  # on a mesh: every read and write per shard
   options: tuple = _static(())
   c_scale: Array | None = None  # f32[L, P, Z, 1] when c holds 8-bit codes
+  split_tokens: bool = _static(False)  # as `PagedKVLayer`'s
 
   attends_in_place = True
 
@@ -723,8 +755,12 @@ class PagedLatentLayer:
     layout = self.layout
     kw = dict(scale=scale, implementation=_implementation(implementation), **dict(self.options))
 
+    tokens = _split_axis(self)
+
     def local(q_RTNY, table_BM, queries, layer, c, *scale):
       table_BM = local_table(table_BM, layout, c.shape[1])
+      if tokens is not None:  # this device's share of the tokens
+        queries = queries.shard(q_RTNY.shape[1], jax.lax.axis_index(tokens))
       if scale:  # 8-bit codes: the queries stay in the model's dtype
         return _attend(
           q_RTNY, (c, None), table_BM, queries, layer, value_dim=C, k_scale=scale[0], **kw
@@ -734,6 +770,8 @@ class PagedLatentLayer:
     pool, seqs, heads = self._specs()
     q_specs = jax.tree.map(lambda _: seqs(1), self.queries)
     pools = (pool, self._scale_spec()) if self.c_scale is not None else (pool,)
+    if tokens is not None:
+      heads = layout.spec("batch", "tokens", "q_heads", None)
     specs = (heads, seqs(2), q_specs, P(), *pools)
     out = per_shard(layout, local, specs, heads)(
       q_BTNY, self.block_table, self.queries, self.layer, *self.storage
@@ -826,6 +864,10 @@ class PagedCache:
   options: tuple = _static(())  # (name, value) pairs for `kernels.ragged_paged_attention`
   # i32[B, M] the windowed layers' blocks of a `HybridPool` (global ids into its sliding pool)
   window_table: Array | None = None
+  # Ragged: the call's tokens split over the layout's `tokens` axis (prefill context
+  # parallelism), each device attending with its share of the queries. New entries are written
+  # whole on every device (each holds the whole pool).
+  split_tokens: bool = _static(False)
 
   @property
   def layers(self) -> tuple[Array, ...]:
@@ -849,13 +891,14 @@ class PagedCache:
       view = self.pool.layer(
         storage, layer, self.block_table, queries, self.layout, self.window_table
       )
+      kw = dict(options=self.options, split_tokens=self.split_tokens)
       return dataclasses.replace(
         view,
-        full=dataclasses.replace(view.full, options=self.options),
-        sliding=dataclasses.replace(view.sliding, options=self.options),
+        full=dataclasses.replace(view.full, **kw),
+        sliding=dataclasses.replace(view.sliding, **kw),
       )
     view = self.pool.layer(storage, layer, self.block_table, queries, self.layout)
-    return dataclasses.replace(view, options=self.options)
+    return dataclasses.replace(view, options=self.options, split_tokens=self.split_tokens)
 
   def advance(self, layers, positions_BT) -> PagedCache:
     return dataclasses.replace(

@@ -133,17 +133,23 @@ def _gib(n: int) -> str:
 
 
 def _mesh_for(config: EngineConfig, mesh: Mesh | None) -> Mesh | None:
-  """The serving mesh: the one given, or the config's data x tensor devices; None for one."""
-  want = (config.data_parallel_size, config.tensor_parallel_size)
+  """The serving mesh: the one given, or the config's data x context x tensor devices; None
+  for one."""
+  want = (
+    config.data_parallel_size,
+    config.tensor_parallel_size,
+    config.prefill_context_parallel_size,
+  )
   if mesh is not None:
-    got = placement.mesh_sizes(mesh)
-    if want != (1, 1) and want != got:
+    got = (*placement.mesh_sizes(mesh), placement.context_size(mesh))
+    if want != (1, 1, 1) and want != got:
       raise ConfigError(
-        f"serve.engine.data_parallel_size={want[0]}, tensor_parallel_size={want[1]} is not "
-        f"allowed with mesh={dict(mesh.shape)}: give one or make them agree"
+        f"serve.engine.data_parallel_size={want[0]}, tensor_parallel_size={want[1]}, "
+        f"prefill_context_parallel_size={want[2]} is not allowed with "
+        f"mesh={dict(mesh.shape)}: give one or make them agree"
       )
-  elif want != (1, 1):
-    mesh = placement.serving_mesh(*want)
+  elif want != (1, 1, 1):
+    mesh = placement.serving_mesh(want[0], want[1], context=want[2])
   return None if mesh is None or mesh.size == 1 else mesh
 
 
@@ -281,6 +287,7 @@ class Engine:
       sizing.resolve(config, n_blocks, max_model_len, k),
       data_parallel_size=dp,
       tensor_parallel_size=tp,
+      prefill_context_parallel_size=placement.context_size(mesh),
     )
     self.runner.allocate(n_blocks, self.config, n_window_blocks)
     self.scheduler = Scheduler(
@@ -400,10 +407,13 @@ class Engine:
         f"activations {_gib(s.activations)})"
       )
     log.info(
-      "mesh: %d data-parallel replica(s) x %d tensor-parallel device(s); per device: weights "
+      "mesh: %d data-parallel replica(s) x %d tensor-parallel device(s)%s; per device: weights "
       "%s, pool %s%s",
       r.n_replicas,
       r.tensor,
+      ""
+      if c.prefill_context_parallel_size == 1
+      else f" x {c.prefill_context_parallel_size} splitting each step's tokens",
       _gib(r.weight_bytes),
       _gib(r.pool_bytes),
       memory,

@@ -13,6 +13,9 @@ through the same machinery as the trainer's tables (`atlas_jax.training.sharding
                                   expert's slice; the router and the shared experts as above)
   vocab               tensor      the embedding and the output head (vocabulary-parallel)
   batch, pages        data        a step's rows and a pool's blocks: each replica its own
+  tokens              context     a ragged step's tokens (prefill context parallelism): each
+                                  device of a replica computes its share of them; the weights
+                                  and the pool are whole on each
 
 Everything else is replicated within a replica: norms, the model width, MLA's low-rank
 bottlenecks and its latent pool (one latent serves every head, so each tensor device holds it
@@ -44,7 +47,7 @@ from atlas_jax.training.sharding import logical_axes_of, make_mesh, spec_for, tr
 
 log = logging.getLogger("atlas_jax.serving")
 
-ROW_RULES = {"batch": "data", "pages": "data"}
+ROW_RULES = {"batch": "data", "pages": "data", "tokens": "context"}
 SERVING_RULES = {
   **ROW_RULES,
   "q_heads": "tensor",
@@ -55,35 +58,45 @@ SERVING_RULES = {
 }
 
 
-def check_devices(data: int, tensor: int, n_devices: int | None = None) -> None:
+def check_devices(data: int, tensor: int, n_devices: int | None = None, context: int = 1) -> None:
   """ConfigError naming serve.engine's fields when more devices are asked for than exist."""
   n = len(jax.devices()) if n_devices is None else n_devices
-  if data * tensor > n:
+  if data * tensor * context > n:
+    pcp = "" if context == 1 else f" x serve.engine.prefill_context_parallel_size={context}"
     raise ConfigError(
-      f"serve.engine.tensor_parallel_size={tensor} x serve.engine.data_parallel_size={data} "
-      f"needs {data * tensor} devices but {n} are available"
+      f"serve.engine.tensor_parallel_size={tensor} x serve.engine.data_parallel_size={data}"
+      f"{pcp} needs {data * tensor * context} devices but {n} are available"
     )
 
 
-def serving_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh:
-  """The first data x tensor devices as a (data, fsdp=1, tensor) mesh.
+def serving_mesh(data: int = 1, tensor: int = 1, devices=None, context: int = 1) -> Mesh:
+  """The first data x context x tensor devices as a (data, fsdp=1, context, tensor) mesh.
 
   Raises:
     ConfigError naming serve.engine's fields when more devices are asked for than exist.
   """
   devices = list(jax.devices() if devices is None else devices)
-  check_devices(data, tensor, len(devices))
-  return make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor), devices[: data * tensor])
+  check_devices(data, tensor, len(devices), context)
+  n = data * tensor * context
+  return make_mesh(MeshConfig(data=data, fsdp=1, context=context, tensor=tensor), devices[:n])
 
 
 def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
-  """(data, tensor) sizes of a serving mesh; every other axis must be 1."""
-  extra = {a: s for a, s in mesh.shape.items() if a not in ("data", "tensor") and s != 1}
+  """(data, tensor) sizes of a serving mesh; its context axis may exceed 1 too
+  (`context_size`), every other axis must be 1."""
+  allowed = ("data", "tensor", "context")
+  extra = {a: s for a, s in mesh.shape.items() if a not in allowed and s != 1}
   if extra:
     raise ConfigError(
-      f"mesh={dict(mesh.shape)} is not allowed for serving: only data and tensor may exceed 1"
+      f"mesh={dict(mesh.shape)} is not allowed for serving: only data, context and tensor may "
+      "exceed 1"
     )
   return mesh.shape.get("data", 1), mesh.shape.get("tensor", 1)
+
+
+def context_size(mesh: Mesh | None) -> int:
+  """The devices of a serving mesh's context axis (prefill context parallelism); 1 without."""
+  return 1 if mesh is None else mesh.shape.get("context", 1)
 
 
 def check_heads(cfg, tensor: int, what: str = "the model") -> None:

@@ -494,9 +494,7 @@ def start(engine, liveness: Liveness | None) -> Mirror | None:
   runner = engine.runner
   # (blocks per replica, the windowed layers' own blocks of a hybrid pool or 0)
   mine = (engine.config.n_blocks, runner.n_window_blocks or 0)
-  leaders = tuple(
-    int(n) for n in multihost_utils.broadcast_one_to_all(np.array(mine, np.int32))
-  )
+  leaders = tuple(int(n) for n in multihost_utils.broadcast_one_to_all(np.array(mine, np.int32)))
   if leaders != mine:
     if leaders > mine:
       log.warning(

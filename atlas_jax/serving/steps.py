@@ -81,6 +81,28 @@ def _next_tokens(x: StepRecord, token_B: Array) -> Array:
   return shifted_RT.at[row_B, x.last_B].set(token_B, mode="drop")
 
 
+def splits_tokens(layout: PoolLayout | None, x: StepRecord) -> bool:
+  """Whether a record's tokens split over the layout's `tokens` axis (prefill context
+  parallelism): a ragged record whose T the axis divides. A rows-form record (a burst, a round)
+  runs whole on every device of the axis."""
+  if layout is None or layout.tokens is None or x.rows_form:
+    return False
+  return x.tokens_RT.shape[1] % layout.mesh.shape[layout.tokens] == 0
+
+
+def split_tokens(layout: PoolLayout | None, x: StepRecord) -> StepRecord:
+  """The record with its tokens laid out split over the `tokens` axis where it splits them
+  (`splits_tokens`): every per-token computation of the model then runs on each device's share
+  (XLA's partitioner follows the tokens' layout), and attention on the pool per shard."""
+  if not splits_tokens(layout, x):
+    return x
+  spec = NamedSharding(layout.mesh, layout.spec("batch", "tokens"))
+  put = lambda a: None if a is None else jax.lax.with_sharding_constraint(a, spec)
+  return dataclasses.replace(
+    x, tokens_RT=put(x.tokens_RT), positions_RT=put(x.positions_RT), adapter_RT=put(x.adapter_RT)
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Bound:
   """What a program's trace needs besides arrays (static)."""
@@ -110,6 +132,7 @@ class _Bound:
       query_len=x.query_len_B,
       options=self.options,
       window_table=window,
+      split_tokens=splits_tokens(layout, x),
     )
 
   @property
@@ -160,6 +183,7 @@ def forward_sample(b: _Bound, states, pools, x: StepRecord):
   """
   (state, d_params), (pool, d_pool) = states, pools
   model = nnx.merge(b.graphdef, state)
+  x = split_tokens(b.layout, x)
   R, B = x.tokens_RT.shape[0], x.lengths_B.shape[0]
   start_B = jnp.maximum(x.lengths_B, 0)
   with _adapters(x.adapter_RT):

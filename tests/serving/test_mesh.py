@@ -18,6 +18,7 @@ from atlas_jax.decoding import SamplingParams
 from atlas_jax.decoding.guided import GrammarCompiler, spec_from_request
 from atlas_jax.model import build
 from atlas_jax.serving.engine import Engine, EngineConfig
+from atlas_jax.serving.runner import Shape
 
 from .conftest import MOE
 
@@ -139,6 +140,53 @@ def test_a_mesh_serves_the_single_device_tokens(reference, kind, mesh):
   # The requests were spread over the replicas, each admitted on the least loaded.
   used = [a.stats().prefix_query_tokens > 0 for a in engine.allocators]
   assert sum(used) == min(dp, len(want))
+
+
+PCP_CASES = [
+  pytest.param("gqa", (1, 2, 2), id="gqa-context2xtensor2"),
+  pytest.param("mla", (2, 1, 4), id="mla-data2xcontext4"),
+  pytest.param("hybrid", (2, 2, 2), id="hybrid-data2xcontext2xtensor2", marks=pytest.mark.slow),
+  pytest.param("moe", (1, 2, 4), id="moe-context4xtensor2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind, mesh", PCP_CASES)
+def test_prefill_context_parallelism_serves_the_single_device_tokens(reference, kind, mesh):
+  """Each ragged step's tokens split over the context axis (the bursts run whole on each of
+  its devices): the single-device tokens, under preemption and prefix caching."""
+  model, want = reference(kind)
+  dp, tp, pcp = mesh
+  config = dataclasses.replace(
+    CONFIG, data_parallel_size=dp, tensor_parallel_size=tp, prefill_context_parallel_size=pcp
+  )
+  got, engine = serve(model, config)
+  assert got == want and engine.mesh.shape["context"] == pcp
+  # The pool is whole on every device of the context axis: its pages split over data only.
+  k = jax.tree.leaves(engine.pools[0])[0]
+  assert k.addressable_shards[0].data.shape[1] == k.shape[1] // dp
+
+
+def test_prefill_context_parallelism_splits_the_steps_matmuls():
+  """A step of 64 tokens over context 2: every projection's matmul on each device has 32 rows
+  (the compiled per-device program), where without the axis it has 64."""
+  model = model_of("gqa")
+  rows = {}
+  for pcp in (1, 2):
+    config = dataclasses.replace(
+      CONFIG,
+      tensor_parallel_size=2,
+      prefill_context_parallel_size=pcp,
+      max_num_batched_tokens=64,
+      prefill_chunk=64,
+    )
+    r = Engine(model, config).runner
+    program, x = r._warmup_call(Shape("step", r.step_slots(64), 64, r.widths()[0]))
+    text = program.lower(r.states, r.pools, x).compile().as_text()
+    # The 2-D dots: the projections over the step's tokens (and the head at each sequence's
+    # last token, 4 rows).
+    found = re.findall(r"= f32\[(\d+),\d+\]\{1,0\} dot\(", text)
+    rows[pcp] = set(map(int, found)) - {4}
+  assert rows == {1: {64}, 2: {32}}
 
 
 def pool_arrays(engine):
