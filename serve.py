@@ -128,7 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     default = config_default(d, path)
     text = f"{what} (serve.{path}; default: {default if default is not None else 'sized'})"
     # argparse %-formats help (for `%(default)s`), so the table's plain text doubles its "%".
-    p.add_argument(*names, dest=flag_dest(path), type=kind, help=text.replace("%", "%%"))
+    # A true/false flag given alone means true (`--disable-hybrid-kv-cache-manager`, as vLLM's).
+    alone = dict(nargs="?", const=True) if kind is on_off else {}
+    p.add_argument(*names, dest=flag_dest(path), type=kind, help=text.replace("%", "%%"), **alone)
   p.add_argument(
     "--draft",
     help="speculative decoding: a smaller model with the same tokenizer (a train.py run directory "
@@ -468,6 +470,12 @@ CONFIG_FLAGS = {
     int,
     "decode iterations per call in batch mode, where every prompt is added before the first "
     "step and none can wait for a burst (at least --decode-burst)",
+  ),
+  "engine.disable_hybrid_kv_cache_manager": (
+    ("--disable-hybrid-kv-cache-manager",),
+    on_off,
+    "a model mixing sliding-window and full-attention layers keeps every layer's blocks in one "
+    "pool, the windowed layers' too, rather than their window's in a pool of their own",
   ),
   "engine.stream_bursts": (
     ("--stream-bursts",),

@@ -827,6 +827,11 @@ class EngineConfig:
   # whole max_model_len up front, so at most n_blocks // (max_model_len / block_size) run at once
   # (per replica), none shares a block (no prefix caching) and none is preempted.
   preallocate: bool = False
+  # A model mixing sliding-window and full-attention layers (Gemma 2 and 3, gpt-oss) keeps its
+  # windowed layers' blocks in a pool of their own, each request holding only its window's there
+  # (`atlas_jax.cache.paged.HybridPool`; n_blocks then counts blocks of every layer, split
+  # between the two pools); True: one pool for every layer, as for other models (vLLM's flag).
+  disable_hybrid_kv_cache_manager: bool = False
   decode_burst: int = 8  # I: decode iterations per call when no request needs the host; 1: off
   # The same while the engine is offline (`Engine.generate`, serve.py's batch mode: every
   # request added before the first step), where no arrival can wait for a burst; longer bursts
@@ -896,7 +901,7 @@ class EngineConfig:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         _fail(where(name), value, "must be a positive integer")
-    for name in ("enable_prefix_caching", "stream_bursts"):
+    for name in ("enable_prefix_caching", "stream_bursts", "disable_hybrid_kv_cache_manager"):
       if not isinstance(getattr(self, name), bool):
         _fail(where(name), getattr(self, name), "must be true or false")
     for name in ("prefill_chunk", "min_batch_bucket"):

@@ -918,11 +918,12 @@ __all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "Row"]
 def hybrid_window(cfg, drafter, config) -> int | None:
   """W (the largest window) when the model mixes sliding-window and full-attention layers and
   the windowed layers' blocks can live in a pool of their own (`HybridPool`): a KV pool, no
-  drafter (it reads the whole history through the same tables) and no pre-allocation (whose
-  reservations are whole contexts); None otherwise."""
+  drafter (it reads the whole history through the same tables), no pre-allocation (whose
+  reservations are whole contexts), and not `disable_hybrid_kv_cache_manager`; else None."""
   windows = [kind.sliding_window for kind in cfg.attention_kinds()[0]]
   windowed = sum(windowed_layers(cfg))
-  if drafter is not None or config.preallocate or not 0 < windowed < cfg.n_layers:
+  off = config.preallocate or config.disable_hybrid_kv_cache_manager
+  if drafter is not None or off or not 0 < windowed < cfg.n_layers:
     return None
   return max(w for w in windows if w is not None)
 

@@ -272,3 +272,26 @@ def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate(runn
   s = engine.kv_stats()
   assert engine.n_preemptions > 0 and s.prefix_hit_tokens > 0 and s.n_used == 0
   assert engine.allocator.sliding.stats().n_used == 0
+
+
+def test_hybrid_pools_hold_8bit_pages_and_serve_the_one_pools_tokens():
+  """An int8 pool, split or not (`disable_hybrid_kv_cache_manager`, vLLM's flag): the same
+  entries read through either layout, the same tokens; disabled, one pool and one allocator."""
+  model = hybrid_model(2)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, 48, int(n)).tolist() for n in (25, 7, 16)]
+  params = [SamplingParams(max_new_tokens=20, temperature=float(i % 2), seed=i) for i in range(3)]
+  config = EngineConfig(
+    runner="ragged",
+    n_blocks=24,
+    block_size=Z,
+    max_num_seqs=3,
+    prefill_chunk=8,
+    decode_burst=4,
+    kv_cache_dtype="int8",
+  )
+  hybrid = Engine(model, config)
+  one = Engine(model, dataclasses.replace(config, disable_hybrid_kv_cache_manager=True))
+  assert isinstance(hybrid.allocator, HybridAllocator) and hybrid.pools[0].sliding.k_scale.ndim == 4
+  assert isinstance(one.allocator, BlockAllocator) and one.runner.n_window_blocks is None
+  assert hybrid.generate(prompts, params) == one.generate(prompts, params)
