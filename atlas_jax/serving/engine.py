@@ -273,6 +273,8 @@ class Engine:
         n_windowed=windowed,
         request_blocks=window_blocks,
         max_num_seqs=config.max_num_seqs,
+        block_size=Z,
+        max_model_len=max_model_len,
       )
       log.info(
         "pool: %d of %d layers attend within a %d-token window: their blocks are a pool of "

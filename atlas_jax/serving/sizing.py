@@ -129,21 +129,34 @@ def size_pool(
 
 
 def split_window_pool(
-  n_blocks: int, *, n_layers: int, n_windowed: int, request_blocks: int, max_num_seqs: int | None
+  n_blocks: int,
+  *,
+  n_layers: int,
+  n_windowed: int,
+  request_blocks: int,
+  max_num_seqs: int | None,
+  block_size: int,
+  max_model_len: int,
 ) -> tuple[int, int]:
   """(full-attention layers' blocks, windowed layers' blocks) per replica for a model mixing
   the two (`atlas_jax.cache.paged.HybridPool`), in the memory of `n_blocks` blocks of every
-  layer: the windowed layers get what every request the batch can hold needs at most
-  (`request_blocks` each: its window and what one step adds; `max_num_seqs`, or the largest
-  default batch), never more than `n_blocks`, and the full-attention layers the rest. A block of
-  the one pool costs n_layers - n_windowed layers' bytes, of the other n_windowed layers'.
+  layer. A block of the one pool costs the full-attention layers' bytes, of the other the
+  windowed layers'; a request holds at most `request_blocks` in the windowed pool (its window
+  and what one step adds). The windowed layers get what the batch's requests hold there: all
+  `max_num_seqs` at their most, or, unset, as many requests of a typical length (as
+  `default_max_num_seqs` counts) as the memory holds with each layer holding its share; never
+  more than `n_blocks`. The full-attention layers get the rest.
   """
   if not 0 < n_windowed < n_layers:
     raise ValueError(f"split_window_pool: {n_windowed} windowed layers of {n_layers}")
-  seats = max_num_seqs or MAX_DEFAULT_SEQS
+  n_full_layers = n_layers - n_windowed
+  seats = max_num_seqs
+  if seats is None:
+    typical = -(-min(max_model_len, TYPICAL_TOKENS) // block_size)
+    per_request = n_full_layers * typical + n_windowed * min(typical, request_blocks)
+    seats = max(1, min(MAX_DEFAULT_SEQS, n_blocks * n_layers // per_request))
   n_window = min(n_blocks, seats * request_blocks)
-  n_full = n_blocks + (n_blocks - n_window) * n_windowed // (n_layers - n_windowed)
-  return n_full, n_window
+  return n_blocks + (n_blocks - n_window) * n_windowed // n_full_layers, n_window
 
 
 def default_max_num_seqs(n_blocks: int, block_size: int, max_model_len: int) -> int:

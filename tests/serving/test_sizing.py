@@ -90,3 +90,21 @@ def test_sizing_without_device_memory_and_its_errors(model, caplog):
     Engine(model, dataclasses.replace(CONFIG, kv_cache_memory=100))
   with pytest.raises(ConfigError, match=r"max_model_len=256 is not allowed: the model's context"):
     Engine(model, dataclasses.replace(CONFIG, max_model_len=256))
+
+
+def test_a_hybrid_pool_splits_the_same_memory_by_what_requests_hold():
+  """Gemma-3-1B's 22 windowed and 4 global layers, 2,048 blocks of 16 tokens of every layer, a
+  request holding 50 blocks at most in the windowed pool: unset, the batch is the requests of
+  2,048 tokens the memory holds (4 x 128 + 22 x 50 layer-blocks each: 33), their windows the
+  windowed pool; the rest of the bytes go to the global layers' pool. A batch given is what the
+  windowed pool holds; never more blocks than the one pool had."""
+  kw = dict(n_layers=26, n_windowed=22, request_blocks=50, block_size=16, max_model_len=4096)
+  full, window = sizing.split_window_pool(2048, max_num_seqs=None, **kw)
+  assert window == 33 * 50 and 2048 * 26 // (4 * 128 + 22 * 50) == 33
+  assert full == 2048 + (2048 - window) * 22 // 4
+  assert 4 * full + 22 * window <= 26 * 2048
+  assert sizing.split_window_pool(2048, max_num_seqs=8, **kw) == (
+    2048 + (2048 - 400) * 22 // 4,
+    400,
+  )
+  assert sizing.split_window_pool(2048, max_num_seqs=64, **kw) == (2048, 2048)
