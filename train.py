@@ -273,13 +273,22 @@ def load_examples(run: Run, files: dict, t0: float) -> Data:
   return Data(train_ds, eval_data, unigram, split["eval"])
 
 
+def asynchronous(cfg: Config) -> bool:
+  """Whether checkpoints save while the run goes on (`train.async_checkpointing`)."""
+  if cfg.train.async_checkpointing is not None:
+    return cfg.train.async_checkpointing
+  return jax.default_backend() != "cpu"
+
+
 def restore(run: Run) -> tuple[Any, TrainState, int]:
   """(checkpoint manager, state, steps done): the newest intact checkpoint, or a fresh init.
 
   A damaged newest checkpoint is set aside and the next one tried (train.on_corrupt_checkpoint);
   raises checkpoint.CheckpointError where none can be restored."""
   cfg, trainer = run.cfg, run.trainer
-  mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
+  mngr = checkpoint.manager(
+    run.run_dir, max_to_keep=cfg.train.keep_checkpoints, asynchronous=asynchronous(cfg)
+  )
   if mngr.latest_step() is None:
     key = jax.random.key(cfg.train.seed)
     if cfg.train.init_from is None:
@@ -304,7 +313,9 @@ def restore(run: Run) -> tuple[Any, TrainState, int]:
       from jax.experimental import multihost_utils
 
       multihost_utils.sync_global_devices("checkpoint.set_aside")
-    mngr = checkpoint.manager(run.run_dir, max_to_keep=cfg.train.keep_checkpoints)
+    mngr = checkpoint.manager(
+      run.run_dir, max_to_keep=cfg.train.keep_checkpoints, asynchronous=asynchronous(cfg)
+    )
   start = int(meta["data_index"])
   run.say(f"resumed from {run.run_dir} at step {start}")
   return mngr, trainer.restored(state, meta), start
@@ -437,8 +448,20 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   save = lambda step: checkpoint.save(mngr, step, state, trainer.checkpoint_meta(step))
 
   t_last, steps_since = time.time(), 0
+  # An asynchronous save holds a host copy of the state until written; with the allocator keeping
+  # freed memory (`run.host_malloc`) its buffers would stay resident as holes that the step's one
+  # large temporary buffer does not fit, so they go back once the save has ended.
+  trim_after_save = False
+  if run.host_malloc and start < cfg.train.steps:
+    # Compiled ahead, its working memory handed back before the first step takes its buffers:
+    # kept as holes, the step's one large temporary buffer would not fit them.
+    train_step = train_step.lower(state, to_global(data.train[start])).compile()
+    host_memory.return_freed_memory()
   with Interrupt() as interrupt:
     for step in range(start + 1, cfg.train.steps + 1):
+      if trim_after_save and not mngr.is_saving_in_progress():
+        host_memory.return_freed_memory()
+        trim_after_save = False
       state, metrics = train_step(state, to_global(data.train[step - 1]))
       out.step, steps_since = step, steps_since + 1
       last = step == cfg.train.steps
@@ -472,6 +495,7 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
       stop = interrupt.agreed(step, cfg.train.log_every)
       if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last or stop:
         save(step)
+        trim_after_save = bool(run.host_malloc)
       if stop and not last:
         out.exit_code = 128 + interrupt.signum
         run.say(
@@ -595,6 +619,10 @@ def run_command(args: argparse.Namespace) -> int:
   except (checkpoint.CheckpointError, ConfigError, ValueError) as e:  # init_from's errors too
     print(f"error: {e}", file=sys.stderr)
     return 2
+  # Loading a checkpoint or a folder reads every tensor through host buffers, freed once the
+  # state holds its arrays; with the allocator keeping freed memory (`run.host_malloc`) they would
+  # stay resident for the whole run, holes the step's one large temporary buffer does not fit.
+  host_memory.return_freed_memory()
   out = train(run, data, mngr, state, start)
   if out.exit_code:
     return out.exit_code

@@ -615,6 +615,10 @@ class TrainConfig:
   # saves the step it stopped at.
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
+  # Save while the next steps run (MaxText's name): the save holds a host copy of the state until
+  # it is written. null: on accelerators, whose state lives in device memory apart from that
+  # copy; not on a CPU, where the copy would take the same memory the steps' buffers need.
+  async_checkpointing: bool | None = None
   grad_accum: int = 1  # micro-batches per step, accumulated inside the jitted step
   # Pipeline parallelism (mesh.stage > 1): micro-batches in flight through the stages per
   # accumulation step (GPipe), and layer groups per stage (circular when > 1); the bubble is

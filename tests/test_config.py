@@ -60,6 +60,9 @@ def test_head_dim_defaults_to_d_model_over_heads():
     (["serve.sampling.top_p=0"], ["serve.sampling.top_p=0", "(0, 1]"]),
     (["serve.engine.prefill_chunk=48"], ["serve.engine.prefill_chunk=48", "power of two"]),
     (["serve.engine.kv_cache_memory=-1"], ["serve.engine.kv_cache_memory=-1", "bytes"]),
+    (["train.async_checkpointing=2"], ["train.async_checkpointing=2", "true or false"]),
+    (["serve.engine.prefill_context_parallel_size=0"], ["prefill_context_parallel_size=0"]),
+    (["serve.engine.disable_hybrid_kv_cache_manager=1"], ["disable_hybrid_kv_cache_manager=1"]),
     (["model.n_layers"], ["model.n_layers", "section.field=value"]),
   ],
 )

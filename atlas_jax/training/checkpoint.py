@@ -37,11 +37,15 @@ from atlas_jax.training.sharding import AXES
 T = TypeVar("T")
 
 
-def manager(directory: str | Path, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(
-    Path(directory).absolute(),
-    options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+def manager(
+  directory: str | Path, *, max_to_keep: int = 3, asynchronous: bool = True
+) -> ocp.CheckpointManager:
+  """Orbax's manager of a run's steps; `asynchronous`: `save` returns at once and writes while
+  the run goes on (`train.async_checkpointing`)."""
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=max_to_keep, create=True, enable_async_checkpointing=asynchronous
   )
+  return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
 def write_run_files(directory: str | Path, cfg: Config, tokenizer: Tokenizer | None = None) -> None:
@@ -61,7 +65,8 @@ def write_run_files(directory: str | Path, cfg: Config, tokenizer: Tokenizer | N
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
-  """Starts an asynchronous save of `state` (a TrainState) and `meta` (JSON) at `step`."""
+  """Saves `state` (a TrainState) and `meta` (JSON) at `step`: starts the save, or makes it
+  whole, as the manager is asynchronous or not."""
   mngr.save(
     step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
   )
