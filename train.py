@@ -455,7 +455,8 @@ def train(run: Run, data: Data, mngr, state: TrainState, start: int) -> Outcome:
   if run.host_malloc and start < cfg.train.steps:
     # Compiled ahead, its working memory handed back before the first step takes its buffers:
     # kept as holes, the step's one large temporary buffer would not fit them.
-    train_step = train_step.lower(state, to_global(data.train[start])).compile()
+    # (jit's cache keeps the program: the first step's call finds it compiled.)
+    train_step.lower(state, to_global(data.train[start])).compile()
     host_memory.return_freed_memory()
   with Interrupt() as interrupt:
     for step in range(start + 1, cfg.train.steps + 1):
