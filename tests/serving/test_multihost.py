@@ -187,13 +187,14 @@ class Recorded(multihost.Channel):
 
 
 @pytest.mark.slow
-def test_a_follower_replaying_the_leaders_calls_holds_the_same_pools():
+@pytest.mark.parametrize("kind", ["gqa", "hybrid"])
+def test_a_follower_replaying_the_leaders_calls_holds_the_same_pools(kind):
   """In one process: a leader engine over data 2 x tensor 2 whose calls go through the mirror
   (records and outputs on the host, every other program argument by name) draws what the
   engine draws without it, and a second engine replaying its messages (the warm-up's runs,
-  steps and bursts) ends with the same pools."""
+  steps and bursts) ends with the same pools (a hybrid model's two pools too)."""
   config = dataclasses.replace(mesh_test.CONFIG, tensor_parallel_size=2, data_parallel_size=2)
-  model = mesh_test.model_of("gqa")
+  model = mesh_test.model_of(kind)
   want, _ = mesh_test.serve(model, config)
 
   leader = Engine(model, config, eos_id=3)
