@@ -166,6 +166,19 @@ def test_prefill_context_parallelism_serves_the_single_device_tokens(reference, 
   assert k.addressable_shards[0].data.shape[1] == k.shape[1] // dp
 
 
+@pytest.mark.slow
+def test_prefill_context_parallelism_with_the_pallas_kernel():
+  """The ragged kernel in interpret mode, each device's queries its share of a step's tokens:
+  a hybrid model under context 2 x tensor 2 serves one device's tokens."""
+  types = ("sliding_attention", "full_attention")
+  cfg = ModelConfig(**SHAPE, n_kv_heads=2, init_std=0.3, sliding_window=8, layer_types=types)
+  model = build(cfg, rngs=nnx.Rngs(0), implementation="pallas")
+  config = dataclasses.replace(CONFIG, max_num_batched_tokens=32, prefill_chunk=16)
+  want, _ = serve(model, config)
+  split = dataclasses.replace(config, prefill_context_parallel_size=2, tensor_parallel_size=2)
+  assert serve(model, split)[0] == want
+
+
 def test_prefill_context_parallelism_splits_the_steps_matmuls():
   """A step of 64 tokens over context 2: every projection's matmul on each device has 32 rows
   (the compiled per-device program), where without the axis it has 64."""
