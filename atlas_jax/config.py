@@ -33,6 +33,9 @@ def _positive(section: str, obj: Any, *names: str) -> None:
       _fail(f"{section}.{name}", value, "must be > 0")
 
 
+LONGROPE_FREQUENCIES = ("dynamic", "short", "long")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Rotary frequency scaling. `llama3`: Llama-3.1's wavelength-dependent interpolation.
@@ -45,7 +48,11 @@ class RopeScaling:
   `longrope` (Phi-3, Phi-4): each dimension pair's frequency divided by its `short_factor` entry
   while a call's positions stay inside `original_max_position_embeddings`, by its `long_factor`
   entry past it; cos/sin multiplied by `attention_factor` (default sqrt(1 + ln(factor) /
-  ln(original_max_position_embeddings)), 1 when factor <= 1).
+  ln(original_max_position_embeddings)), 1 when factor <= 1). `longrope_frequencies` says which
+  set: "dynamic" picks per call from the call's largest position (transformers' rule: training and
+  `generate`); "short" or "long" fixes one set for every call. The serving engine fixes it from
+  its max_model_len (long past the original context, vLLM's rule): its call is a batch of many
+  sequences, so a per-call choice would make one sequence's tokens depend on the others.
   """
 
   type: Literal["llama3", "linear", "yarn", "longrope"] = "llama3"
@@ -61,6 +68,7 @@ class RopeScaling:
   truncate: bool = True  # yarn: round the correction range to whole dimensions
   short_factor: tuple[float, ...] = ()  # longrope: one per rotated dimension pair
   long_factor: tuple[float, ...] = ()  # longrope: one per rotated dimension pair
+  longrope_frequencies: Literal["dynamic", "short", "long"] = "dynamic"  # longrope (see above)
 
   def __post_init__(self):
     _positive("model.rope_scaling", self, "factor", "original_max_position_embeddings")
@@ -74,6 +82,12 @@ class RopeScaling:
           list(getattr(self, name)),
           "must be a non-empty list of numbers > 0 (one per rotated dimension pair) for longrope",
         )
+    if self.longrope_frequencies not in LONGROPE_FREQUENCIES:
+      _fail(
+        "model.rope_scaling.longrope_frequencies",
+        self.longrope_frequencies,
+        f"must be one of {', '.join(LONGROPE_FREQUENCIES)}",
+      )
     if self.type in ("yarn", "longrope") and self.attention_factor is not None:
       if self.attention_factor <= 0:
         _fail("model.rope_scaling.attention_factor", self.attention_factor, "must be > 0 or null")

@@ -53,6 +53,10 @@ def test_head_dim_defaults_to_d_model_over_heads():
     (["attention.implementation=fast"], ["attention.implementation='fast'", "'pallas'"]),
     (["model.rope_scaling={type: longrope}"], ["model.rope_scaling.short_factor=[]", "longrope"]),
     (["model.rope_scaling={type: rope}"], ["model.rope_scaling.type='rope'", "'longrope'"]),
+    (
+      ["model.rope_scaling={type: yarn, longrope_frequencies: both}"],
+      ["model.rope_scaling.longrope_frequencies='both'", "'dynamic'", "'long'"],
+    ),
     (["model.partial_rotary_factor=0"], ["model.partial_rotary_factor=0", "(0, 1]"]),
     (["mesh.data=-1", "mesh.fsdp=-1"], ["mesh", "at most one axis"]),
     (["train.seq_len=1024"], ["train.seq_len=1024", "max_seq_len=512"]),

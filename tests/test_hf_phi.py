@@ -263,6 +263,54 @@ def test_engine_serves_transformers_greedy_tokens_past_the_original_context(runn
     assert got[i] == out[0, len(prompt) :].tolist(), (runner, i)
 
 
+def _serve(model, prompts, new, **config):
+  from atlas_jax.serving.engine import Engine, EngineConfig
+
+  engine = Engine(
+    model,
+    EngineConfig(
+      n_blocks=64,
+      block_size=4,
+      max_num_seqs=4,
+      max_num_batched_tokens=64,
+      prefill_chunk=32,
+      **config,
+    ),
+  )
+  for i, prompt in enumerate(prompts):
+    engine.add_request(i, prompt, SamplingParams(max_new_tokens=new))
+  got = {i: [] for i in range(len(prompts))}
+  while engine.has_unfinished():
+    for out in engine.step():
+      got[out.request_id].extend(out.new_token_ids)
+  return [got[i] for i in range(len(prompts))]
+
+
+def _hf_greedy(ref, prompt, new):
+  with torch.no_grad():
+    out = ref.generate(
+      torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+  return out[0, len(prompt) :].tolist()
+
+
+def test_engine_fixes_one_longrope_set_so_a_sequence_never_depends_on_its_batch(tmp_path):
+  """Served, LongRoPE's set is fixed from max_model_len (vLLM's rule), not chosen per call from
+  the largest position of the flat batch: a short sequence's tokens are the same alone and
+  batched with one past the original context. Past it (max_model_len 64) the long set is
+  transformers' for a prompt past the original context; inside it (max_model_len 16) the short
+  set is transformers' for a short prompt."""
+  ref, ours = load_pair("phi4-longrope-partial", tmp_path, std=0.3)
+  rng = np.random.RandomState(3)
+  short, long = rng.randint(3, V, 6).tolist(), rng.randint(3, V, 30).tolist()
+  together = _serve(ours, [short, long], 8)
+  assert together[0] == _serve(ours, [short], 8)[0]
+  assert together[1] == _hf_greedy(ref, long, 8)
+  assert _serve(ours, [short], 8, max_model_len=ORIGINAL)[0] == _hf_greedy(ref, short, 8)
+  # The caller's model keeps transformers' per-call rule (training, `generate`).
+  assert ours.cfg.rope_scaling.longrope_frequencies == "dynamic"
+
+
 def test_partial_rotary_is_never_exported_as_a_family_rotating_whole_heads():
   import dataclasses
 

@@ -28,12 +28,13 @@ class Rope:
   Only the first `rotary_dim` dims of each head rotate (partial RoPE: Phi-4-mini rotates 3/4 of
   them, GLM-4.5 half), rotate-half within them; the rest pass unchanged. cos and sin are scaled by
   the scaling's attention factor (YaRN, LongRoPE), so q.k grows by its square on the rotated dims.
-  LongRoPE has two frequency sets: the short one while every position of the call is inside the
-  original context, the long one once any is past it (Hugging Face's rule, per forward call); the
-  choice is a traced select, so one compiled program serves both. A KV cache keeps each key as the
-  call that wrote it rotated it, so a sequence whose calls fall on both sides (a chunked prefill,
-  or a decode, crossing the original context) holds keys of both sets: transformers' Phi-3
-  generate recomputes its cache at the crossing, vLLM fixes the set from max_model_len.
+  LongRoPE has two frequency sets. With `longrope_frequencies="dynamic"`: the short one while
+  every position of the call is inside the original context, the long one once any is past it
+  (Hugging Face's rule, per forward call); the choice is a traced select, so one compiled program
+  serves both. A KV cache keeps each key as the call that wrote it rotated it, so a sequence whose
+  calls fall on both sides (a chunked prefill, or a decode, crossing the original context) holds
+  keys of both sets: transformers' Phi-3 generate recomputes its cache at the crossing. "short"
+  or "long" fixes the set, as the serving engine does from its max_model_len (vLLM's rule).
   """
 
   head_dim: int  # H
@@ -75,7 +76,9 @@ class Rope:
     """(f32[B, T, R/2] cos, sin) at `positions_BT` (i32[B, T]; negative: padding)."""
     sets = self.frequencies()
     inv_freq = jnp.asarray(sets[0])
-    if len(sets) == 2:
+    if len(sets) == 2 and self.scaling.longrope_frequencies == "long":
+      inv_freq = jnp.asarray(sets[1])
+    elif len(sets) == 2 and self.scaling.longrope_frequencies == "dynamic":
       # The largest position of the call decides, as Hugging Face's `longrope_frequency_update`
       # does from max(position_ids) + 1; padding (-1) never wins the max over a real position.
       long = jnp.max(positions_BT) + 1 > self.scaling.original_max_position_embeddings

@@ -30,6 +30,7 @@ The model builds its own caches (`init_cache`, `init_pool`), and takes any cache
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -43,7 +44,7 @@ from atlas_jax.cache.paged import HybridPool, KVPool, LatentPool
 from atlas_jax.cache.protocol import Cache
 from atlas_jax.config import LoRAConfig, ModelConfig
 from atlas_jax.model import lora as lora_lib
-from atlas_jax.model.attention import layer_kinds
+from atlas_jax.model.attention import Attention, layer_kinds
 from atlas_jax.model.block import Block, attention_class
 from atlas_jax.model.layers import Ops, RMSNorm, normal, param
 from atlas_jax.model.moe import RouterStats
@@ -479,6 +480,29 @@ def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...]:
   """Per layer: whether it attends within a sliding window (`ModelConfig.attention_kinds`)."""
   kinds, index_L = cfg.attention_kinds()
   return tuple(kinds[i].sliding_window is not None for i in index_L)
+
+
+def with_longrope_frequencies(model: Transformer, max_len: int) -> tuple[Transformer, str | None]:
+  """(the model with LongRoPE's frequency set fixed for contexts of `max_len` tokens, that set).
+
+  The long set when `max_len` passes `original_max_position_embeddings`, else the short one
+  (vLLM's rule for a server); the same model and None without LongRoPE or with a set already
+  fixed. Attention modules hold their RoPEs as static fields, so the fixed model is a copy (its
+  arrays shared) whose attentions hold RoPEs of the fixed config; the caller's model is unchanged.
+  """
+  s = model.cfg.rope_scaling
+  if s is None or s.type != "longrope" or s.longrope_frequencies != "dynamic":
+    return model, None
+  which = "long" if max_len > s.original_max_position_embeddings else "short"
+  fixed_scaling = dataclasses.replace(s, longrope_frequencies=which)
+  fixed = nnx.merge(*nnx.split(model))
+  fixed.cfg = dataclasses.replace(model.cfg, rope_scaling=fixed_scaling)
+  for _, node in nnx.iter_graph(fixed):
+    if isinstance(node, Attention):  # every layer kind whose RoPE carries the model's LongRoPE
+      node.ropes = tuple(
+        dataclasses.replace(r, scaling=fixed_scaling) if r.scaling == s else r for r in node.ropes
+      )
+  return fixed, which
 
 
 def layer_stacks(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:

@@ -113,7 +113,7 @@ from atlas_jax.cache.allocator import AllocatorStats, BlockAllocator
 from atlas_jax.config import WARMUP_LEVELS, ConfigError, EngineConfig
 from atlas_jax.decoding.drafters import NGramDrafter, make_drafter
 from atlas_jax.decoding.sampling import SamplingParams, eos_ids
-from atlas_jax.model.transformer import Transformer, windowed_layers
+from atlas_jax.model.transformer import Transformer, windowed_layers, with_longrope_frequencies
 from atlas_jax.serving import faults, sizing
 from atlas_jax.serving import mesh as placement
 from atlas_jax.serving.batch import Row, pow2
@@ -194,6 +194,10 @@ class Engine:
     if adapters is not None:
       config = _lora_config(config, model, draft, mesh)
     max_model_len = config.max_model_len or cfg.max_seq_len
+    # One LongRoPE frequency set for every call: a call batches many sequences (vLLM's rule).
+    model, longrope = with_longrope_frequencies(model, max_model_len)
+    if longrope is not None:
+      log.info("LongRoPE: the %s frequencies (max_model_len %d)", longrope, max_model_len)
     k = config.num_speculative_tokens
     if k is None:
       mtp = draft == "mtp" and model.mtp is not None
