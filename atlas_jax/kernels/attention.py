@@ -64,6 +64,7 @@ class AttentionCall:
   sliding_window: int | None = None
   soft_cap: float | None = None
   sinks: bool = False  # per-head sink logits given
+  attention_chunk: int | None = None
 
   @classmethod
   def of(cls, q: Array, k: Array, **masking) -> AttentionCall:
@@ -80,6 +81,7 @@ class AttentionCall:
       sliding_window=masking.get("sliding_window"),
       soft_cap=masking.get("soft_cap"),
       sinks=masking.get("sinks") is not None,
+      attention_chunk=masking.get("attention_chunk"),
     )
 
 
@@ -117,6 +119,8 @@ def cudnn_unsupported(
     return "cuDNN's sliding window is causal; ours without causal=True also sees later keys"
   if call.soft_cap is not None:
     return "jax.nn.dot_product_attention takes no logit soft-cap (soft_cap)"
+  if call.attention_chunk is not None:
+    return "jax.nn.dot_product_attention takes no chunked mask (attention_chunk)"
   if call.sinks:
     return "jax.nn.dot_product_attention takes no attention sinks (sinks)"
   return None
@@ -183,6 +187,7 @@ def attention(
   sinks: Array | None = None,
   implementation: Implementation | None = None,
   interpret: bool | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Multi-head attention with grouped K/V heads (MHA, GQA, MQA).
 
@@ -202,6 +207,8 @@ def attention(
       column with no value (gpt-oss); differentiable; None: no sink.
     implementation: "xla", "reference", "pallas", "cudnn" or None (`select_implementation`).
     interpret: run a Pallas kernel in interpret mode (default: on CPU).
+    attention_chunk: C, each query attends only within its own chunk of C positions (Llama 4's
+      chunked local attention, `kernels.reference`); None: no chunks.
 
   Returns:
     [B, T, N, H] in q.dtype.
@@ -215,6 +222,7 @@ def attention(
     kv_lengths=kv_lengths,
     soft_cap=soft_cap,
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -231,6 +239,7 @@ def attention(
     sliding_window=sliding_window,
     soft_cap=soft_cap,
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )
   if soft_cap is not None:
     soft_cap = float(soft_cap)
@@ -253,6 +262,7 @@ def attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         sinks=sinks,
+        attention_chunk=attention_chunk,
       )
     return attention_reference(q, k, v, scale=scale, **masking)
 

@@ -54,6 +54,7 @@ def blocked_causal_attention(
   soft_cap: float | None = None,
   sinks: Array | None = None,
   block: int | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Causal self-attention (T == S, query t at position t), computed in float32 per query block.
 
@@ -67,6 +68,7 @@ def blocked_causal_attention(
     soft_cap: c, scores capped as c * tanh(s / c) before the softmax, or None.
     sinks: f32[N] a sink logit per query head (`kernels.reference`), or None.
     block: query rows per block (default `default_block(T)`); the last block may be shorter.
+    attention_chunk: C, each query sees only its own chunk of C positions, or None.
 
   Returns:
     [B, T, N, H] in q.dtype, equal to `attention_reference(q, k, v, causal=True, ...)` to float
@@ -92,21 +94,31 @@ def blocked_causal_attention(
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
     sliding_window=sliding_window,
+    attention_chunk=attention_chunk,
   )
   q_BKTGH = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4)
   k_BKSH = k.transpose(0, 2, 1, 3)
   v_BKSH = v.transpose(0, 2, 1, 3).astype(jnp.float32)
-  spans = tuple(_span(start, min(T, start + c), sliding_window) for start in range(0, T, c))
+  spans = tuple(
+    _span(start, min(T, start + c), sliding_window, attention_chunk) for start in range(0, T, c)
+  )
   sink_KG = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
   cap = None if soft_cap is None else float(soft_cap)
   out_BKTGH = _attend(q_BKTGH, k_BKSH, v_BKSH, mask_BTS, sink_KG, float(scale), spans, cap)
   return out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
-def _span(start: int, end: int, sliding_window: int | None) -> tuple[int, int, int]:
+def _span(
+  start: int, end: int, sliding_window: int | None, attention_chunk: int | None
+) -> tuple[int, int, int]:
   """(first query row, end, first key) of one block: the keys up to its last row, none before
-  its first row's window."""
-  return start, end, 0 if sliding_window is None else max(0, start - sliding_window + 1)
+  its first row's window or chunk."""
+  first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+  return (
+    start,
+    end,
+    first if attention_chunk is None else max(first, start - start % attention_chunk),
+  )
 
 
 def _block_scores(q_BKTGH, k_BKSH, scale, span, soft_cap):

@@ -7,12 +7,13 @@ recomputes the probabilities block by block (FlashAttention-2, Dao 2023). Groupe
 over the query heads of a group inside the kernel, so K and V are never repeated in memory.
 
 Masking follows `kernels.reference` exactly (bottom-right aligned causal mask, kv lengths,
-query positions, sliding window, packed-sequence segment ids). The wrapper folds all of it into
-two per-query-row key bounds `klo <= s < khi` before the kernels run (see `kernels.flash_kernels`);
-key tiles wholly outside a query tile's bounds (past the causal diagonal, before a sliding
-window) are skipped. A logit soft-cap and attention sinks are applied inside the online softmax
-(forward and backward); the sinks' gradient, d sink_n = -sum_t exp(sink_n - lse_t) delta_t over
-the rows of head n, is a reduction of the per-row statistics the backward already has.
+query positions, sliding window, attention chunks, packed-sequence segment ids). The wrapper folds
+all of it into two per-query-row key bounds `klo <= s < khi` before the kernels run (see
+`kernels.flash_kernels`); key tiles wholly outside a query tile's bounds (past the causal diagonal,
+before a sliding window or the query's chunk) are skipped, in the forward and the backward alike,
+with no change to the kernel bodies. A logit soft-cap and attention sinks are applied inside the
+online softmax (forward and backward); the sinks' gradient, d sink_n = -sum_t exp(sink_n - lse_t)
+delta_t over the rows of head n, is a reduction of the per-row statistics the backward already has.
 
 Lengths that are not multiples of the block sizes are padded here and the tail is masked;
 head dims the GPU backend cannot tile directly (not a power of two) are zero-padded, which leaves
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from . import flash_kernels
 from .flash_kernels import out_struct
-from .reference import check_attention_inputs, default_q_positions
+from .reference import check_attention_inputs, chunk_start, default_q_positions
 
 Array = jax.Array
 
@@ -144,6 +145,7 @@ def _key_bounds(
   sliding_window: int | None,
   q_positions: Array | None,
   kv_lengths: Array | None,
+  attention_chunk: int | None = None,
 ) -> tuple[Array, Array]:
   """i32[B, Tp, 1] klo, khi: query row t sees keys klo <= s < khi (see kernels.reference).
 
@@ -161,6 +163,12 @@ def _key_bounds(
   klo_BT = jnp.zeros((B, T), jnp.int32)
   if sliding_window is not None:
     klo_BT = jnp.maximum(klo_BT, qpos_BT - sliding_window + 1)
+  if attention_chunk is not None:
+    # A chunk is one more pair of bounds: its first position, and (without the causal mask)
+    # the next chunk's first.
+    first_BT = chunk_start(qpos_BT, attention_chunk)
+    klo_BT = jnp.maximum(klo_BT, first_BT)
+    khi_BT = jnp.minimum(khi_BT, first_BT + attention_chunk)
   empty_BT = khi_BT <= klo_BT
   klo_BT = jnp.where(empty_BT, Sp, klo_BT)
   khi_BT = jnp.where(empty_BT, 0, khi_BT)
@@ -365,6 +373,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
     "causal",
     "scale",
     "sliding_window",
+    "attention_chunk",
     "soft_cap",
     "return_lse",
     "block_q",
@@ -396,6 +405,7 @@ def flash_attention(
   block_k_bwd: int | None = None,
   interpret: bool | None = None,
   backend: str | None = None,
+  attention_chunk: int | None = None,
 ) -> Array | tuple[Array, Array]:
   """FlashAttention with grouped K/V heads; same semantics as `attention_reference`.
 
@@ -412,6 +422,8 @@ def flash_attention(
     block_q_bwd, block_k_bwd: tile sizes of the backward kernels.
     interpret: run the kernels in the Pallas interpreter (default: on CPU).
     backend: "cpu", "gpu" or "tpu" to target (default: jax.default_backend()).
+    attention_chunk: C (static), each query sees only its own chunk's keys (`kernels.reference`);
+      key tiles before the chunk are skipped as a window's are. None: no chunks.
 
   Returns:
     out [B, T, N, H] in q.dtype, and with `return_lse` the log-sum-exp f32[B, T, N] (-inf for
@@ -429,6 +441,7 @@ def flash_attention(
     sliding_window=sliding_window,
     soft_cap=soft_cap,
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(
@@ -477,6 +490,7 @@ def flash_attention(
     sliding_window=sliding_window,
     q_positions=q_positions,
     kv_lengths=kv_lengths,
+    attention_chunk=attention_chunk,
   )
   # Zero padding: padded keys are masked by khi <= S, padded query rows see nothing, and zero
   # head-dim columns add nothing to the scores.

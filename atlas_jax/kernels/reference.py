@@ -11,6 +11,9 @@ Masking semantics shared by every implementation behind `atlas_jax.kernels.atten
   (T == S) and decoding against a cache (T < S) both need;
 * `causal`: key s is visible to query t only if `s <= q_positions[b, t]`;
 * `sliding_window=W`: only if `q_positions[b, t] - s < W` (W keys including the query's own);
+* `attention_chunk=C` (Llama 4's chunked local attention): only if `s // C == q_positions[b, t] //
+  C`, the keys of the query's own chunk of C positions; with `causal` a query sees the keys from
+  its chunk's start `q - q % C` to itself. With a window too, both bounds hold;
 * `q_segment_ids` / `kv_segment_ids`: only if the segment ids are equal (packed sequences).
 
 Two changes to the softmax itself, also shared:
@@ -49,6 +52,7 @@ def check_attention_inputs(
   sliding_window: int | None = None,
   soft_cap: float | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> None:
   """Raises ValueError naming the shapes when the inputs cannot be attended together."""
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -99,7 +103,24 @@ def check_attention_inputs(
     raise ValueError(
       f"attention: sliding_window must be a positive int or None, got {sliding_window!r}"
     )
+  check_attention_chunk("attention", attention_chunk)
   check_soft_cap_and_sinks("attention", soft_cap, sinks, N)
+
+
+def check_attention_chunk(fn: str, attention_chunk) -> None:
+  """Raises ValueError unless attention_chunk is a positive Python int or None."""
+  if attention_chunk is not None and (
+    isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 1
+  ):
+    raise ValueError(
+      f"{fn}: attention_chunk must be a positive int or None, got {attention_chunk!r}"
+    )
+
+
+def chunk_start(q_positions: Array, attention_chunk: int) -> Array:
+  """The first position of each query's chunk, q - q % C (same shape as q_positions)."""
+  q = q_positions.astype(jnp.int32)
+  return q - q % jnp.int32(attention_chunk)
 
 
 def check_soft_cap_and_sinks(fn: str, soft_cap, sinks, n_heads: int) -> None:
@@ -142,6 +163,7 @@ def attention_mask(
   sliding_window: int | None = None,
   q_positions: Array | None = None,
   kv_lengths: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """bool[B, T, S]: True where query t may attend to key s."""
   if q_positions is None:
@@ -155,6 +177,9 @@ def attention_mask(
     mask_BTS &= kpos_11S <= qpos_BT1
   if sliding_window is not None:
     mask_BTS &= qpos_BT1 - kpos_11S < sliding_window
+  if attention_chunk is not None:
+    first_BT1 = chunk_start(qpos_BT1, attention_chunk)
+    mask_BTS &= (kpos_11S >= first_BT1) & (kpos_11S < first_BT1 + attention_chunk)
   if q_segment_ids is not None:
     mask_BTS &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
   return mask_BTS
@@ -175,6 +200,7 @@ def attention_reference(
   soft_cap: float | None = None,
   sinks: Array | None = None,
   return_lse: bool = False,
+  attention_chunk: int | None = None,
 ) -> Array | tuple[Array, Array]:
   """Softmax attention with grouped K/V heads, computed in float32.
 
@@ -187,6 +213,8 @@ def attention_reference(
     soft_cap: c, scores capped as c * tanh(s / c) before the softmax; None: not capped.
     sinks: f32[N] one extra softmax logit per query head, with no value; None: no sink.
     return_lse: also return the per-row log-sum-exp of the scaled scores.
+    attention_chunk: C, each query sees only the keys of its own chunk of C positions (see the
+      module docstring); None: no chunks.
 
   Returns:
     out [B, T, N, H] in q.dtype, and with `return_lse` the log-sum-exp f32[B, T, N].
@@ -202,6 +230,7 @@ def attention_reference(
     sliding_window=sliding_window,
     soft_cap=soft_cap,
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -223,6 +252,7 @@ def attention_reference(
     sliding_window=sliding_window,
     q_positions=q_positions,
     kv_lengths=kv_lengths,
+    attention_chunk=attention_chunk,
   )
   # A finite mask value keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
   live_BT = jnp.any(mask_BTS, axis=-1)
