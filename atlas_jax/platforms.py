@@ -21,3 +21,10 @@ def model_ops(platform: str) -> dict[str, bool]:
   if platform == "cpu":
     return dict(copied_weight_grads=True, rope_tables_by_product=True)
   return {}
+
+
+def has_fp8_matmuls(platform: str) -> bool:
+  """Whether `platform`'s matmuls take FP8 operands natively (GPUs' tensor cores from Hopper/Ada
+  on, TPUs from v5p/v6 on: jax lowers an e4m3 dot_general for both). Decided by the platform
+  name, as the compiled program is: where the chip lacks them, XLA converts the operands."""
+  return platform in ("cuda", "rocm", "gpu", "tpu")

@@ -108,6 +108,14 @@ def test_deepseek_v3_block_scaled_folder_matches_transformers(tmp_path, caplog):
     ours, err = check_logits(tmp_path, model)
   assert ours.cfg.moe is not None and err <= 1e-4, err
   assert (
+    "FP8 checkpoint (128x128 block scales, activation_scheme dynamic): 21 parameters kept in FP8 "
+    "(weight-only: codes dequantized in the step's matmuls; backend cpu); 0 dequantized"
+  ) in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="atlas_jax.hf.fp8"):
+    _, err = check_logits(tmp_path, model, fp8_weights="dequantize")
+  assert err <= 1e-4, err
+  assert (
     f"FP8 checkpoint (128x128 block scales, activation_scheme dynamic): {len(deq)} weights "
     "dequantized to float32 at load (weight-only)"
   ) in caplog.text
@@ -146,3 +154,129 @@ def test_bad_fp8_folders_are_named(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(bad))
   with pytest.raises(hf.HFLoadError, match="unexpected tensors.*weight_scale_inv"):
     hf.load(tmp_path)
+
+
+def qarrays(model):
+  """The model's parameters held as QArrays, by dotted path."""
+  from flax import nnx
+
+  from atlas_jax.quant import QArray
+
+  return {
+    ".".join(map(str, path)): node.get_value()
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Param) and isinstance(node.get_value(), QArray)
+  }
+
+
+def test_fp8_folder_served_as_it_ships(tmp_path):
+  """Every projection keeps its e4m3 codes and 128 x 128 block scales: the device holds the
+  checkpoint's bytes, and the logits are the dequantized load's and transformers'."""
+  from safetensors import safe_open
+
+  model = build_hf("Llama", tmp_path, hidden_size=256, intermediate_size=384)
+  write_fp8(tmp_path, model, DEEPSEEK_FP8)
+  ours, err = check_logits(tmp_path, model)
+  assert err <= 1e-4, err
+  kept = qarrays(ours)
+  names = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
+  assert sorted(kept) == sorted(f"blocks.{n}" for n in names)
+  stored = {"codes": 0, "scales": 0}
+  with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+    for name in f.keys():
+      t = f.get_tensor(name)
+      if t.dtype == torch.float8_e4m3fn:
+        stored["codes"] += t.numel()
+      elif name.endswith("weight_scale_inv"):
+        stored["scales"] += t.numel() * t.element_size()
+  held = {
+    "codes": sum(q.qvalue.nbytes for q in kept.values()),
+    "scales": sum(q.scale.nbytes for q in kept.values()),
+  }
+  assert all(q.qvalue.dtype == jnp.float8_e4m3fn for q in kept.values())
+  assert held == stored, (held, stored)
+  # q_proj [N * H, D] = [256, 256] held as [D, N, H]: a 128-row block is two 64-wide heads.
+  assert {q.scale.shape for p, q in kept.items() if p.endswith("wq")} == {(2, 2, 2, 1)}
+  toks = jnp.asarray(np.random.RandomState(1).randint(0, V, (2, 16)), jnp.int32)
+  expanded = hf.load(tmp_path, fp8_weights="dequantize")
+  assert not qarrays(expanded)
+  np.testing.assert_allclose(ours(toks), expanded(toks), atol=2e-5, rtol=1e-5)
+
+
+def w8a8_bound(x, w_deq, contract):
+  """The W8A8 product's error bound: each activation rounded to e4m3 (3 mantissa bits: a
+  relative error of at most 2^-4, subnormals aside) against the exact weights."""
+  C = int(np.prod(w_deq.shape[:contract]))
+  return 2.0**-4 * np.abs(x.reshape(-1, C)) @ np.abs(w_deq.reshape(C, -1)) + 1e-6
+
+
+def test_w8a8_product_against_float_reference(tmp_path):
+  """The e4m3 x e4m3 product (the accelerator path, run here on the CPU) against the float
+  product with the same weights: within e4m3's rounding of the activations, per output; per
+  channel, 128 x 128 blocks and an output projection's two contracted axes."""
+  import qwix
+
+  from atlas_jax.quant import QArray, dequantized, quantized_product, w8a8_product
+
+  rng = np.random.RandomState(0)
+  x = rng.randn(3, 5, 256).astype(np.float32)
+  x[0, 0] = 0.0  # an all-zero token keeps a finite scale
+  w = jnp.asarray(rng.randn(256, 384).astype(np.float32))
+  per_channel = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(1,))
+  blocks = qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: 128, 1: 128})
+  assert blocks.scale.shape == (2, 3)
+  for q in (per_channel, blocks):
+    ref = np.asarray(x.reshape(-1, 256) @ np.asarray(dequantized(q))).reshape(3, 5, 384)
+    got = np.asarray(w8a8_product(jnp.asarray(x), q, 1))
+    err = np.abs(got - ref).reshape(-1, 384)
+    assert (err <= w8a8_bound(x, np.asarray(dequantized(q)), 1)).all()
+    assert err.max() > 0  # the activations were quantized: not the float product
+    np.testing.assert_array_equal(got, quantized_product(jnp.asarray(x), q, 1, w8a8=True))
+  # W_O [N, H, D]: blocks of 128 over the flattened N * H (two 64-wide heads per scale)
+  wo = jnp.asarray(rng.randn(4, 64, 256).astype(np.float32))
+  q = qwix.quantize(wo, jnp.float8_e4m3fn, tiled_axes={0: 2, 1: 64, 2: 128})
+  xo = rng.randn(2, 3, 4, 64).astype(np.float32)
+  ref = np.einsum("btnh,nhd->btd", xo, np.asarray(dequantized(q)))
+  got = np.asarray(w8a8_product(jnp.asarray(xo), q, 2))
+  assert (np.abs(got - ref).reshape(-1, 256) <= w8a8_bound(xo, np.asarray(dequantized(q)), 2)).all()
+  # e5m2 codes cannot run W8A8: quantized_product falls back to weight-only
+  q5 = QArray(per_channel.qvalue.astype(jnp.float8_e5m2), per_channel.scale, qtype=jnp.float8_e5m2)
+  np.testing.assert_allclose(
+    quantized_product(jnp.asarray(x), q5, 1, w8a8=True),
+    np.asarray(x.reshape(-1, 256) @ np.asarray(dequantized(q5))).reshape(3, 5, 384),
+    rtol=1e-5,
+    atol=1e-4,
+  )
+
+
+def _lowered(model, platform):
+  import jax
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+  toks = jnp.zeros((1, 8), jnp.int32)
+  fn = jax.jit(lambda state, toks: nnx.merge(graphdef, state)(toks))
+  return fn.trace(state, toks).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _f8_dots(text):
+  return [ln for ln in text.splitlines() if "dot_general" in ln and "f8E4M3FN" in ln]
+
+
+def test_fp8_folder_runs_w8a8_where_asked_and_logs_it(tmp_path, caplog):
+  """fp8_activations="dynamic": the step lowered for cuda multiplies e4m3 operands; the CPU
+  default (no FP8 matmuls) dequantizes the weights, with no f8 dot; the log says which."""
+  # std 0.05: a random model whose activations do not grow from layer to layer (at 0.2 the
+  # activations' rounding is amplified into logits no trained model would give).
+  model = build_hf("Llama", tmp_path, std=0.05, hidden_size=256, intermediate_size=384)
+  write_fp8(tmp_path, model, DEEPSEEK_FP8)
+  with caplog.at_level(logging.INFO, logger="atlas_jax.hf.fp8"):
+    w8a8, err = check_logits(tmp_path, model, fp8_activations="dynamic")
+  assert "14 parameters kept in FP8 (W8A8: activations quantized to e4m3 per token" in caplog.text
+  assert err <= 0.15 * np.abs(logits(model, np.zeros((1, 4), np.int64))).max(), err
+  assert len(_f8_dots(_lowered(w8a8, "cuda"))) >= 7
+  weight_only = hf.load(tmp_path)
+  assert weight_only.blocks.attn.ops.w8a8 is False
+  assert not _f8_dots(_lowered(weight_only, "cpu"))
+  with pytest.raises(hf.HFLoadError, match="fp8_activations='static' is not one of"):
+    hf.load(tmp_path, fp8_activations="static")

@@ -153,8 +153,17 @@ def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[
   return {n: shape for n, (shape, _) in family.spec(cfg, hf, names).shapes().items()}
 
 
+FP8_WEIGHTS = ("keep", "dequantize")
+FP8_ACTIVATIONS = (None, "dynamic", "none")
+
+
 def load(
-  path: str | Path, *, dtype: str = "float32", implementation: str | None = None
+  path: str | Path,
+  *,
+  dtype: str = "float32",
+  implementation: str | None = None,
+  fp8_weights: str = "keep",
+  fp8_activations: str | None = None,
 ) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) or a GGUF file into a Transformer.
 
@@ -168,11 +177,21 @@ def load(
     dtype: parameter and compute dtype, "float32", "bfloat16" or "float16" (routers stay
       float32).
     implementation: attention implementation passed to `atlas_jax.kernels.attention`.
+    fp8_weights: an FP8 folder's projections "keep" their e4m3 codes and scales on the device
+      where the model's layout can hold the scales' blocks (`fp8`), or all are "dequantize"d.
+    fp8_activations: with kept FP8 weights, "dynamic" multiplies them by activations quantized
+      to e4m3 per token (W8A8), "none" dequantizes the weights in the step (weight-only); None
+      picks by the default backend: W8A8 where it has FP8 matmuls (cuda, tpu).
 
   Returns:
     The model; its ModelConfig is `model.cfg`.
   """
+  if fp8_weights not in FP8_WEIGHTS:
+    raise HFLoadError(f"fp8_weights={fp8_weights!r} is not one of {FP8_WEIGHTS}")
+  if fp8_activations not in FP8_ACTIVATIONS:
+    raise HFLoadError(f"fp8_activations={fp8_activations!r} is not one of {FP8_ACTIVATIONS}")
   folder = Path(path)
+  scales = None
   if gguf_file.is_gguf(folder):
     r = gguf_file.reader(folder)
     hf_config = gguf_file.config(r)
@@ -189,12 +208,17 @@ def load(
     tensors = read_safetensors(folder)
     if mxfp4.applies(hf_config):  # gpt-oss's released experts
       tensors = mxfp4.dequantize_tensors(tensors, dtype=dtype, where=folder)
+    elif fp8_weights == "keep":
+      tensors, scales = fp8.split_scales(tensors, hf_config, where=folder)
     else:
       tensors = fp8.dequantize_tensors(tensors, hf_config, dtype=dtype, where=folder)
   names = set(tensors)
   cfg = family.config_from_hf(hf_config, dtype=dtype, names=names)
-  params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg)
-  return build_model(cfg, params, implementation=implementation)
+  params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg, scales=scales)
+  ops = None
+  if scales is not None:
+    ops = fp8.log_kept(scales, folder, dtype=dtype, activations=fp8_activations)
+  return build_model(cfg, params, implementation=implementation, ops=ops)
 
 
 def load_tokenizer(path: str | Path):

@@ -11,21 +11,29 @@ per bn x bk block of the [out, in] weight, [ceil(out / bn), ceil(in / bk)], the 
 partial; with `null`, or a one-value scale, one value per tensor (or any shape that broadcasts,
 e.g. per output row).
 
-Loading multiplies each block by its scale in float32 and casts to the compute dtype: the weights
-are served dequantized (weight-only; activations stay in the compute dtype whatever
-`activation_scheme` says, and static activation scales are dropped), as the log line says. A
-kept-quantized form would start from `dequantize_tensors`' inputs: the e4m3 codes and their block
-scales.
+Served as they ship (`load(fp8_weights="keep")`, the default): a projection the model holds
+quantized (`atlas_jax.quant.PROJECTIONS`: GQA and MLA attention, dense MLP, experts) keeps its
+codes, moved into the model's layout by the family's own mapping (reshapes and transposes, which
+move codes without arithmetic), and its scales as a qwix QArray's tiled scale: the block of every
+element is tracked through the same mapping (`kept_weight`), and where the blocks land as a
+rectangular grid of tiles, one scale per tile is kept. Where they do not (a block cut across the
+layout's axes), or for any other FP8 tensor, the weight is multiplied by its scales in float32 and
+cast to the compute dtype, as `dequantize_tensors` does for every weight with
+`fp8_weights="dequantize"`. The log line says which weights were kept and which expanded. Static
+activation scales are dropped: activations are quantized per token when the step runs W8A8
+(`atlas_jax.quant.quantized_product`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from atlas_jax.hf.common import HFLoadError, field
 
@@ -81,6 +89,182 @@ def dequantize(w, scale, block: tuple[int, int] | None, *, name: str = "weight")
       f"{name}: scale of shape {tuple(s.shape)} does not broadcast against the weight's "
       f"{tuple(w32.shape)} (config.json gives no weight_block_size)"
     ) from e
+
+
+def _check_method(hf: Mapping[str, Any]):
+  """config.json's `quantization_config` (None when absent), its method checked."""
+  q = hf.get("quantization_config")
+  if q is None:
+    return None
+  if not isinstance(q, Mapping):
+    raise HFLoadError(f"config.json field 'quantization_config'={q!r} must be an object")
+  method = field(q, "quant_method", str, where="quantization_config.")
+  if method not in METHODS:
+    raise HFLoadError(
+      f"config.json field 'quantization_config.quant_method'={method!r} is not supported; "
+      f"supported: {', '.join(METHODS)} (other formats: dequantize them first)"
+    )
+  return q
+
+
+def _weight_of(name: str) -> str:
+  if name.endswith(WEIGHT_SCALE_SUFFIXES):
+    return name.rsplit(".", 1)[0] + ".weight"
+  return name.removesuffix("_scale_inv")  # fused experts (transformers v5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scales:
+  """A folder's FP8 weights as they ship: weight name -> its scale (float32, as stored)."""
+
+  by_weight: dict[str, np.ndarray]
+  block: tuple[int, int] | None
+  activation_scheme: str
+  report: dict[str, list[str]] = dataclasses.field(
+    default_factory=lambda: {"kept": [], "expanded": []}
+  )
+
+
+def split_scales(
+  tensors: Mapping[str, Any], hf: Mapping[str, Any], *, where: str | Path = ""
+) -> tuple[dict[str, Any], Scales | None]:
+  """The folder's tensors with the FP8 weights' codes left as stored and their scales (and any
+  static activation scales) taken out, and the scales by weight; (tensors, None) when config.json
+  has no `quantization_config`. Shapes are checked as `dequantize` checks them."""
+  q = _check_method(hf)
+  if q is None:
+    return dict(tensors), None
+  block = block_size(q)
+  out = {n: t for n, t in tensors.items() if not n.endswith(ACTIVATION_SUFFIXES)}
+  scales = {}
+  for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIXES)):
+    base = _weight_of(name)
+    if base not in out:
+      raise HFLoadError(f"{where}: scale {name} has no weight {base}")
+    w = out[base]
+    if jnp.asarray(w).dtype not in FP8_DTYPES:
+      raise HFLoadError(
+        f"{where}: {base} has dtype {w.dtype} but a scale {name}: expected an FP8 "
+        "weight (float8_e4m3fn or float8_e5m2)"
+      )
+    s = np.asarray(out.pop(name), np.float32)
+    _block_ids(w.shape, s, block, name=base)  # the shapes checked now, not when mapped
+    scales[base] = s
+  unscaled = [n for n, t in out.items() if jnp.asarray(t).dtype in FP8_DTYPES and n not in scales]
+  if unscaled:
+    raise HFLoadError(
+      f"{where}: FP8 tensors without a scale (weight_scale_inv or weight_scale): "
+      f"{', '.join(sorted(unscaled)[:8])}"
+    )
+  return out, Scales(scales, block, str(q.get("activation_scheme", "dynamic")))
+
+
+def _block_ids(shape, scale: np.ndarray, block, *, name: str, start: int = 0) -> np.ndarray:
+  """i32[*shape]: the index (from `start`) into `scale`'s flattened values of every element of
+  a weight of `shape`, by the same rule `dequantize` applies the scale."""
+  ids = np.arange(start, start + scale.size, dtype=np.int32).reshape(scale.shape)
+  if block is not None and scale.size > 1:
+    bn, bk = block
+    out, inp = shape[-2:]
+    want = (*shape[:-2], -(-out // bn), -(-inp // bk))
+    if tuple(scale.shape) != want:
+      raise HFLoadError(
+        f"{name}: scale of shape {tuple(scale.shape)} for a weight of shape {tuple(shape)} in "
+        f"{bn} x {bk} blocks; expected {want}"
+      )
+    return np.repeat(np.repeat(ids, bn, axis=-2), bk, axis=-1)[..., :out, :inp]
+  if scale.size == 1:
+    return np.broadcast_to(ids.reshape(()), shape)
+  try:
+    return np.broadcast_to(ids, shape)
+  except ValueError as e:
+    raise HFLoadError(
+      f"{name}: scale of shape {tuple(scale.shape)} does not broadcast against the weight's "
+      f"{tuple(shape)} (config.json gives no weight_block_size)"
+    ) from e
+
+
+def _tiles(ids: np.ndarray) -> tuple[int, ...] | None:
+  """Per axis, the run length over which `ids` is constant, when `ids` is one value per tile of
+  a rectangular grid of such runs; None when no grid holds it (a block cut across axes)."""
+  tiles = []
+  for a, n in enumerate(ids.shape):
+    first = np.moveaxis(ids, a, 0)
+    changes = np.flatnonzero(np.any(first[1:] != first[:-1], axis=tuple(range(1, ids.ndim))))
+    t = int(np.gcd.reduce(np.append(changes + 1, n)))
+    tiles.append(t)
+  corner = ids[tuple(slice(None, None, t) for t in tiles)]
+  for a, t in enumerate(tiles):
+    corner = np.repeat(corner, t, axis=a)
+  return tuple(tiles) if np.array_equal(corner, ids) else None
+
+
+def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dtype, names):
+  """One spec entry's parameters from FP8 tensors: `load` (the family's mapping of the stored
+  tensors to {parameter path: value}) applied to the codes and, alongside, to each element's
+  block index; a parameter `keep(path)` accepts whose blocks form a tile grid becomes a QArray
+  of the codes and one float32 scale per tile, any other is dequantized to `dtype`.
+
+  Returns ({path: value}, [(path, kept)])."""
+  import qwix
+
+  ids, start = [], 0
+  for c, s, n in zip(codes, scales, names, strict=True):
+    ids.append(jnp.asarray(_block_ids(c.shape, s, block, name=n, start=start)))
+    start += s.size
+  flat = np.concatenate([s.reshape(-1) for s in scales])
+  mapped_codes = load(*[jnp.asarray(c) for c in codes])
+  mapped_ids = load(*ids)
+  out, done = {}, []
+  for path, q in mapped_codes.items():
+    where_ids = np.asarray(mapped_ids[path])
+    tiles = _tiles(where_ids) if keep(path) else None
+    # Kept when the scales add at most 1/8 of the codes' bytes (a tile of 32 elements or more):
+    # edge blocks that do not divide the layout's axes cut the grid finer, never per element.
+    if tiles is not None and np.prod(tiles) >= 32:
+      grid = where_ids[tuple(slice(None, None, t) for t in tiles)]
+      out[path] = qwix.QArray(q, jnp.asarray(flat[grid]), qtype=q.dtype)
+      done.append((path, True))
+    else:
+      out[path] = (q.astype(jnp.float32) * jnp.asarray(flat[where_ids])).astype(dtype)
+      done.append((path, False))
+  return out, done
+
+
+def log_kept(scales: Scales, where, *, dtype: str, activations: str | None):
+  """Logs which FP8 weights were kept and which expanded, and how the kept ones multiply;
+  returns the model's `Ops` for that: W8A8 (`activations` "dynamic", or None on a backend with
+  FP8 matmuls) or weight-only."""
+  import jax
+
+  from atlas_jax import platforms
+  from atlas_jax.model.layers import Ops
+
+  backend = jax.default_backend()
+  w8a8 = platforms.has_fp8_matmuls(backend) if activations is None else activations == "dynamic"
+  kept, expanded = scales.report["kept"], scales.report["expanded"]
+  blocks = f"{scales.block[0]}x{scales.block[1]} block scales" if scales.block else "per-tensor"
+  how = (
+    "W8A8: activations quantized to e4m3 per token, FP8 matmuls accumulating in float32"
+    if w8a8
+    else "weight-only: codes dequantized in the step's matmuls"
+  )
+  log.info(
+    "%s: FP8 checkpoint (%s, activation_scheme %s): %d parameters kept in FP8 (%s; backend %s)"
+    "; %d dequantized to %s at load%s",
+    where,
+    blocks,
+    scales.activation_scheme,
+    len(kept),
+    how,
+    backend,
+    len(expanded),
+    dtype,
+    f" (their blocks do not tile the layout, or not a projection: {', '.join(expanded[:6])})"
+    if expanded
+    else "",
+  )
+  return Ops(**platforms.model_ops(backend), w8a8=w8a8)
 
 
 def dequantize_tensors(

@@ -26,9 +26,11 @@ import numpy as np
 from flax import nnx
 
 from atlas_jax.config import ModelConfig
+from atlas_jax.hf import fp8
 from atlas_jax.hf.common import HFLoadError, read_json
 from atlas_jax.model import Transformer, build
 from atlas_jax.model.transformer import layer_stacks
+from atlas_jax.quant import PROJECTIONS, QArray, dequantized
 
 Array = Any  # a jax array when importing, numpy when exporting
 Where = tuple[str, ...]  # a parameter's path inside a block (or the model)
@@ -337,9 +339,13 @@ def _set(tree: dict, path: Where, value) -> None:
   tree[path[-1]] = value
 
 
-def params_from_tensors(tensors: Mapping[str, Any], spec: Spec, cfg: ModelConfig) -> dict:
+def params_from_tensors(
+  tensors: Mapping[str, Any], spec: Spec, cfg: ModelConfig, *, scales: fp8.Scales | None = None
+) -> dict:
   """Our pure parameter dict from a checkpoint's tensors; HFLoadError names what is missing,
-  unexpected or of the wrong shape."""
+  unexpected or of the wrong shape. With `scales` (`fp8.split_scales`), the FP8 weights named
+  there are kept as QArrays where they can be (`fp8.kept_weight`), and `scales.report` lists
+  the parameters kept and expanded."""
   _check_names(tensors, spec, cfg)
   check_tensor_shapes(tensors, spec.shapes())
   dtype = jnp.dtype(cfg.param_dtype)
@@ -347,28 +353,56 @@ def params_from_tensors(tensors: Mapping[str, Any], spec: Spec, cfg: ModelConfig
   stacks: dict[Where, dict[int, Array]] = {}
   for g in spec.groups:
     for w in g.weights:
-      for where, value in w.load(
-        *[jnp.asarray(tensors[g.prefix + n]).astype(dtype) for n in w.names]
-      ).items():
+      full = [g.prefix + n for n in w.names]
+      if scales is not None and all(n in scales.by_weight for n in full):
+        values, done = fp8.kept_weight(
+          w.load,
+          [tensors[n] for n in full],
+          [scales.by_weight[n] for n in full],
+          scales.block,
+          keep=lambda where: where[-1] in PROJECTIONS,
+          dtype=dtype,
+          names=full,
+        )
+        for where, kept in done:
+          scales.report["kept" if kept else "expanded"].append(".".join(g.stack + where))
+      else:
+        values = w.load(*[jnp.asarray(tensors[n]).astype(dtype) for n in full])
+      for where, value in values.items():
         if g.stack:
           stacks.setdefault(g.stack + where, {})[g.index] = value
         else:
           _set(params, where, value)
   for path, layers in stacks.items():
-    _set(params, path, jnp.stack([layers[i] for i in range(len(layers))]))
+    _set(params, path, _stack([layers[i] for i in range(len(layers))]))
   return fit_to_model(params, cfg)
 
 
-def abstract_model(cfg: ModelConfig, implementation: str | None = None) -> Transformer:
+def _stack(values: list) -> Any:
+  """Layers' values stacked on a new leading axis; QArrays' codes and scales each stacked."""
+  if isinstance(values[0], QArray):
+    if any(not isinstance(v, QArray) or v.scale.shape != values[0].scale.shape for v in values):
+      raise HFLoadError("FP8 weights kept in some layers but not others, or tiled differently")
+    return QArray(
+      jnp.stack([v.qvalue for v in values]),
+      jnp.stack([v.scale for v in values]),
+      qtype=values[0].qtype,
+    )
+  return jnp.stack([v if not isinstance(v, QArray) else dequantized(v) for v in values])
+
+
+def abstract_model(cfg: ModelConfig, implementation: str | None = None, *, ops=None) -> Transformer:
   """The model `cfg` calls for, shapes only."""
-  return nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0), implementation=implementation))
+  return nnx.eval_shape(
+    lambda: build(cfg, rngs=nnx.Rngs(0), implementation=implementation, ops=ops)
+  )
 
 
 def fit_to_model(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   """`params` in the model's own dtypes (routers stay float32); HFLoadError names the first
   variable that is missing or has the wrong shape."""
   want = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
-  flat_got = dict(jax.tree_util.tree_leaves_with_path(params))
+  flat_got = dict(jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_q))
 
   def fit(path, leaf):
     got = flat_got.get(path)
@@ -380,16 +414,23 @@ def fit_to_model(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         f"parameter {name} has shape {tuple(got.shape)} from the checkpoint but the config "
         f"implies {tuple(leaf.shape)}"
       )
+    if isinstance(got, QArray):  # an FP8 weight kept as it shipped: codes and scales as they are
+      return got
     return got.astype(leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(fit, want)
 
 
+def _is_q(x) -> bool:
+  return isinstance(x, QArray)
+
+
 def build_model(
-  cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None
+  cfg: ModelConfig, params: dict[str, Any], *, implementation: str | None = None, ops=None
 ) -> Transformer:
-  """The model holding `params`, never initialising random weights."""
-  graphdef, state = nnx.split(abstract_model(cfg, implementation))
+  """The model holding `params`, never initialising random weights; `ops` as `Transformer`
+  takes it (None: the default backend's)."""
+  graphdef, state = nnx.split(abstract_model(cfg, implementation, ops=ops))
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 

@@ -80,6 +80,9 @@ class Ops:
   rope_tables_by_product: bool = False
   # train.fp8: the projections' matmuls in FP8 with this scaling (`atlas_jax.model.fp8`).
   fp8: str | None = None
+  # Serving e4m3 weights (`atlas_jax.quant`): multiply them by activations quantized to e4m3 per
+  # token (W8A8) rather than dequantizing the weights (weight-only).
+  w8a8: bool = False
 
 
 PLAIN = Ops()
@@ -91,7 +94,7 @@ def dense(x: Array, w: Array, contract: int = 1, ops: Ops = PLAIN) -> Array:
   `ops.copied_weight_grads`). A quantized w (`atlas_jax.quant`, serving) is dequantized in the
   product, with no gradient."""
   if is_quantized(w):
-    return quantized_product(x, w, contract)
+    return quantized_product(x, w, contract, w8a8=ops.w8a8)
   if ops.fp8 is not None:
     return fp8_dense(x, w, contract, ops.fp8)
   return _dense(x, w, contract, ops)

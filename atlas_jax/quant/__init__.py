@@ -28,6 +28,7 @@ from atlas_jax.quant.weights import (
   quantize_model,
   quantize_weight,
   quantized_product,
+  w8a8_product,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
   "quantize_model",
   "quantize_weight",
   "quantized_product",
+  "w8a8_product",
 ]

@@ -91,7 +91,7 @@ def dequantized(w):
   return qwix.dequantize(w) if isinstance(w, QArray) else w
 
 
-def quantized_product(x: Array, w: QArray, contract: int) -> Array:
+def quantized_product(x: Array, w: QArray, contract: int, *, w8a8: bool = False) -> Array:
   """x's last `contract` axes against quantized w's first, in x's dtype. Per-channel scales
   multiply the product (x @ values) * scale; group-wise ones dequantize w first (XLA fuses the
   scaling into the dot's operand where it can).
@@ -99,20 +99,24 @@ def quantized_product(x: Array, w: QArray, contract: int) -> Array:
   Differentiable in x alone (a quantized weight is frozen: QLoRA trains adapters beside it). The
   backward pass multiplies by w dequantized afresh, so the forward pass saves nothing per weight:
   left to autodiff it would keep each layer's dequantized float copy as a residual, as much
-  memory as the float weights the quantization was for."""
-  return _quantized_product(x, w, contract)
+  memory as the float weights the quantization was for.
+
+  With `w8a8` and e4m3 codes whose scales tile the contracted axes in contiguous runs, the
+  product is `w8a8_product`'s (FP8 activations and weights); its backward pass is the
+  weight-only product's transpose."""
+  return _quantized_product(x, w, contract, w8a8 and _w8a8_blocks(w, contract) is not None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _quantized_product(x: Array, w: QArray, contract: int) -> Array:
-  return _product(x, w, contract)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _quantized_product(x: Array, w: QArray, contract: int, w8a8: bool) -> Array:
+  return w8a8_product(x, w, contract) if w8a8 else _product(x, w, contract)
 
 
-def _product_fwd(x, w, contract):
-  return _product(x, w, contract), w  # the residual: the quantized weight, already held
+def _product_fwd(x, w, contract, w8a8):
+  return _quantized_product(x, w, contract, w8a8), w  # the residual: the weight, already held
 
 
-def _product_bwd(contract, w, dy):
+def _product_bwd(contract, w8a8, w, dy):
   # The product is linear in x: dx is its transpose applied to dy (x's shape from dy's and w's).
   n_out = w.ndim - contract
   x_like = jax.ShapeDtypeStruct((*dy.shape[: dy.ndim - n_out], *w.shape[:contract]), dy.dtype)
@@ -136,10 +140,70 @@ def _product(x: Array, w: QArray, contract: int) -> Array:
   x_MC = x.reshape(-1, C)
   if all(s == 1 for s in w.scale.shape[:contract]):
     y_MO = x_MC @ w.qvalue.astype(dtype).reshape(C, -1)
-    y_MO = y_MO * w.scale.astype(dtype).reshape(1, -1)
+    y_MO = y_MO * _output_scales(w, contract, 1).astype(dtype)
   else:
     y_MO = x_MC @ qwix.dequantize(w).astype(dtype).reshape(C, -1)
   return y_MO.reshape(*x.shape[: x.ndim - contract], *out_shape)
+
+
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
+def _w8a8_blocks(w: QArray, contract: int) -> int | None:
+  """How many contiguous runs of the flattened contracted axes share one scale (1: a scale per
+  output channel; DeepSeek's 128 x 128 blocks: in / 128), or None when w cannot run W8A8:
+  codes not e4m3, or scales tiling a contracted axis that is not the last one cut (the runs
+  would not be contiguous in the flattened axes)."""
+  if w.qvalue.dtype != jnp.float8_e4m3fn or w.zero_point is not None:
+    return None
+  s_shape, v_shape = w.scale.shape[:contract], w.qvalue.shape[:contract]
+  for a in range(contract - 1):  # every axis before the last cut one is per index or whole
+    later_cut = any(s > 1 for s in s_shape[a + 1 :])
+    if later_cut and s_shape[a] not in (v_shape[a],):
+      return None
+  return math.prod(s_shape)
+
+
+def _output_scales(w: QArray, contract: int, nb: int) -> Array:
+  """[nb, O]: the scales per run of the contracted axes and per output channel, the output axes'
+  tiles (a scale shared by several channels, as FP8 checkpoints' blocks are) repeated out."""
+  s = w.scale.reshape(nb, *w.scale.shape[contract:])
+  for a, n in enumerate(w.shape[contract:]):
+    if s.shape[1 + a] != n:
+      s = jnp.repeat(s, n // s.shape[1 + a], axis=1 + a)
+  return s.reshape(nb, -1)
+
+
+def w8a8_product(x: Array, w: QArray, contract: int) -> Array:
+  """x's last `contract` axes against e4m3 w's first as an FP8 matmul: each row (token) of x is
+  quantized to e4m3 with its own scale, amax / 448 (dynamic activation scaling); the codes are
+  multiplied with the weight's codes block by block of the contracted axis (one block per
+  weight scale along it), accumulating in float32; each block's product is multiplied by its
+  weight scales, the blocks summed, and the row scaled by its activation scale. In x's dtype.
+  On a backend without FP8 matmuls XLA upcasts the codes: the same numbers, emulated."""
+  dtype = x.dtype
+  out_shape = w.shape[contract:]
+  C = math.prod(w.shape[:contract])
+  nb = _w8a8_blocks(w, contract)
+  if nb is None:
+    raise ValueError(
+      f"w8a8_product: weight codes {w.qvalue.dtype} with scales {w.scale.shape} cannot run "
+      "W8A8 (e4m3 codes, scales in contiguous runs of the contracted axes)"
+    )
+  x_MC = x.reshape(-1, C).astype(jnp.float32)
+  amax_M1 = jnp.max(jnp.abs(x_MC), axis=-1, keepdims=True)
+  xs_M1 = jnp.where(amax_M1 > 0, amax_M1 / E4M3_MAX, 1.0)
+  xq_MC = (x_MC / xs_M1).astype(jnp.float8_e4m3fn)
+  wq_bkO = w.qvalue.reshape(nb, C // nb, -1)
+  y_bMO = jax.lax.dot_general(
+    xq_MC.reshape(-1, nb, C // nb),
+    wq_bkO,
+    (((2,), (1,)), ((1,), (0,))),
+    preferred_element_type=jnp.float32,
+  )
+  s_bO = _output_scales(w, contract, nb).astype(jnp.float32)
+  y_MO = jnp.einsum("bMO,bO->MO", y_bMO, s_bO) * xs_M1
+  return y_MO.astype(dtype).reshape(*x.shape[: x.ndim - contract], *out_shape)
 
 
 def quantize_model(
