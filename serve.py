@@ -88,6 +88,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="a train.py run directory, a Hugging Face folder (config.json + safetensors) or a "
     "GGUF file",
   )
+  p.add_argument(
+    "--fp8-activations",
+    choices=("auto", "dynamic", "none"),
+    default="auto",
+    help="an FP8 folder's kept weights: dynamic multiplies them by activations quantized to "
+    "e4m3 per token (W8A8), none dequantizes them in the matmuls (weight-only); auto: dynamic "
+    "where the backend has FP8 matmuls (cuda, tpu), else none",
+  )
+  p.add_argument(
+    "--fp8-weights",
+    choices=("keep", "dequantize"),
+    default="keep",
+    help="an FP8 folder's projections: keep their e4m3 codes and block scales on the device "
+    "(where the model's layout holds the blocks), or dequantize all to --dtype at load",
+  )
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
@@ -306,8 +321,9 @@ def resolve_dtype(requested: str, folder: str) -> str:
   return stored
 
 
-def load_any(path: str, dtype: str):
-  """(model, tokenizer) from a run directory or a Hugging Face folder."""
+def load_any(path: str, dtype: str, *, fp8_weights: str = "keep", fp8_activations: str = "auto"):
+  """(model, tokenizer) from a run directory or a Hugging Face folder (an FP8 one's weights
+  as `hf.load`'s `fp8_weights` and `fp8_activations` say; "auto": None there)."""
   folder = Path(path)
   if checkpoint.is_checkpoint(folder):
     model, _, _ = checkpoint.load_model(folder)  # a LoRA run's adapters merged
@@ -316,7 +332,8 @@ def load_any(path: str, dtype: str):
   if (message := step_folder_error(folder)) is not None:
     raise ValueError(message)
   dtype = resolve_dtype(dtype, path)
-  model = hf.load(path, dtype=dtype)
+  activations = None if fp8_activations == "auto" else fp8_activations
+  model = hf.load(path, dtype=dtype, fp8_weights=fp8_weights, fp8_activations=activations)
   return model, model_files.load_tokenizer(folder, model.cfg.vocab_size)
 
 
@@ -977,9 +994,19 @@ def prepare(args):
 
     # Host memory first: the runner places each device's shard, never a whole copy on one.
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-      model, tokenizer = load_any(args.checkpoint, args.dtype)
+      model, tokenizer = load_any(
+        args.checkpoint,
+        args.dtype,
+        fp8_weights=args.fp8_weights,
+        fp8_activations=args.fp8_activations,
+      )
   else:
-    model, tokenizer = load_any(args.checkpoint, args.dtype)
+    model, tokenizer = load_any(
+      args.checkpoint,
+      args.dtype,
+      fp8_weights=args.fp8_weights,
+      fp8_activations=args.fp8_activations,
+    )
   # Loading reads every tensor through host buffers freed once the model holds its arrays, and
   # making the engine frees the copies its placement replaced: glibc keeps such freed memory in
   # its arenas, resident, unless handed back (about the weights' size again after a load).

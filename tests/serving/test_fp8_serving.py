@@ -1,0 +1,55 @@
+"""An FP8 folder served as it ships: the engine over the kept e4m3 weights gives the tokens of
+the engine over the dequantized load (weight-only, both runners), and with W8A8 forced the
+engine's step programs lowered for cuda multiply f8E4M3FN operands, where the CPU default's hold
+no f8 dot."""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from atlas_jax import hf  # noqa: E402
+from atlas_jax.decoding import SamplingParams  # noqa: E402
+from atlas_jax.serving.engine import Engine  # noqa: E402
+
+from ..test_hf import build_hf  # noqa: E402
+from ..test_hf_fp8 import DEEPSEEK_FP8, qarrays, write_fp8  # noqa: E402
+from .test_ragged_step import CONFIG, _lowered  # noqa: E402
+
+PROMPTS = [[5, 9, 2, 30, 11], [1] * 7, [40, 3, 17, 22, 8, 8, 6, 1, 0, 13]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  path = tmp_path_factory.mktemp("fp8")
+  model = build_hf("Llama", path, std=0.05, hidden_size=256, intermediate_size=384)
+  write_fp8(path, model, DEEPSEEK_FP8)
+  return path
+
+
+def served(model, runner):
+  engine = Engine(model, dataclasses.replace(CONFIG, runner=runner), eos_id=None)
+  return engine.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("runner", ["ragged", "cpu"])
+def test_kept_fp8_weights_serve_the_dequantized_tokens(folder, runner):
+  kept = hf.load(folder)
+  assert len(qarrays(kept)) == 7
+  assert served(kept, runner) == served(hf.load(folder, fp8_weights="dequantize"), runner)
+
+
+def _f8_dots(text):
+  return [ln for ln in text.splitlines() if "dot_general" in ln and "f8E4M3FN" in ln]
+
+
+def test_w8a8_step_lowers_to_f8_dots_for_cuda_only(folder):
+  engine = Engine(hf.load(folder, fp8_activations="dynamic"), CONFIG, eos_id=None)
+  for name, text in _lowered(engine, "cuda").items():
+    assert len(_f8_dots(text)) >= 7, name  # q, k, v, o, gate, up, down: per block of 128 inputs
+  engine = Engine(hf.load(folder), CONFIG, eos_id=None)  # the CPU default: weight-only
+  for name, text in _lowered(engine, "cpu").items():
+    assert not _f8_dots(text), name
