@@ -15,9 +15,11 @@ model's own shapes) are written once, in `common` and `weights`. Weights are rea
 straight into jax arrays (single file or sharded with an index), converted from torch's
 [out, in] layouts into ours, and stacked over layers.
 
-Quantized checkpoints load dequantized: `fp8` (a folder whose config.json has `quant_method: fp8`,
-per-tensor or block scales) and `gguf_file` (a llama.cpp GGUF file, mapped onto the same names
-and config.json fields, so the families' tables check it as they do a folder).
+FP8 folders (config.json's `quant_method: fp8`, per-tensor or block scales) keep their
+projections' e4m3 codes and scales as the model's quantized weights where its layout holds their
+blocks, dequantizing the rest (`fp8`); `gguf_file` (a llama.cpp GGUF file, mapped onto the same
+names and config.json fields, so the families' tables check it as they do a folder) loads
+dequantized.
 
 Beside the families, for fine-tuning: `init_from` (a folder's or a run's weights placed shard by
 shard into a run's parameter shardings, train.init_from), `export` (a train.py run as a folder of
@@ -167,9 +169,10 @@ def load(
 ) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) or a GGUF file into a Transformer.
 
-  FP8 and MXFP4 folders (config.json's `quantization_config` with `quant_method: fp8` or
-  `mxfp4`) and GGUF's quantized tensors are dequantized at load, exactly, to `dtype` (`fp8`,
-  `mxfp4`, `gguf_file`).
+  FP8 folders' projections are kept as they ship where the model's layout holds their scales'
+  blocks (`fp8_weights`), every other FP8 tensor, MXFP4 folders (`quant_method: mxfp4`) and
+  GGUF's quantized tensors are dequantized at load, exactly, to `dtype` (`fp8`, `mxfp4`,
+  `gguf_file`).
 
   Args:
     path: a local folder saved by transformers' `save_pretrained` (or downloaded from the Hub),
