@@ -249,17 +249,19 @@ class MoEConfig:
     )
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionKind:
   """What differs between the attention of two layers of one model: the window (None: every
-  earlier position) and the RoPE (base and scaling; base None: no rotation)."""
+  earlier position), the chunk (Llama 4's chunked local attention: only the positions of the
+  query's own chunk; None: no chunks) and the RoPE (base and scaling; base None: no rotation)."""
 
   sliding_window: int | None
   rope_theta: float | None
   rope_scaling: RopeScaling | None
+  attention_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,11 +295,16 @@ class ModelConfig:
   # W keys per query (its own included) on the sliding layers; with layer_types None, every layer
   # slides (Mistral).
   sliding_window: int | None = None
-  # Each layer's attention, Hugging Face's `layer_types` ("full_attention" or
-  # "sliding_attention"): Gemma 2 alternates them, Gemma 3 has five sliding layers per full one.
-  # None: every layer alike. The layers still run as one scan: a layer's kind is data it reads
-  # (`ModelConfig.attention_kinds`).
-  layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+  # Each layer's attention, Hugging Face's `layer_types` ("full_attention", "sliding_attention"
+  # or "chunked_attention"): Gemma 2 alternates the first two, Gemma 3 has five sliding layers per
+  # full one, Llama 4 three chunked per full one. None: every layer alike. The layers still run as
+  # one scan: a layer's kind is data it reads (`ModelConfig.attention_kinds`).
+  layer_types: (
+    tuple[Literal["full_attention", "sliding_attention", "chunked_attention"], ...] | None
+  ) = None
+  # Llama 4's chunked local attention: a chunked layer's query at position q sees the keys k <= q
+  # with k // C == q // C, C this size. With layer_types None, every layer is chunked.
+  attention_chunk_size: int | None = None
   rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base, unscaled
   nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE
   attn_logit_softcapping: float | None = None  # Gemma 2: scores c * tanh(s / c) before softmax
@@ -355,6 +362,14 @@ class ModelConfig:
       _fail("model.head_dim", self.head_dim, "must be even: RoPE rotates pairs of dimensions")
     if self.sliding_window is not None and self.sliding_window <= 0:
       _fail("model.sliding_window", self.sliding_window, "must be a positive int or null")
+    if self.attention_chunk_size is not None and not (
+      isinstance(self.attention_chunk_size, int)
+      and not isinstance(self.attention_chunk_size, bool)
+      and self.attention_chunk_size > 0
+    ):
+      _fail(
+        "model.attention_chunk_size", self.attention_chunk_size, "must be a positive int or null"
+      )
     self._check_layer_pattern()
     self._check_rotary()
     if self.mla is not None:
@@ -363,6 +378,10 @@ class ModelConfig:
           _fail(f"model.{name}", True, "must be false with model.mla (MLA has no such option)")
       if self.sliding_window is not None:
         _fail("model.sliding_window", self.sliding_window, "must be null with model.mla")
+      if self.attention_chunk_size is not None:
+        _fail(
+          "model.attention_chunk_size", self.attention_chunk_size, "must be null with model.mla"
+        )
     if self.moe is not None:
       for i in self.moe.dense_layers:
         if not 0 <= i < self.n_layers:
@@ -387,6 +406,17 @@ class ModelConfig:
           _fail("model.layer_types", kind, f"each entry must be one of {LAYER_TYPES}")
       if "sliding_attention" in self.layer_types and self.sliding_window is None:
         _fail("model.sliding_window", None, "must be set: model.layer_types has sliding layers")
+      if "chunked_attention" in self.layer_types and self.attention_chunk_size is None:
+        _fail(
+          "model.attention_chunk_size", None, "must be set: model.layer_types has chunked layers"
+        )
+    elif self.attention_chunk_size is not None and self.sliding_window is not None:
+      _fail(
+        "model.attention_chunk_size",
+        self.attention_chunk_size,
+        "must be null with model.sliding_window and no model.layer_types (one kind per layer: "
+        "name each layer's in model.layer_types)",
+      )
     for i in self.nope_layers:
       if not 0 <= i < L:
         _fail("model.nope_layers", list(self.nope_layers), f"every entry must be in [0, {L})")
@@ -422,12 +452,18 @@ class ModelConfig:
         if self.layer_types is None
         else self.layer_types[i] == "sliding_attention"
       )
+      chunked = (
+        self.attention_chunk_size is not None
+        if self.layer_types is None
+        else self.layer_types[i] == "chunked_attention"
+      )
       rope = i not in self.nope_layers
       local = sliding and self.rope_local_theta is not None
       kind = AttentionKind(
         sliding_window=self.sliding_window if sliding else None,
         rope_theta=(self.rope_local_theta if local else self.rope_theta) if rope else None,
         rope_scaling=None if local or not rope else self.rope_scaling,
+        attention_chunk=self.attention_chunk_size if chunked else None,
       )
       if kind not in kinds:
         kinds.append(kind)

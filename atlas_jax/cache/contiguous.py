@@ -87,9 +87,12 @@ class KVLayer:
     soft_cap=None,
     sinks=None,
     implementation=None,
+    attention_chunk=None,
   ):
     dtype = q_BTNH.dtype
     options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    if attention_chunk is not None:  # a chunked layer (Llama 4): only its own chunk's keys
+      options["attention_chunk"] = attention_chunk
     if q_BTNH.shape[1] == 1:
       # Decoding: the cache seen as pages, read in place by the paged-attention kernel (the query
       # takes the cache's dtype, so the stacked cache is never converted); a window skips the

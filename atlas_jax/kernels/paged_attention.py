@@ -16,7 +16,9 @@ Semantics (shared with `paged_attention_reference`):
 * a query with no visible key (length 0, or a position before the start) returns zeros;
 * `sliding_window=W` hides keys W or more positions before a query, and pages wholly before
   every query's window are never read; `soft_cap=c` passes the scores through c * tanh(s / c);
-  `sinks` f32[N] adds a valueless softmax column per query head (`kernels.reference`).
+  `sinks` f32[N] adds a valueless softmax column per query head (`kernels.reference`);
+  `attention_chunk=C` hides keys before the query's chunk start q - q % C, and pages wholly
+  before every query's chunk are never read, as for a window.
 
 Grid: (sequence, kv head, KV split), flash decoding (`kernels.flash_decoding`). A program holds
 the queries of its kv head's whole group (T * G rows) and walks its split's pages several at a
@@ -40,7 +42,13 @@ from jax.experimental import pallas as pl
 
 from . import flash_decoding as fd
 from .quantized_kv import dequantize, is_quantized
-from .reference import attention_reference, cap_scores, check_soft_cap_and_sinks
+from .reference import (
+  attention_reference,
+  cap_scores,
+  check_attention_chunk,
+  check_soft_cap_and_sinks,
+  chunk_start,
+)
 
 Array = jax.Array
 Implementation = Literal["pallas", "xla"]
@@ -63,6 +71,7 @@ def _paged_attention_kernel(
   pages_per_step: int,
   window: int | None,
   soft_cap: float | None,
+  chunk: int | None = None,
 ):
   length = lengths_ref[pl.program_id(0)]
   layer = layer_ref[0]
@@ -78,6 +87,9 @@ def _paged_attention_kernel(
   lo = split * pages_per_split
   if window is not None:  # pages before the first query's window hold no visible key
     lo = jnp.maximum(lo, jnp.maximum(length - n_queries - window + 1, 0) // Z)
+  if chunk is not None:  # pages before the first query's chunk hold no visible key
+    first = jnp.maximum(length - n_queries, 0)
+    lo = jnp.maximum(lo, (first - first % chunk) // Z)
   hi = jnp.minimum((split + 1) * pages_per_split, held)
   n_steps = (jnp.maximum(hi - lo, 0) + pages_per_step - 1) // pages_per_step
 
@@ -94,6 +106,8 @@ def _paged_attention_kernel(
       seen_QZ = (kpos_1Z <= qpos_Q1) & inside
       if window is not None:
         seen_QZ &= kpos_1Z > qpos_Q1 - window
+      if chunk is not None:
+        seen_QZ &= kpos_1Z >= qpos_Q1 - qpos_Q1 % chunk
       scores.append(jnp.where(seen_QZ, s_QZ, -jnp.inf))
       # The tail past `length` may hold NaN, and 0 * NaN = NaN: zero those value rows.
       v_ZH = v_ref[layer, page]
@@ -169,7 +183,8 @@ def _query_rows(n: int) -> int:
   return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-def _check_options(sliding_window, soft_cap, sinks, n_heads: int) -> None:
+def _check_options(sliding_window, soft_cap, sinks, n_heads: int, attention_chunk=None) -> None:
+  check_attention_chunk("paged_attention", attention_chunk)
   if sliding_window is not None and (
     isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
   ):
@@ -188,6 +203,7 @@ def _check_options(sliding_window, soft_cap, sinks, n_heads: int) -> None:
     "num_splits",
     "pages_per_step",
     "interpret",
+    "attention_chunk",
   ),
 )
 def paged_attention_pallas(
@@ -205,10 +221,11 @@ def paged_attention_pallas(
   num_splits: int | None = None,
   pages_per_step: int | None = None,
   interpret: bool = False,
+  attention_chunk: int | None = None,
 ) -> Array:
   """The Pallas kernel; see `paged_attention` for arguments."""
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
-  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2], attention_chunk)
   if layer is None:  # one layer: a stack of one (a free reshape)
     pool_k, pool_v, layer = pool_k[None], pool_v[None], 0
   decode = q.ndim == 3
@@ -240,6 +257,7 @@ def paged_attention_pallas(
     pages_per_step=per_step,
     window=sliding_window,
     soft_cap=soft_cap,
+    chunk=attention_chunk,
   )
   part_spec = pl.BlockSpec((None, None, None, Q, H), lambda b, h, x: (b, h, x, 0, 0))
   lse_spec = pl.BlockSpec((None, None, None, Q, 1), lambda b, h, x: (b, h, x, 0, 0))
@@ -300,6 +318,7 @@ def paged_attention_xla(
   sinks: Array | None = None,
   k_scale: Array | None = None,
   v_scale: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Paged attention in plain jnp for XLA backends, with `paged_attention_reference`'s semantics.
 
@@ -324,10 +343,11 @@ def paged_attention_xla(
   each row's online softmax at its head's sink (m = sink, l = 1: the valueless column, counted
   once). `k_scale` and
   `v_scale` [(L,) P, Z, K]: the pools hold 8-bit codes (`kernels.quantized_kv`), each step's
-  pages dequantized as they are gathered.
+  pages dequantized as they are gathered. `attention_chunk` C hides keys before the query's chunk
+  start q - q % C (the loop starts at the first step any query's chunk reaches).
   """
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer, k_scale, v_scale)
-  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2], attention_chunk)
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, T, N, H = q_BTNH.shape
@@ -395,6 +415,8 @@ def paged_attention_xla(
     visible_BQC = kpos_C[None, None, :] <= qpos_BQ[:, :, None]  # causal; hides the unheld tail
     if sliding_window is not None:
       visible_BQC &= kpos_C[None, None, :] > qpos_BQ[:, :, None] - sliding_window
+    if attention_chunk is not None:
+      visible_BQC &= kpos_C[None, None, :] >= chunk_start(qpos_BQ, attention_chunk)[:, :, None]
     s = scores(pages_of(pool_k, ids_BP, k_scale), visible_BQC)
     m_new = jnp.maximum(m_BKQ, jnp.max(s, axis=c_axis))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet stay at 0
@@ -409,6 +431,11 @@ def paged_attention_xla(
     seen_BQ = qpos_BQ >= 0
     lowest = jnp.min(jnp.where(seen_BQ, qpos_BQ - sliding_window + 1, jnp.iinfo(jnp.int32).max))
     first = jnp.clip(lowest // C, 0, steps)
+  if attention_chunk is not None:  # the first step any row's chunk reaches
+    starts_BQ = jnp.where(
+      qpos_BQ >= 0, chunk_start(qpos_BQ, attention_chunk), jnp.iinfo(jnp.int32).max
+    )
+    first = jnp.maximum(first, jnp.clip(jnp.min(starts_BQ) // C, 0, steps))
   init = (
     jnp.full((B, K, Q), -jnp.inf, jnp.float32),
     jnp.zeros((B, K, Q), jnp.float32),
@@ -424,7 +451,9 @@ def paged_attention_xla(
   return out_BTNH[:, 0] if decode else out_BTNH
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
+@functools.partial(
+  jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "attention_chunk")
+)
 def paged_attention_reference(
   q: Array,
   pool_k: Array,
@@ -437,10 +466,11 @@ def paged_attention_reference(
   sliding_window: int | None = None,
   soft_cap: float | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Pure jnp: gather each sequence's pages into dense K/V, then causal dense attention."""
   check_paged_attention_inputs(q, pool_k, pool_v, block_table, lengths, layer)
-  _check_options(sliding_window, soft_cap, sinks, q.shape[-2])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[-2], attention_chunk)
   decode = q.ndim == 3
   q_BTNH = q[:, None] if decode else q
   B, max_blocks = block_table.shape
@@ -464,6 +494,7 @@ def paged_attention_reference(
     sliding_window=sliding_window,
     soft_cap=soft_cap,
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )
   return out_BTNH[:, 0] if decode else out_BTNH
 
@@ -484,6 +515,7 @@ def paged_attention(
   interpret: bool | None = None,
   num_splits: int | None = None,
   pages_per_step: int | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Attention of a few new queries per sequence over its pages of a paged KV pool.
 
@@ -509,6 +541,8 @@ def paged_attention(
     num_splits: KV splits per sequence (flash decoding); None picks them from the grid size and
       the table's capacity (`kernels.flash_decoding.choose_num_splits`).
     pages_per_step: pages the kernel scores per iteration; None: 64 tokens' worth.
+    attention_chunk: C, a query sees only its own chunk's positions, from q - q % C (pages wholly
+      before every query's chunk are skipped); None: no chunks.
 
   Returns:
     [B, N, H] or [B, T, N, H], like q.
@@ -522,6 +556,8 @@ def paged_attention(
   options = dict(
     layer=layer, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks
   )
+  if attention_chunk is not None:
+    options["attention_chunk"] = attention_chunk
   if implementation == "xla":
     return paged_attention_xla(q, pool_k, pool_v, block_table, lengths, **options)
   if interpret is None:

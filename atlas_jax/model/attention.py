@@ -97,9 +97,10 @@ class Attention(nnx.Module):
     self.wv_lora = adapter(adapters, "v_proj", self.wv, 1, rngs=rngs)
     self.wo_lora = adapter(adapters, "o_proj", self.wo, 2, rngs=rngs)
     # Static. Each layer's kind (`ModelConfig.attention_kinds`) is data the layer reads, so the
-    # layers stay one scan; a kind picks its RoPE and its window by `jax.lax.switch` among the
-    # distinct ones (one branch runs), each branch static: a window skips the kernel's tiles
-    # outside it, exactly as a model with one window does.
+    # layers stay one scan; a kind picks its RoPE and its mask (window, chunk) by
+    # `jax.lax.switch` among the distinct ones (one branch runs), each branch static: a window or
+    # a chunk skips the kernel's tiles outside it, exactly as a model with one kind does.
+    # `windows` holds (sliding_window, attention_chunk) pairs.
     self.ropes, self.windows = _branches(cfg)
     self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     self.soft_cap = cfg.attn_logit_softcapping
@@ -178,7 +179,7 @@ class Attention(nnx.Module):
         out_BTNH = _switch(
           kind,
           1,
-          [functools.partial(self._attend, sliding_window=w) for w in self.windows],
+          [functools.partial(self._attend, sliding_window=w, chunk=c) for w, c in self.windows],
           q_BTNH,
           k_BTKH,
           v_BTKH,
@@ -192,7 +193,10 @@ class Attention(nnx.Module):
         out_BTNH = _switch(
           kind,
           1,
-          [functools.partial(self._attend_cache, sliding_window=w) for w in self.windows],
+          [
+            functools.partial(self._attend_cache, sliding_window=w, chunk=c)
+            for w, c in self.windows
+          ],
           q_BTNH,
           positions_BT,
           cache,
@@ -229,8 +233,13 @@ class Attention(nnx.Module):
       out["sinks"] = self.sinks[...].astype(jnp.float32)
     return out if self.soft_cap is None else {**out, "soft_cap": self.soft_cap}
 
-  def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, sliding_window):
+  def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, sliding_window, chunk):
     context_mode = context_parallel.active()
+    if context_mode is not None and chunk is not None:
+      raise ValueError(
+        f"model.attention_chunk_size={chunk}: chunked layers do not run context-parallel "
+        f"(train.context_parallel={context_mode!r}); use mesh.context=1"
+      )
     if context_mode is not None:  # a striped sequence split over the mesh's `context`
       return context_parallel.context_attention(
         q_BTNH,
@@ -252,16 +261,24 @@ class Attention(nnx.Module):
       sliding_window=sliding_window,
       implementation=self.implementation,
       **self._options(),
+      **_chunk(chunk),
     )
 
-  def _attend_cache(self, q_BTNH, positions_BT, cache, *, sliding_window):
+  def _attend_cache(self, q_BTNH, positions_BT, cache, *, sliding_window, chunk):
     return cache.attend(
       q_BTNH,
       positions_BT,
       sliding_window=sliding_window,
       implementation=self.implementation,
       **self._options(),
+      **_chunk(chunk),
     )
+
+
+def _chunk(chunk: int | None) -> dict:
+  """The chunk option of a chunked layer's attention; none for the others, so caches and kernels
+  that take no chunks are called as before."""
+  return {} if chunk is None else {"attention_chunk": chunk}
 
 
 def _distinct(items: list) -> tuple:
@@ -286,17 +303,21 @@ def _rope_of(cfg: ModelConfig, kind) -> Rope:
 
 
 def _branches(cfg: ModelConfig) -> tuple[tuple[Rope, ...], tuple[int | None, ...]]:
-  """The distinct RoPEs and windows of the model's attention kinds, in first-use order: the
-  branches an attention switches among."""
+  """The distinct RoPEs and masks (sliding_window, attention_chunk) of the model's attention
+  kinds, in first-use order: the branches an attention switches among."""
   kinds, _ = cfg.attention_kinds()
-  return _distinct([_rope_of(cfg, k) for k in kinds]), _distinct([k.sliding_window for k in kinds])
+  return _distinct([_rope_of(cfg, k) for k in kinds]), _distinct([_mask_of(k) for k in kinds])
+
+
+def _mask_of(kind) -> tuple[int | None, int | None]:
+  return kind.sliding_window, kind.attention_chunk
 
 
 def layer_kinds(cfg: ModelConfig) -> np.ndarray:
-  """i32[L, 2]: each layer's (RoPE, window) index into its attention's `ropes` and `windows`."""
+  """i32[L, 2]: each layer's (RoPE, mask) index into its attention's `ropes` and `windows`."""
   kinds, index_L = cfg.attention_kinds()
   ropes, windows = _branches(cfg)
-  slots = [(ropes.index(_rope_of(cfg, k)), windows.index(k.sliding_window)) for k in kinds]
+  slots = [(ropes.index(_rope_of(cfg, k)), windows.index(_mask_of(k))) for k in kinds]
   return np.array([slots[i] for i in index_L], np.int32).reshape(cfg.n_layers, 2)
 
 

@@ -140,3 +140,52 @@ def test_flash_chunked_lowers_for_accelerators(backend, platform, kernel):
   )
   fn = jax.jit(functools.partial(_grads, flash))
   assert kernel in fn.trace(q, k, v, do).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("T", [1, 5])  # decoding, speculative verification
+@pytest.mark.parametrize("implementation", ["pallas", "xla", "reference"])
+def test_paged_attention_skips_the_pages_before_a_chunk(T, implementation):
+  """Chunked queries over a paged pool equal the reference; for the kernel the pages wholly
+  before every query's chunk are NaN, and never read (the jnp loop starts at the batch's
+  earliest chunk, so it is given finite pages)."""
+  from atlas_jax.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+  )
+  from tests.kernels.test_paged_attention import make_case
+
+  chunk, Z = 16, 8
+  q_BTNH, pool_k, pool_v, table, lengths, dense = make_case(
+    lengths=(70, 45, 3), T=T, N=4, K=2, H=16, Z=Z, dtype=jnp.float32, seed=T
+  )
+  expected = attention_reference(
+    q_BTNH, dense["k"], dense["v"], causal=True, kv_lengths=lengths, attention_chunk=chunk
+  )
+  # The first queries sit at 70 - T and 45 - T: their chunks start at 64 and 32 (T = 1, 5).
+  before = jnp.concatenate([table[0, : 64 // Z], table[1, : 32 // Z]])
+  q = q_BTNH[:, 0] if T == 1 else q_BTNH
+  if implementation == "reference":
+    out = paged_attention_reference(q, pool_k, pool_v, table, lengths, attention_chunk=chunk)
+  else:
+    if implementation == "pallas":
+      pool_k, pool_v = (x.at[before].set(jnp.nan) for x in (pool_k, pool_v))
+    out = paged_attention(
+      q, pool_k, pool_v, table, lengths, attention_chunk=chunk, implementation=implementation
+    )
+  out = out[:, None] if T == 1 else out
+  chex.assert_trees_all_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_chunked_lowers_to_triton_for_cuda():
+  from atlas_jax.kernels.paged_attention import paged_attention_pallas
+
+  q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 64, 16, 8, 128), jnp.bfloat16)
+  ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, n, l: paged_attention_pallas(
+      q, k, v, t, n, layer=l, sliding_window=64, attention_chunk=128
+    )
+  )
+  args = (q, pool, pool, ints(4, 16), ints(4), ints())
+  assert "xla.gpu.triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
