@@ -53,3 +53,20 @@ def test_w8a8_step_lowers_to_f8_dots_for_cuda_only(folder):
   engine = Engine(hf.load(folder), CONFIG, eos_id=None)  # the CPU default: weight-only
   for name, text in _lowered(engine, "cpu").items():
     assert not _f8_dots(text), name
+
+
+def test_kept_fp8_weights_under_tensor_2_equal_one_device(folder):
+  """The codes and their tile scales split over the tensor axis as the float weights are."""
+  kept = hf.load(folder)
+  one = served(kept, "ragged")
+  config = dataclasses.replace(CONFIG, runner="ragged", tensor_parallel_size=2)
+  assert Engine(kept, config, eos_id=None).generate(PROMPTS, GREEDY) == one
+
+
+def test_w8a8_under_tensor_2_equals_one_device(folder):
+  """Each token's activation scale is its amax over the whole contracted axis, also where that
+  axis is split over the tensor axis (W_O's and W_down's inputs)."""
+  w8a8 = hf.load(folder, fp8_activations="dynamic")
+  one = served(w8a8, "ragged")
+  config = dataclasses.replace(CONFIG, runner="ragged", tensor_parallel_size=2)
+  assert Engine(w8a8, config, eos_id=None).generate(PROMPTS, GREEDY) == one
