@@ -16,7 +16,9 @@ of T owned by no sequence are padding and get zeros. Sequences must occupy disjo
 increasing order. Options: `sliding_window=W` (a query sees the W positions up to its own) and
 `soft_cap=c` (scores pass through c * tanh(s / c) before the softmax, Gemma 2's logit capping)
 and `sinks` f32[N] (a valueless softmax column per query head, gpt-oss's attention sinks; see
-`kernels.reference`). Query blocks skip the pages wholly outside their window.
+`kernels.reference`) and `attention_chunk=C` (Llama 4's chunked layers: a query sees only its
+own chunk's positions, from q - q % C). Query blocks skip the pages wholly before their first
+query's window or chunk.
 8-bit pools (`kernels.quantized_kv`) come with `k_scale` and `v_scale`, a float32 scale per token
 and kv head ([L, P, Z, K]; a latent pool's [L, P, Z, 1]): every path dequantizes a page as it
 reads it, so only the 8-bit codes cross memory.
@@ -60,7 +62,12 @@ from jax.experimental import pallas as pl
 from . import flash_decoding as fd
 from .paged_attention import paged_attention_xla
 from .quantized_kv import dequantize, is_quantized
-from .reference import attention_reference, cap_scores, check_soft_cap_and_sinks
+from .reference import (
+  attention_reference,
+  cap_scores,
+  check_attention_chunk,
+  check_soft_cap_and_sinks,
+)
 
 Array = jax.Array
 Implementation = Literal["pallas", "xla"]
@@ -160,13 +167,28 @@ def _tokens_of_rows(out_JKQW: Array, plan: BlockPlan, block_q: int, N: int, T: i
   return _scatter_outputs(out_JQNW, plan, T)
 
 
-def _page_range(plan: BlockPlan, page_size: int, window: int | None) -> tuple[Array, Array]:
+def _page_range(
+  plan: BlockPlan, page_size: int, window: int | None, chunk: int | None = None
+) -> tuple[Array, Array]:
   """(first, end) i32[J]: the pages a block's queries can see, [first, end)."""
   last_J = plan.pos0_J + plan.n_J - 1
   end_J = jnp.where(plan.n_J > 0, last_J // page_size + 1, 0)
-  if window is None:
-    return jnp.zeros_like(end_J), end_J
-  return jnp.maximum(plan.pos0_J - window + 1, 0) // page_size, end_J
+  return _first_key(plan.pos0_J, window, chunk) // page_size, end_J
+
+
+def _first_key(pos0, window: int | None, chunk: int | None):
+  """The first key position a block whose first query sits at `pos0` (>= 0) can see: the later
+  of its window's start and its chunk's (0 without either)."""
+  first = 0 if window is None else jnp.maximum(pos0 - window + 1, 0)
+  if chunk is not None:
+    first = jnp.maximum(first, jax.lax.div(pos0, jnp.int32(chunk)) * chunk)
+  return first
+
+
+def _chunk_seen(kpos, qpos, chunk: int):
+  """Whether key position `kpos` lies in the chunk of query position `qpos` (both >= 0, and
+  kpos <= qpos already required): div, not the remainder, which Mosaic lowers for vectors."""
+  return kpos >= jax.lax.div(qpos, jnp.int32(chunk)) * chunk
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -247,7 +269,8 @@ def check_inputs(
     raise fail(f"q must be floating, got {q.dtype}")
 
 
-def _check_options(sliding_window, soft_cap, sinks=None, n_heads=None):
+def _check_options(sliding_window, soft_cap, sinks=None, n_heads=None, attention_chunk=None):
+  check_attention_chunk("ragged_paged_attention", attention_chunk)
   if sliding_window is not None and (
     isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
   ):
@@ -271,7 +294,9 @@ def _stacked(k_pages, v_pages, layer):
 # -- the reference --------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "value_dim"))
+@functools.partial(
+  jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "value_dim", "attention_chunk")
+)
 def ragged_paged_attention_reference(
   q: Array,
   k_pages: Array,
@@ -289,6 +314,7 @@ def ragged_paged_attention_reference(
   k_scale: Array | None = None,
   v_scale: Array | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Pure jnp: every sequence's pages gathered into dense K/V, each token attending to its own
   sequence's as `attention_reference` does (8-bit pools dequantized whole first). Memory grows
@@ -306,7 +332,7 @@ def ragged_paged_attention_reference(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1], attention_chunk)
   if k_scale is not None:
     if v_pages is None:
       k_pages = dequantize(k_pages, k_scale[..., 0], q.dtype)
@@ -343,6 +369,7 @@ def ragged_paged_attention_reference(
     kv_lengths=kvlen_B[seq_T],
     soft_cap=None if soft_cap is None else float(soft_cap),
     sinks=sinks,
+    attention_chunk=attention_chunk,
   )[:, 0]
   out = jnp.where(owned_T[:, None, None], out, 0)
   return out[..., :value_dim] if latent else out
@@ -371,6 +398,7 @@ def ragged_paged_attention_xla(
   k_scale: Array | None = None,
   v_scale: Array | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Each query block a row of `paged_attention_xla` (a loop over page steps, as many as the
   longest block needs), its queries at their positions. `block_q` defaults to 16 tokens;
@@ -388,7 +416,7 @@ def ragged_paged_attention_xla(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1], attention_chunk)
   latent = v_pages is None
   if latent:  # a free reshape: one kv head, the latent as key and value
     k_pages = v_pages = k_pages[..., None, :]
@@ -415,6 +443,7 @@ def ragged_paged_attention_xla(
     sinks=sinks,
     k_scale=k_scale,
     v_scale=v_scale,
+    **({} if attention_chunk is None else {"attention_chunk": attention_chunk}),
   )
   out_TNH = _scatter_outputs(out_JQNH, plan, T)
   return out_TNH[..., :value_dim] if latent else out_TNH
@@ -444,6 +473,7 @@ def _ragged_gpu_kernel(
   pages_per_split: int,
   pages_per_step: int,
   scaled: bool,
+  chunk: int | None = None,
 ):
   # GQA: q [Q, H], k and v [L, P, Z, H] (this kv head's slice of the pools); latent: q's two
   # parts [Q, C] and [Q, R], the pool [L, P, Z, C + R]. 8-bit pools: then their scales
@@ -470,7 +500,7 @@ def _ragged_gpu_kernel(
   offsets_1Z = jax.lax.broadcasted_iota(jnp.int32, (1, Z), 1)
   offsets_Z1 = jax.lax.broadcasted_iota(jnp.int32, (Z, 1), 0)
   end = jnp.where(n > 0, (pos0 + n - 1) // Z + 1, 0)
-  first = 0 if window is None else jnp.maximum(pos0 - window + 1, 0) // Z
+  first = _first_key(pos0, window, chunk) // Z
   lo = jnp.maximum(pl.program_id(2) * pages_per_split, first)
   hi = jnp.minimum((pl.program_id(2) + 1) * pages_per_split, end)
   n_steps = (jnp.maximum(hi - lo, 0) + pages_per_step - 1) // pages_per_step
@@ -495,6 +525,8 @@ def _ragged_gpu_kernel(
       seen_QZ = (kpos_1Z <= qpos_Q1) & inside
       if window is not None:
         seen_QZ &= kpos_1Z > qpos_Q1 - window
+      if chunk is not None:
+        seen_QZ &= _chunk_seen(kpos_1Z, qpos_Q1, chunk)
       s_QZ = _scores(q_parts, k_parts, scale=scale, soft_cap=soft_cap)
       scores.append(jnp.where(seen_QZ, s_QZ, -jnp.inf))
       # Slots past the tokens held may hold NaN, and 0 * NaN = NaN: zero those value rows.
@@ -536,6 +568,7 @@ def _ragged_triton(
   pages_per_step,
   interpret,
   sinks,
+  chunk,
 ):
   latent = v_pages is None
   L, P, Z = k_pages.shape[:3]
@@ -566,6 +599,7 @@ def _ragged_triton(
     pages_per_split=per_split,
     pages_per_step=per_step,
     scaled=k_scale is not None,
+    chunk=chunk,
   )
   whole = lambda n: pl.BlockSpec((n,), lambda j, h, x: (0,))
   rows = lambda w: pl.BlockSpec((None, None, Q, w), lambda j, h, x: (j, h, 0, 0))
@@ -644,6 +678,7 @@ def _ragged_tpu_kernel(
   kv_heads: int,
   scaled: bool,
   has_sinks: bool,
+  chunk: int | None = None,
 ):
   # q [K, Q, H]; with sinks, f32[K, Q, 1] each row's sink logit; pages_per_step key pages
   # [Z, K, H] (latent: [Z, C + R]) and as many value pages (GQA only); 8-bit pools: then as many
@@ -696,6 +731,8 @@ def _ragged_tpu_kernel(
     seen_QC = (kpos_1C <= qpos_Q1) & (page_1C >= lo) & (page_1C < hi)
     if window is not None:
       seen_QC &= kpos_1C > qpos_Q1 - window
+    if chunk is not None:
+      seen_QC &= _chunk_seen(kpos_1C, qpos_Q1, chunk)
     kpos_C1 = first_page * Z + jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     held_C1 = kpos_C1 < kv_len
     for h in range(kv_heads):
@@ -738,6 +775,7 @@ def _ragged_mosaic(
   pages_per_step,
   interpret,
   sinks,
+  chunk,
 ):
   from jax.experimental.pallas import tpu as pltpu
 
@@ -752,7 +790,7 @@ def _ragged_mosaic(
   n_steps = -(-M // per_step)
   Q = -(-block_q * G // 8) * 8  # rows fill whole sublanes
   q_JKQH = _rows_of_blocks(q, plan, block_q, K, Q)
-  first_J, end_J = _page_range(plan, Z, window)
+  first_J, end_J = _page_range(plan, Z, window, chunk)
   Hv = value_dim if latent else H
 
   def page_map(jj, rank):
@@ -791,6 +829,7 @@ def _ragged_mosaic(
     kv_heads=K,
     scaled=k_scale is not None,
     has_sinks=sinks is not None,
+    chunk=chunk,
   )
   sink_specs, sink_args = [], []
   if sinks is not None:
@@ -842,6 +881,7 @@ def _ragged_mosaic(
     "num_splits",
     "pages_per_step",
     "interpret",
+    "attention_chunk",
   ),
 )
 def ragged_paged_attention_pallas(
@@ -867,6 +907,7 @@ def ragged_paged_attention_pallas(
   k_scale: Array | None = None,
   v_scale: Array | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """The Pallas kernels; see `ragged_paged_attention`. `backend` "triton" (GPU) or "mosaic"
   (TPU); `interpret` runs either on any backend."""
@@ -883,7 +924,7 @@ def ragged_paged_attention_pallas(
     k_scale=k_scale,
     v_scale=v_scale,
   )
-  _check_options(sliding_window, soft_cap, sinks, q.shape[1])
+  _check_options(sliding_window, soft_cap, sinks, q.shape[1], attention_chunk)
   if backend not in ("triton", "mosaic"):
     raise ValueError(f"ragged_paged_attention: backend={backend!r} is not 'triton' or 'mosaic'")
   fd.check_positive_or_none("ragged_paged_attention", "block_q", block_q)
@@ -908,6 +949,7 @@ def ragged_paged_attention_pallas(
     k_scale=k_scale,
     v_scale=v_scale,
     sinks=sinks,
+    chunk=attention_chunk,
   )
   if backend == "mosaic":
     return _ragged_mosaic(q, k_pages, v_pages, block_tables, plan, T, **common)
@@ -939,6 +981,7 @@ def ragged_paged_attention(
   k_scale: Array | None = None,
   v_scale: Array | None = None,
   sinks: Array | None = None,
+  attention_chunk: int | None = None,
 ) -> Array:
   """Attention of a step's ragged queries over their sequences' pages.
 
@@ -968,6 +1011,8 @@ def ragged_paged_attention(
     block_q: tokens per query block (None: per implementation).
     k_scale, v_scale: f32[(L,) P, Z, K] for 8-bit pools (`kernels.quantized_kv`): a scale per
       token and kv head; a latent pool's k_scale is [(L,) P, Z, 1] and v_scale None.
+    attention_chunk: C, a query sees only its own chunk's positions, from q - q % C (pages
+      wholly before a block's first query's chunk are never read); None: no chunks.
 
   Returns:
     [T, N, H], or [T, N, C] for latent pages; zeros for padding tokens.
@@ -989,6 +1034,8 @@ def ragged_paged_attention(
     v_scale=v_scale,
     sinks=sinks,
   )
+  if attention_chunk is not None:
+    options["attention_chunk"] = attention_chunk
   xla = functools.partial(
     ragged_paged_attention_xla, keys_per_step=keys_per_step, block_q=block_q, **options
   )

@@ -189,3 +189,78 @@ def test_paged_attention_chunked_lowers_to_triton_for_cuda():
   )
   args = (q, pool, pool, ints(4, 16), ints(4), ints())
   assert "xla.gpu.triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+  "implementation, backend", [("pallas", "triton"), ("pallas", "mosaic"), ("xla", None)]
+)
+def test_ragged_paged_attention_chunked_equals_the_reference(implementation, backend):
+  """A step mixing a prompt chunk that crosses a chunk boundary, decode tokens and padding: each
+  implementation equals the reference. For the kernels the pages wholly before a sequence's
+  first query's chunk are NaN, so a read of one would show."""
+  from atlas_jax.kernels.ragged_paged_attention import (
+    ragged_paged_attention_pallas,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+  )
+  from tests.kernels.test_ragged_paged_attention import make_step
+
+  chunk, Z = 16, 8
+  q, k, v, table, start, qlen, kvlen, layer = make_step(Z=Z)
+  ref = ragged_paged_attention_reference(
+    q, k, v, table, start, qlen, kvlen, layer=layer, attention_chunk=chunk
+  )
+  if implementation == "xla":
+    got = ragged_paged_attention_xla(
+      q, k, v, table, start, qlen, kvlen, layer=layer, attention_chunk=chunk
+    )
+  else:
+    # Sequence 0's queries sit at 40..60 (chunks from 32), sequence 3's at 63 (chunk from 48).
+    before = jnp.concatenate([table[0, : 32 // Z], table[3, : 48 // Z]])
+    k, v = (x.at[layer, before].set(jnp.nan) for x in (k, v))
+    got = ragged_paged_attention_pallas(
+      q,
+      k,
+      v,
+      table,
+      start,
+      qlen,
+      kvlen,
+      layer=layer,
+      attention_chunk=chunk,
+      backend=backend,
+      interpret=True,
+      block_q=8,
+    )
+  chex.assert_tree_all_finite(got)
+  chex.assert_trees_all_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_reference_chunk_is_the_dense_mask():
+  """The ragged reference on one sequence equals `attention_reference` on its dense K/V."""
+  from atlas_jax.kernels.ragged_paged_attention import ragged_paged_attention_reference
+  from tests.kernels.test_ragged_paged_attention import make_step
+
+  q, k, v, table, start, qlen, kvlen, layer = make_step(seqs=((40, 21),), Z=8, gap=0)
+  got = ragged_paged_attention_reference(
+    q, k, v, table, start, qlen, kvlen, layer=layer, attention_chunk=16
+  )
+  dense = lambda pool: pool[1, table[0]].reshape(1, -1, *pool.shape[3:])[:, :61]
+  want = _explicit(q[None, :21], dense(k), dense(v), chunk=16, causal=True)
+  chex.assert_trees_all_close(got[:21], want[0], atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_chunked_lowers_for_cuda_and_tpu():
+  from atlas_jax.kernels.ragged_paged_attention import ragged_paged_attention
+
+  q = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 128, 16, 2, 128), jnp.bfloat16)
+  ints = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  fn = jax.jit(
+    lambda q, k, v, t, s, n, kv, l: ragged_paged_attention(
+      q, k, v, t, s, n, kv, layer=l, sliding_window=64, attention_chunk=128
+    )
+  )
+  args = (q, pool, pool, ints(8, 32), ints(8), ints(8), ints(8), ints())
+  for platform, kernel in (("cuda", "xla.gpu.triton"), ("tpu", "tpu_custom_call")):
+    assert kernel in fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
