@@ -173,7 +173,8 @@ def _page_range(
   """(first, end) i32[J]: the pages a block's queries can see, [first, end)."""
   last_J = plan.pos0_J + plan.n_J - 1
   end_J = jnp.where(plan.n_J > 0, last_J // page_size + 1, 0)
-  return _first_key(plan.pos0_J, window, chunk) // page_size, end_J
+  first_J = jnp.broadcast_to(_first_key(plan.pos0_J, window, chunk) // page_size, end_J.shape)
+  return first_J.astype(end_J.dtype), end_J
 
 
 def _first_key(pos0, window: int | None, chunk: int | None):
