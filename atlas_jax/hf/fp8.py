@@ -276,17 +276,9 @@ def dequantize_tensors(
 ) -> dict[str, Any]:
   """The folder's tensors with every FP8 weight dequantized to `dtype` and its scales gone; as
   they are when config.json has no `quantization_config`."""
-  q = hf.get("quantization_config")
+  q = _check_method(hf)
   if q is None:
     return dict(tensors)
-  if not isinstance(q, Mapping):
-    raise HFLoadError(f"config.json field 'quantization_config'={q!r} must be an object")
-  method = field(q, "quant_method", str, where="quantization_config.")
-  if method not in METHODS:
-    raise HFLoadError(
-      f"config.json field 'quantization_config.quant_method'={method!r} is not supported; "
-      f"supported: {', '.join(METHODS)} (other formats: dequantize them first)"
-    )
   block = block_size(q)
   out = dict(tensors)
   dropped = [n for n in tensors if n.endswith(ACTIVATION_SUFFIXES)]
@@ -294,10 +286,7 @@ def dequantize_tensors(
     del out[n]
   count = 0
   for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIXES)):
-    if name.endswith(WEIGHT_SCALE_SUFFIXES):
-      base = name.rsplit(".", 1)[0] + ".weight"
-    else:  # fused experts (transformers v5): mlp.experts.gate_up_proj_scale_inv
-      base = name.removesuffix("_scale_inv")
+    base = _weight_of(name)
     if base not in out:
       raise HFLoadError(f"{where}: scale {name} has no weight {base}")
     if jnp.asarray(out[base]).dtype not in FP8_DTYPES:
