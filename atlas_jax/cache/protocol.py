@@ -64,10 +64,12 @@ class LayerCache(Protocol):
     soft_cap: float | None = None,
     sinks: Array | None = None,
     implementation: str | None = None,
+    attention_chunk: int | None = None,
   ) -> Array:
     """Causal attention of the T queries over every entry held (after `write`); the softmax
-    options (window, soft-cap, f32[N] sinks) as in `atlas_jax.kernels.reference`. Latent
-    layers take none of them and raise ValueError when one is given."""
+    options (window, soft-cap, f32[N] sinks, a chunked layer's `attention_chunk`) as in
+    `atlas_jax.kernels.reference`. Latent layers take none of them and raise ValueError when one
+    is given. The model passes `attention_chunk` only for a chunked layer."""
     ...
 
   def read(self) -> tuple[Array, ...]:

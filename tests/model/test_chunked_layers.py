@@ -1,6 +1,8 @@
 """Llama 4's chunked local attention as a layer kind: config, and cached decoding (a contiguous
 cache) equal to the uncached forward on a model alternating chunked and global layers."""
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -96,3 +98,20 @@ def test_a_chunked_layer_attends_within_its_chunk():
   chex.assert_trees_all_close(got, want, atol=1e-6)
   # Query 6 opens a chunk: it sees only itself, so its output is its own value.
   chex.assert_trees_all_close(got[0, 6], jnp.repeat(v[0, 6], 2, axis=0), atol=1e-6)
+
+
+def _paged_takes_chunks() -> bool:
+  from atlas_jax.cache.paged import PagedKVLayer
+
+  return "attention_chunk" in inspect.signature(PagedKVLayer.attend).parameters
+
+
+@pytest.mark.skipif(
+  not _paged_takes_chunks(), reason="the paged KV layer's attend does not yet pass attention_chunk"
+)
+def test_paged_cache_equals_the_contiguous_cache():
+  """A batched, padded prefill and lockstep decoding over a paged pool (the ragged kernel) give
+  each row's contiguous-cache logits, across chunk boundaries."""
+  from tests.serving.test_paged_model import paged_vs_contiguous
+
+  paged_vs_contiguous(_model(), [13, 5], steps=6)
