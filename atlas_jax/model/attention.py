@@ -235,11 +235,6 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, sliding_window, chunk):
     context_mode = context_parallel.active()
-    if context_mode is not None and chunk is not None:
-      raise ValueError(
-        f"model.attention_chunk_size={chunk}: chunked layers do not run context-parallel "
-        f"(train.context_parallel={context_mode!r}); use mesh.context=1"
-      )
     if context_mode is not None:  # a striped sequence split over the mesh's `context`
       return context_parallel.context_attention(
         q_BTNH,
@@ -250,6 +245,7 @@ class Attention(nnx.Module):
         implementation=self.implementation,
         mode=context_mode,
         **self._options(),
+        **_chunk(chunk),
       )
     return kernels.attention(
       q_BTNH,

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from atlas_jax import kernels
 from atlas_jax.kernels import flash_attention
+from atlas_jax.kernels.reference import chunk_start
 
 Array = jax.Array
 AXIS = "context"
@@ -144,6 +145,7 @@ def context_attention(
   sinks: Array | None = None,
   implementation: str | None = None,
   mode: str = "all_gather",
+  attention_chunk: int | None = None,
 ) -> Array:
   """Causal self-attention of a striped sequence split over the mesh's `context` axis.
 
@@ -153,6 +155,10 @@ def context_attention(
     sliding_window, scale, soft_cap, sinks, implementation: as `atlas_jax.kernels.attention`.
       The ring merges its blocks' partial softmaxes first and adds the sinks' share once.
     mode: "all_gather" or "ring".
+    attention_chunk: C, a chunked layer's (`kernels.reference`); chunks follow the global
+      sequence index. The ring scores a chunked layer's blocks with XLA: FlashAttention's
+      partials take positions relative to a block's first key, where a chunk's start is not a
+      bound the kernel takes.
 
   Returns:
     [B, T, N, H] in striped order.
@@ -171,6 +177,8 @@ def context_attention(
   spec_s = P(rows, AXIS)
   body = _all_gather_local if mode == "all_gather" else _ring_local
   scoring = dict(sliding_window=sliding_window, scale=scale, soft_cap=soft_cap)
+  if attention_chunk is not None:
+    scoring["attention_chunk"] = attention_chunk
   local = functools.partial(body, C=C, implementation=implementation, T=T, **scoring)
   args, specs = [q_BTNH, k_BTKH, v_BTKH, perm_CT], [spec_x, spec_x, spec_x, P()]
   args.append(jnp.zeros((0,), jnp.float32) if segment_ids_BT is None else segment_ids_BT)
@@ -215,7 +223,7 @@ def _ring_local(q, k, v, perm_CT, seg, sinks=None, *, C, T, implementation, **sc
   b, t = q.shape[:2]
   i = jax.lax.axis_index(AXIS)
   q_pos = _local_positions(perm_CT, b)
-  use_kernel = _picks_kernel(q, k, implementation)
+  use_kernel = _picks_kernel(q, k, implementation) and "attention_chunk" not in scoring
   shift = [(j, (j + 1) % C) for j in range(C)]
   out, lse, kv_seg = None, None, seg
   for step in range(C):
@@ -241,7 +249,18 @@ def _picks_kernel(q, k, implementation) -> bool:
 
 
 def _xla_partial(
-  q, k, v, q_pos_bt, kv_pos_s, q_seg, kv_seg, *, sliding_window, scale=None, soft_cap=None
+  q,
+  k,
+  v,
+  q_pos_bt,
+  kv_pos_s,
+  q_seg,
+  kv_seg,
+  *,
+  sliding_window,
+  scale=None,
+  soft_cap=None,
+  attention_chunk=None,
 ):
   """(f32[b, t, N, H] softmax-weighted values, f32[b, t, N] log-sum-exp; -inf where no key is
   visible) of q against one block of keys at global indices kv_pos_s."""
@@ -256,6 +275,9 @@ def _xla_partial(
   visible = kv_pos_s[None, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
   if sliding_window is not None:
     visible &= q_pos_bt[:, :, None] - kv_pos_s[None, None, :] < sliding_window
+  if attention_chunk is not None:
+    first_bt = chunk_start(q_pos_bt, attention_chunk)
+    visible &= kv_pos_s[None, None, :] >= first_bt[:, :, None]
   if q_seg is not None:
     visible &= q_seg[:, :, None] == kv_seg[:, None, :]
   visible = visible[:, None, None]  # [b, 1, 1, t, s]
