@@ -608,6 +608,7 @@ class PagedKVLayer:
     soft_cap=None,
     sinks=None,
     implementation=None,
+    attention_chunk=None,
   ):
     """Causal attention of the call's tokens over their sequences' pages (the ragged kernel),
     in the pool's dtype; padding tokens get zeros. `sinks` f32[N] lie with the query heads."""
@@ -621,6 +622,8 @@ class PagedKVLayer:
       implementation=_implementation(implementation),
       **dict(self.options),
     )
+    if attention_chunk is not None:
+      kw["attention_chunk"] = attention_chunk
 
     tokens = _split_axis(self)
 
