@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from atlas_jax.config import MLAConfig, ModelConfig, MTPConfig
+from atlas_jax.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from atlas_jax.hf.common import (
   HFLoadError,
   base_fields,
@@ -261,18 +261,26 @@ def feed_forward(cfg: ModelConfig, sparse: bool, prefix: str, names) -> list[Wei
 
 def spec(cfg: ModelConfig, hf: Mapping[str, Any], names: set[str] | None = None) -> Spec:
   interleaved = hf.get("model_type") == "deepseek_v2" or field(hf, "rope_interleave", bool, True)
+  return layers_spec(cfg, lambda: attention(cfg, interleaved), names)
+
+
+def layers_spec(
+  cfg: ModelConfig, attention_weights: Callable[[], list[Weights]], names: set[str] | None
+) -> Spec:
+  """The tensors of a model laid out as DeepSeek-V3's (GLM-4.5 shares it): each decoder layer's
+  `attention_weights()` then its `feed_forward`, and the MTP modules past the last layer.
+  `names`: the stored tensors (they tell the routed experts' layout)."""
   sparse_L = cfg.sparse_layers()
-  L = cfg.n_layers
 
-  def layer(i, prefix):
-    return tuple(attention(cfg, interleaved) + feed_forward(cfg, sparse_L[i], prefix, names))
+  def block(sparse: bool, prefix: str) -> list[Weights]:
+    return attention_weights() + feed_forward(cfg, sparse, prefix, names)
 
-  sparse_mtp = cfg.moe is not None and cfg.moe.is_sparse(L)
-  mtp, ignored = mtp_groups(
-    cfg,
-    lambda prefix: attention(cfg, interleaved) + feed_forward(cfg, sparse_mtp, prefix, names),
-  )
-  return Spec((model_group(cfg), *trunk_groups(cfg, layer), *mtp), ignored)
+  # transformers builds MTP layers as MoE layers whatever first_k_dense_replace says; the stored
+  # ones are (their index is past it).
+  sparse_mtp = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
+  mtp, ignored = mtp_groups(cfg, lambda prefix: block(sparse_mtp, prefix))
+  trunk = trunk_groups(cfg, lambda i, prefix: tuple(block(sparse_L[i], prefix)))
+  return Spec((model_group(cfg), *trunk, *mtp), ignored)
 
 
 def mtp_groups(
@@ -333,39 +341,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     n_routed_experts=0,
   )
   if kind == "deepseek_v3":
-    out.update(rope_interleave=True, num_nextn_predict_layers=_mtp_layers(cfg))
+    out.update(rope_interleave=True, num_nextn_predict_layers=mtp_to_hf(kind, cfg))
   if m is None:
     return out
-  if m.sparse_step != 1 or m.dense_layers:
-    raise export_error(
-      kind,
-      "moe.sparse_step / moe.dense_layers",
-      (m.sparse_step, m.dense_layers),
-      "DeepSeek's MoE layers are every layer from first_k_dense_replace on",
-    )
-  if m.shared_expert_gate:
-    raise export_error(
-      kind, "moe.shared_expert_gate", True, "DeepSeek's shared experts are ungated"
-    )
-  if m.shared_ffn_dim % m.expert_ffn_dim:
-    raise export_error(
-      kind,
-      "moe.shared_ffn_dim",
-      m.shared_ffn_dim,
-      f"a multiple of moe.expert_ffn_dim={m.expert_ffn_dim} (n_shared_experts)",
-    )
-  out.update(
-    first_k_dense_replace=m.first_k_dense,
-    n_routed_experts=m.n_experts,
-    num_experts_per_tok=m.top_k,
-    moe_intermediate_size=m.expert_ffn_dim,
-    n_shared_experts=m.shared_ffn_dim // m.expert_ffn_dim,
-    routed_scaling_factor=m.routed_scaling_factor,
-    n_group=m.n_group,
-    topk_group=m.topk_group,
-    norm_topk_prob=m.norm_topk_prob,
-    topk_method=m.topk_method,
-  )
+  out.update(moe_to_hf(kind, m), topk_method=m.topk_method)
   if kind == "deepseek_v3" and m.topk_method != "noaux_tc":
     raise export_error(kind, "moe.topk_method", m.topk_method, "DeepSeek-V3 routes with noaux_tc")
   if kind == "deepseek_v2" and (m.norm_topk_prob or m.topk_method == "noaux_tc"):
@@ -378,9 +357,43 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   return out
 
 
-def _mtp_layers(cfg: ModelConfig) -> int:
+def moe_to_hf(kind: str, m: MoEConfig) -> dict[str, Any]:
+  """config.json's fields for DeepSeek's mixture-of-experts layers, which GLM-4.5 (`kind`
+  "glm4_moe") shares: every layer from first_k_dense_replace on is MoE, beside n_shared_experts
+  ungated shared experts of moe_intermediate_size each; the router's groups and scaling."""
+  if m.sparse_step != 1 or m.dense_layers or m.shared_expert_gate:
+    raise export_error(
+      kind,
+      "moe.sparse_step / dense_layers / shared_expert_gate",
+      (m.sparse_step, m.dense_layers, m.shared_expert_gate),
+      "(1, (), False): the MoE layers are every layer from first_k_dense_replace on, their "
+      "shared experts ungated",
+    )
+  if m.shared_ffn_dim % m.expert_ffn_dim:
+    raise export_error(
+      kind,
+      "moe.shared_ffn_dim",
+      m.shared_ffn_dim,
+      f"a multiple of moe.expert_ffn_dim={m.expert_ffn_dim} (n_shared_experts)",
+    )
+  return dict(
+    first_k_dense_replace=m.first_k_dense,
+    n_routed_experts=m.n_experts,
+    num_experts_per_tok=m.top_k,
+    moe_intermediate_size=m.expert_ffn_dim,
+    n_shared_experts=m.shared_ffn_dim // m.expert_ffn_dim,
+    routed_scaling_factor=m.routed_scaling_factor,
+    n_group=m.n_group,
+    topk_group=m.topk_group,
+    norm_topk_prob=m.norm_topk_prob,
+  )
+
+
+def mtp_to_hf(kind: str, cfg: ModelConfig) -> int:
+  """config.json's num_nextn_predict_layers: the sequential MTP heads, written back as
+  DeepSeek-V3's (and GLM-4.5's) MTP modules."""
   if cfg.mtp is None:
     return 0
   if cfg.mtp.kind != "sequential":
-    raise export_error("deepseek_v3", "mtp.kind", cfg.mtp.kind, "DeepSeek's MTP is 'sequential'")
+    raise export_error(kind, "mtp.kind", cfg.mtp.kind, "its MTP modules are 'sequential'")
   return cfg.mtp.n_predict

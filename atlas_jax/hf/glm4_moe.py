@@ -32,22 +32,11 @@ from atlas_jax.hf.common import (
   model_config,
   moe_config,
 )
-from atlas_jax.hf.deepseek import mtp_groups, stored_mtp_layers
+from atlas_jax.hf.deepseek import layers_spec, moe_to_hf, mtp_to_hf, stored_mtp_layers
 from atlas_jax.hf.llama import attention
-from atlas_jax.hf.weights import (
-  ExpertNames,
-  Spec,
-  Weights,
-  experts,
-  model_group,
-  swiglu,
-  trunk_groups,
-  uses_fused_experts,
-  weight,
-)
+from atlas_jax.hf.weights import Spec
 
 MODEL_TYPES = ("glm4_moe",)
-NAMES = ExpertNames()
 # Glm4MoeConfig's partial_rotary_factor when config.json gives none.
 DEFAULT_PARTIAL_ROTARY = 0.5
 
@@ -107,34 +96,11 @@ def config_from_hf(
   )
 
 
-def _block(cfg: ModelConfig, sparse: bool, prefix: str, names: set[str] | None) -> list[Weights]:
-  """One decoder layer's tensors: attention, then a dense SwiGLU or the MoE (the router, its
-  selection bias, the routed experts per expert or fused as `names` shows, the shared expert)."""
-  D = cfg.d_model
-  if not sparse:
-    return attention(cfg) + swiglu("mlp", D, cfg.ffn_dim, "intermediate_size", ("mlp",))
-  m = cfg.moe
-  fused = uses_fused_experts(names, prefix, NAMES)
-  out = attention(cfg) + experts(prefix, m.n_experts, D, m.expert_ffn_dim, names=NAMES, fused=fused)
-  out.append(
-    weight(
-      "mlp.gate.e_score_correction_bias", (m.n_experts,), "n_routed_experts", ("mlp", "score_bias")
-    )
-  )
-  if m.shared_ffn_dim:
-    legend = "n_shared_experts * moe_intermediate_size"
-    out += swiglu("mlp.shared_experts", D, m.shared_ffn_dim, legend, ("mlp", "shared"))
-  return out
-
-
 def spec(cfg: ModelConfig, hf: Mapping[str, Any] | None = None, names=None) -> Spec:
-  sparse_L = cfg.sparse_layers()
-  trunk = trunk_groups(cfg, lambda i, prefix: tuple(_block(cfg, sparse_L[i], prefix, names)))
-  # transformers builds MTP layers as MoE layers whatever first_k_dense_replace says; the stored
-  # ones are (their index is past it).
-  sparse_mtp = cfg.moe is not None and cfg.moe.is_sparse(cfg.n_layers)
-  mtp, ignored = mtp_groups(cfg, lambda prefix: _block(cfg, sparse_mtp, prefix, names))
-  return Spec((model_group(cfg), *trunk, *mtp), ignored)
+  """Each layer: attention with q/k/v biases and QK-norm as config.json asks, then DeepSeek-V3's
+  dense SwiGLU or MoE (the router, its selection bias, the routed experts per expert or fused as
+  `names` shows, the shared expert); the MTP modules as DeepSeek-V3's."""
+  return layers_spec(cfg, lambda: attention(cfg), names)
 
 
 def model_type(cfg: ModelConfig) -> str | None:
@@ -162,23 +128,6 @@ def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
   m = cfg.moe
   if cfg.qk_norm and cfg.qk_norm_scope != "head":
     raise export_error("glm4_moe", "qk_norm_scope", cfg.qk_norm_scope, "'head'")
-  if m.sparse_step != 1 or m.dense_layers or m.shared_expert_gate:
-    raise export_error(
-      "glm4_moe",
-      "moe.sparse_step / dense_layers / shared_expert_gate",
-      (m.sparse_step, m.dense_layers, m.shared_expert_gate),
-      "(1, (), False): GLM's MoE layers are every layer from first_k_dense_replace on, their "
-      "shared expert ungated",
-    )
-  if m.shared_ffn_dim % m.expert_ffn_dim:
-    raise export_error(
-      "glm4_moe",
-      "moe.shared_ffn_dim",
-      m.shared_ffn_dim,
-      f"a multiple of moe.expert_ffn_dim={m.expert_ffn_dim} (n_shared_experts)",
-    )
-  if cfg.mtp is not None and cfg.mtp.kind != "sequential":
-    raise export_error("glm4_moe", "mtp.kind", cfg.mtp.kind, "GLM-4.5's MTP is 'sequential'")
   out = base_to_hf(cfg, "glm4_moe", "Glm4MoeForCausalLM")
   # Written in both places: a config without it reads as Glm4MoeConfig's 0.5.
   out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
@@ -187,16 +136,8 @@ def _to_hf(cfg: ModelConfig) -> dict[str, Any]:
     head_dim=cfg.head_dim,
     attention_bias=cfg.qkv_bias,
     use_qk_norm=cfg.qk_norm,
-    first_k_dense_replace=m.first_k_dense,
-    n_routed_experts=m.n_experts,
-    num_experts_per_tok=m.top_k,
-    moe_intermediate_size=m.expert_ffn_dim,
-    n_shared_experts=m.shared_ffn_dim // m.expert_ffn_dim,
-    routed_scaling_factor=m.routed_scaling_factor,
-    n_group=m.n_group,
-    topk_group=m.topk_group,
-    norm_topk_prob=m.norm_topk_prob,
-    num_nextn_predict_layers=0 if cfg.mtp is None else cfg.mtp.n_predict,
+    **moe_to_hf("glm4_moe", m),
+    num_nextn_predict_layers=mtp_to_hf("glm4_moe", cfg),
   )
   return out
 
