@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from atlas_jax import hf  # noqa: E402
 from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
+from tests.hf_reference import TINY, build, hf_greedy, hf_logits  # noqa: E402
 
-V = 101
+V = TINY["vocab_size"]
 LLAMA3_ROPE = {
   "rope_type": "llama3",
   "factor": 8.0,
@@ -24,33 +25,8 @@ LLAMA3_ROPE = {
 
 def build_hf(family: str, folder, *, std: float = 0.2, max_shard_size=None, **overrides):
   """A tiny random model of `family`, every weight (biases and norms too) drawn at random."""
-  torch.manual_seed(0)
-  kw = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-  )
-  kw.update(overrides)
-  cfg = getattr(transformers, f"{family}Config")(**kw)
-  model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, std)
-  save_kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-  model.save_pretrained(folder, **save_kw)
-  return model
-
-
-def hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
+  save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  return build(family, folder, {**TINY, **overrides}, std=std, **save)
 
 
 CASES = {
@@ -90,16 +66,7 @@ def test_greedy_generation_matches_transformers(case, tmp_path):
   ours = hf.load(tmp_path)
   prompts = [[5, 17, 3, 99, 42, 8, 1], [60, 2, 33]]
   got = generate(ours, prompts, SamplingParams(max_new_tokens=32))
-  for prompt, ours_new in zip(prompts, got):
-    with torch.no_grad():
-      out = ref_model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=32,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-      )
-    assert ours_new == out[0, len(prompt) :].tolist()
+  assert got == [hf_greedy(ref_model, prompt, 32) for prompt in prompts]
 
 
 def test_sharded_checkpoint(tmp_path):

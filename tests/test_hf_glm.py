@@ -13,22 +13,29 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from atlas_jax import hf  # noqa: E402
 from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
+  TINY,
+  build,
+  check_engine_greedy,
+  check_fine_tuning,
+  hf_greedy,
+  hf_logits,
+  jit_logits,
+  mtp_logits,
+  randomise,
+  store_mtp_layers,
+)
 
-V = 101
+V = TINY["vocab_size"]
 GLM = dict(
-  vocab_size=V,
-  hidden_size=64,
-  intermediate_size=96,
+  TINY,
   num_hidden_layers=4,
-  num_attention_heads=4,
-  num_key_value_heads=2,
   head_dim=32,  # partial_rotary_factor 0.5: 16 dims of each head rotate
   partial_rotary_factor=0.5,
-  max_position_embeddings=256,
   attention_bias=True,
   use_qk_norm=True,
   first_k_dense_replace=1,
@@ -45,36 +52,10 @@ GLM = dict(
 TOKENS = np.random.RandomState(0).randint(0, V, (2, 21))
 
 
-def randomise(module, std: float):
-  """Every weight drawn at random (norms near 1), the routed experts and the selection bias
-  too (transformers initialises the bias to zeros), large enough to change the picked experts."""
-  with torch.no_grad():
-    for name, p in module.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, std)
-    for name, b in module.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(0.3 * torch.randn_like(b))
-
-
 def build_hf(folder, *, std=0.2, fused=False, **overrides):
-  torch.manual_seed(0)
-  model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**{**GLM, **overrides}))
-  model.eval()
-  randomise(model, std)
-  model.save_pretrained(folder, save_original_format=not fused)
-  return model
-
-
-def hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
-
-
-def ours(model, tokens):
-  return np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens, jnp.int32)))
+  """A tiny random GLM, its selection bias drawn too; `fused`: the experts saved as transformers
+  v5 holds them (gate_up_proj, down_proj)."""
+  return build("Glm4Moe", folder, {**GLM, **overrides}, std=std, save_original_format=not fused)
 
 
 def test_config_fields(tmp_path):
@@ -100,7 +81,7 @@ def test_logits_match_transformers(fused, tmp_path):
   bias = ref.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
   np.testing.assert_array_equal(np.asarray(model.blocks.mlp.score_bias[...])[0], bias)
   for T in (1, 9, 21):
-    got = ours(model, TOKENS[:, :T])
+    got = jit_logits(model, TOKENS[:, :T])
     np.testing.assert_allclose(got, hf_logits(ref, TOKENS[:, :T]), atol=2e-4, rtol=1e-4)
 
 
@@ -109,17 +90,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
   model = hf.load(tmp_path)
   prompts = [[5, 17, 3, 90, 42, 8, 1], [60, 2, 33]]
   got = generate(model, prompts, SamplingParams(max_new_tokens=12))
-  for prompt, new in zip(prompts, got):
-    with torch.no_grad():
-      out = ref.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=12,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-      )
-    assert new == out[0, len(prompt) :].tolist()
+  assert got == [hf_greedy(ref, prompt, 12) for prompt in prompts]
 
 
 # One device under -m slow: `generate` covers the single-device cache in the default run.
@@ -127,33 +98,11 @@ def test_greedy_generation_matches_transformers(tmp_path):
 def test_the_engine_serves_transformers_greedy_tokens(tensor, tmp_path):
   """The paged pool and ragged steps (chunked prefill), on one device and with the heads and the
   experts' hidden dims split over two."""
-  from atlas_jax.serving.engine import Engine, EngineConfig
-
   ref = build_hf(tmp_path, std=0.3)
   model = hf.load(tmp_path)
   rng = np.random.RandomState(1)
   prompts = [rng.randint(3, V, n).tolist() for n in (19, 5, 11)]
-  n = 10
-  config = EngineConfig(
-    runner="ragged",
-    n_blocks=32,
-    block_size=4,
-    max_num_seqs=2,
-    prefill_chunk=8,
-    tensor_parallel_size=tensor,
-  )
-  got = Engine(model, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
-  for prompt, tokens in zip(prompts, got):
-    with torch.no_grad():
-      want = ref.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-      ).numpy()[0, len(prompt) :]
-    assert list(tokens) == want.tolist()
+  check_engine_greedy(model, ref, prompts, 10, tensor_parallel_size=tensor)
 
 
 def test_save_round_trips_through_transformers(tmp_path):
@@ -166,11 +115,11 @@ def test_save_round_trips_through_transformers(tmp_path):
   assert set(stored) == set(load_file(str(tmp_path / "a" / "model.safetensors")))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
   assert isinstance(back, transformers.Glm4MoeForCausalLM)
-  got = ours(model, TOKENS)
+  got = jit_logits(model, TOKENS)
   np.testing.assert_allclose(hf_logits(back, TOKENS), got, atol=2e-4, rtol=1e-4)
   again = hf.load(tmp_path / "b")
   assert again.cfg == model.cfg
-  assert np.abs(ours(again, TOKENS) - got).max() == 0
+  assert np.abs(jit_logits(again, TOKENS) - got).max() == 0
 
 
 @pytest.mark.slow
@@ -180,42 +129,18 @@ def test_fine_tuning_with_lora_under_an_expert_mesh_exports_to_transformers(tmp_
   saves as glm4_moe that transformers reads to our logits."""
   from flax import nnx
 
-  from atlas_jax import sources
-  from atlas_jax.hf import init_from
   from atlas_jax.model.lora import merged_params
-  from atlas_jax.training.step import make_train_step, make_trainer
 
   build_hf(tmp_path / "a")
-  sets = [
-    f"train.init_from={tmp_path / 'a'}",
-    "train.seq_len=16",
-    "train.batch_size=8",
-    "train.learning_rate=3e-3",
-    "train.warmup_steps=1",
-    "train.lora={rank: 4, targets: [q_proj, v_proj, o_proj]}",
-    "mesh.fsdp=2",
-    "mesh.expert=2",
-    "mesh.tensor=2",
-  ]
-  cfg = sources.load_config(None, sets)
-  trainer = make_trainer(cfg)
-  state = trainer.init(jax.random.key(0), init_from.base_params(tmp_path / "a", trainer))
-  toks = np.random.RandomState(0).randint(0, V, (8, 17))
-  got = nnx.merge(trainer.graphdef, state.params)(toks[:2, :16])
-  want = hf.load(tmp_path / "a")(toks[:2, :16])
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
-  step = make_train_step(trainer)
-  losses = []
-  for _ in range(3):
-    state, metrics = step(state, {"tokens": toks})
-    losses.append(float(metrics["loss"]))
-  assert losses[-1] < losses[0]
+  lora = "train.lora={rank: 4, targets: [q_proj, v_proj, o_proj]}"
+  mesh = ("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
+  trainer, state, toks, want = check_fine_tuning(tmp_path / "a", lora, *mesh, seq_len=16, steps=3)
   tuned = nnx.merge(trainer.graphdef, state.params)
-  merged = hf.build_model(cfg.model, jax.device_get(merged_params(tuned)))
+  merged = hf.build_model(trainer.cfg.model, jax.device_get(merged_params(tuned)))
   hf.save(merged, tmp_path / "b")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
   tuned_logits = np.asarray(tuned(toks[:2, :16]))
-  assert np.abs(tuned_logits - np.asarray(want)).max() > 1e-2  # the adapters moved the model
+  assert np.abs(tuned_logits - want).max() > 1e-2  # the adapters moved the model
   np.testing.assert_allclose(hf_logits(back, toks[:2, :16]), tuned_logits, atol=2e-4, rtol=2e-4)
 
 
@@ -226,7 +151,9 @@ def test_whole_head_rotary_exports_its_factor(tmp_path):
   assert model.cfg.rotary_dim == 32
   hf.save(model, tmp_path / "b")
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
-  np.testing.assert_allclose(hf_logits(back, TOKENS), ours(model, TOKENS), atol=2e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    hf_logits(back, TOKENS), jit_logits(model, TOKENS), atol=2e-4, rtol=1e-4
+  )
 
 
 def with_mtp_module(tmp_path):
@@ -236,20 +163,12 @@ def with_mtp_module(tmp_path):
   from transformers.models.glm4_moe import modeling_glm4_moe as glm
 
   ref = build_hf(tmp_path)
+  assert ref.config.num_nextn_predict_layers == 1  # Glm4MoeConfig's default
   L = ref.config.num_hidden_layers
   layer = MtpLayer(ref.config, glm.Glm4MoeDecoderLayer, glm.Glm4MoeRMSNorm, L).eval()
   torch.manual_seed(1)
   randomise(layer, 0.2)
-  tensors = load_file(str(tmp_path / "model.safetensors"))
-  for name, p in layer.state_dict().items():
-    name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-    tensors[f"model.layers.{L}.{name}"] = p.contiguous()
-  # The released checkpoints repeat the embedding and head in the MTP layer; they are not read.
-  tensors[f"model.layers.{L}.embed_tokens.weight"] = ref.model.embed_tokens.weight.data.clone()
-  tensors[f"model.layers.{L}.shared_head.head.weight"] = ref.lm_head.weight.data.clone()
-  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-  config = json.loads((tmp_path / "config.json").read_text())
-  assert config["num_nextn_predict_layers"] == 1  # Glm4MoeConfig's default
+  store_mtp_layers(tmp_path, ref, [layer])
   return ref, layer
 
 
@@ -262,15 +181,9 @@ def test_mtp_module_loads_and_matches_transformers_mtp_layer(tmp_path):
   T = 12
   toks = jnp.asarray(TOKENS[:, :T], jnp.int32)
   main, mtp = jax.jit(lambda t: model.forward_mtp(t))(toks)
-  with torch.no_grad():
-    tt = torch.tensor(TOKENS[:, :T])
-    h = ref.model(tt).last_hidden_state  # normalised, as MtpModel receives it
-    emb = ref.model.embed_tokens(torch.roll(tt, -1, dims=1))
-    pos = torch.arange(T)[None] + 1
-    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-    out = layer(emb, h, ref.model.rotary_emb(emb, pos), mask, pos, None)
-    np.testing.assert_allclose(np.asarray(mtp[0]), ref.lm_head(out).numpy(), atol=2e-4)
-    np.testing.assert_allclose(np.asarray(main), ref(tt).logits.numpy(), atol=2e-4)
+  (want,) = mtp_logits(ref, [layer], TOKENS[:, :T])
+  np.testing.assert_allclose(np.asarray(mtp[0]), want, atol=2e-4)
+  np.testing.assert_allclose(np.asarray(main), hf_logits(ref, TOKENS[:, :T]), atol=2e-4)
   # Export writes the module back.
   hf.save(model, tmp_path / "b")
   written = json.loads((tmp_path / "b" / "config.json").read_text())

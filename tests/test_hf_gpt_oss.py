@@ -11,60 +11,45 @@ transformers = pytest.importorskip("transformers")
 
 from atlas_jax import hf  # noqa: E402
 from atlas_jax.config import ConfigError, ModelConfig, MoEConfig  # noqa: E402
-from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
 from atlas_jax.hf.common import HFLoadError  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
+  TINY,
+  build,
+  check_engine_greedy,
+  check_fine_tuning,
+  check_past_the_window,
+  hf_logits,
+)
 
-V = 101
+V = TINY["vocab_size"]
 W = 8  # the sliding window: the prompts below are several windows long
+GPT_OSS = dict(
+  TINY,
+  intermediate_size=48,
+  num_hidden_layers=4,
+  head_dim=16,
+  num_local_experts=4,
+  num_experts_per_tok=2,
+  sliding_window=W,
+  swiglu_limit=1.5,  # low enough that the clamps act on these activations
+  rope_parameters={
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+  },
+  pad_token_id=0,
+  bos_token_id=1,
+  eos_token_id=2,
+)
 
 
 def build_hf(folder, **overrides):
-  """A tiny random gpt-oss, every weight drawn (sinks and biases too), norms around 1. The
-  swiglu limit is low enough that the clamps act on these activations."""
-  torch.manual_seed(0)
-  kw = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=W,
-    swiglu_limit=1.5,
-    max_position_embeddings=256,
-    rope_parameters={
-      "rope_type": "yarn",
-      "rope_theta": 10000.0,
-      "factor": 4.0,
-      "beta_fast": 32.0,
-      "beta_slow": 1.0,
-      "truncate": False,
-      "original_max_position_embeddings": 64,
-    },
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-  )
-  kw.update(overrides)
-  config = transformers.GptOssConfig(**kw)
-  config._attn_implementation = "eager"
-  model = transformers.GptOssForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
-  model.save_pretrained(folder)
-  return model
-
-
-def hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
+  """A tiny random gpt-oss, every weight drawn (sinks and biases too), norms around 1."""
+  return build("GptOss", folder, {**GPT_OSS, **overrides}, attention="eager")
 
 
 def test_logits_generation_and_export_match_transformers(tmp_path):
@@ -76,28 +61,7 @@ def test_logits_generation_and_export_match_transformers(tmp_path):
   assert cfg.rope_scaling.type == "yarn" and not cfg.rope_scaling.truncate
   kinds, index = cfg.attention_kinds()
   assert [kinds[i].sliding_window for i in index] == [W, None, W, None]
-  rng = np.random.RandomState(0)
-  toks = rng.randint(0, V, (2, 3 * W + 5))
-  np.testing.assert_allclose(np.asarray(ours(toks)), hf_logits(ref, toks), atol=2e-4, rtol=2e-4)
-
-  # Greedy through the cache, past the window, against transformers' own generate.
-  prompt = rng.randint(0, V, 2 * W + 3).tolist()
-  n = W + 4
-  with torch.no_grad():
-    want = ref.generate(
-      torch.tensor([prompt]),
-      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-      max_new_tokens=n,
-      do_sample=False,
-      eos_token_id=None,
-      pad_token_id=0,
-    ).numpy()[0, len(prompt) :]
-  (got,) = generate(ours, [prompt], SamplingParams(max_new_tokens=n))
-  assert list(got) == want.tolist()
-
-  hf.save(ours, tmp_path / "out")
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-  np.testing.assert_allclose(hf_logits(back, toks), hf_logits(ref, toks), atol=2e-4, rtol=2e-4)
+  check_past_the_window(ref, ours, tmp_path / "out", W)
 
 
 def test_an_mxfp4_folder_loads_as_transformers_dequantizes_it(tmp_path):
@@ -168,33 +132,11 @@ def test_the_engine_serves_transformers_greedy_tokens_past_the_window(runner, te
   """The paged pool (ragged steps, chunked prefill) with sinks in the kernel, sliding and full
   layers, biased experts; on one device, and with the heads (and their sinks) and the experts'
   width split over two."""
-  from atlas_jax.serving.engine import Engine, EngineConfig
-
   ref = build_hf(tmp_path, num_hidden_layers=2)
   ours = hf.load(tmp_path)
   rng = np.random.RandomState(1)
   prompts = [rng.randint(3, V, n).tolist() for n in (2 * W + 3, 5, 3 * W)]
-  n = W + 4
-  config = EngineConfig(
-    runner=runner,
-    n_blocks=32,
-    block_size=4,
-    max_num_seqs=2,
-    prefill_chunk=8,
-    tensor_parallel_size=tensor,
-  )
-  got = Engine(ours, config).generate(prompts, [SamplingParams(max_new_tokens=n)] * 3)
-  for prompt, tokens in zip(prompts, got):
-    with torch.no_grad():
-      want = ref.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-      ).numpy()[0, len(prompt) :]
-    assert list(tokens) == want.tolist()
+  check_engine_greedy(ours, ref, prompts, W + 4, runner=runner, tensor_parallel_size=tensor)
 
 
 def test_the_planner_holds_every_gpt_oss_parameter_with_its_axes():
@@ -280,34 +222,5 @@ def test_training_a_gpt_oss_folder_under_a_mesh(tmp_path):
   """train.init_from a gpt-oss folder under fsdp 2 x expert 2 x tensor 2 (sinks split with the
   heads, the experts' biases with the experts and their width): the step-0 model gives the
   folder's logits; the loss falls."""
-  import jax
-  from flax import nnx
-
-  from atlas_jax import sources
-  from atlas_jax.hf import init_from
-  from atlas_jax.training.step import make_train_step, make_trainer
-
   build_hf(tmp_path, num_hidden_layers=2)
-  sets = [
-    f"train.init_from={tmp_path}",
-    "train.seq_len=24",
-    "train.batch_size=8",
-    "train.learning_rate=3e-3",
-    "train.warmup_steps=1",
-    "mesh.fsdp=2",
-    "mesh.expert=2",
-    "mesh.tensor=2",
-  ]
-  cfg = sources.load_config(None, sets)
-  trainer = make_trainer(cfg)
-  state = trainer.init(jax.random.key(0), init_from.base_params(tmp_path, trainer))
-  toks = np.random.RandomState(0).randint(0, V, (8, 25))
-  got = nnx.merge(trainer.graphdef, state.params)(toks[:2, :24])
-  want = hf.load(tmp_path)(toks[:2, :24])
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
-  step = make_train_step(trainer)
-  losses = []
-  for _ in range(4):
-    state, metrics = step(state, {"tokens": toks})
-    losses.append(float(metrics["loss"]))
-  assert losses[-1] < losses[0]
+  check_fine_tuning(tmp_path, "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", seq_len=24, steps=4)

@@ -15,6 +15,15 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from atlas_jax import hf  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
+  build,
+  hf_greedy,
+  hf_logits,
+  jit_logits,
+  mtp_logits,
+  randomise,
+  store_mtp_layers,
+)
 
 V = 97
 COMMON = dict(
@@ -91,36 +100,11 @@ FAMILIES = {
 }
 
 
-def randomise(module, std: float):
-  """Every weight drawn at random (norms near 1), and DeepSeek-V3's selection bias too, large
-  enough to change which experts are picked."""
-  with torch.no_grad():
-    for name, p in module.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, std)
-    for name, b in module.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(0.3 * torch.randn_like(b))
-
-
 def build_hf(family, overrides, folder, *, std=0.2, fused=False):
-  torch.manual_seed(0)
-  cfg = getattr(transformers, f"{family}Config")(**{**COMMON, **overrides})
-  model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
-  randomise(model, std)
-  model.save_pretrained(folder, save_original_format=not fused)
-  return model
-
-
-def hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-def ours(model, tokens):
-  return np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens, jnp.int32)))
+  """A tiny random `family` model of COMMON updated by `overrides`, DeepSeek-V3's selection bias
+  drawn too; `fused`: the experts saved as transformers v5 holds them (gate_up_proj, down_proj)."""
+  config = {**COMMON, **overrides}
+  return build(family, folder, config, std=std, save_original_format=not fused)
 
 
 TOKENS = np.random.RandomState(0).randint(0, V, (2, 19))
@@ -132,7 +116,7 @@ def test_logits_match_transformers_and_export_round_trips(case, tmp_path):
   ref = build_hf(family, overrides, tmp_path / "a")
   model = hf.load(tmp_path / "a")
   assert model.cfg.moe is not None and any(model.cfg.sparse_layers())
-  got = ours(model, TOKENS)
+  got = jit_logits(model, TOKENS)
   np.testing.assert_allclose(got, hf_logits(ref, TOKENS), atol=1e-4, rtol=1e-4)
   # Export: transformers loads our folder to the same logits; we load it back exactly.
   hf.save(model, tmp_path / "b")
@@ -140,7 +124,7 @@ def test_logits_match_transformers_and_export_round_trips(case, tmp_path):
   assert set(stored) == set(load_file(str(tmp_path / "a" / "model.safetensors")))
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
   np.testing.assert_allclose(hf_logits(back, TOKENS), got, atol=1e-4, rtol=1e-4)
-  assert np.abs(ours(hf.load(tmp_path / "b"), TOKENS) - got).max() == 0
+  assert np.abs(jit_logits(hf.load(tmp_path / "b"), TOKENS) - got).max() == 0
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3_moe-sparse-step-2", "deepseek_v3-noaux-tc"])
@@ -151,7 +135,7 @@ def test_fused_expert_layout_loads(case, tmp_path):
   names = set(load_file(str(tmp_path / "model.safetensors")))
   assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
   np.testing.assert_allclose(
-    ours(hf.load(tmp_path), TOKENS), hf_logits(ref, TOKENS), atol=1e-4, rtol=1e-4
+    jit_logits(hf.load(tmp_path), TOKENS), hf_logits(ref, TOKENS), atol=1e-4, rtol=1e-4
   )
 
 
@@ -165,7 +149,7 @@ def test_bfloat16_load(case, tmp_path):
   assert state.w_gate[...].dtype == jnp.bfloat16 and state.router[...].dtype == jnp.float32
   want = hf_logits(ref, TOKENS)
   assert np.abs(want).max() > 0.5  # logits well above the tolerance
-  np.testing.assert_allclose(ours(model, TOKENS), want, atol=0.03)
+  np.testing.assert_allclose(jit_logits(model, TOKENS), want, atol=0.03)
 
 
 def test_deepseek_v3_moe_mtp_layer_matches_transformers_mtp_layer(tmp_path):
@@ -180,31 +164,16 @@ def test_deepseek_v3_moe_mtp_layer_matches_transformers_mtp_layer(tmp_path):
   layer = MtpLayer(ref.config, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, L).eval()
   torch.manual_seed(1)
   randomise(layer, 0.2)
-  tensors = load_file(str(tmp_path / "model.safetensors"))
-  for name, p in layer.state_dict().items():
-    name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-    tensors[f"model.layers.{L}.{name}"] = p.contiguous()
-  tensors[f"model.layers.{L}.embed_tokens.weight"] = ref.model.embed_tokens.weight.data.clone()
-  tensors[f"model.layers.{L}.shared_head.head.weight"] = ref.lm_head.weight.data.clone()
   # transformers saves the experts per expert; the MtpLayer's state dict holds them fused.
-  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-  config = json.loads((tmp_path / "config.json").read_text())
-  config["num_nextn_predict_layers"] = 1
-  (tmp_path / "config.json").write_text(json.dumps(config))
+  store_mtp_layers(tmp_path, ref, [layer])
 
   model = hf.load(tmp_path)
   assert model.cfg.mtp.n_predict == 1 and model.mtp.heads.block.mlp.score_bias is not None
   T = 12
   main, mtp = jax.jit(lambda t: model.forward_mtp(t))(jnp.asarray(TOKENS[:, :T], jnp.int32))
-  with torch.no_grad():
-    tt = torch.tensor(TOKENS[:, :T])
-    h = ref.model(tt).last_hidden_state
-    emb = ref.model.embed_tokens(torch.roll(tt, -1, dims=1))
-    pos = torch.arange(T)[None] + 1
-    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-    out = layer(emb, h, ref.model.rotary_emb(emb, pos), mask, pos, None)
-    np.testing.assert_allclose(np.asarray(mtp[0]), ref.lm_head(out).numpy(), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(main), ref(tt).logits.numpy(), atol=1e-4)
+  (want,) = mtp_logits(ref, [layer], TOKENS[:, :T])
+  np.testing.assert_allclose(np.asarray(mtp[0]), want, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(main), hf_logits(ref, TOKENS[:, :T]), atol=1e-4)
   # Export keeps the module: a trained MTP head round-trips.
   hf.save(model, tmp_path / "b")
   again = hf.load(tmp_path / "b")
@@ -220,12 +189,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
   model = hf.load(tmp_path)
   prompts = [[5, 17, 3, 90, 42, 8, 1], [60, 2, 33]]
   got = generate(model, prompts, SamplingParams(max_new_tokens=12))
-  for prompt, new in zip(prompts, got):
-    with torch.no_grad():
-      out = ref.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
-      )
-    assert new == out[0, len(prompt) :].tolist()
+  assert got == [hf_greedy(ref, prompt, 12) for prompt in prompts]
 
 
 @pytest.mark.parametrize(

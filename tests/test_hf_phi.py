@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from atlas_jax import hf  # noqa: E402
 from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
-from tests.test_hf import V, build_hf, hf_logits  # noqa: E402
+from tests.hf_reference import hf_greedy, hf_logits  # noqa: E402
+from tests.test_hf import V, build_hf  # noqa: E402
 
 ORIGINAL = 16  # the original context; max_position_embeddings is 64
 # Phi-3's head is hidden_size / heads = 16 dims; with partial_rotary_factor 0.75, 12 rotate: 6
@@ -129,16 +130,7 @@ def test_greedy_generation_matches_transformers(case, prompt_len, new, tmp_path)
   rng = np.random.RandomState(1)
   prompts = [rng.randint(3, V, prompt_len).tolist(), rng.randint(3, V, prompt_len - 2).tolist()]
   got = generate(ours, prompts, SamplingParams(max_new_tokens=new))
-  for prompt, ours_new in zip(prompts, got):
-    with torch.no_grad():
-      out = ref.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-      )
-    assert ours_new == out[0, len(prompt) :].tolist(), case
+  assert got == [hf_greedy(ref, prompt, new) for prompt in prompts], case
 
 
 @pytest.mark.parametrize(
@@ -231,36 +223,11 @@ def test_engine_serves_transformers_greedy_tokens_past_the_original_context(runn
   """The paged engine (both runners) on prompts past the original context, each prefilled in one
   step: its padded token axis (positions -1) leaves LongRoPE on the long factors, as
   transformers' generate is."""
-  from atlas_jax.serving.engine import Engine, EngineConfig
-
   ref, ours = load_pair("phi4-longrope-partial", tmp_path, std=0.3)
-  config = EngineConfig(
-    runner=runner,
-    n_blocks=64,
-    block_size=4,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    prefill_chunk=32,
-  )
-  engine = Engine(ours, config)
   rng = np.random.RandomState(2)
   prompts = [rng.randint(3, V, n).tolist() for n in (20, 18)]
-  for i, prompt in enumerate(prompts):
-    engine.add_request(i, prompt, SamplingParams(max_new_tokens=10))
-  got = {0: [], 1: []}
-  while engine.has_unfinished():
-    for out in engine.step():
-      got[out.request_id].extend(out.new_token_ids)
-  for i, prompt in enumerate(prompts):
-    with torch.no_grad():
-      out = ref.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=10,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-      )
-    assert got[i] == out[0, len(prompt) :].tolist(), (runner, i)
+  got = _serve(ours, prompts, 10, runner=runner)
+  assert got == [hf_greedy(ref, prompt, 10) for prompt in prompts], runner
 
 
 def _serve(model, prompts, new, **config):
@@ -286,14 +253,6 @@ def _serve(model, prompts, new, **config):
   return [got[i] for i in range(len(prompts))]
 
 
-def _hf_greedy(ref, prompt, new):
-  with torch.no_grad():
-    out = ref.generate(
-      torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-  return out[0, len(prompt) :].tolist()
-
-
 def test_engine_fixes_one_longrope_set_so_a_sequence_never_depends_on_its_batch(tmp_path):
   """Served, LongRoPE's set is fixed from max_model_len (vLLM's rule), not chosen per call from
   the largest position of the flat batch: a short sequence's tokens are the same alone and
@@ -305,8 +264,8 @@ def test_engine_fixes_one_longrope_set_so_a_sequence_never_depends_on_its_batch(
   short, long = rng.randint(3, V, 6).tolist(), rng.randint(3, V, 30).tolist()
   together = _serve(ours, [short, long], 8)
   assert together[0] == _serve(ours, [short], 8)[0]
-  assert together[1] == _hf_greedy(ref, long, 8)
-  assert _serve(ours, [short], 8, max_model_len=ORIGINAL)[0] == _hf_greedy(ref, short, 8)
+  assert together[1] == hf_greedy(ref, long, 8)
+  assert _serve(ours, [short], 8, max_model_len=ORIGINAL)[0] == hf_greedy(ref, short, 8)
   # The caller's model keeps transformers' per-call rule (training, `generate`).
   assert ours.cfg.rope_scaling.longrope_frequencies == "dynamic"
 
