@@ -52,8 +52,8 @@ def randomise(module, std: float = 0.2, *, norm_mean: float = 1.0):
 
 def build(family: str, folder, config: dict, *, std=0.2, norm_mean=1.0, attention=None, **save):
   """transformers' `{family}Config(**config)` model, seeded and randomised (`randomise`), saved to
-  `folder` (`save`: save_pretrained's options); `attention` sets its attention implementation.
-  Returns the model in eval mode."""
+  `folder` unless it is None (`save`: save_pretrained's options); `attention` sets its attention
+  implementation. Returns the model in eval mode."""
   torch.manual_seed(0)
   hf_config = getattr(transformers, f"{family}Config")(**config)
   if attention is not None:
@@ -61,7 +61,8 @@ def build(family: str, folder, config: dict, *, std=0.2, norm_mean=1.0, attentio
   model_class = getattr(transformers, MODEL_CLASSES.get(family, f"{family}ForCausalLM"))
   model = model_class(hf_config).eval()
   randomise(model, std, norm_mean=norm_mean)
-  model.save_pretrained(folder, **save)
+  if folder is not None:
+    model.save_pretrained(folder, **save)
   return model
 
 

@@ -23,6 +23,8 @@ from atlas_jax.decoding.generate import SamplingParams, generate  # noqa: E402
 from atlas_jax.hf import gguf_file  # noqa: E402
 from atlas_jax.hf.tokenizer import load_tokenizer  # noqa: E402
 from atlas_jax.serving import model_files  # noqa: E402
+from tests.hf_reference import TINY, hf_greedy, hf_logits  # noqa: E402
+from tests.hf_reference import build as build_reference  # noqa: E402
 
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "e r", "Ġ a", "o u", "Ġ i", "Ġi n"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -52,28 +54,15 @@ K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def build(family: str, **overrides):
-  torch.manual_seed(0)
-  kw = dict(
+  """A tiny random `family` model (not saved: the tests write it as GGUF)."""
+  config = dict(
+    TINY,
     vocab_size=V,
-    hidden_size=64,
     intermediate_size=256,  # a K-quant block spans 256 inputs: ffn_down holds one a row
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
     rms_norm_eps=1e-5,
   )
-  kw.update(overrides)
-  model = getattr(transformers, f"{family}ForCausalLM")(
-    getattr(transformers, f"{family}Config")(**kw)
-  ).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
-  return model
+  return build_reference(family, None, {**config, **overrides})
 
 
 def gguf_name(name: str) -> str:
@@ -178,11 +167,6 @@ def files(tmp_path_factory):
   return out
 
 
-def ref_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_weights_are_transformers_dequantized_ones(files, arch):
   f = files[arch]
@@ -208,18 +192,13 @@ def test_logits_and_greedy_tokens_match_transformers(files, arch):
   assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
   toks = np.random.RandomState(0).randint(0, V, (2, 40))
   got = np.asarray(f["ours"](jnp.asarray(toks, jnp.int32)))
-  want = ref_logits(f["ref"], toks)
+  want = hf_logits(f["ref"], toks)
   assert np.abs(got - want).max() <= 1e-4, (arch, np.abs(got - want).max())
   if arch == "qwen3":
     return  # greedy decoding: the two families' code paths are covered by llama and qwen2
   prompts = [[5, 17, 3, 99, 42, 8, 1], [60, 2, 33]]
   got = generate(f["ours"], prompts, SamplingParams(max_new_tokens=16))
-  for prompt, new in zip(prompts, got):
-    with torch.no_grad():
-      out = f["ref"].generate(
-        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
-      )
-    assert new == out[0, len(prompt) :].tolist()
+  assert got == [hf_greedy(f["ref"], prompt, 16) for prompt in prompts]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -271,7 +250,7 @@ def test_llama3_rope_freqs_become_its_rope_scaling(tmp_path):
       p.copy_(torch.from_numpy(stored[name]))
   toks = np.arange(60)[None] % V
   got = np.asarray(ours(jnp.asarray(toks, jnp.int32)))
-  assert np.abs(got - ref_logits(model, toks)).max() <= 1e-4
+  assert np.abs(got - hf_logits(model, toks)).max() <= 1e-4
   bad = freqs.copy()
   bad[1] = 3.0
   write_gguf(tmp_path / "b.gguf", model, "llama", rope_freqs=bad)
@@ -292,7 +271,7 @@ def test_a_llama_file_with_a_sliding_window_is_a_mistral(tmp_path):
       p.copy_(torch.from_numpy(stored[name]))
   toks = np.arange(3, 33)[None] % V
   got = np.asarray(ours(jnp.asarray(toks, jnp.int32)))
-  assert np.abs(got - ref_logits(model, toks)).max() <= 1e-4
+  assert np.abs(got - hf_logits(model, toks)).max() <= 1e-4
 
 
 def test_unsupported_files_are_named(tmp_path):
