@@ -280,3 +280,57 @@ def test_fp8_folder_runs_w8a8_where_asked_and_logs_it(tmp_path, caplog):
   assert not _f8_dots(_lowered(weight_only, "cpu"))
   with pytest.raises(hf.HFLoadError, match="fp8_activations='static' is not one of"):
     hf.load(tmp_path, fp8_activations="static")
+
+
+def held_bytes(model):
+  """Bytes of every variable `model` holds: a QArray's codes and scales, any other array."""
+  import jax
+  from flax import nnx
+
+  from atlas_jax.quant import QArray
+
+  leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, QArray))
+  return sum(
+    x.qvalue.nbytes + x.scale.nbytes if isinstance(x, QArray) else x.nbytes for x in leaves
+  )
+
+
+@pytest.mark.parametrize("case", ["llama-blocks", "deepseek-partial-blocks", "qwen2-per-tensor"])
+def test_planner_counts_what_the_fp8_load_holds(tmp_path, case):
+  """atlas-plan's serving weight bytes for an FP8 folder are the bytes of the arrays `hf.load`
+  returns, exactly: codes and scales with --fp8-weights keep, the serving dtype with dequantize."""
+  from atlas_jax.plan.cli import build_plan, parser
+
+  if case == "llama-blocks":
+    model = build_hf("Llama", tmp_path, hidden_size=256, intermediate_size=384)
+    qconfig = DEEPSEEK_FP8
+  elif case == "qwen2-per-tensor":
+    model = build_hf("Qwen2", tmp_path)
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
+  else:
+    from .test_hf_deepseek import build_hf as build_deepseek
+
+    # 160 = 128 + a partial block: the kept scales are the 32-wide tiles the edge cuts
+    model = build_deepseek(
+      tmp_path,
+      hidden_size=160,
+      intermediate_size=288,
+      moe_intermediate_size=136,
+      first_k_dense_replace=1,
+      n_routed_experts=4,
+      num_experts_per_tok=2,
+      n_group=1,
+      topk_group=1,
+    )
+    qconfig = DEEPSEEK_FP8
+  write_fp8(tmp_path, model, qconfig)
+  argv = ["--config", str(tmp_path), "--devices", "1", "--tensor", "1"]
+  for how in ("keep", "dequantize"):
+    plan = build_plan(parser().parse_args([*argv, "--fp8-weights", how]))
+    loaded = hf.load(tmp_path, fp8_weights=how)
+    assert plan["serving"]["fp8_weights"] == how
+    assert plan["serving"]["weight_bytes_per_device"] == held_bytes(loaded), how
+    if how == "keep":
+      assert qarrays(loaded)
+      kept = plan["serving"]["weight_bytes_per_device"]
+  assert kept < plan["serving"]["weight_bytes_per_device"] / 2

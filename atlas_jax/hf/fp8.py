@@ -199,6 +199,31 @@ def _tiles(ids: np.ndarray) -> tuple[int, ...] | None:
   return tuple(tiles) if np.array_equal(corner, ids) else None
 
 
+def kept_scales(out_sizes, in_sizes, block) -> int | None:
+  """How many float32 scales `kept_weight` keeps for one stored [out, in] weight whose rows the
+  model's layout splits into axes of `out_sizes` and whose columns into axes of `in_sizes` (each
+  row-major, in the stored order); None when it dequantizes the weight instead. A block's id is
+  row_block * blocks_per_row + column_block, so its tiles along the rows' axes depend on the
+  row blocks alone and along the columns' on the column blocks alone: the tiles `_tiles` finds on
+  the whole weight are those found on each side's block ids, O(out + in) values, not out x in.
+  `block` None: one scale for the tensor."""
+  sizes = (*out_sizes, *in_sizes)
+  if block is None:
+    tiles = sizes
+  else:
+    bn, bk = block
+    rows = np.arange(int(np.prod(out_sizes)), dtype=np.int64) // bn
+    cols = np.arange(int(np.prod(in_sizes)), dtype=np.int64) // bk
+    row_tiles = _tiles(rows.reshape(tuple(out_sizes)))
+    col_tiles = _tiles(cols.reshape(tuple(in_sizes)))
+    if row_tiles is None or col_tiles is None:
+      return None
+    tiles = (*row_tiles, *col_tiles)
+  if np.prod(tiles) < 32:
+    return None
+  return int(np.prod([n // t for n, t in zip(sizes, tiles, strict=True)]))
+
+
 def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dtype, names):
   """One spec entry's parameters from FP8 tensors: `load` (the family's mapping of the stored
   tensors to {parameter path: value}) applied to the codes and, alongside, to each element's

@@ -34,6 +34,7 @@ class Source:
   config: Config | None  # a YAML preset's full config (training defaults), else None
   notes: tuple[str, ...] = ()
   folder_dtype: str | None = None  # a Hugging Face folder's stored dtype (config.json's)
+  fp8: memory.FP8Folder | None = None  # an FP8 folder's scales (quantization_config)
 
 
 # A folder's stored dtype -> the precision serve.py --dtype auto serves it in.
@@ -75,9 +76,11 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
     from atlas_jax.serving.model_files import checkpoint_dtype
 
     try:
-      return Source(path.name, hf.load_config(path), None, folder_dtype=checkpoint_dtype(path))
+      model = hf.load_config(path)
+      fp8 = _fp8_folder(path)
     except hf.HFLoadError as e:
       raise ValueError(f"--config={spec!r}: {e}") from e
+    return Source(path.name, model, None, folder_dtype=checkpoint_dtype(path), fp8=fp8)
   ref = get_reference(spec)
   if ref is not None:
     return Source(ref.title, ref.model, None, (ref.note,) if ref.note else ())
@@ -85,6 +88,16 @@ def load_source(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Sourc
     f"--config={spec!r} is not a YAML preset, a Hugging Face folder with a config.json, or a "
     f"known model; known models: {', '.join(REFERENCE_MODELS)}"
   )
+
+
+def _fp8_folder(path: Path) -> memory.FP8Folder | None:
+  """The folder's FP8 scales when config.json's `quantization_config` is `quant_method: fp8`."""
+  from atlas_jax.hf import fp8
+
+  q = json.loads((path / "config.json").read_text()).get("quantization_config")
+  if not isinstance(q, dict) or q.get("quant_method") not in fp8.METHODS:
+    return None
+  return memory.FP8Folder(fp8.block_size(q))
 
 
 def preset_defaults(source: Source, devices: int) -> dict:
@@ -183,6 +196,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--base-quantization-group-size", type=int, help="int4's inputs per scale (default 128)"
   )
+  p.add_argument(
+    "--fp8-weights",
+    choices=("keep", "dequantize"),
+    default="keep",
+    help="an FP8 folder's projections as serve.py holds them: keep (e4m3 codes and float32 "
+    "scales, the default) or dequantize (the serving dtype)",
+  )
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print every figure as JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -220,8 +240,18 @@ def build_plan(args: argparse.Namespace) -> dict:
     block_size=args.block_size,
     kv_cache_dtype=args.kv_cache_dtype,
     devices_per_host=args.devices_per_host,
+    fp8_weights=args.fp8_weights,
   )
-  return make_plan(source.model, PlanInputs(**fields), name=source.name, notes=notes)
+  if source.fp8 is not None:
+    held = (
+      "e4m3 codes and float32 scales"
+      if args.fp8_weights == "keep"
+      else f"dequantized to {fields.get('precision', 'bf16')}"
+    )
+    notes = (*notes, f"FP8 folder: serving holds its projections as {held} (--fp8-weights)")
+  return make_plan(
+    source.model, PlanInputs(**fields), name=source.name, notes=notes, fp8=source.fp8
+  )
 
 
 def main(argv: list[str] | None = None) -> int:

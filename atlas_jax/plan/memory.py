@@ -668,16 +668,73 @@ def served_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
   return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class FP8Folder:
+  """A Hugging Face FP8 folder's scales (config.json's `quantization_config.weight_block_size`):
+  one per [out, in] block of a stored projection, or None: one per tensor."""
+
+  block: tuple[int, int] | None
+
+
+def fp8_kept_parts(spec: ParamSpec, fp8: FP8Folder) -> list | None:
+  """How serve.py holds a projection of an FP8 folder with `--fp8-weights keep`
+  (`atlas_jax.hf.fp8.kept_weight`): its e4m3 codes [(the weight's shape), a byte each] and its
+  float32 scales, one per tile of the blocks in the model's layout (`fp8.kept_scales`); None for
+  a weight held in the serving dtype (not a projection, or one whose blocks tile no grid).
+
+  The stored [out, in] weight is taken to be the model's output axes by its contracted ones, each
+  row-major in the model's order, as the families' mappings lay out every projection but those
+  cut from a fused tensor (MLA's kv_b_proj into W_UK and W_UV, fused gate_up experts: counted as
+  if stored apart, the same when the cut falls on a block's edge). The folder's FP8 tensors are
+  taken to be its projections (every linear layer but the LM head, as DeepSeek-V3's and
+  transformers' quantizer write them)."""
+  from atlas_jax.hf import fp8 as hf_fp8
+  from atlas_jax.quant.weights import STACK_AXES
+
+  if spec.path.rsplit("/", 1)[-1] not in quant.PROJECTIONS or "_lora/" in spec.path:
+    return None
+  # The planner's "dense_layers" (an MoE model's dense layers) is the model's "layers" stack.
+  axes = tuple("layers" if a == "dense_layers" else a for a in spec.axes)
+  contracted = quant.contracted_axes(axes)
+  stacked = [i for i, a in enumerate(axes) if a in STACK_AXES]
+  outputs = [i for i in range(len(spec.shape)) if i not in contracted and i not in stacked]
+  n = hf_fp8.kept_scales(
+    [spec.shape[i] for i in outputs], [spec.shape[i] for i in contracted], fp8.block
+  )
+  if n is None:
+    return None
+  shape = (*(spec.shape[i] for i in stacked), n)
+  axes = (*(spec.axes[i] for i in stacked), None)
+  scales = ParamSpec(f"{spec.path}/scale", shape, axes, trainable=False)
+  return [(spec, 1.0), (scales, 4.0)]
+
+
 def serving_weight_bytes(
-  cfg: ModelConfig, *, tensor: int, dtype_bytes: int, attention_only: bool = False
+  cfg: ModelConfig,
+  *,
+  tensor: int,
+  dtype_bytes: int,
+  attention_only: bool = False,
+  fp8: FP8Folder | None = None,
 ) -> int:
   """Weight bytes each device holds when served over `tensor` devices (the serving rules split
   heads, the FFN and the vocabulary as training's tensor rules do); `attention_only`: the
-  attention layers' alone (the trunk's, MTP heads' excluded)."""
+  attention layers' alone (the trunk's, MTP heads' excluded). `fp8`: an FP8 folder served with
+  its projections kept (`fp8_kept_parts`; their scales counted whole on every device), the
+  other weights in the serving dtype."""
   specs = inventory(served_config(cfg, tensor))
   if attention_only:
     specs = [p for p in specs if p.path.startswith("blocks/attn/")]
-  return dtype_bytes * sum(shard_elements(p, fsdp=1, tensor=tensor) for p in specs)
+  total = 0
+  for p in specs:
+    parts = None if fp8 is None else fp8_kept_parts(p, fp8)
+    if parts is None:
+      total += dtype_bytes * shard_elements(p, fsdp=1, tensor=tensor)
+    else:
+      (codes, _), (scales, scale_bytes) = parts
+      total += math.ceil(shard_elements(codes, fsdp=1, tensor=tensor))
+      total += int(scale_bytes) * scales.size
+  return total
 
 
 def serving_kv_bytes_per_token(

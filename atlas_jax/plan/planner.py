@@ -30,6 +30,7 @@ from atlas_jax.plan.params import counts, lora_adapters
 from atlas_jax.schedule import Schedule
 
 PRECISIONS = tuple(memory.PRECISIONS)
+FP8_WEIGHTS = ("keep", "dequantize")  # serve.py --fp8-weights
 # The share of each device's memory a serving plan gives weights and pool (vLLM's default
 # gpu_memory_utilization; the largest step's activations are not counted here).
 SERVING_MEMORY_UTILIZATION = 0.9
@@ -69,6 +70,9 @@ class PlanInputs:
   # in groups of `base_quantization_group_size` inputs, fp8); None: float32.
   base_quantization: str | None = None
   base_quantization_group_size: int = 128
+  # An FP8 folder's projections as serve.py --fp8-weights holds them: "keep" (e4m3 codes and
+  # float32 scales) or "dequantize" (the serving dtype); other sources ignore it.
+  fp8_weights: str = "keep"
 
   def __post_init__(self):
     names = ("seq_len", "batch", "devices", "tensor", "expert", "grad_accum", "block_size")
@@ -88,6 +92,10 @@ class PlanInputs:
       raise ValueError(
         f"--kv-cache-dtype={self.kv_cache_dtype!r} is not allowed; allowed: "
         f"{', '.join(KV_CACHE_DTYPES)}"
+      )
+    if self.fp8_weights not in FP8_WEIGHTS:
+      raise ValueError(
+        f"--fp8-weights={self.fp8_weights!r} is not allowed; allowed: {', '.join(FP8_WEIGHTS)}"
       )
     if self.precision not in PRECISIONS:
       raise ValueError(
@@ -270,9 +278,15 @@ def _model_summary(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def make_plan(
-  cfg: ModelConfig, inputs: PlanInputs, *, name: str = "model", notes: tuple[str, ...] = ()
+  cfg: ModelConfig,
+  inputs: PlanInputs,
+  *,
+  name: str = "model",
+  notes: tuple[str, ...] = (),
+  fp8: memory.FP8Folder | None = None,
 ) -> dict[str, Any]:
-  """Every figure for `cfg` under `inputs`: a JSON-ready dict of bytes, tokens and FLOPs."""
+  """Every figure for `cfg` under `inputs`: a JSON-ready dict of bytes, tokens and FLOPs. `fp8`:
+  the model is an FP8 folder's, served with `inputs.fp8_weights`."""
   dev = get_device(inputs.device)
   if inputs.memory_bytes is not None:
     dev = dataclasses.replace(dev, name=f"{dev.name}, {inputs.memory_bytes / 1e9:g} GB")
@@ -484,7 +498,8 @@ def make_plan(
 
   # Serving over data x tensor devices: per-device memory and the decode ceiling.
   tp, dp = inputs.tensor, inputs.devices // inputs.tensor
-  weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c)
+  kept = fp8 if inputs.fp8_weights == "keep" else None
+  weights_dev = memory.serving_weight_bytes(cfg, tensor=tp, dtype_bytes=c, fp8=kept)
   kv_dev = memory.serving_kv_bytes_per_token(
     cfg, tensor=tp, dtype_bytes=c, kv_cache_dtype=inputs.kv_cache_dtype
   )
@@ -493,9 +508,10 @@ def make_plan(
     "tensor": tp,
     "data": dp,
     "kv_heads_served": None if cfg.mla is not None else memory.served_config(cfg, tp).n_kv_heads,
+    "fp8_weights": None if fp8 is None else inputs.fp8_weights,
     "weight_bytes_per_device": weights_dev,
     "attention_weight_bytes_per_device": memory.serving_weight_bytes(
-      cfg, tensor=tp, dtype_bytes=c, attention_only=True
+      cfg, tensor=tp, dtype_bytes=c, attention_only=True, fp8=kept
     ),
     "kv_bytes_per_token_per_device": kv_dev,
     "memory_utilization": SERVING_MEMORY_UTILIZATION,
