@@ -121,18 +121,36 @@ def test_deepseek_v3_block_scaled_folder_matches_transformers(tmp_path, caplog):
   ) in caplog.text
 
 
-def test_llama_block_and_per_tensor_scales_match_transformers(tmp_path):
+def test_llama_block_and_per_tensor_scales_match_transformers(tmp_path, caplog):
   model = build_hf("Llama", tmp_path / "b", hidden_size=192, intermediate_size=320)
   write_fp8(tmp_path / "b", model, DEEPSEEK_FP8)
   assert check_logits(tmp_path / "b", model)[1] <= 1e-4
-  # one scale per tensor, under its per-tensor name, and a static activation scale left unused
+  # one scale per tensor, under its per-tensor name, and static activation scales left unused
+  # (the folder loads; a W8A8 step scales activations per token), which the log counts
   model = build_hf("Qwen2", tmp_path / "t")
-  extra = {"model.layers.0.self_attn.q_proj.input_scale": torch.tensor(0.5)}
+  extra = {
+    f"model.layers.{i}.self_attn.{p}_proj.input_scale": torch.tensor(0.5)
+    for i in range(2)
+    for p in "qkv"
+  }
   qconfig = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None}
   write_fp8(tmp_path / "t", model, qconfig, scale_name="weight_scale", extra=extra)
-  assert check_logits(tmp_path / "t", model)[1] <= 1e-4
+  with caplog.at_level(logging.INFO, logger="atlas_jax.hf.fp8"):
+    assert check_logits(tmp_path / "t", model)[1] <= 1e-4
+  assert (
+    "activation_scheme static): 14 parameters kept in FP8 (weight-only: codes dequantized in "
+    "the step's matmuls; backend cpu); 0 dequantized to float32 at load; 6 static activation "
+    "scales unused (activations scaled per token)"
+  ) in caplog.text
+  w8a8 = hf.load(tmp_path / "t", fp8_activations="dynamic")
+  assert w8a8.blocks.attn.ops.w8a8 is True
+  assert len(_f8_dots(_lowered(w8a8, "cuda"))) >= 7
   ours, _ = check_logits(tmp_path / "t", model, dtype="bfloat16")
   assert ours.embed[...].dtype == jnp.bfloat16
+  stray = {**extra, "model.layers.0.self_attn.x_proj.input_scale": torch.tensor(0.5)}
+  write_fp8(tmp_path / "t", model, qconfig, scale_name="weight_scale", extra=stray)
+  with pytest.raises(hf.HFLoadError, match=r"x_proj.input_scale has no weight .*x_proj.weight"):
+    hf.load(tmp_path / "t")
 
 
 def test_bad_fp8_folders_are_named(tmp_path):

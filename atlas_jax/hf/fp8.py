@@ -20,8 +20,9 @@ rectangular grid of tiles, one scale per tile is kept. Where they do not (a bloc
 layout's axes), or for any other FP8 tensor, the weight is multiplied by its scales in float32 and
 cast to the compute dtype, as `dequantize_tensors` does for every weight with
 `fp8_weights="dequantize"`. The log line says which weights were kept and which expanded. Static
-activation scales are dropped: activations are quantized per token when the step runs W8A8
-(`atlas_jax.quant.quantized_product`).
+activation scales (`*.input_scale`, activation_scheme "static") are read, checked to belong to a
+weight and left unused, and the log counts them: activations are quantized per token, by their
+own amax, when the step runs W8A8 (`atlas_jax.quant.quantized_product`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ class Scales:
   report: dict[str, list[str]] = dataclasses.field(
     default_factory=lambda: {"kept": [], "expanded": []}
   )
+  # Static activation scales (`*.input_scale`, activation_scheme "static") read and left unused:
+  # a W8A8 step scales each token's activations by their own amax instead.
+  unused_activation_scales: int = 0
 
 
 def split_scales(
@@ -136,6 +140,11 @@ def split_scales(
     return dict(tensors), None
   block = block_size(q)
   out = {n: t for n, t in tensors.items() if not n.endswith(ACTIVATION_SUFFIXES)}
+  activation = [n for n in tensors if n.endswith(ACTIVATION_SUFFIXES)]
+  for name in activation:
+    base = name.rsplit(".", 1)[0] + ".weight"
+    if base not in out:
+      raise HFLoadError(f"{where}: activation scale {name} has no weight {base}")
   scales = {}
   for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIXES)):
     base = _weight_of(name)
@@ -156,7 +165,8 @@ def split_scales(
       f"{where}: FP8 tensors without a scale (weight_scale_inv or weight_scale): "
       f"{', '.join(sorted(unscaled)[:8])}"
     )
-  return out, Scales(scales, block, str(q.get("activation_scheme", "dynamic")))
+  scheme = str(q.get("activation_scheme", "dynamic"))
+  return out, Scales(scales, block, scheme, unused_activation_scales=len(activation))
 
 
 def _block_ids(shape, scale: np.ndarray, block, *, name: str, start: int = 0) -> np.ndarray:
@@ -276,7 +286,7 @@ def log_kept(scales: Scales, where, *, dtype: str, activations: str | None):
   )
   log.info(
     "%s: FP8 checkpoint (%s, activation_scheme %s): %d parameters kept in FP8 (%s; backend %s)"
-    "; %d dequantized to %s at load%s",
+    "; %d dequantized to %s at load%s%s",
     where,
     blocks,
     scales.activation_scheme,
@@ -287,6 +297,10 @@ def log_kept(scales: Scales, where, *, dtype: str, activations: str | None):
     dtype,
     f" (their blocks do not tile the layout, or not a projection: {', '.join(expanded[:6])})"
     if expanded
+    else "",
+    f"; {scales.unused_activation_scales} static activation scales unused (activations scaled "
+    "per token)"
+    if scales.unused_activation_scales
     else "",
   )
   return Ops(**platforms.model_ops(backend), w8a8=w8a8)
