@@ -352,3 +352,44 @@ def test_planner_counts_what_the_fp8_load_holds(tmp_path, case):
       assert qarrays(loaded)
       kept = plan["serving"]["weight_bytes_per_device"]
   assert kept < plan["serving"]["weight_bytes_per_device"] / 2
+
+
+def test_kept_weight_maps_block_indices_a_byte_per_element(tmp_path):
+  """`kept_weight` moves the block indices through the family's mapping as uint8 tables of the
+  codes' shape, one byte of the index at a time (experts' E x blocks indices need two here): no
+  array handed to the mapping holds more bytes than its codes. The kept QArray dequantizes to
+  the stored weights', mapped; a mapping that interleaves blocks (tiles too small to keep)
+  falls back to dequantizing, per element."""
+  from atlas_jax.hf import fp8
+  from atlas_jax.quant import dequantized
+
+  E, O, I = 50, 64, 96  # 50 x 2 x 3 = 300 blocks of 32 x 32: indices of two bytes
+  rng = np.random.RandomState(0)
+  stored = [torch.tensor(rng.randn(O, I).astype(np.float32)) for _ in range(E)]
+  codes, scales, deq = zip(*[quantize(w, (32, 32)) for w in stored], strict=True)
+  codes = [c.view(torch.uint8).numpy().view(jnp.float8_e4m3fn) for c in codes]
+  scales = [s.numpy() for s in scales]
+  seen = []
+
+  def load(*ws):  # the experts stacked as [E, in, out], as the families lay them out
+    seen.append([(w.dtype, w.nbytes) for w in ws])
+    return {("w",): jnp.stack([w.T for w in ws])}
+
+  kw = dict(keep=lambda p: True, dtype=jnp.float32, names=[f"e{i}" for i in range(E)])
+  out, done = fp8.kept_weight(load, codes, scales, (32, 32), **kw)
+  assert done == [(("w",), True)] and out["w",].scale.shape == (E, 3, 2)
+  want = np.stack([d.numpy().T for d in deq])
+  np.testing.assert_array_equal(np.asarray(dequantized(out["w",])), want)
+  # the codes once, then the index's two bytes twice (where it changes; its value per tile)
+  assert len(seen) == 5
+  assert seen[0] == [(np.dtype(jnp.float8_e4m3fn), O * I)] * E
+  assert all(call == [(np.dtype(np.uint8), O * I)] * E for call in seen[1:])
+
+  # rows and columns interleaved across blocks: a tile of one element, dequantized
+  rows, cols = np.arange(O).reshape(2, -1).T.ravel(), np.arange(I).reshape(3, -1).T.ravel()
+  interleave = lambda *ws: {("w",): jnp.stack([w[rows][:, cols] for w in ws])}
+  out, done = fp8.kept_weight(interleave, codes, scales, (32, 32), **kw)
+  assert done == [(("w",), False)]
+  np.testing.assert_array_equal(
+    np.asarray(out["w",]), np.stack([d.numpy()[rows][:, cols] for d in deq])
+  )

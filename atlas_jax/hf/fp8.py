@@ -157,7 +157,7 @@ def split_scales(
         "weight (float8_e4m3fn or float8_e5m2)"
       )
     s = np.asarray(out.pop(name), np.float32)
-    _block_ids(w.shape, s, block, name=base)  # the shapes checked now, not when mapped
+    _block_grid(w.shape, s, block, name=base)  # the shapes checked now, not when mapped
     scales[base] = s
   unscaled = [n for n, t in out.items() if jnp.asarray(t).dtype in FP8_DTYPES and n not in scales]
   if unscaled:
@@ -169,10 +169,10 @@ def split_scales(
   return out, Scales(scales, block, scheme, unused_activation_scales=len(activation))
 
 
-def _block_ids(shape, scale: np.ndarray, block, *, name: str, start: int = 0) -> np.ndarray:
-  """i32[*shape]: the index (from `start`) into `scale`'s flattened values of every element of
-  a weight of `shape`, by the same rule `dequantize` applies the scale."""
-  ids = np.arange(start, start + scale.size, dtype=np.int32).reshape(scale.shape)
+def _block_grid(shape, scale: np.ndarray, block, *, name: str, start: int = 0) -> np.ndarray:
+  """i64[scale.shape]: the index (from `start`) into the flattened scales of every scale of a
+  weight of `shape`, the scale's shape checked against the weight's as `dequantize` applies it."""
+  ids = np.arange(start, start + scale.size, dtype=np.int64).reshape(scale.shape)
   if block is not None and scale.size > 1:
     bn, bk = block
     out, inp = shape[-2:]
@@ -182,31 +182,58 @@ def _block_ids(shape, scale: np.ndarray, block, *, name: str, start: int = 0) ->
         f"{name}: scale of shape {tuple(scale.shape)} for a weight of shape {tuple(shape)} in "
         f"{bn} x {bk} blocks; expected {want}"
       )
-    return np.repeat(np.repeat(ids, bn, axis=-2), bk, axis=-1)[..., :out, :inp]
-  if scale.size == 1:
-    return np.broadcast_to(ids.reshape(()), shape)
-  try:
-    return np.broadcast_to(ids, shape)
-  except ValueError as e:
-    raise HFLoadError(
-      f"{name}: scale of shape {tuple(scale.shape)} does not broadcast against the weight's "
-      f"{tuple(shape)} (config.json gives no weight_block_size)"
-    ) from e
+  elif scale.size > 1:
+    try:
+      np.broadcast_shapes(scale.shape, tuple(shape))
+    except ValueError as e:
+      raise HFLoadError(
+        f"{name}: scale of shape {tuple(scale.shape)} does not broadcast against the weight's "
+        f"{tuple(shape)} (config.json gives no weight_block_size)"
+      ) from e
+  return ids
+
+
+def _expanded(grid: np.ndarray, shape, block) -> np.ndarray:
+  """`grid` (one value per scale, any dtype) spread over a weight of `shape`, each element
+  taking its block's value, by the rule `dequantize` applies the scales."""
+  if block is not None and grid.size > 1:
+    bn, bk = block
+    out, inp = shape[-2:]
+    return np.repeat(np.repeat(grid, bn, axis=-2), bk, axis=-1)[..., :out, :inp]
+  return np.broadcast_to(grid.reshape(()) if grid.size == 1 else grid, shape)
+
+
+def _changes(ids: np.ndarray) -> list[np.ndarray]:
+  """Per axis, bool[n - 1]: whether `ids` differ anywhere between index i and i + 1."""
+  out = []
+  for a in range(ids.ndim):
+    first = np.moveaxis(ids, a, 0)
+    out.append(np.any(first[1:] != first[:-1], axis=tuple(range(1, ids.ndim))))
+  return out
+
+
+def _tile_sizes(changes: list[np.ndarray], shape) -> tuple[int, ...]:
+  """Per axis, the largest run length dividing the axis and every distance between changes."""
+  return tuple(
+    int(np.gcd.reduce(np.append(np.flatnonzero(c) + 1, n)))
+    for c, n in zip(changes, shape, strict=True)
+  )
+
+
+def _tiled(values: np.ndarray, tiles) -> np.ndarray | None:
+  """`values` at each tile's first element when every tile holds one value, else None."""
+  corner = values[tuple(slice(None, None, t) for t in tiles)]
+  split = [d for n, t in zip(values.shape, tiles, strict=True) for d in (n // t, t)]
+  spread = [d for n in corner.shape for d in (n, 1)]
+  same = values.reshape(split) == corner.reshape(spread)
+  return corner if bool(np.all(same)) else None
 
 
 def _tiles(ids: np.ndarray) -> tuple[int, ...] | None:
   """Per axis, the run length over which `ids` is constant, when `ids` is one value per tile of
   a rectangular grid of such runs; None when no grid holds it (a block cut across axes)."""
-  tiles = []
-  for a, n in enumerate(ids.shape):
-    first = np.moveaxis(ids, a, 0)
-    changes = np.flatnonzero(np.any(first[1:] != first[:-1], axis=tuple(range(1, ids.ndim))))
-    t = int(np.gcd.reduce(np.append(changes + 1, n)))
-    tiles.append(t)
-  corner = ids[tuple(slice(None, None, t) for t in tiles)]
-  for a, t in enumerate(tiles):
-    corner = np.repeat(corner, t, axis=a)
-  return tuple(tiles) if np.array_equal(corner, ids) else None
+  tiles = _tile_sizes(_changes(ids), ids.shape)
+  return tiles if _tiled(ids, tiles) is not None else None
 
 
 def kept_scales(out_sizes, in_sizes, block) -> int | None:
@@ -240,28 +267,67 @@ def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dty
   block index; a parameter `keep(path)` accepts whose blocks form a tile grid becomes a QArray
   of the codes and one float32 scale per tile, any other is dequantized to `dtype`.
 
+  The block indices travel through `load` a byte at a time (`planes`): one uint8 table of the
+  codes' shape at a time, a byte per element as the codes themselves, where int32 indices for
+  all of a layer's experts at once would be four times the codes' size, and as much again in
+  each copy. The tiles found on the whole index are those found on its bytes together: it changes
+  along an axis where any byte does, and is constant on a tile where every byte is.
+
   Returns ({path: value}, [(path, kept)])."""
   import qwix
 
-  ids, start = [], 0
+  grids, start = [], 0
   for c, s, n in zip(codes, scales, names, strict=True):
-    ids.append(jnp.asarray(_block_ids(c.shape, s, block, name=n, start=start)))
+    grids.append(_block_grid(c.shape, s, block, name=n, start=start))
     start += s.size
   flat = np.concatenate([s.reshape(-1) for s in scales])
   mapped_codes = load(*[jnp.asarray(c) for c in codes])
-  mapped_ids = load(*ids)
+  shapes = {path: tuple(q.shape) for path, q in mapped_codes.items()}
+
+  def planes():
+    """Per byte of the block indices (low first): {path: u8[its shape]}, as `load` maps it."""
+    for k in range(max(1, (int(start - 1).bit_length() + 7) // 8)):
+      table = [
+        _expanded(((g >> (8 * k)) & 0xFF).astype(np.uint8), c.shape, block)
+        for g, c in zip(grids, codes, strict=True)
+      ]
+      yield k, {p: np.asarray(v) for p, v in load(*[jnp.asarray(t) for t in table]).items()}
+      del table
+
+  # Where each parameter's block index changes along each axis: where any of its bytes does.
+  changes = {p: [np.zeros(max(n - 1, 0), bool) for n in shape] for p, shape in shapes.items()}
+  for _, mapped in planes():
+    for path, plane in mapped.items():
+      for acc, c in zip(changes[path], _changes(plane), strict=True):
+        acc |= c
+  # Kept when the scales add at most 1/8 of the codes' bytes (a tile of 32 elements or more):
+  # edge blocks that do not divide the layout's axes cut the grid finer, never per element.
+  tiles = {}
+  for path, shape in shapes.items():
+    t = _tile_sizes(changes[path], shape) if keep(path) else None
+    tiles[path] = t if t is not None and np.prod(t) >= 32 else None
+  # Each tile's block index, a byte at a time; a tile holding more than one block (some byte
+  # not constant on it) leaves its weight to be dequantized, with each element's index.
+  grid = {p: 0 for p, t in tiles.items() if t is not None}
+  for k, mapped in planes():
+    for path in list(grid):
+      part = _tiled(mapped[path], tiles[path])
+      if part is None:
+        del grid[path]
+      else:
+        grid[path] = grid[path] + (part.astype(np.int64) << (8 * k))
+  per_element = {p: 0 for p in shapes if p not in grid}
+  if per_element:
+    for k, mapped in planes():
+      for path in per_element:
+        per_element[path] = per_element[path] + (mapped[path].astype(np.int32) << (8 * k))
   out, done = {}, []
   for path, q in mapped_codes.items():
-    where_ids = np.asarray(mapped_ids[path])
-    tiles = _tiles(where_ids) if keep(path) else None
-    # Kept when the scales add at most 1/8 of the codes' bytes (a tile of 32 elements or more):
-    # edge blocks that do not divide the layout's axes cut the grid finer, never per element.
-    if tiles is not None and np.prod(tiles) >= 32:
-      grid = where_ids[tuple(slice(None, None, t) for t in tiles)]
-      out[path] = qwix.QArray(q, jnp.asarray(flat[grid]), qtype=q.dtype)
+    if path in grid:
+      out[path] = qwix.QArray(q, jnp.asarray(flat[grid[path]]), qtype=q.dtype)
       done.append((path, True))
     else:
-      out[path] = (q.astype(jnp.float32) * jnp.asarray(flat[where_ids])).astype(dtype)
+      out[path] = (q.astype(jnp.float32) * jnp.asarray(flat[per_element[path]])).astype(dtype)
       done.append((path, False))
   return out, done
 
