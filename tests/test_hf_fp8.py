@@ -318,6 +318,7 @@ def test_planner_counts_what_the_fp8_load_holds(tmp_path, case):
   """atlas-plan's serving weight bytes for an FP8 folder are the bytes of the arrays `hf.load`
   returns, exactly: codes and scales with --fp8-weights keep, the serving dtype with dequantize."""
   from atlas_jax.plan.cli import build_plan, parser
+  from atlas_jax.plan.report import render
 
   if case == "llama-blocks":
     model = build_hf("Llama", tmp_path, hidden_size=256, intermediate_size=384)
@@ -350,6 +351,7 @@ def test_planner_counts_what_the_fp8_load_holds(tmp_path, case):
     assert plan["serving"]["weight_bytes_per_device"] == held_bytes(loaded), how
     if how == "keep":
       assert qarrays(loaded)
+      assert "weights per device (FP8 codes and scales kept)" in render(plan)
       kept = plan["serving"]["weight_bytes_per_device"]
   assert kept < plan["serving"]["weight_bytes_per_device"] / 2
 

@@ -292,7 +292,13 @@ def render(plan: dict[str, Any], *, markdown: bool = False) -> str:
   sv = plan["serving"]
   heads = "" if sv["kv_heads_served"] is None else f", kv heads served {sv['kv_heads_served']}"
   rows = [
-    ("weights per device", fmt_bytes(sv["weight_bytes_per_device"])),
+    (
+      "weights per device"
+      + {"keep": " (FP8 codes and scales kept)", "dequantize": " (FP8 dequantized)"}.get(
+        sv.get("fp8_weights"), ""
+      ),
+      fmt_bytes(sv["weight_bytes_per_device"]),
+    ),
     ("of which attention", fmt_bytes(sv["attention_weight_bytes_per_device"])),
     ("cache per token per device", fmt_bytes(sv["kv_bytes_per_token_per_device"])),
     (
