@@ -75,6 +75,23 @@ def proc_status(pid: int) -> dict:
   return dict(rss_mb=rss, maps=maps)
 
 
+def resident_by_kind(pid: int) -> dict:
+  """Resident MB of a process by what its mappings hold (/proc/PID/smaps): "files" (shared
+  libraries and other mapped files), "code" (anonymous executable mappings: the compiled
+  programs' machine code) and "heap" (every other anonymous mapping: malloc's heap, arrays and
+  the compiled programs' data)."""
+  out = dict(files=0.0, code=0.0, heap=0.0)
+  kind = None
+  for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+    head = line.split()
+    if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):
+      perms, path = head[1], head[5] if len(head) > 5 else ""
+      kind = "files" if path.startswith("/") else "code" if "x" in perms else "heap"
+    elif head[0] == "Rss:":
+      out[kind] += int(head[1]) / 1024
+  return out
+
+
 def cache_entries(folder: Path) -> int:
   return sum(1 for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".json"))
 
@@ -133,6 +150,7 @@ def start(folder: Path, cache: Path, runner: str, extra: list[str], timeout: flo
       time.sleep(1)
     compiled_all = time.perf_counter() - t0
     at_end = proc_status(proc.pid)
+    kinds = resident_by_kind(proc.pid)
     text = log_path.read_text()
     held = re.search(r"per device: weights ([\d.]+) (GiB|MiB), pool ([\d.]+) (GiB|MiB)", text)
     mb = lambda v, unit: float(v) * (1024 if unit == "GiB" else 1)
@@ -145,6 +163,7 @@ def start(folder: Path, cache: Path, runner: str, extra: list[str], timeout: flo
       rss_ready_mb=at_ready["rss_mb"],
       rss_end_mb=at_end["rss_mb"],
       maps_end=at_end["maps"],
+      **{f"rss_end_{k}_mb": v for k, v in kinds.items()},
       weights_pool_mb=weights_pool,
       answered=bool(answered),
     )
@@ -206,13 +225,15 @@ def main(argv=None) -> int:
     rows.append((which, got))
   print("| start | ready s | first completion s | all compiled s | shapes | new cache entries |")
   print("| resident MB at ready / end | weights + pool MB | end / (weights + pool) | maps |")
+  print("| end: files / code / heap MB |")
   for which, g in rows:
     ratio = g["rss_end_mb"] / g["weights_pool_mb"]
     print(
       f"| {which} | {g['ready_s']:.1f} | {g['first_completion_s']:.2f} | "
       f"{g['all_compiled_s']:.1f} | {g['shapes']} | {g['new_cache_entries']} | "
       f"{g['rss_ready_mb']:.0f} / {g['rss_end_mb']:.0f} | {g['weights_pool_mb']:.0f} | "
-      f"{ratio:.2f} | {g['maps_end']} |"
+      f"{ratio:.2f} | {g['maps_end']} | {g['rss_end_files_mb']:.0f} / {g['rss_end_code_mb']:.0f} / "
+      f"{g['rss_end_heap_mb']:.0f} |"
     )
   if args.peer_python:
     peer = peer_start(folder, serve_peer.check_peer_python(args.peer_python), args.timeout)
