@@ -90,11 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument(
     "--fp8-activations",
-    choices=("auto", "dynamic", "none"),
+    choices=("auto", "static", "dynamic", "none"),
     default="auto",
     help="an FP8 folder's kept weights: dynamic multiplies them by activations quantized to "
-    "e4m3 per token (W8A8), none dequantizes them in the matmuls (weight-only); auto: dynamic "
-    "where the backend has FP8 matmuls (cuda, tpu), else none",
+    "e4m3 per token (W8A8), static by activations quantized with the folder's input scales "
+    "(activation_scheme static), none dequantizes them in the matmuls (weight-only); auto: "
+    "static or dynamic where the backend has FP8 matmuls (cuda, tpu), else none",
   )
   p.add_argument(
     "--fp8-weights",
@@ -1010,8 +1011,14 @@ def prepare(args):
   # Loading reads every tensor through host buffers freed once the model holds its arrays, and
   # making the engine frees the copies its placement replaced: glibc keeps such freed memory in
   # its arenas, resident, unless handed back (about the weights' size again after a load).
+  if os.environ.get("CLEAR_AT") in ("load", "both"):
+    import jax
+    jax.clear_caches()
   host_memory.return_freed_memory()
   engine = make_engine(args, model, tokenizer)
+  if os.environ.get("CLEAR_AT") in ("engine", "both"):
+    import jax
+    jax.clear_caches()
   host_memory.return_freed_memory()
   log.info("compilation cache: %s", cache or "off")  # after loading: a bad folder is one line
   chat_template = None

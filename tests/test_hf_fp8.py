@@ -140,11 +140,13 @@ def test_llama_block_and_per_tensor_scales_match_transformers(tmp_path, caplog):
   assert (
     "activation_scheme static): 14 parameters kept in FP8 (weight-only: codes dequantized in "
     "the step's matmuls; backend cpu); 0 dequantized to float32 at load; 6 static activation "
-    "scales unused (activations scaled per token)"
+    "scales unused"
   ) in caplog.text
   w8a8 = hf.load(tmp_path / "t", fp8_activations="dynamic")
   assert w8a8.blocks.attn.ops.w8a8 is True
   assert len(_f8_dots(_lowered(w8a8, "cuda"))) >= 7
+  with pytest.raises(hf.HFLoadError, match="fp8_activations='static' needs an input_scale.*o_proj"):
+    hf.load(tmp_path / "t", fp8_activations="static")
   ours, _ = check_logits(tmp_path / "t", model, dtype="bfloat16")
   assert ours.embed[...].dtype == jnp.bfloat16
   stray = {**extra, "model.layers.0.self_attn.x_proj.input_scale": torch.tensor(0.5)}
@@ -296,8 +298,10 @@ def test_fp8_folder_runs_w8a8_where_asked_and_logs_it(tmp_path, caplog):
   weight_only = hf.load(tmp_path)
   assert weight_only.blocks.attn.ops.w8a8 is False
   assert not _f8_dots(_lowered(weight_only, "cpu"))
-  with pytest.raises(hf.HFLoadError, match="fp8_activations='static' is not one of"):
+  with pytest.raises(hf.HFLoadError, match="fp8_activations='static' needs an input_scale"):
     hf.load(tmp_path, fp8_activations="static")
+  with pytest.raises(hf.HFLoadError, match="fp8_activations='per-token' is not one of"):
+    hf.load(tmp_path, fp8_activations="per-token")
 
 
 def held_bytes(model):
@@ -395,3 +399,80 @@ def test_kept_weight_maps_block_indices_a_byte_per_element(tmp_path):
   np.testing.assert_array_equal(
     np.asarray(out["w",]), np.stack([d.numpy()[rows][:, cols] for d in deq])
   )
+
+
+def test_w8a8_product_with_a_static_input_scale():
+  """A StaticQArray's product quantizes every row by its input scale, not its own amax: within
+  e4m3's rounding of x / scale (relative 2^-4, subnormals 2^-10 absolute) of the float product,
+  and values past 448 x scale clipped to it."""
+  import qwix
+
+  from atlas_jax.quant import StaticQArray, dequantized, w8a8_product
+
+  rng = np.random.RandomState(0)
+  x = rng.randn(3, 5, 256).astype(np.float32)
+  x[0, 0] *= 1e-3  # a small token: under a per-tensor scale its values fall to subnormals
+  w = jnp.asarray(rng.randn(256, 384).astype(np.float32))
+  q = qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: 128, 1: 128})
+  w_deq = np.asarray(dequantized(q))
+  s = float(np.abs(x).max()) / E4M3_MAX
+  static = StaticQArray(q.qvalue, q.scale, qtype=q.qtype, input_scale=jnp.full((1, 1), s))
+  got = np.asarray(w8a8_product(jnp.asarray(x), static, 1)).reshape(-1, 384)
+  ref = x.reshape(-1, 256) @ w_deq
+  bound = w8a8_bound(x, w_deq, 1) + 2.0**-10 * s * np.abs(w_deq).sum(0)
+  assert (np.abs(got - ref) <= bound).all()
+  # exactly the float product of x rounded to e4m3 by the one scale (not per token)
+  x_q = np.asarray(jnp.asarray(x / s).astype(jnp.float8_e4m3fn), np.float32) * s
+  np.testing.assert_allclose(got, x_q.reshape(-1, 256) @ w_deq, rtol=1e-4, atol=1e-4)
+  # a scale 1/4 of the calibrated one: the largest values clip at 448 x scale
+  small = StaticQArray(q.qvalue, q.scale, qtype=q.qtype, input_scale=jnp.full((1, 1), s / 4))
+  clipped = np.clip(x, -E4M3_MAX * s / 4, E4M3_MAX * s / 4)
+  got = np.asarray(w8a8_product(jnp.asarray(x), small, 1)).reshape(-1, 384)
+  ref = clipped.reshape(-1, 256) @ w_deq
+  assert (
+    np.abs(got - ref) <= w8a8_bound(clipped, w_deq, 1) + 2.0**-10 * s * np.abs(w_deq).sum(0)
+  ).all()
+
+
+def test_static_activation_scales_run_w8a8(tmp_path, caplog):
+  """A folder with activation_scheme "static" and an input_scale per projection (calibrated
+  here, as amax / 448 of each linear layer's inputs in transformers): fp8_activations="static"
+  (auto's pick on cuda and tpu) quantizes the activations by them; the logits stay within the
+  rounding the dynamic W8A8 test allows, and the cuda step multiplies e4m3 operands."""
+  model = build_hf("Llama", tmp_path, std=0.05, hidden_size=256, intermediate_size=384)
+  amax = {}
+  hooks = [
+    m.register_forward_pre_hook(
+      lambda m, args, name=name: amax.__setitem__(
+        name, max(amax.get(name, 0.0), float(args[0].abs().max()))
+      )
+    )
+    for name, m in model.named_modules()
+    if isinstance(m, torch.nn.Linear) and "lm_head" not in name
+  ]
+  toks = np.random.RandomState(0).randint(0, V, (2, 24))
+  logits(model, toks)
+  for h in hooks:
+    h.remove()
+  extra = {f"{n}.input_scale": torch.tensor(a / E4M3_MAX) for n, a in amax.items()}
+  qconfig = {**DEEPSEEK_FP8, "activation_scheme": "static"}
+  write_fp8(tmp_path, model, qconfig, extra=extra)
+  with caplog.at_level(logging.INFO, logger="atlas_jax.hf.fp8"):
+    ours, err = check_logits(tmp_path, model, fp8_activations="static")
+  assert (
+    "14 parameters kept in FP8 (W8A8: activations quantized to e4m3 by the checkpoint's static"
+    in caplog.text
+  )
+  assert "unused" not in caplog.text
+  assert err <= 0.15 * np.abs(logits(model, np.zeros((1, 4), np.int64))).max(), err
+  wq = ours.blocks.attn.wq[...]
+  assert wq.input_scale.shape == (2, 1, 1, 1)
+  np.testing.assert_allclose(
+    np.asarray(wq.input_scale).ravel(),
+    [amax[f"model.layers.{i}.self_attn.q_proj"] / E4M3_MAX for i in range(2)],
+    rtol=1e-6,
+  )
+  assert len(_f8_dots(_lowered(ours, "cuda"))) >= 7
+  dynamic = hf.load(tmp_path, fp8_activations="dynamic")
+  toks = jnp.asarray(toks, jnp.int32)
+  assert np.abs(np.asarray(ours(toks)) - np.asarray(dynamic(toks))).max() > 0

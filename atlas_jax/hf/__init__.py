@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from safetensors.numpy import save_file
 
@@ -156,7 +157,7 @@ def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[
 
 
 FP8_WEIGHTS = ("keep", "dequantize")
-FP8_ACTIVATIONS = (None, "dynamic", "none")
+FP8_ACTIVATIONS = (None, "static", "dynamic", "none")
 
 
 def load(
@@ -183,8 +184,10 @@ def load(
     fp8_weights: an FP8 folder's projections "keep" their e4m3 codes and scales on the device
       where the model's layout can hold the scales' blocks (`fp8`), or all are "dequantize"d.
     fp8_activations: with kept FP8 weights, "dynamic" multiplies them by activations quantized
-      to e4m3 per token (W8A8), "none" dequantizes the weights in the step (weight-only); None
-      picks by the default backend: W8A8 where it has FP8 matmuls (cuda, tpu).
+      to e4m3 per token (W8A8), "static" by activations quantized with the folder's static
+      input scales (activation_scheme "static"), "none" dequantizes the weights in the step
+      (weight-only); None picks by the default backend: W8A8 where it has FP8 matmuls (cuda,
+      tpu), static when the folder has input scales.
 
   Returns:
     The model; its ModelConfig is `model.cfg`.
@@ -213,6 +216,8 @@ def load(
       tensors = mxfp4.dequantize_tensors(tensors, dtype=dtype, where=folder)
     elif fp8_weights == "keep":
       tensors, scales = fp8.split_scales(tensors, hf_config, where=folder)
+      if scales is not None:
+        scales = fp8.resolve_activations(scales, fp8_activations, jax.default_backend())
     else:
       tensors = fp8.dequantize_tensors(tensors, hf_config, dtype=dtype, where=folder)
   names = set(tensors)
@@ -220,7 +225,7 @@ def load(
   params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg, scales=scales)
   ops = None
   if scales is not None:
-    ops = fp8.log_kept(scales, folder, dtype=dtype, activations=fp8_activations)
+    ops = fp8.log_kept(scales, folder, dtype=dtype)
   return build_model(cfg, params, implementation=implementation, ops=ops)
 
 

@@ -19,10 +19,13 @@ element is tracked through the same mapping (`kept_weight`), and where the block
 rectangular grid of tiles, one scale per tile is kept. Where they do not (a block cut across the
 layout's axes), or for any other FP8 tensor, the weight is multiplied by its scales in float32 and
 cast to the compute dtype, as `dequantize_tensors` does for every weight with
-`fp8_weights="dequantize"`. The log line says which weights were kept and which expanded. Static
-activation scales (`*.input_scale`, activation_scheme "static") are read, checked to belong to a
-weight and left unused, and the log counts them: activations are quantized per token, by their
-own amax, when the step runs W8A8 (`atlas_jax.quant.quantized_product`).
+`fp8_weights="dequantize"`. The log line says which weights were kept and which expanded.
+
+Kept weights multiply weight-only or W8A8 (`atlas_jax.quant.quantized_product`), the
+activations quantized to e4m3 per token by their own amax (dynamic) or, for folders with
+activation_scheme "static", by the `*.input_scale` stored beside each weight (`resolve_activations`
+picks; the kept weight is then a `StaticQArray` carrying its input scale). Static scales not used
+(a dynamic or weight-only step, or a dequantized load) are counted in the log.
 """
 
 from __future__ import annotations
@@ -124,9 +127,12 @@ class Scales:
   report: dict[str, list[str]] = dataclasses.field(
     default_factory=lambda: {"kept": [], "expanded": []}
   )
-  # Static activation scales (`*.input_scale`, activation_scheme "static") read and left unused:
-  # a W8A8 step scales each token's activations by their own amax instead.
-  unused_activation_scales: int = 0
+  # Static activation scales (`*.input_scale`, activation_scheme "static"): weight name -> its
+  # float32 scalar; attached to the kept weights when the step runs W8A8 with them.
+  inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  # How the kept weights multiply (`resolve_activations`): "static" (W8A8 by `inputs`),
+  # "dynamic" (W8A8, each token by its own amax) or "none" (weight-only).
+  activations: str = "none"
 
 
 def split_scales(
@@ -140,11 +146,18 @@ def split_scales(
     return dict(tensors), None
   block = block_size(q)
   out = {n: t for n, t in tensors.items() if not n.endswith(ACTIVATION_SUFFIXES)}
-  activation = [n for n in tensors if n.endswith(ACTIVATION_SUFFIXES)]
-  for name in activation:
+  inputs = {}
+  for name in (n for n in tensors if n.endswith(ACTIVATION_SUFFIXES)):
     base = name.rsplit(".", 1)[0] + ".weight"
     if base not in out:
       raise HFLoadError(f"{where}: activation scale {name} has no weight {base}")
+    value = np.asarray(tensors[name], np.float32)
+    if value.size != 1 or not np.isfinite(value).all() or float(value.reshape(())) <= 0:
+      raise HFLoadError(
+        f"{where}: activation scale {name} of shape {value.shape} is not allowed: "
+        "one positive finite value per weight (a static per-tensor input scale)"
+      )
+    inputs[base] = value.reshape(())
   scales = {}
   for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIXES)):
     base = _weight_of(name)
@@ -166,7 +179,30 @@ def split_scales(
       f"{', '.join(sorted(unscaled)[:8])}"
     )
   scheme = str(q.get("activation_scheme", "dynamic"))
-  return out, Scales(scales, block, scheme, unused_activation_scales=len(activation))
+  return out, Scales(scales, block, scheme, inputs=inputs)
+
+
+def resolve_activations(scales: Scales, activations: str | None, backend: str) -> Scales:
+  """`scales` with how its kept weights multiply: `activations` "static" (W8A8 by the folder's
+  input scales, which it must have), "dynamic" (W8A8 per token) or "none" (weight-only), or
+  None: W8A8 where `backend` has FP8 matmuls, static when every FP8 weight has an input
+  scale."""
+  from atlas_jax import platforms
+
+  if activations is None:
+    activations = "none"
+    if platforms.has_fp8_matmuls(backend):
+      every = scales.inputs and set(scales.by_weight) <= set(scales.inputs)
+      activations = "static" if every else "dynamic"
+  if activations == "static":
+    missing = sorted(set(scales.by_weight) - set(scales.inputs))
+    if missing:
+      raise HFLoadError(
+        f"fp8_activations='static' needs an input_scale beside every FP8 weight "
+        f"(activation_scheme {scales.activation_scheme}); none for {', '.join(missing[:4])}"
+        + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+      )
+  return dataclasses.replace(scales, activations=activations)
 
 
 def _block_grid(shape, scale: np.ndarray, block, *, name: str, start: int = 0) -> np.ndarray:
@@ -261,11 +297,16 @@ def kept_scales(out_sizes, in_sizes, block) -> int | None:
   return int(np.prod([n // t for n, t in zip(sizes, tiles, strict=True)]))
 
 
-def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dtype, names):
+def kept_weight(
+  load, codes: list, scales: list[np.ndarray], block, *, keep, dtype, names, inputs=None
+):
   """One spec entry's parameters from FP8 tensors: `load` (the family's mapping of the stored
   tensors to {parameter path: value}) applied to the codes and, alongside, to each element's
   block index; a parameter `keep(path)` accepts whose blocks form a tile grid becomes a QArray
-  of the codes and one float32 scale per tile, any other is dequantized to `dtype`.
+  of the codes and one float32 scale per tile, any other is dequantized to `dtype`. `inputs`
+  (one static input scale per stored tensor): the kept weights are `StaticQArray`s carrying the
+  largest (a scale too large for some of the tensors' inputs costs precision; one too small
+  would clip them).
 
   The block indices travel through `load` a byte at a time (`planes`): one uint8 table of the
   codes' shape at a time, a byte per element as the codes themselves, where int32 indices for
@@ -275,6 +316,8 @@ def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dty
 
   Returns ({path: value}, [(path, kept)])."""
   import qwix
+
+  from atlas_jax.quant import StaticQArray
 
   grids, start = [], 0
   for c, s, n in zip(codes, scales, names, strict=True):
@@ -324,7 +367,12 @@ def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dty
   out, done = {}, []
   for path, q in mapped_codes.items():
     if path in grid:
-      out[path] = qwix.QArray(q, jnp.asarray(flat[grid[path]]), qtype=q.dtype)
+      scale = jnp.asarray(flat[grid[path]])
+      if inputs is None:
+        out[path] = qwix.QArray(q, scale, qtype=q.dtype)
+      else:
+        static = jnp.full((1,) * q.ndim, max(float(v) for v in inputs), jnp.float32)
+        out[path] = StaticQArray(q, scale, qtype=q.dtype, input_scale=static)
       done.append((path, True))
     else:
       out[path] = (q.astype(jnp.float32) * jnp.asarray(flat[per_element[path]])).astype(dtype)
@@ -332,24 +380,24 @@ def kept_weight(load, codes: list, scales: list[np.ndarray], block, *, keep, dty
   return out, done
 
 
-def log_kept(scales: Scales, where, *, dtype: str, activations: str | None):
-  """Logs which FP8 weights were kept and which expanded, and how the kept ones multiply;
-  returns the model's `Ops` for that: W8A8 (`activations` "dynamic", or None on a backend with
-  FP8 matmuls) or weight-only."""
+def log_kept(scales: Scales, where, *, dtype: str):
+  """Logs which FP8 weights were kept and which expanded, and how the kept ones multiply
+  (`scales.activations`, from `resolve_activations`); returns the model's `Ops` for that."""
   import jax
 
   from atlas_jax import platforms
   from atlas_jax.model.layers import Ops
 
   backend = jax.default_backend()
-  w8a8 = platforms.has_fp8_matmuls(backend) if activations is None else activations == "dynamic"
   kept, expanded = scales.report["kept"], scales.report["expanded"]
   blocks = f"{scales.block[0]}x{scales.block[1]} block scales" if scales.block else "per-tensor"
-  how = (
-    "W8A8: activations quantized to e4m3 per token, FP8 matmuls accumulating in float32"
-    if w8a8
-    else "weight-only: codes dequantized in the step's matmuls"
-  )
+  how = {
+    "static": "W8A8: activations quantized to e4m3 by the checkpoint's static input scales, "
+    "FP8 matmuls accumulating in float32",
+    "dynamic": "W8A8: activations quantized to e4m3 per token, FP8 matmuls accumulating in float32",
+    "none": "weight-only: codes dequantized in the step's matmuls",
+  }[scales.activations]
+  unused = len(scales.inputs) if scales.activations != "static" else 0
   log.info(
     "%s: FP8 checkpoint (%s, activation_scheme %s): %d parameters kept in FP8 (%s; backend %s)"
     "; %d dequantized to %s at load%s%s",
@@ -364,12 +412,9 @@ def log_kept(scales: Scales, where, *, dtype: str, activations: str | None):
     f" (their blocks do not tile the layout, or not a projection: {', '.join(expanded[:6])})"
     if expanded
     else "",
-    f"; {scales.unused_activation_scales} static activation scales unused (activations scaled "
-    "per token)"
-    if scales.unused_activation_scales
-    else "",
+    f"; {unused} static activation scales unused" if unused else "",
   )
-  return Ops(**platforms.model_ops(backend), w8a8=w8a8)
+  return Ops(**platforms.model_ops(backend), w8a8=scales.activations != "none")
 
 
 def dequantize_tensors(

@@ -363,6 +363,7 @@ def params_from_tensors(
           keep=lambda where: where[-1] in PROJECTIONS,
           dtype=dtype,
           names=full,
+          inputs=[scales.inputs[n] for n in full] if scales.activations == "static" else None,
         )
         for where, kept in done:
           scales.report["kept" if kept else "expanded"].append(".".join(g.stack + where))
@@ -383,11 +384,9 @@ def _stack(values: list) -> Any:
   if isinstance(values[0], QArray):
     if any(not isinstance(v, QArray) or v.scale.shape != values[0].scale.shape for v in values):
       raise HFLoadError("FP8 weights kept in some layers but not others, or tiled differently")
-    return QArray(
-      jnp.stack([v.qvalue for v in values]),
-      jnp.stack([v.scale for v in values]),
-      qtype=values[0].qtype,
-    )
+    if any(type(v) is not type(values[0]) for v in values):
+      raise HFLoadError("FP8 weights with static input scales in some layers but not others")
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *values)
   return jnp.stack([v if not isinstance(v, QArray) else dequantized(v) for v in values])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,16 @@ from flax import nnx
 
 Array = jax.Array
 QArray = qwix.QArray
+
+
+@flax.struct.dataclass
+class StaticQArray(QArray):
+  """A QArray with a static activation scale (FP8 checkpoints' `input_scale`,
+  activation_scheme "static"): one float32 per weight, [1] * ndim (stacked: [L, 1, ...]), by
+  which `w8a8_product` quantizes the activations in place of each token's own amax."""
+
+  input_scale: jax.Array | None = None
+
 
 FORMATS = ("int8", "int4", "fp8")
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
@@ -176,7 +187,8 @@ def _output_scales(w: QArray, contract: int, nb: int) -> Array:
 
 def w8a8_product(x: Array, w: QArray, contract: int) -> Array:
   """x's last `contract` axes against e4m3 w's first as an FP8 matmul: each row (token) of x is
-  quantized to e4m3 with its own scale, amax / 448 (dynamic activation scaling); the codes are
+  quantized to e4m3 with its own scale, amax / 448 (dynamic activation scaling), or, for a
+  `StaticQArray`, all rows with its static input scale (clipped to e4m3's range); the codes are
   multiplied with the weight's codes block by block of the contracted axis (one block per
   weight scale along it), accumulating in float32; each block's product is multiplied by its
   weight scales, the blocks summed, and the row scaled by its activation scale. In x's dtype.
@@ -191,9 +203,14 @@ def w8a8_product(x: Array, w: QArray, contract: int) -> Array:
       "W8A8 (e4m3 codes, scales in contiguous runs of the contracted axes)"
     )
   x_MC = x.reshape(-1, C).astype(jnp.float32)
-  amax_M1 = jnp.max(jnp.abs(x_MC), axis=-1, keepdims=True)
-  xs_M1 = jnp.where(amax_M1 > 0, amax_M1 / E4M3_MAX, 1.0)
-  xq_MC = (x_MC / xs_M1).astype(jnp.float8_e4m3fn)
+  static = getattr(w, "input_scale", None)
+  if static is not None:  # the checkpoint's scale: values past e4m3's range clipped to it
+    xs_M1 = static.astype(jnp.float32).reshape(1, 1)
+    xq_MC = jnp.clip(x_MC / xs_M1, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  else:
+    amax_M1 = jnp.max(jnp.abs(x_MC), axis=-1, keepdims=True)
+    xs_M1 = jnp.where(amax_M1 > 0, amax_M1 / E4M3_MAX, 1.0)
+    xq_MC = (x_MC / xs_M1).astype(jnp.float8_e4m3fn)
   wq_bkO = w.qvalue.reshape(nb, C // nb, -1)
   y_bMO = jax.lax.dot_general(
     xq_MC.reshape(-1, nb, C // nb),

@@ -70,3 +70,23 @@ def test_w8a8_under_tensor_2_equals_one_device(folder):
   one = served(w8a8, "ragged")
   config = dataclasses.replace(CONFIG, runner="ragged", tensor_parallel_size=2)
   assert Engine(w8a8, config, eos_id=None).generate(PROMPTS, GREEDY) == one
+
+
+@pytest.mark.slow
+def test_static_input_scales_under_tensor_2_equal_one_device(tmp_path):
+  """Kept weights carrying a static input scale (`StaticQArray`) shard as the others (the scale
+  replicated) and serve W8A8 with it: tensor 2 generates one device's tokens."""
+  import torch
+
+  model = build_hf("Llama", tmp_path, std=0.05, hidden_size=256, intermediate_size=384)
+  extra = {
+    n.removesuffix(".weight") + ".input_scale": torch.tensor(0.01)
+    for n in model.state_dict()
+    if n.endswith("_proj.weight")
+  }
+  write_fp8(tmp_path, model, {**DEEPSEEK_FP8, "activation_scheme": "static"}, extra=extra)
+  static = hf.load(tmp_path, fp8_activations="static")
+  assert all(abs(float(q.input_scale.max()) - 0.01) < 1e-9 for q in qarrays(static).values())
+  one = served(static, "ragged")
+  config = dataclasses.replace(CONFIG, runner="ragged", tensor_parallel_size=2)
+  assert Engine(static, config, eos_id=None).generate(PROMPTS, GREEDY) == one
