@@ -476,3 +476,69 @@ def test_static_activation_scales_run_w8a8(tmp_path, caplog):
   dynamic = hf.load(tmp_path, fp8_activations="dynamic")
   toks = jnp.asarray(toks, jnp.int32)
   assert np.abs(np.asarray(ours(toks)) - np.asarray(dynamic(toks))).max() > 0
+
+
+def test_w8a8_grouped_product_against_float_reference():
+  """Rows grouped by expert against e4m3 expert stacks (per channel, and 32 x 32 tiles as a
+  partial 128-block leaves them): each row within e4m3's rounding of its activations of the
+  float product with its expert's weights; rows past the groups are zeros."""
+  import qwix
+
+  from atlas_jax.quant import dequantized, w8a8_experts, w8a8_grouped_product
+
+  rng = np.random.RandomState(1)
+  E, C, O = 3, 96, 64
+  w = jnp.asarray(rng.randn(E, C, O).astype(np.float32))
+  sizes = np.array([4, 0, 3], np.int32)
+  x = rng.randn(9, C).astype(np.float32)  # 7 rows in groups, 2 past them
+  ids = np.array([0] * 4 + [2] * 3 + [3] * 2, np.int32)
+  for q in (
+    qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0, 2)),
+    qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0,), tiled_axes={1: 32, 2: 32}),
+  ):
+    assert w8a8_experts(q)
+    got = np.asarray(w8a8_grouped_product(jnp.asarray(x), q, jnp.asarray(sizes), jnp.asarray(ids)))
+    w_deq = np.asarray(dequantized(q))
+    for r in range(7):
+      ref = x[r] @ w_deq[ids[r]]
+      err = np.abs(got[r] - ref)
+      assert (err <= w8a8_bound(x[r : r + 1], w_deq[ids[r]], 1)[0]).all(), err.max()
+    assert not got[7:].any()
+  assert not w8a8_experts(qwix.quantize(w, jnp.int8, channelwise_axes=(0, 2)))
+
+
+def test_fp8_experts_run_w8a8_where_asked(tmp_path, monkeypatch):
+  """A DeepSeek-V3 FP8 folder with fp8_activations="dynamic": the routed experts' stacks stay
+  e4m3 into FP8 ragged matmuls (the cuda lowering has them; weight-only has none). Their
+  logits differ from the same model's with the experts dequantized in the step (the other
+  projections W8A8 in both) by the experts' activations' e4m3 rounding alone."""
+  import atlas_jax.model.moe as moe
+
+  from .test_hf_deepseek import build_hf as build_deepseek
+
+  model = build_deepseek(
+    tmp_path,
+    std=0.05,
+    hidden_size=160,
+    intermediate_size=288,
+    moe_intermediate_size=136,
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+  )
+  write_fp8(tmp_path, model, DEEPSEEK_FP8)
+  toks = jnp.asarray(np.random.RandomState(0).randint(0, V, (2, 24)), jnp.int32)
+  w8a8 = hf.load(tmp_path, fp8_activations="dynamic")
+  got = np.asarray(w8a8(toks))
+  ragged_f8 = lambda text: [
+    ln for ln in text.splitlines() if "ragged_dot" in ln and "f8E4M3FN" in ln
+  ]
+  assert len(ragged_f8(_lowered(w8a8, "cuda"))) == 3  # gate, up, down of the one MoE layer
+  assert not ragged_f8(_lowered(hf.load(tmp_path, fp8_activations="none"), "cuda"))
+  monkeypatch.setattr(moe, "w8a8_experts", lambda w: False)
+  experts_weight_only = hf.load(tmp_path, fp8_activations="dynamic")
+  assert not ragged_f8(_lowered(experts_weight_only, "cuda"))
+  diff = np.abs(got - np.asarray(experts_weight_only(toks))).max()
+  assert 0 < diff <= 0.05 * np.abs(got).max(), diff

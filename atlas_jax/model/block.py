@@ -48,7 +48,7 @@ class Block(nnx.Module):
     self.mlp_norm = norm(cfg.pre_norms)
     self.mlp_post_norm = norm(cfg.post_norms)
     if sparse:  # LoRA adapts no expert: `atlas_jax.model.lora.resolve` refuses MLP targets
-      self.mlp = MoE(cfg, rngs=rngs)
+      self.mlp = MoE(cfg, rngs=rngs, ops=ops)
     else:
       self.mlp = MLP(
         cfg.d_model,

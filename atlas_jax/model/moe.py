@@ -60,8 +60,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from atlas_jax.config import ModelConfig, MoEConfig
-from atlas_jax.model.layers import MLP, normal, param
-from atlas_jax.quant import dequantized
+from atlas_jax.model.layers import MLP, PLAIN, Ops, normal, param
+from atlas_jax.quant import dequantized, w8a8_experts, w8a8_grouped_product
 
 Array = jax.Array
 
@@ -219,7 +219,16 @@ def _sorted(experts_tk: Array, E: int) -> tuple[Array, Array, Array]:
 
 
 def _grouped_f32(
-  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+  x_tD,
+  experts_tk,
+  weights_tk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  biases=None,
+  act=None,
+  w8a8=False,
 ) -> Array:
   t, k = experts_tk.shape
   D = x_tD.shape[-1]
@@ -227,11 +236,14 @@ def _grouped_f32(
   dtype = x_tD.dtype
   order_a, sizes_E, _ = _sorted(experts_tk, E)
   x_aD = jnp.take(x_tD, order_a // k, axis=0)  # the assignments' tokens, grouped by expert
+  ids_a = jnp.where(_valid(experts_tk, E), experts_tk, E).reshape(-1)[order_a]  # E: past them
   # Rows past the last group (ids outside [0, E)) come out of ragged_dot as zeros.
-  matmul = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E)
+  if w8a8:  # e4m3 stacks: FP8 ragged matmuls, each row's expert's scales
+    matmul = lambda lhs, rhs: w8a8_grouped_product(lhs, rhs, sizes_E, ids_a)
+  else:
+    matmul = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E)
   bias = None
   if biases is not None:  # each sorted row takes its expert's biases (none past the groups)
-    ids_a = jnp.where(_valid(experts_tk, E), experts_tk, E).reshape(-1)[order_a]
     bias = tuple(jnp.take(b, ids_a, axis=0, mode="fill", fill_value=0) for b in biases)
   out_aD = _swiglu(x_aD, w_gate_EDF, w_up_EDF, w_down_EFD, matmul, bias=bias, act=act)
   # Back to assignment order (the inverse permutation), then summed per token.
@@ -241,9 +253,19 @@ def _grouped_f32(
 
 
 def grouped_experts(
-  x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, *, biases=None, act=None
+  x_tD,
+  experts_tk,
+  weights_tk,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  biases=None,
+  act=None,
+  w8a8=False,
 ) -> Array:
-  """Dropless: the assignments sorted by expert, one `jax.lax.ragged_dot` per matmul.
+  """Dropless: the assignments sorted by expert, one `jax.lax.ragged_dot` per matmul (with
+  `w8a8`, the stacks e4m3 QArrays: `quant.w8a8_grouped_product`'s FP8 ones).
 
   Args:
     x_tD: [t, D] tokens (compute dtype).
@@ -257,7 +279,15 @@ def grouped_experts(
     [t, D] in x's dtype.
   """
   y_tD = _grouped_f32(
-    x_tD, experts_tk, weights_tk, w_gate_EDF, w_up_EDF, w_down_EFD, biases=biases, act=act
+    x_tD,
+    experts_tk,
+    weights_tk,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    biases=biases,
+    act=act,
+    w8a8=w8a8,
   )
   return y_tD.astype(x_tD.dtype)
 
@@ -453,8 +483,11 @@ def expert_parallel(mesh, *, slots: Callable[[int], int] | None = None) -> Calla
 class MoE(nnx.Module):
   """A mixture-of-experts SwiGLU feed-forward layer: router, E routed experts, shared experts."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, ops: Ops = PLAIN):
     m = cfg.moe
+    # `ops.w8a8`: kept e4m3 expert stacks multiply e4m3 activations (the dropless path on one
+    # device; the others, and every other format, dequantize the stacks in the step).
+    self.ops = ops  # static
     D, E, F = cfg.d_model, m.n_experts, m.expert_ffn_dim
     pdt = jnp.dtype(cfg.param_dtype)
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -507,16 +540,18 @@ class MoE(nnx.Module):
       logits_tE = logits_tE + self.router_bias[...]
     bias_E = None if self.score_bias is None else self.score_bias[...]
     experts_tk, weights_tk, probs_tE = route(logits_tE, self.cfg, bias_E)
-    # Quantized experts (`atlas_jax.quant`) are dequantized here, inside the step.
-    weights = tuple(dequantized(w[...]) for w in (self.w_gate, self.w_up, self.w_down))
-    options = {}
+    mesh = jax.sharding.get_abstract_mesh()
+    capped = self.cfg.capacity_factor is not None and not dropless
+    stacks = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    w8a8 = self.ops.w8a8 and not free_axes(mesh) and not capped and all(map(w8a8_experts, stacks))
+    # Other quantized experts (`atlas_jax.quant`) are dequantized here, inside the step.
+    weights = stacks if w8a8 else tuple(dequantized(w) for w in stacks)
+    options = {"w8a8": True} if w8a8 else {}
     if self.b_gate is not None:
       options["biases"] = tuple(b[...] for b in (self.b_gate, self.b_up, self.b_down))
     if self.cfg.swiglu_limit is not None:
       limit, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
       options["act"] = functools.partial(clamped_swiglu, limit=limit, alpha=alpha)
-    mesh = jax.sharding.get_abstract_mesh()
-    capped = self.cfg.capacity_factor is not None and not dropless
     dropped = jnp.zeros((), jnp.int32)
     if free_axes(mesh):
       slots = (lambda tokens: capacity(self.cfg, tokens)) if capped else None

@@ -29,6 +29,8 @@ from atlas_jax.quant.weights import (
   quantize_model,
   quantize_weight,
   quantized_product,
+  w8a8_experts,
+  w8a8_grouped_product,
   w8a8_product,
 )
 
@@ -44,5 +46,7 @@ __all__ = [
   "quantize_model",
   "quantize_weight",
   "quantized_product",
+  "w8a8_experts",
+  "w8a8_grouped_product",
   "w8a8_product",
 ]

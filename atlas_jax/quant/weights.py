@@ -185,6 +185,67 @@ def _output_scales(w: QArray, contract: int, nb: int) -> Array:
   return s.reshape(nb, -1)
 
 
+def _e4m3_rows(x_MC: Array, w: QArray) -> tuple[Array, Array]:
+  """(x's rows as e4m3 codes, f32[M, 1] their scales): each row by its own amax / 448, or, for a
+  `StaticQArray`, every row by its static input scale (values past e4m3's range clipped)."""
+  x_MC = x_MC.astype(jnp.float32)
+  static = getattr(w, "input_scale", None)
+  if static is not None:  # the checkpoint's scale: values past e4m3's range clipped to it
+    xs_M1 = static.astype(jnp.float32).reshape(1, 1)
+    return jnp.clip(x_MC / xs_M1, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), xs_M1
+  amax_M1 = jnp.max(jnp.abs(x_MC), axis=-1, keepdims=True)
+  xs_M1 = jnp.where(amax_M1 > 0, amax_M1 / E4M3_MAX, 1.0)
+  return (x_MC / xs_M1).astype(jnp.float8_e4m3fn), xs_M1
+
+
+def w8a8_experts(w) -> bool:
+  """Whether an expert stack w [E, C, O] can run `w8a8_grouped_product`: e4m3 codes, no zero
+  point, and scales [E, nb, o] that cut C into nb contiguous runs and O into o."""
+  if not isinstance(w, QArray) or w.qvalue.dtype != jnp.float8_e4m3fn or w.ndim != 3:
+    return False
+  if w.zero_point is not None or w.scale.ndim != 3:
+    return False
+  E, C, O = w.shape
+  e, nb, o = w.scale.shape
+  return e == E and C % nb == 0 and O % o == 0
+
+
+def w8a8_grouped_product(x_aC: Array, w: QArray, sizes_E: Array, ids_a: Array) -> Array:
+  """Rows grouped by expert against an e4m3 expert stack, as FP8 ragged matmuls (W8A8).
+
+  x_aC: [a, C] rows sorted by expert, `sizes_E[e]` of expert e's in order (rows past the groups
+  come out as zeros); ids_a: i32[a] each row's expert (E or more past the groups); w [E, C, O]
+  with scales [E, nb, o] (`w8a8_experts`). Each row is quantized to e4m3 as `w8a8_product`'s
+  are; for each of the nb runs of C that share a weight scale, one `jax.lax.ragged_dot` of the
+  codes accumulates in float32 and is multiplied by the scales of each row's expert, the runs
+  summed; then each row by its activation scale. In x's dtype."""
+  if not w8a8_experts(w):
+    raise ValueError(
+      f"w8a8_grouped_product: expert stack {w.shape} with codes "
+      f"{getattr(w.qvalue, 'dtype', None)} and scales {getattr(w.scale, 'shape', None)} "
+      "cannot run W8A8 (e4m3 codes [E, C, O], scales [E, nb, o] dividing C and O)"
+    )
+  E, C, O = w.shape
+  nb, o = w.scale.shape[1:]
+  k = C // nb
+  xq_aC, xs_a1 = _e4m3_rows(x_aC, w)
+  scale_EbO = w.scale.astype(jnp.float32)
+
+  def run(b, y_aO):
+    part_aO = jax.lax.ragged_dot(
+      jax.lax.dynamic_slice_in_dim(xq_aC, b * k, k, axis=1),
+      jax.lax.dynamic_slice_in_dim(w.qvalue, b * k, k, axis=1),
+      sizes_E,
+      preferred_element_type=jnp.float32,
+    )
+    s_Eo = jax.lax.dynamic_index_in_dim(scale_EbO, b, axis=1, keepdims=False)
+    s_ao = jnp.take(s_Eo, ids_a, axis=0, mode="fill", fill_value=0.0)
+    return y_aO + part_aO * jnp.repeat(s_ao, O // o, axis=1)
+
+  y_aO = jax.lax.fori_loop(0, nb, run, jnp.zeros((x_aC.shape[0], O), jnp.float32))
+  return (y_aO * xs_a1).astype(x_aC.dtype)
+
+
 def w8a8_product(x: Array, w: QArray, contract: int) -> Array:
   """x's last `contract` axes against e4m3 w's first as an FP8 matmul: each row (token) of x is
   quantized to e4m3 with its own scale, amax / 448 (dynamic activation scaling), or, for a
@@ -202,15 +263,7 @@ def w8a8_product(x: Array, w: QArray, contract: int) -> Array:
       f"w8a8_product: weight codes {w.qvalue.dtype} with scales {w.scale.shape} cannot run "
       "W8A8 (e4m3 codes, scales in contiguous runs of the contracted axes)"
     )
-  x_MC = x.reshape(-1, C).astype(jnp.float32)
-  static = getattr(w, "input_scale", None)
-  if static is not None:  # the checkpoint's scale: values past e4m3's range clipped to it
-    xs_M1 = static.astype(jnp.float32).reshape(1, 1)
-    xq_MC = jnp.clip(x_MC / xs_M1, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-  else:
-    amax_M1 = jnp.max(jnp.abs(x_MC), axis=-1, keepdims=True)
-    xs_M1 = jnp.where(amax_M1 > 0, amax_M1 / E4M3_MAX, 1.0)
-    xq_MC = (x_MC / xs_M1).astype(jnp.float8_e4m3fn)
+  xq_MC, xs_M1 = _e4m3_rows(x.reshape(-1, C), w)
   wq_bkO = w.qvalue.reshape(nb, C // nb, -1)
   y_bMO = jax.lax.dot_general(
     xq_MC.reshape(-1, nb, C // nb),
