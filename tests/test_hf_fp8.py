@@ -27,6 +27,18 @@ DEEPSEEK_FP8 = {
   "weight_block_size": [128, 128],
 }
 E4M3_MAX = 448.0
+# A tiny DeepSeek-V3 with a dense layer and a MoE one; 160 = 128 + a partial block, whose kept
+# scales are the 32-wide tiles the edge cuts.
+DEEPSEEK_MOE = dict(
+  hidden_size=160,
+  intermediate_size=288,
+  moe_intermediate_size=136,
+  first_k_dense_replace=1,
+  n_routed_experts=4,
+  num_experts_per_tok=2,
+  n_group=1,
+  topk_group=1,
+)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] | None):
@@ -91,17 +103,7 @@ def check_logits(folder, model, **load_kw):
 def test_deepseek_v3_block_scaled_folder_matches_transformers(tmp_path, caplog):
   from .test_hf_deepseek import build_hf as build_deepseek
 
-  model = build_deepseek(
-    tmp_path,
-    hidden_size=160,  # 128 + a partial block
-    intermediate_size=288,
-    moe_intermediate_size=136,
-    first_k_dense_replace=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-  )
+  model = build_deepseek(tmp_path, **DEEPSEEK_MOE)
   deq = write_fp8(tmp_path, model, DEEPSEEK_FP8)
   assert any("experts" in n for n in deq) and any("kv_a_proj" in n for n in deq)
   with caplog.at_level(logging.INFO, logger="atlas_jax.hf.fp8"):
@@ -333,18 +335,7 @@ def test_planner_counts_what_the_fp8_load_holds(tmp_path, case):
   else:
     from .test_hf_deepseek import build_hf as build_deepseek
 
-    # 160 = 128 + a partial block: the kept scales are the 32-wide tiles the edge cuts
-    model = build_deepseek(
-      tmp_path,
-      hidden_size=160,
-      intermediate_size=288,
-      moe_intermediate_size=136,
-      first_k_dense_replace=1,
-      n_routed_experts=4,
-      num_experts_per_tok=2,
-      n_group=1,
-      topk_group=1,
-    )
+    model = build_deepseek(tmp_path, **DEEPSEEK_MOE)
     qconfig = DEEPSEEK_FP8
   write_fp8(tmp_path, model, qconfig)
   argv = ["--config", str(tmp_path), "--devices", "1", "--tensor", "1"]
@@ -516,18 +507,7 @@ def test_fp8_experts_run_w8a8_where_asked(tmp_path, monkeypatch):
 
   from .test_hf_deepseek import build_hf as build_deepseek
 
-  model = build_deepseek(
-    tmp_path,
-    std=0.05,
-    hidden_size=160,
-    intermediate_size=288,
-    moe_intermediate_size=136,
-    first_k_dense_replace=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-  )
+  model = build_deepseek(tmp_path, std=0.05, **DEEPSEEK_MOE)
   write_fp8(tmp_path, model, DEEPSEEK_FP8)
   toks = jnp.asarray(np.random.RandomState(0).randint(0, V, (2, 24)), jnp.int32)
   w8a8 = hf.load(tmp_path, fp8_activations="dynamic")

@@ -252,43 +252,22 @@ def _grouped_f32(
   return _combine(out_tkD, jnp.where(_valid(experts_tk, E), weights_tk, 0.0))
 
 
-def grouped_experts(
-  x_tD,
-  experts_tk,
-  weights_tk,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
-  *,
-  biases=None,
-  act=None,
-  w8a8=False,
-) -> Array:
-  """Dropless: the assignments sorted by expert, one `jax.lax.ragged_dot` per matmul (with
-  `w8a8`, the stacks e4m3 QArrays: `quant.w8a8_grouped_product`'s FP8 ones).
+def grouped_experts(x_tD, experts_tk, weights_tk, *weights, **options) -> Array:
+  """Dropless: the assignments sorted by expert, one `jax.lax.ragged_dot` per matmul.
 
   Args:
     x_tD: [t, D] tokens (compute dtype).
     experts_tk: i32[t, k] each token's experts; ids outside [0, E) contribute nothing.
     weights_tk: f32[t, k] their weights.
-    w_gate_EDF, w_up_EDF: [E, D, F]; w_down_EFD: [E, F, D] the experts' SwiGLU weights.
-    biases: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases (gpt-oss).
-    act: (gate, up) -> hidden; None: silu(gate) * up.
+    weights: w_gate_EDF, w_up_EDF: [E, D, F]; w_down_EFD: [E, F, D] the experts' SwiGLU weights.
+    options: `biases`: None, or the experts' (gate [E, F], up [E, F], down [E, D]) biases
+      (gpt-oss); `act`: (gate, up) -> hidden, None: silu(gate) * up; `w8a8`: the stacks are
+      e4m3 QArrays multiplied by e4m3 activations (`quant.w8a8_grouped_product`).
 
   Returns:
     [t, D] in x's dtype.
   """
-  y_tD = _grouped_f32(
-    x_tD,
-    experts_tk,
-    weights_tk,
-    w_gate_EDF,
-    w_up_EDF,
-    w_down_EFD,
-    biases=biases,
-    act=act,
-    w8a8=w8a8,
-  )
+  y_tD = _grouped_f32(x_tD, experts_tk, weights_tk, *weights, **options)
   return y_tD.astype(x_tD.dtype)
 
 
