@@ -263,6 +263,14 @@ class AttentionKind:
   rope_scaling: RopeScaling | None
   attention_chunk: int | None = None
 
+  @property
+  def reach(self) -> int | None:
+    """How many positions, up to and including its own, a query of this kind can read: the
+    window W, or for chunks of C at most C (a query at p reads from its chunk's start,
+    floor(p / C) * C, which is past p - C); None: every earlier position. A sequence's cache
+    for these layers need keep only its last `reach` positions."""
+    return self.sliding_window if self.attention_chunk is None else self.attention_chunk
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

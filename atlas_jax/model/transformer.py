@@ -477,9 +477,10 @@ def soft_cap(logits: Array, cap: float | None) -> Array:
 
 
 def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...]:
-  """Per layer: whether it attends within a sliding window (`ModelConfig.attention_kinds`)."""
+  """Per layer: whether it reads only a bounded run of recent positions, a sliding window or its
+  chunk (`AttentionKind.reach`; `ModelConfig.attention_kinds`)."""
   kinds, index_L = cfg.attention_kinds()
-  return tuple(kinds[i].sliding_window is not None for i in index_L)
+  return tuple(kinds[i].reach is not None for i in index_L)
 
 
 def with_longrope_frequencies(model: Transformer, max_len: int) -> tuple[Transformer, str | None]:

@@ -303,11 +303,12 @@ def make_plan(
   for row in alternatives:
     row["bytes_per_sequence"] = row["bytes_per_token"] * T
     row["vs_model"] = row["bytes_per_token"] / per_token
-  # Sliding-window layers: a decode step reads only a window's K/V on them, and the server
-  # holds only a window's blocks per sequence for them (`Scheduler.forget_outside_window`; a
-  # pool of their own where other layers attend to everything, `HybridPool`).
+  # Sliding-window and chunked layers: a decode step reads at most a window's (a chunk's) K/V
+  # on them, and the server holds only that many positions' blocks per sequence for them
+  # (`AttentionKind.reach`; `Scheduler.forget_outside_window`; a pool of their own where other
+  # layers attend to everything, `HybridPool`).
   kinds, index = cfg.attention_kinds()
-  windows = [kinds[i].sliding_window for i in index]
+  windows = [kinds[i].reach for i in index]
   read_tokens = sum(T if w is None else min(T, w) for w in windows)  # summed over the layers
   read_bytes = per_token // cfg.n_layers * read_tokens
   windowed = [w for w in windows if w is not None]

@@ -922,11 +922,12 @@ __all__ = ["Engine", "EngineConfig", "RequestError", "RequestOutput", "Row"]
 
 
 def hybrid_window(cfg, drafter, config) -> int | None:
-  """W (the largest window) when the model mixes sliding-window and full-attention layers and
-  the windowed layers' blocks can live in a pool of their own (`HybridPool`): a KV pool, no
-  drafter (it reads the whole history through the same tables), no pre-allocation (whose
-  reservations are whole contexts), and not `disable_hybrid_kv_cache_manager`; else None."""
-  windows = [kind.sliding_window for kind in cfg.attention_kinds()[0]]
+  """W (the largest window or chunk, `AttentionKind.reach`) when the model mixes sliding-window
+  or chunked layers with full-attention ones and the bounded layers' blocks can live in a pool
+  of their own (`HybridPool`): a KV pool, no drafter (it reads the whole history through the
+  same tables), no pre-allocation (whose reservations are whole contexts), and not
+  `disable_hybrid_kv_cache_manager`; else None."""
+  windows = [kind.reach for kind in cfg.attention_kinds()[0]]
   windowed = sum(windowed_layers(cfg))
   off = config.preallocate or config.disable_hybrid_kv_cache_manager
   if drafter is not None or off or not 0 < windowed < cfg.n_layers:
@@ -935,11 +936,12 @@ def hybrid_window(cfg, drafter, config) -> int | None:
 
 
 def window_bound(cfg, drafter) -> int | None:
-  """W when every layer of the model attends within a sliding window (the largest, when they
-  differ): a request's blocks before its last W positions are then never read again and go back
-  to the pool. None when some layer attends to everything, or a drafter reads the whole history
-  through the same block tables (a draft model's cache, the n-gram drafter's token pool)."""
-  windows = [kind.sliding_window for kind in cfg.attention_kinds()[0]]
+  """W when every layer of the model attends within a sliding window or its chunk (the largest
+  `AttentionKind.reach`, when they differ): a request's blocks before its last W positions are
+  then never read again and go back to the pool. None when some layer attends to everything,
+  or a drafter reads the whole history through the same block tables (a draft model's cache,
+  the n-gram drafter's token pool)."""
+  windows = [kind.reach for kind in cfg.attention_kinds()[0]]
   if drafter is not None or any(w is None for w in windows):
     return None
   return max(windows)

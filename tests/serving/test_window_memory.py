@@ -1,4 +1,5 @@
-"""A model whose every layer attends within a window of W positions holds at most the blocks of
+"""A model whose every layer attends within a window of W positions (or chunks of W: a query
+reads from its chunk's start, within its last W positions) holds at most the blocks of
 its last W positions per sequence: the blocks before return to the pool as the sequence advances
 (exact counts), and the tokens stay those of plain decoding. A model mixing windowed and
 full-attention layers keeps the windowed layers' blocks in a pool of their own, bounded alike,
@@ -49,8 +50,12 @@ def test_drop_before_releases_whole_blocks_and_keeps_the_rest_working():
 SHAPE = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def windowed_model(seed: int):
-  cfg = ModelConfig(**SHAPE, max_seq_len=128, sliding_window=W, init_std=0.3)
+# The bounded kinds: a sliding window of W, chunks of W (Llama 4's local layers).
+KINDS = {"sliding": dict(sliding_window=W), "chunked": dict(attention_chunk_size=W)}
+
+
+def windowed_model(seed: int, kind: str = "sliding"):
+  cfg = ModelConfig(**SHAPE, max_seq_len=128, init_std=0.3, **KINDS[kind])
   return build(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -60,9 +65,11 @@ def held(n: int) -> int:
   return -(-n // Z) - max(0, n - W + 1) // Z
 
 
-@pytest.mark.parametrize("burst", [1, 8])
-def test_a_windowed_sequence_holds_its_windows_blocks_and_decodes_as_generate(burst):
-  model = windowed_model(0)
+@pytest.mark.parametrize(
+  ("burst", "kind"), [(1, "sliding"), (8, "sliding"), (1, "chunked"), (8, "chunked")]
+)
+def test_a_windowed_sequence_holds_its_windows_blocks_and_decodes_as_generate(burst, kind):
+  model = windowed_model(0, kind)
   prompt, n_new = list(range(3, 22)), 40
   params = SamplingParams(max_new_tokens=n_new)
   (want,) = generate(model, [prompt], params)
@@ -102,11 +109,12 @@ def test_window_bound_needs_every_layer_windowed_and_no_drafter():
   assert window_bound(dataclasses.replace(cfg, layer_types=None), object()) is None
 
 
-def test_windowed_serving_under_preemption_and_prefix_sharing_equals_generate():
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_windowed_serving_under_preemption_and_prefix_sharing_equals_generate(kind):
   """A tight pool (preemption, recompute), prompts sharing a prefix (cached blocks taken, then
   dropped behind the window), sampled and greedy rows, decode bursts: every request's tokens
   are plain decoding's."""
-  model = windowed_model(1)
+  model = windowed_model(1, kind)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 48, 14).tolist()
   prompts = [shared + rng.integers(0, 48, int(n)).tolist() for n in (3, 9, 1, 6)]
@@ -190,22 +198,23 @@ def test_hybrid_allocator_serves_the_hit_both_groups_hold_and_checks_both_first(
 SLIDING_FULL = ("sliding_attention", "full_attention", "sliding_attention")
 
 
-def hybrid_model(seed: int):
+def hybrid_model(seed: int, kind: str = "sliding"):
   cfg = ModelConfig(
     **{**SHAPE, "n_layers": 3},
     max_seq_len=128,
-    sliding_window=W,
-    layer_types=SLIDING_FULL,
+    layer_types=tuple(t.replace("sliding", kind) for t in SLIDING_FULL),
     init_std=0.3,
+    **KINDS[kind],
   )
   return build(cfg, rngs=nnx.Rngs(seed))
 
 
-@pytest.mark.parametrize("burst", [1, 8])
-def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst):
-  """Two of three layers slide: their pool holds each sequence's window, the full-attention
-  layer's every block; the pools' bytes are those of the one pool they replace."""
-  model = hybrid_model(0)
+@pytest.mark.parametrize(("burst", "kind"), [(1, "sliding"), (8, "sliding"), (8, "chunked")])
+def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst, kind):
+  """Two of three layers slide (or attend within chunks): their pool holds each sequence's
+  window, the full-attention layer's every block; the pools' bytes are those of the one pool
+  they replace."""
+  model = hybrid_model(0, kind)
   prompt, n_new = list(range(3, 22)), 40
   params = SamplingParams(max_new_tokens=n_new)
   (want,) = generate(model, [prompt], params)
@@ -243,11 +252,14 @@ def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst):
   assert alloc.full.stats().n_used == alloc.sliding.stats().n_used == 0
 
 
-@pytest.mark.parametrize("runner", ["ragged", "cpu"])
-def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate(runner):
+@pytest.mark.parametrize(
+  ("runner", "kind"),
+  [("ragged", "sliding"), ("cpu", "sliding"), ("ragged", "chunked"), ("cpu", "chunked")],
+)
+def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate(runner, kind):
   """The workload of the all-windowed test on the hybrid model: a tight pool, shared prefixes
   (hits that both groups hold), sampled and greedy rows, bursts; on either runner."""
-  model = hybrid_model(1)
+  model = hybrid_model(1, kind)
   rng = np.random.default_rng(0)
   shared = rng.integers(0, 48, 14).tolist()
   prompts = [shared + rng.integers(0, 48, int(n)).tolist() for n in (3, 9, 1, 6)]
