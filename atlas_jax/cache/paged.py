@@ -803,8 +803,8 @@ class PagedLatentLayer:
 @dataclasses.dataclass(frozen=True)
 class HybridKVLayer:
   """Layer `layer` of a `HybridPool`: its views of both pools, of which it writes and reads
-  only its own group's (the other's writes are dropped, its reads never made): attention with a
-  sliding window reads the sliding pool, without one the full pool."""
+  only its own group's (the other's writes are dropped, its reads never made): attention within
+  a sliding window or a chunk reads the sliding pool, attention to everything the full pool."""
 
   full: PagedKVLayer
   sliding: PagedKVLayer
@@ -827,9 +827,15 @@ class HybridKVLayer:
     sliding = self.sliding.write(jnp.where(self.windowed, positions_BT, none), k_BTKH, v_BTKH)
     return HybridKVLayer(full, sliding, self.windowed)
 
-  def attend(self, q_BTNH, positions_BT, *, sliding_window=None, **options):
-    own = self.full if sliding_window is None else self.sliding
-    return own.attend(q_BTNH, positions_BT, sliding_window=sliding_window, **options)
+  def attend(self, q_BTNH, positions_BT, *, sliding_window=None, attention_chunk=None, **options):
+    own = self.full if sliding_window is None and attention_chunk is None else self.sliding
+    return own.attend(
+      q_BTNH,
+      positions_BT,
+      sliding_window=sliding_window,
+      attention_chunk=attention_chunk,
+      **options,
+    )
 
   def read(self) -> tuple[Array, Array]:
     raise NotImplementedError(

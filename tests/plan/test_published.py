@@ -234,3 +234,19 @@ def test_windowed_layers_bound_decode_reads_and_an_all_windowed_pool():
   assert p["kv_cache"]["window"] == 512
   assert p["kv_cache"]["held_blocks_per_sequence"] == -(-511 // Z) + 1
   assert p["kv_cache"]["decode_read_bytes_per_sequence"] == per_layer * 26 * 512
+  # Llama 4's pattern: chunks of 8,192 on three layers of four, held and read at most a chunk's.
+  chunked = dataclasses.replace(
+    cfg,
+    sliding_window=None,
+    attention_chunk_size=8192,
+    layer_types=("chunked_attention",) * 3 + ("full_attention",),
+    n_layers=4,
+    rope_local_theta=None,
+  )
+  kv = make_plan(chunked, PlanInputs(seq_len=T, batch=1, devices=1, precision="bf16"))["kv_cache"]
+  blocks, Z = kv["blocks_per_sequence"], kv["block_size"]
+  assert kv["window"] == 8192 and kv["windowed_layers"] == 3
+  assert kv["held_window_blocks_per_sequence"] == -(-8191 // Z) + 1
+  held = blocks + 3 * (-(-8191 // Z) + 1)
+  assert kv["held_bytes_per_sequence"] == per_layer * Z * held
+  assert kv["decode_read_bytes_per_sequence"] == per_layer * (3 * 8192 + T)
