@@ -328,14 +328,16 @@ def make_plan(
     "block_size": Z,
     "blocks_per_sequence": blocks,
     "paged_bytes_per_sequence": blocks * Z * per_token,
-    "window": bound,  # the windowed layers' (largest) window, None without any
-    "windowed_layers": len(windowed),
+    # the windowed and chunked layers' (largest) window or chunk, None without any
+    "window": bound,
+    "windowed_layers": len(windowed),  # sliding-window and chunked layers
     # the most blocks a sequence holds in any layer: every block where a layer attends to
-    # everything, else the window's
+    # everything, else the window's (the chunk's)
     "held_blocks_per_sequence": held_blocks,
     "held_window_blocks_per_sequence": window_blocks if windowed else None,
     "held_bytes_per_sequence": held_layer_blocks * Z * per_token // cfg.n_layers,
-    "decode_read_bytes_per_sequence": read_bytes,  # each layer's window (or all) of the T tokens
+    # each layer's window or chunk (or all) of the T tokens
+    "decode_read_bytes_per_sequence": read_bytes,
     "alternatives": alternatives,
   }
 
