@@ -104,6 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="an FP8 folder's projections: keep their e4m3 codes and block scales on the device "
     "(where the model's layout holds the blocks), or dequantize all to --dtype at load",
   )
+  p.add_argument(
+    "--gguf-weights",
+    choices=("keep", "dequantize"),
+    default="keep",
+    help="a GGUF file's Q8_0/Q4_0 projections: keep their int8/int4 codes and per-32 scales on "
+    "the device (exact), or dequantize all to --dtype at load",
+  )
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
   p.add_argument("--output", help="write JSONL here instead of stdout")
@@ -322,9 +329,17 @@ def resolve_dtype(requested: str, folder: str) -> str:
   return stored
 
 
-def load_any(path: str, dtype: str, *, fp8_weights: str = "keep", fp8_activations: str = "auto"):
-  """(model, tokenizer) from a run directory or a Hugging Face folder (an FP8 one's weights
-  as `hf.load`'s `fp8_weights` and `fp8_activations` say; "auto": None there)."""
+def load_any(
+  path: str,
+  dtype: str,
+  *,
+  fp8_weights: str = "keep",
+  fp8_activations: str = "auto",
+  gguf_weights: str = "keep",
+):
+  """(model, tokenizer) from a run directory, a Hugging Face folder (an FP8 one's weights as
+  `hf.load`'s `fp8_weights` and `fp8_activations` say; "auto": None there) or a GGUF file (its
+  Q8_0/Q4_0 projections as `gguf_weights` says)."""
   folder = Path(path)
   if checkpoint.is_checkpoint(folder):
     model, _, _ = checkpoint.load_model(folder)  # a LoRA run's adapters merged
@@ -334,7 +349,13 @@ def load_any(path: str, dtype: str, *, fp8_weights: str = "keep", fp8_activation
     raise ValueError(message)
   dtype = resolve_dtype(dtype, path)
   activations = None if fp8_activations == "auto" else fp8_activations
-  model = hf.load(path, dtype=dtype, fp8_weights=fp8_weights, fp8_activations=activations)
+  model = hf.load(
+    path,
+    dtype=dtype,
+    fp8_weights=fp8_weights,
+    fp8_activations=activations,
+    gguf_weights=gguf_weights,
+  )
   return model, model_files.load_tokenizer(folder, model.cfg.vocab_size)
 
 
@@ -1000,6 +1021,7 @@ def prepare(args):
         args.dtype,
         fp8_weights=args.fp8_weights,
         fp8_activations=args.fp8_activations,
+        gguf_weights=args.gguf_weights,
       )
   else:
     model, tokenizer = load_any(
@@ -1007,6 +1029,7 @@ def prepare(args):
       args.dtype,
       fp8_weights=args.fp8_weights,
       fp8_activations=args.fp8_activations,
+      gguf_weights=args.gguf_weights,
     )
   # Loading reads every tensor through host buffers freed once the model holds its arrays, and
   # making the engine frees the copies its placement replaced: glibc keeps such freed memory in

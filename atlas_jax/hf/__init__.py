@@ -158,6 +158,7 @@ def tensor_shapes(hf: Mapping[str, Any], names: set[str] | None = None) -> dict[
 
 FP8_WEIGHTS = ("keep", "dequantize")
 FP8_ACTIVATIONS = (None, "static", "dynamic", "none")
+GGUF_WEIGHTS = ("keep", "dequantize")
 
 
 def load(
@@ -167,6 +168,7 @@ def load(
   implementation: str | None = None,
   fp8_weights: str = "keep",
   fp8_activations: str | None = None,
+  gguf_weights: str = "keep",
 ) -> Transformer:
   """Loads a Hugging Face folder (config.json + *.safetensors) or a GGUF file into a Transformer.
 
@@ -188,6 +190,8 @@ def load(
       input scales (activation_scheme "static"), "none" dequantizes the weights in the step
       (weight-only); None picks by the default backend: W8A8 where it has FP8 matmuls (cuda,
       tpu), static when the folder has input scales.
+    gguf_weights: a GGUF file's Q8_0 and Q4_0 projections "keep" their int8/int4 codes and
+      per-32 scales on the device (exact: `gguf_file.read_kept`), or all are "dequantize"d.
 
   Returns:
     The model; its ModelConfig is `model.cfg`.
@@ -196,6 +200,8 @@ def load(
     raise HFLoadError(f"fp8_weights={fp8_weights!r} is not one of {FP8_WEIGHTS}")
   if fp8_activations not in FP8_ACTIVATIONS:
     raise HFLoadError(f"fp8_activations={fp8_activations!r} is not one of {FP8_ACTIVATIONS}")
+  if gguf_weights not in GGUF_WEIGHTS:
+    raise HFLoadError(f"gguf_weights={gguf_weights!r} is not one of {GGUF_WEIGHTS}")
   folder = Path(path)
   scales = None
   if gguf_file.is_gguf(folder):
@@ -203,8 +209,20 @@ def load(
     hf_config = gguf_file.config(r)
     family = _family(hf_config)
     family.config_from_hf(hf_config, dtype=dtype)  # reject unsupported configs before the weights
-    tensors = gguf_file.read_tensors(r, hf_config, jnp.dtype(dtype))
-    log.info("%s: GGUF tensors dequantized to %s at load", folder, dtype)
+    if gguf_weights == "keep":
+      tensors, scales, report = gguf_file.read_kept(r, hf_config, jnp.dtype(dtype))
+      log.info(
+        "%s: GGUF projections kept quantized (weight-only, one float32 scale per 32 inputs): %s;"
+        " dequantized to %s at load: %s (embeddings, LM head, norms, and types with an offset "
+        "or minimum, Q4_1/Q5_0/Q5_1/K-quants, are not kept)",
+        folder,
+        report["kept"] or "none",
+        dtype,
+        report["dequantized"] or "none",
+      )
+    else:
+      tensors = gguf_file.read_tensors(r, hf_config, jnp.dtype(dtype))
+      log.info("%s: GGUF tensors dequantized to %s at load", folder, dtype)
   elif not folder.is_dir():
     raise HFLoadError(f"{folder} is not a folder or a GGUF file")
   else:
@@ -224,7 +242,7 @@ def load(
   cfg = family.config_from_hf(hf_config, dtype=dtype, names=names)
   params = params_from_tensors(tensors, family.spec(cfg, hf_config, names), cfg, scales=scales)
   ops = None
-  if scales is not None:
+  if scales is not None and not gguf_file.is_gguf(folder):
     ops = fp8.log_kept(scales, folder, dtype=dtype)
   return build_model(cfg, params, implementation=implementation, ops=ops)
 

@@ -15,9 +15,15 @@ families' tables check and convert them as they do a folder's.
 * The tokenizer, its special tokens (bos/eos/pad) and the chat template are built from the
   `tokenizer.*` metadata by transformers' own GGUF converter (transformers must be installed).
 
-A Q8_0/Q4_0 tensor could stay 8- or 4-bit on the device (its codes and one scale per 32 values are
-exactly what an int8/int4 group-wise layout holds); `read_tensors` is where the codes and scales
-are in hand, before `dequantize`.
+* Kept (`read_kept`, `hf.load(gguf_weights="keep")`, the default): a projection's Q8_0 or Q4_0
+  tensor stays 8- or 4-bit on the device. Its block of 32 codes times one f16 scale is exactly a
+  qwix QArray of int8 codes (Q4_0: int4 codes q - 8 in [-8, 7]) with one float32 scale per 32
+  inputs of each row, so the kept weight dequantizes to the very floats `dequantize` gives. The
+  codes and their scales go through the family's mapping as an FP8 folder's do
+  (`fp8.kept_weight`); llama.cpp's q/k row order is undone on both (the groups run along the
+  inputs, so a row's scales move with it). Every other type, and the embeddings and LM head
+  (gathered from floats), is dequantized: the types with a minimum or offset (Q4_1, Q5_0, Q5_1,
+  the K-quants) and Q6_K's 16-value groups in 256-value super-blocks are not kept.
 """
 
 from __future__ import annotations
@@ -238,6 +244,78 @@ def read_tensors(r, hf: dict[str, Any], dtype: Any = np.float32) -> dict[str, np
       w = unpermute(w, hf["num_key_value_heads"] if kv else hf["num_attention_heads"])
     out[name] = w.astype(dtype)
   return out
+
+
+# Types kept as QArrays (`read_kept`): name -> (bytes per block of 32, codes' dtype).
+KEPT_TYPES = {"Q8_0": (34, "int8"), "Q4_0": (18, "int4")}
+KEPT_BLOCK = 32
+
+
+def codes_and_scales(t) -> tuple[np.ndarray, np.ndarray]:
+  """A Q8_0/Q4_0 `gguf.ReaderTensor`'s codes, int8[out, in] (Q4_0's q - 8, in [-8, 7]), and
+  scales, float32[out, in / 32], from its raw blocks: each block an f16 scale d, then 32 int8
+  codes (Q8_0) or 16 bytes of nibbles, low nibbles elements 0..15 and high ones 16..31 (Q4_0,
+  value d * (q - 8)). codes * scales (each scale repeated over its 32 inputs) is `dequantize`'s
+  value, bit for bit."""
+  gguf = _gguf()
+  kind = gguf.GGMLQuantizationType(t.tensor_type).name
+  if kind not in KEPT_TYPES:
+    raise HFLoadError(f"GGUF tensor {t.name} has type {kind}; kept types: {', '.join(KEPT_TYPES)}")
+  size, _ = KEPT_TYPES[kind]
+  out, inp = (int(n) for n in reversed(t.shape))
+  blocks = np.asarray(t.data).view(np.uint8).reshape(-1, size)
+  scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(out, inp // KEPT_BLOCK)
+  body = blocks[:, 2:]
+  if kind == "Q8_0":
+    codes = body.copy().view(np.int8)
+  else:
+    codes = np.concatenate([body & 0x0F, body >> 4], axis=1).astype(np.int8) - 8
+  return codes.reshape(out, inp), scales
+
+
+def _kept(t, name: str) -> bool:
+  """Whether `read_kept` keeps tensor `t` (named `name` in Hugging Face's terms) quantized."""
+  kind = _gguf().GGMLQuantizationType(t.tensor_type).name
+  return kind in KEPT_TYPES and name.endswith("_proj.weight")
+
+
+def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
+  """(tensors, scales, report): every tensor under its Hugging Face name, a projection's Q8_0 or
+  Q4_0 tensor as its codes (int8 or int4) with its scales in `scales` (an `fp8.Scales` of 1 x 32
+  blocks, the form `weights.params_from_tensors` keeps as QArrays), the rest dequantized to
+  `dtype`; report: {"kept": {type: count}, "dequantized": {type: count}}."""
+  import jax.numpy as jnp
+
+  from atlas_jax.hf import fp8
+
+  gguf = _gguf()
+  out, by_weight = {}, {}
+  report: dict[str, dict[str, int]] = {"kept": {}, "dequantized": {}}
+  permuted = hf["model_type"] in ("llama", "mistral")
+  for t in r.tensors:
+    if t.name == ROPE_FREQS:
+      continue
+    name = hf_name(t.name)
+    kind = gguf.GGMLQuantizationType(t.tensor_type).name
+    heads = None
+    if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+      kv = name.endswith("k_proj.weight")
+      heads = hf["num_key_value_heads"] if kv else hf["num_attention_heads"]
+    if _kept(t, name):
+      codes, scales = codes_and_scales(t)
+      if heads is not None:  # rows move with their scales: the groups run along the inputs
+        codes, scales = unpermute(codes, heads), unpermute(scales, heads)
+      out[name] = jnp.asarray(codes, jnp.dtype(KEPT_TYPES[kind][1]))
+      by_weight[name] = scales
+      report["kept"][kind] = report["kept"].get(kind, 0) + 1
+      continue
+    w = dequantize(t)
+    if heads is not None:
+      w = unpermute(w, heads)
+    out[name] = w.astype(dtype)
+    report["dequantized"][kind] = report["dequantized"].get(kind, 0) + 1
+  scales = fp8.Scales(by_weight, (1, KEPT_BLOCK), "none") if by_weight else None
+  return out, scales, report
 
 
 def read(path: str | Path, dtype: Any = np.float32) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
