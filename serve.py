@@ -108,8 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--gguf-weights",
     choices=("keep", "dequantize"),
     default="keep",
-    help="a GGUF file's Q8_0/Q4_0 projections: keep their int8/int4 codes and per-32 scales on "
-    "the device (exact), or dequantize all to --dtype at load",
+    help="a GGUF file's Q8_0/Q4_0/Q6_K projections: keep their int8/int4 codes and group scales "
+    "on the device (exact), or dequantize all to --dtype at load",
   )
   p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
   p.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
@@ -339,7 +339,7 @@ def load_any(
 ):
   """(model, tokenizer) from a run directory, a Hugging Face folder (an FP8 one's weights as
   `hf.load`'s `fp8_weights` and `fp8_activations` say; "auto": None there) or a GGUF file (its
-  Q8_0/Q4_0 projections as `gguf_weights` says)."""
+  Q8_0/Q4_0/Q6_K projections as `gguf_weights` says)."""
   folder = Path(path)
   if checkpoint.is_checkpoint(folder):
     model, _, _ = checkpoint.load_model(folder)  # a LoRA run's adapters merged

@@ -190,8 +190,9 @@ def load(
       input scales (activation_scheme "static"), "none" dequantizes the weights in the step
       (weight-only); None picks by the default backend: W8A8 where it has FP8 matmuls (cuda,
       tpu), static when the folder has input scales.
-    gguf_weights: a GGUF file's Q8_0 and Q4_0 projections "keep" their int8/int4 codes and
-      per-32 scales on the device (exact: `gguf_file.read_kept`), or all are "dequantize"d.
+    gguf_weights: a GGUF file's Q8_0, Q4_0 and Q6_K projections "keep" their int8/int4 codes
+      and per-32 (Q6_K: per-16) scales on the device (exact: `gguf_file.read_kept`), or all
+      are "dequantize"d.
 
   Returns:
     The model; its ModelConfig is `model.cfg`.
@@ -212,9 +213,9 @@ def load(
     if gguf_weights == "keep":
       tensors, scales, report = gguf_file.read_kept(r, hf_config, jnp.dtype(dtype))
       log.info(
-        "%s: GGUF projections kept quantized (weight-only, one float32 scale per 32 inputs): %s;"
-        " dequantized to %s at load: %s (embeddings, LM head, norms, and types with an offset "
-        "or minimum, Q4_1/Q5_0/Q5_1/K-quants, are not kept)",
+        "%s: GGUF projections kept quantized (weight-only, one float32 scale per 32 inputs, 16 "
+        "for Q6_K): %s; dequantized to %s at load: %s (embeddings, LM head, norms, types with "
+        "an offset or minimum, Q4_1/Q5_0/Q5_1/Q2_K..Q5_K, and layers' types that differ)",
         folder,
         report["kept"] or "none",
         dtype,

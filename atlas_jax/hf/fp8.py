@@ -133,6 +133,16 @@ class Scales:
   # How the kept weights multiply (`resolve_activations`): "static" (W8A8 by `inputs`),
   # "dynamic" (W8A8, each token by its own amax) or "none" (weight-only).
   activations: str = "none"
+  # Per-weight block sizes where they differ from `block` (a GGUF file's Q6_K tensors, 1 x 16,
+  # beside its Q8_0/Q4_0 ones, 1 x 32).
+  blocks: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+  def block_of(self, names) -> tuple[int, int] | None:
+    """The block size of weights `names`, which one mapping reads together: one for all."""
+    found = {self.blocks.get(n, self.block) for n in names}
+    if len(found) > 1:
+      raise HFLoadError(f"{', '.join(names)}: quantized in different block sizes {sorted(found)}")
+    return found.pop()
 
 
 def split_scales(
@@ -343,12 +353,14 @@ def kept_weight(
     for path, plane in mapped.items():
       for acc, c in zip(changes[path], _changes(plane), strict=True):
         acc |= c
-  # Kept when the scales add at most 1/8 of the codes' bytes (a tile of 32 elements or more):
-  # edge blocks that do not divide the layout's axes cut the grid finer, never per element.
+  # Kept when the scales add at most 1/8 of the codes' bytes (a tile of 32 elements or more), or
+  # where the blocks themselves are smaller (GGUF's Q6_K groups of 16) a whole block a tile: edge
+  # blocks that do not divide the layout's axes cut the grid finer, never per element.
+  least = 32 if block is None else min(32, block[0] * block[1])
   tiles = {}
   for path, shape in shapes.items():
     t = _tile_sizes(changes[path], shape) if keep(path) else None
-    tiles[path] = t if t is not None and np.prod(t) >= 32 else None
+    tiles[path] = t if t is not None and np.prod(t) >= least else None
   # Each tile's block index, a byte at a time; a tile holding more than one block (some byte
   # not constant on it) leaves its weight to be dequantized, with each element's index.
   grid = {p: 0 for p, t in tiles.items() if t is not None}

@@ -15,15 +15,16 @@ families' tables check and convert them as they do a folder's.
 * The tokenizer, its special tokens (bos/eos/pad) and the chat template are built from the
   `tokenizer.*` metadata by transformers' own GGUF converter (transformers must be installed).
 
-* Kept (`read_kept`, `hf.load(gguf_weights="keep")`, the default): a projection's Q8_0 or Q4_0
-  tensor stays 8- or 4-bit on the device. Its block of 32 codes times one f16 scale is exactly a
-  qwix QArray of int8 codes (Q4_0: int4 codes q - 8 in [-8, 7]) with one float32 scale per 32
-  inputs of each row, so the kept weight dequantizes to the very floats `dequantize` gives. The
-  codes and their scales go through the family's mapping as an FP8 folder's do
-  (`fp8.kept_weight`); llama.cpp's q/k row order is undone on both (the groups run along the
-  inputs, so a row's scales move with it). Every other type, and the embeddings and LM head
-  (gathered from floats), is dequantized: the types with a minimum or offset (Q4_1, Q5_0, Q5_1,
-  the K-quants) and Q6_K's 16-value groups in 256-value super-blocks are not kept.
+* Kept (`read_kept`, `hf.load(gguf_weights="keep")`, the default): a projection's Q8_0, Q4_0 or
+  Q6_K tensor stays 8- or 4-bit on the device. Q8_0's block of 32 codes times one f16 scale is
+  exactly a qwix QArray of int8 codes (Q4_0: int4 codes q - 8 in [-8, 7]) with one float32 scale
+  per 32 inputs of each row; Q6_K's 6-bit codes (q - 32, in [-32, 31]) are int8 with one float32
+  scale d * sc per 16 inputs (the product of an f16 and an int8 is exact in float32). The kept
+  weight dequantizes to the very floats `dequantize` gives. The codes and their scales go through
+  the family's mapping as an FP8 folder's do (`fp8.kept_weight`); llama.cpp's q/k row order is
+  undone on both (the groups run along the inputs, so a row's scales move with it). Every other
+  type, and the embeddings and LM head (gathered from floats), is dequantized: the types with a
+  minimum or offset (Q4_1, Q5_0, Q5_1, Q2_K .. Q5_K) would need qwix zero points.
 """
 
 from __future__ import annotations
@@ -246,52 +247,96 @@ def read_tensors(r, hf: dict[str, Any], dtype: Any = np.float32) -> dict[str, np
   return out
 
 
-# Types kept as QArrays (`read_kept`): name -> (bytes per block of 32, codes' dtype).
-KEPT_TYPES = {"Q8_0": (34, "int8"), "Q4_0": (18, "int4")}
-KEPT_BLOCK = 32
+# Types kept as QArrays (`read_kept`): name -> (bytes per block, values per block, codes' dtype,
+# values per scale).
+KEPT_TYPES = {
+  "Q8_0": (34, 32, "int8", 32),
+  "Q4_0": (18, 32, "int4", 32),
+  "Q6_K": (210, 256, "int8", 16),
+}
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Q6_K super-blocks of 256 values (bytes: 128 of low nibbles, 64 of high 2-bit pairs, 16 int8
+  sub-scales, an f16 d) -> (int8[n, 256] codes in [-32, 31], float32[n, 16] scales d * sc).
+  Each half of 128 values: value k < 64 has ql[k]'s low nibble, 64 + k its high one; value
+  32 j + i takes bits 2j, 2j + 1 of qh[i] as its top two bits; the code is that 6-bit q - 32."""
+  n = blocks.shape[0]
+  ql = blocks[:, :128].reshape(n, 2, 64)
+  qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+  sub = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+  d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+  low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [n, 2, 128]
+  high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 0x03  # [n, 2, 4, 32]
+  q = (low | (high.reshape(n, 2, 128) << 4)).astype(np.int8) - 32
+  return q.reshape(n, 256), d * sub
 
 
 def codes_and_scales(t) -> tuple[np.ndarray, np.ndarray]:
-  """A Q8_0/Q4_0 `gguf.ReaderTensor`'s codes, int8[out, in] (Q4_0's q - 8, in [-8, 7]), and
-  scales, float32[out, in / 32], from its raw blocks: each block an f16 scale d, then 32 int8
-  codes (Q8_0) or 16 bytes of nibbles, low nibbles elements 0..15 and high ones 16..31 (Q4_0,
-  value d * (q - 8)). codes * scales (each scale repeated over its 32 inputs) is `dequantize`'s
-  value, bit for bit."""
+  """A Q8_0/Q4_0/Q6_K `gguf.ReaderTensor`'s codes, int8[out, in] (Q4_0's q - 8, in [-8, 7]; Q6_K's
+  q - 32, in [-32, 31]), and scales, float32[out, in / group], from its raw blocks: Q8_0 an f16
+  scale d then 32 int8 codes; Q4_0 d then 16 bytes of nibbles, low nibbles elements 0..15 and
+  high ones 16..31 (value d * (q - 8)); Q6_K as `_q6_k` unpacks, a scale per 16. codes * scales
+  (each scale repeated over its group) is `dequantize`'s value, bit for bit."""
   gguf = _gguf()
   kind = gguf.GGMLQuantizationType(t.tensor_type).name
   if kind not in KEPT_TYPES:
     raise HFLoadError(f"GGUF tensor {t.name} has type {kind}; kept types: {', '.join(KEPT_TYPES)}")
-  size, _ = KEPT_TYPES[kind]
+  size, _, _, group = KEPT_TYPES[kind]
   out, inp = (int(n) for n in reversed(t.shape))
   blocks = np.asarray(t.data).view(np.uint8).reshape(-1, size)
-  scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(out, inp // KEPT_BLOCK)
-  body = blocks[:, 2:]
-  if kind == "Q8_0":
-    codes = body.copy().view(np.int8)
+  if kind == "Q6_K":
+    codes, scales = _q6_k(blocks)
   else:
-    codes = np.concatenate([body & 0x0F, body >> 4], axis=1).astype(np.int8) - 8
-  return codes.reshape(out, inp), scales
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    body = blocks[:, 2:]
+    if kind == "Q8_0":
+      codes = body.copy().view(np.int8)
+    else:
+      codes = np.concatenate([body & 0x0F, body >> 4], axis=1).astype(np.int8) - 8
+  return codes.reshape(out, inp), scales.reshape(out, inp // group)
 
 
-def _kept(t, name: str) -> bool:
-  """Whether `read_kept` keeps tensor `t` (named `name` in Hugging Face's terms) quantized."""
-  kind = _gguf().GGMLQuantizationType(t.tensor_type).name
-  return kind in KEPT_TYPES and name.endswith("_proj.weight")
+def _keepable(r) -> set[str]:
+  """The projections' names (less "blk.N.") whose tensors `read_kept` keeps: of a kept type in
+  every layer, the same codes' dtype and group in all (the layers' QArrays stack into one)."""
+  gguf = _gguf()
+  forms: dict[str, set] = {}
+  for t in r.tensors:
+    key = re.sub(r"^blk\.\d+\.", "", t.name)
+    kind = gguf.GGMLQuantizationType(t.tensor_type).name
+    forms.setdefault(key, set()).add(KEPT_TYPES[kind][2:] if kind in KEPT_TYPES else None)
+  return {
+    key
+    for key, f in forms.items()
+    if len(f) == 1 and None not in f and _projection(key) is not None
+  }
+
+
+def _projection(key: str) -> str | None:
+  """Whether a layer tensor's name less "blk.N." is a projection's weight: its Hugging Face
+  suffix, else None."""
+  m = re.fullmatch(r"(\w+)\.weight", key)
+  if m is None or m.group(1) not in LAYER_NAMES or not LAYER_NAMES[m.group(1)].endswith("_proj"):
+    return None
+  return LAYER_NAMES[m.group(1)]
 
 
 def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
-  """(tensors, scales, report): every tensor under its Hugging Face name, a projection's Q8_0 or
-  Q4_0 tensor as its codes (int8 or int4) with its scales in `scales` (an `fp8.Scales` of 1 x 32
-  blocks, the form `weights.params_from_tensors` keeps as QArrays), the rest dequantized to
-  `dtype`; report: {"kept": {type: count}, "dequantized": {type: count}}."""
+  """(tensors, scales, report): every tensor under its Hugging Face name, a projection's Q8_0,
+  Q4_0 or Q6_K tensor as its codes (int8 or int4) with its scales in `scales` (an `fp8.Scales`
+  of 1 x 32 blocks, 1 x 16 for Q6_K, the form `weights.params_from_tensors` keeps as QArrays)
+  where every layer's is of one such form (`_keepable`), the rest dequantized to `dtype`;
+  report: {"kept": {type: count}, "dequantized": {type: count}}."""
   import jax.numpy as jnp
 
   from atlas_jax.hf import fp8
 
   gguf = _gguf()
-  out, by_weight = {}, {}
+  out, by_weight, blocks = {}, {}, {}
   report: dict[str, dict[str, int]] = {"kept": {}, "dequantized": {}}
   permuted = hf["model_type"] in ("llama", "mistral")
+  keepable = _keepable(r)
   for t in r.tensors:
     if t.name == ROPE_FREQS:
       continue
@@ -301,12 +346,13 @@ def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
     if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
       kv = name.endswith("k_proj.weight")
       heads = hf["num_key_value_heads"] if kv else hf["num_attention_heads"]
-    if _kept(t, name):
+    if re.sub(r"^blk\.\d+\.", "", t.name) in keepable:
       codes, scales = codes_and_scales(t)
       if heads is not None:  # rows move with their scales: the groups run along the inputs
         codes, scales = unpermute(codes, heads), unpermute(scales, heads)
-      out[name] = jnp.asarray(codes, jnp.dtype(KEPT_TYPES[kind][1]))
+      out[name] = jnp.asarray(codes, jnp.dtype(KEPT_TYPES[kind][2]))
       by_weight[name] = scales
+      blocks[name] = (1, KEPT_TYPES[kind][3])
       report["kept"][kind] = report["kept"].get(kind, 0) + 1
       continue
     w = dequantize(t)
@@ -314,7 +360,7 @@ def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
       w = unpermute(w, heads)
     out[name] = w.astype(dtype)
     report["dequantized"][kind] = report["dequantized"].get(kind, 0) + 1
-  scales = fp8.Scales(by_weight, (1, KEPT_BLOCK), "none") if by_weight else None
+  scales = fp8.Scales(by_weight, (1, 32), "none", blocks=blocks) if by_weight else None
   return out, scales, report
 
 

@@ -359,7 +359,7 @@ def params_from_tensors(
           w.load,
           [tensors[n] for n in full],
           [scales.by_weight[n] for n in full],
-          scales.block,
+          scales.block_of(full),
           keep=lambda where: where[-1] in PROJECTIONS,
           dtype=dtype,
           names=full,
