@@ -254,7 +254,12 @@ def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst, kind):
 
 @pytest.mark.parametrize(
   ("runner", "kind"),
-  [("ragged", "sliding"), ("cpu", "sliding"), ("ragged", "chunked"), ("cpu", "chunked")],
+  [
+    ("ragged", "sliding"),
+    ("cpu", "sliding"),
+    ("ragged", "chunked"),
+    pytest.param("cpu", "chunked", marks=pytest.mark.slow),
+  ],
 )
 def test_hybrid_serving_under_preemption_and_prefix_sharing_equals_generate(runner, kind):
   """The workload of the all-windowed test on the hybrid model: a tight pool, shared prefixes
