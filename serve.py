@@ -33,6 +33,7 @@ same steps over one mesh of all their devices (`atlas_jax.serving.multihost`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -1011,19 +1012,16 @@ def prepare(args):
   cache = compilation_cache(args.compilation_cache_dir)
   prompts = read_prompts(args) if args.port is None else []
   devices = config.tensor_parallel_size * config.data_parallel_size
-  if devices * config.prefill_context_parallel_size > 1:
-    import jax
+  import jax
 
-    # Host memory first: the runner places each device's shard, never a whole copy on one.
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-      model, tokenizer = load_any(
-        args.checkpoint,
-        args.dtype,
-        fp8_weights=args.fp8_weights,
-        fp8_activations=args.fp8_activations,
-        gguf_weights=args.gguf_weights,
-      )
-  else:
+  # Across devices, host memory first: the runner places each device's shard, never a whole
+  # copy on one.
+  place = (
+    jax.default_device(jax.local_devices(backend="cpu")[0])
+    if devices * config.prefill_context_parallel_size > 1
+    else contextlib.nullcontext()
+  )
+  with place:
     model, tokenizer = load_any(
       args.checkpoint,
       args.dtype,
@@ -1042,8 +1040,6 @@ def prepare(args):
     # for the life of the process (a few MB each on a CPU, about 90 MB after loading the
     # 135M-parameter, 30-layer shape); dropped here, a program needed again loads from the
     # persistent cache.
-    import jax
-
     jax.clear_caches()
   host_memory.return_freed_memory()
   log.info("compilation cache: %s", cache or "off")  # after loading: a bad folder is one line

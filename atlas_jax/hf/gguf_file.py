@@ -233,18 +233,7 @@ def hf_name(name: str) -> str:
 
 def read_tensors(r, hf: dict[str, Any], dtype: Any = np.float32) -> dict[str, np.ndarray]:
   """Every tensor under its Hugging Face name, dequantized and cast to `dtype` one at a time."""
-  out = {}
-  permuted = hf["model_type"] in ("llama", "mistral")  # llama.cpp's "llama" architecture
-  for t in r.tensors:
-    if t.name == ROPE_FREQS:
-      continue  # read into the config
-    name = hf_name(t.name)
-    w = dequantize(t)
-    if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-      kv = name.endswith("k_proj.weight")
-      w = unpermute(w, hf["num_key_value_heads"] if kv else hf["num_attention_heads"])
-    out[name] = w.astype(dtype)
-  return out
+  return read_kept(r, hf, dtype, keep=False)[0]
 
 
 # Types kept as QArrays (`read_kept`): name -> (bytes per block, values per block, codes' dtype,
@@ -322,12 +311,12 @@ def _projection(key: str) -> str | None:
   return LAYER_NAMES[m.group(1)]
 
 
-def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
+def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32, *, keep: bool = True):
   """(tensors, scales, report): every tensor under its Hugging Face name, a projection's Q8_0,
   Q4_0 or Q6_K tensor as its codes (int8 or int4) with its scales in `scales` (an `fp8.Scales`
   of 1 x 32 blocks, 1 x 16 for Q6_K, the form `weights.params_from_tensors` keeps as QArrays)
-  where every layer's is of one such form (`_keepable`), the rest dequantized to `dtype`;
-  report: {"kept": {type: count}, "dequantized": {type: count}}."""
+  where every layer's is of one such form (`_keepable`), the rest dequantized to `dtype` (all of
+  them without `keep`); report: {"kept": {type: count}, "dequantized": {type: count}}."""
   import jax.numpy as jnp
 
   from atlas_jax.hf import fp8
@@ -336,7 +325,7 @@ def read_kept(r, hf: dict[str, Any], dtype: Any = np.float32):
   out, by_weight, blocks = {}, {}, {}
   report: dict[str, dict[str, int]] = {"kept": {}, "dequantized": {}}
   permuted = hf["model_type"] in ("llama", "mistral")
-  keepable = _keepable(r)
+  keepable = _keepable(r) if keep else set()
   for t in r.tensors:
     if t.name == ROPE_FREQS:
       continue
