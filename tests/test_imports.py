@@ -137,3 +137,22 @@ def test_nothing_at_the_root_shadows_an_installed_package():
     if name in installed and set(installed[name]) != {"atlas-jax"}
   }
   assert importable and not shadowing
+
+
+def test_serving_a_folder_does_not_import_orbax():
+  """serve.py imports no checkpoint library until it reads a run's steps: orbax (and tensorstore)
+  stay resident once imported, and a server of a Hugging Face folder never needs them."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, logging; logging.basicConfig(); import serve; "
+    "print(sorted(m for m in ('orbax', 'tensorstore') if m in sys.modules)); "
+    "from atlas_jax.training import checkpoint; checkpoint._orbax(); "
+    "print(len(logging.getLogger().handlers))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout.split("\n")
+  assert out[0] == "[]", out
+  assert out[1] == "1", "orbax's import added a second root handler"

@@ -14,15 +14,15 @@ resumes on another.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -34,7 +34,25 @@ from atlas_jax.training.pipeline import reorder_layers
 from atlas_jax.training.precision import training_model_config
 from atlas_jax.training.sharding import AXES
 
+if TYPE_CHECKING:
+  import orbax.checkpoint as ocp
+
 T = TypeVar("T")
+
+
+def _orbax():
+  """orbax.checkpoint, imported where a run's steps are read or written: a server of a Hugging
+  Face folder never does, and the import (with tensorstore's library) stays resident, about 25 MB
+  of a process. Its import adds a plain stderr handler to the root logger; one added now, after
+  the program set up its logging, is taken out again, or each record would print twice."""
+  root = logging.getLogger()
+  before = list(root.handlers)
+  import orbax.checkpoint
+
+  for h in list(root.handlers):
+    if h not in before and type(h) is logging.StreamHandler and before:
+      root.removeHandler(h)
+  return orbax.checkpoint
 
 
 def manager(
@@ -42,6 +60,7 @@ def manager(
 ) -> ocp.CheckpointManager:
   """Orbax's manager of a run's steps; `asynchronous`: `save` returns at once and writes while
   the run goes on (`train.async_checkpointing`)."""
+  ocp = _orbax()
   options = ocp.CheckpointManagerOptions(
     max_to_keep=max_to_keep, create=True, enable_async_checkpointing=asynchronous
   )
@@ -67,6 +86,7 @@ def write_run_files(directory: str | Path, cfg: Config, tokenizer: Tokenizer | N
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
   """Saves `state` (a TrainState) and `meta` (JSON) at `step`: starts the save, or makes it
   whole, as the manager is asynchronous or not."""
+  ocp = _orbax()
   mngr.save(
     step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
   )
@@ -103,6 +123,7 @@ def restore(
   Raises:
     CheckpointError naming the step and, where it can tell, the damaged file.
   """
+  ocp = _orbax()
   step = mngr.latest_step() if step is None else step
   target = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
@@ -200,6 +221,7 @@ def restore_params(
   Raises:
     ValueError for a directory with no step; CheckpointError when none can be restored.
   """
+  ocp = _orbax()
   directory = Path(directory)
   mngr = manager(directory)
   leaf = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
