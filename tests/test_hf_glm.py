@@ -93,8 +93,10 @@ def test_greedy_generation_matches_transformers(tmp_path):
   assert got == [hf_greedy(ref, prompt, 12) for prompt in prompts]
 
 
-# One device under -m slow: `generate` covers the single-device cache in the default run.
-@pytest.mark.parametrize("tensor", [pytest.param(1, marks=pytest.mark.slow), 2])
+# Under -m slow: `generate` covers GLM's cache in the default run, test_serve_moe the engine's
+# paged pool under MoE models, and test_mesh experts split over the tensor axis.
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor", [1, 2])
 def test_the_engine_serves_transformers_greedy_tokens(tensor, tmp_path):
   """The paged pool and ragged steps (chunked prefill), on one device and with the heads and the
   experts' hidden dims split over two."""

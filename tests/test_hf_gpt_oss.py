@@ -122,8 +122,9 @@ def test_bad_fields_name_themselves():
 
 @pytest.mark.parametrize(
   "runner, tensor",
+  # One device under -m slow: the tensor-2 case runs the same pools, sinks and experts.
   [
-    ("ragged", 1),
+    pytest.param("ragged", 1, marks=pytest.mark.slow),
     ("ragged", 2),
     pytest.param("cpu", 1, marks=pytest.mark.slow),
   ],

@@ -24,19 +24,30 @@ def segments(B, T, seed=1):
   return jnp.asarray(np.cumsum(rng.random((B, T)) < 0.1, axis=1), jnp.int32)
 
 
+MASKINGS = {
+  "causal": {},
+  "sliding_window7": {"sliding_window": 7},
+  "sliding_window1": {"sliding_window": 1},
+  "segments": "segments",
+  "segments+window": "segments+window",
+}
+
+
+# 13 rows: blocks that do not divide T = 40 (the last one shorter); 64: one block, T rows. The
+# default run takes every masking with 13 and the causal one with 64; the rest with -m slow.
 @pytest.mark.parametrize(
-  "masking",
+  "block, masking",
   [
-    {},
-    {"sliding_window": 7},
-    {"sliding_window": 1},
-    "segments",
-    "segments+window",
+    pytest.param(
+      block,
+      masking,
+      id=f"{block}-{name}",
+      marks=pytest.mark.slow if block == 64 and name != "causal" else (),
+    )
+    for block in (13, 64)
+    for name, masking in MASKINGS.items()
   ],
-  ids=lambda m: m if isinstance(m, str) else ",".join(m) or "causal",
 )
-# 13 rows: blocks that do not divide T = 40 (the last one shorter); 64: one block, T rows.
-@pytest.mark.parametrize("block", [13, 64])
 def test_values_and_gradients_equal_the_reference(masking, block):
   q, k, v = qkv()
   B, T = q.shape[:2]

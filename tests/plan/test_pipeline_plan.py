@@ -178,7 +178,8 @@ def test_pipelined_activations_match_the_residuals_the_compiled_step_keeps(case)
 @pytest.mark.parametrize(
   "overrides",
   [
-    ["mesh.fsdp=4", *pipe(2, 2)],
+    # The plain schedule under -m slow: the MTP and bf16 cases below are it with one change.
+    pytest.param(["mesh.fsdp=4", *pipe(2, 2)], marks=pytest.mark.slow),
     ["mesh.fsdp=2", "mesh.tensor=2", *pipe(2, 4, 2), "train.sharding=zero3"],
     ["mesh.fsdp=2", *pipe(4, 4), "train.grad_accum=2", "train.batch_size=32"],
     ["mesh.fsdp=4", "model.mtp.kind=parallel", "model.mtp.n_predict=1", *pipe(2, 2)],

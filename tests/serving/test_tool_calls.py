@@ -168,7 +168,11 @@ def stream(url, body) -> tuple[dict, list[dict], str | None]:
   return text, calls, reason
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+# Seeds 0 and 1 (parallel calls and a single call) in the default run; 2 and 3 repeat them on
+# other draws with -m slow.
+@pytest.mark.parametrize(
+  "seed", [0, 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)
 def test_required_calls_validate_against_the_schemas(url, seed):
   body = {
     "messages": HISTORY[:2],

@@ -40,8 +40,10 @@ def finetune_config(folder, *sets):
 
 @pytest.mark.parametrize(
   "sets",
+  # One device under -m slow: the sharded case loads the same folder, then lays it out over
+  # the mesh (test_finetune initialises full fine-tunes from a folder in the default run).
   [
-    [],
+    pytest.param([], marks=pytest.mark.slow),
     ["mesh.fsdp=4", "mesh.tensor=2", "train.sharding=zero3", "train.lora={rank: 2}"],
   ],
   ids=["one-device", "fsdp4-tensor2-lora"],
