@@ -75,7 +75,8 @@ def greedy(n=16):
 PROMPTS = [[1, 2, 3, 4, 5], [9], [3] * 11]
 
 
-@pytest.mark.parametrize("k", [1, 4])
+# One draft token under -m slow: 4 takes the same rounds with longer drafts.
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_greedy_speculation_emits_the_plain_greedy_tokens(target, k):
   want = generate(target, PROMPTS, greedy())
   bad_draft = tiny(7)
@@ -151,10 +152,14 @@ def exact_joint(model, prompt, params, n):
 
 @pytest.mark.parametrize(
   "k, params",
+  # The default run keeps the nucleus-filtered case (3 drafts); one draft and top-k's five run
+  # with -m slow (the same rejection sampling, other filters).
   [
-    (1, SamplingParams(max_new_tokens=3, temperature=1.0)),
+    pytest.param(1, SamplingParams(max_new_tokens=3, temperature=1.0), marks=pytest.mark.slow),
     (3, SamplingParams(max_new_tokens=3, temperature=1.3, top_p=0.95)),
-    (5, SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3)),
+    pytest.param(
+      5, SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3), marks=pytest.mark.slow
+    ),
   ],
 )
 def test_joint_law_of_emitted_tokens_is_the_targets(k, params):

@@ -35,7 +35,9 @@ def served(model, runner):
   return engine.generate(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("runner", ["ragged", "cpu"])
+# The ragged runner under -m slow: it serves the kept weights in the tensor-2 tests below, and
+# test_hf_fp8 checks the kept model's logits against the dequantized load's.
+@pytest.mark.parametrize("runner", [pytest.param("ragged", marks=pytest.mark.slow), "cpu"])
 def test_kept_fp8_weights_serve_the_dequantized_tokens(folder, runner):
   kept = hf.load(folder)
   assert len(qarrays(kept)) == 7

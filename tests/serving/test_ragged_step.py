@@ -211,7 +211,10 @@ GPT_OSS = dict(
 )
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla", "draft", "gemma", "gpt_oss"])
+# Gemma's case under -m slow: gpt-oss's local and global layers take the same switch.
+@pytest.mark.parametrize(
+  "kind", ["gqa", "mla", "draft", pytest.param("gemma", marks=pytest.mark.slow), "gpt_oss"]
+)
 def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   """On a CPU host, each program lowered for cuda holds the Triton kernel and for tpu the
   Mosaic one, and neither gathers a pool: no sequence's pages are copied densely. Gemma's
