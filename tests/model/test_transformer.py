@@ -54,7 +54,12 @@ class ForwardTest(chex.TestCase):
     np.testing.assert_allclose(logits, ref, atol=5e-2)
 
 
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+# MHA, GQA, MQA: the mask does not depend on how heads share kv, so GQA runs by default and the
+# other two with -m slow.
+@pytest.mark.parametrize(
+  "n_kv_heads",
+  [pytest.param(4, marks=pytest.mark.slow), 2, pytest.param(1, marks=pytest.mark.slow)],
+)
 def test_causal_through_gradients(n_kv_heads):
   """d logits[t] / d embedding[s] is zero for every s > t."""
   model = make(n_kv_heads=n_kv_heads)

@@ -255,8 +255,10 @@ def test_a_hybrid_models_windowed_layers_hold_their_windows_blocks(burst, kind):
 @pytest.mark.parametrize(
   ("runner", "kind"),
   [
+    # The CPU runner's cases under -m slow: test_hf_patterns serves Gemma 3's sliding and full
+    # layers (two pools) on it, and the ragged cases take the preemption and the shared prefixes.
     ("ragged", "sliding"),
-    ("cpu", "sliding"),
+    pytest.param("cpu", "sliding", marks=pytest.mark.slow),
     ("ragged", "chunked"),
     pytest.param("cpu", "chunked", marks=pytest.mark.slow),
   ],

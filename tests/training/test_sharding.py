@@ -43,7 +43,10 @@ def single_device_losses():
   return losses(tiny_config(), mesh=single_device_mesh())[0]
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# Pure data parallelism under -m slow: "tp" runs it on the data axis with the heads split too.
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=pytest.mark.slow) if n == "dp" else n for n in STRATEGIES]
+)
 def test_same_loss_trajectory_as_one_device(name, single_device_losses):
   got, state, trainer = losses(tiny_config(*STRATEGIES[name]))
   np.testing.assert_allclose(got, single_device_losses, rtol=1e-5)
