@@ -61,7 +61,8 @@ def test_contiguous_prefill_with_options():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+# One device under -m slow: the sharded case runs the same path on each device's heads.
+@pytest.mark.parametrize("sharded", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_paged_attend_with_options(sharded):
   """The ragged kernel's path; on a (data 1, tensor 2) mesh each device holds half the heads
   and their sinks."""

@@ -211,9 +211,17 @@ GPT_OSS = dict(
 )
 
 
-# Gemma's case under -m slow: gpt-oss's local and global layers take the same switch.
+# Under -m slow: GQA alone (the draft case lowers the same target's programs, then the draft
+# model's) and Gemma (gpt-oss's local and global layers take the same switch).
 @pytest.mark.parametrize(
-  "kind", ["gqa", "mla", "draft", pytest.param("gemma", marks=pytest.mark.slow), "gpt_oss"]
+  "kind",
+  [
+    pytest.param("gqa", marks=pytest.mark.slow),
+    "mla",
+    "draft",
+    pytest.param("gemma", marks=pytest.mark.slow),
+    "gpt_oss",
+  ],
 )
 def test_every_step_program_lowers_for_cuda_and_tpu(kind):
   """On a CPU host, each program lowered for cuda holds the Triton kernel and for tpu the

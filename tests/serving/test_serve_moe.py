@@ -104,6 +104,7 @@ def test_engine_equals_generate_under_preemption(moe_model):
   assert got == want
 
 
+@pytest.mark.slow  # the experts do not touch the pool: test_mesh's MoE model shares prefixes
 def test_prefix_cache_reuses_blocks_and_keeps_outputs(moe_model):
   prompt = list(np.random.default_rng(1).integers(0, 40, 30))
   engine = Engine(moe_model, CONFIGS["roomy"])

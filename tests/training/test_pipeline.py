@@ -198,7 +198,10 @@ def test_schedule_table_iterations_and_bubble():
     assert (table == -1).mean() == pytest.approx((p - 1) / (r * U + p - 1))
 
 
-@pytest.mark.parametrize("p, U, r", [(2, 4, 1), (2, 2, 2), (4, 4, 1)])
+# Two-stage GPipe under -m slow: four stages run GPipe's loop, two the circular one.
+@pytest.mark.parametrize(
+  "p, U, r", [pytest.param(2, 4, 1, marks=pytest.mark.slow), (2, 2, 2), (4, 4, 1)]
+)
 def test_the_compiled_step_runs_the_schedules_iterations(p, U, r):
   """The train step's pipeline loops (forward and backward, the ones that ppermute) run
   U r + p - 1 iterations, and the program's own busy flags idle (p-1)/(U r + p - 1)."""
