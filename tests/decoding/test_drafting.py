@@ -85,7 +85,8 @@ def simulate(prompts, want, drafter, k, limits):
   return row_rounds, accepted
 
 
-@pytest.mark.parametrize("k", [2, 4])
+# Two drafts under -m slow: four take the same rounds and counts with longer drafts.
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_greedy_prompt_lookup_emits_the_plain_tokens_and_counts_exactly(target, k):
   drafter = NGramDrafter(prompt_lookup_min=1, prompt_lookup_max=3)
   limits = [24, 9, 17]

@@ -59,7 +59,17 @@ def greedy_workload(seed):
   return prompts, [dataclasses.replace(p, temperature=0.0, top_k=0) for p in params]
 
 
-@pytest.mark.parametrize("config", [ROOMY, TIGHT], ids=["roomy", "tight"])
+# GQA in the roomy pool under -m slow: its tight pool takes the same rounds, then preemption.
+@pytest.mark.parametrize(
+  "any_model, config",
+  [
+    pytest.param("gqa", ROOMY, id="gqa-roomy", marks=pytest.mark.slow),
+    pytest.param("gqa", TIGHT, id="gqa-tight"),
+    pytest.param("mla", ROOMY, id="mla-roomy"),
+    pytest.param("mla", TIGHT, id="mla-tight"),
+  ],
+  indirect=["any_model"],
+)
 def test_greedy_speculation_in_the_engine_equals_plain_greedy(any_model, draft, config):
   if config is TIGHT and any_model.cfg.mla is not None:
     pytest.skip("preemption under speculation is covered by the GQA model and by MTP on MLA")
