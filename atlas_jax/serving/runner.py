@@ -467,10 +467,15 @@ class ModelRunner:
     M = self.width(max(len(r.blocks) for r in rows))
     return self.record(rows, layout, M, penalties=penalties, allowed=allowed), layout.slot
 
+  def needs_masks(self, rows: Sequence[Row]) -> bool:
+    """Whether a row's sampling takes a mask: a guided row's, or the stops of a row in its
+    min_tokens."""
+    return any(r.req.matcher is not None or r.req.suppressing_stops for r in rows)
+
   def _allowed_bits(self, rows: Sequence[Row], slot, B) -> np.ndarray | None:
     """i32[B, W] packed allowed tokens: guided rows' from their matchers, without the stop ids
     for rows in their min_tokens, all set for the others; None when no row needs a mask."""
-    if all(r.req.matcher is None and not r.req.suppressing_stops for r in rows):
+    if not self.needs_masks(rows):
       return None
     V = self.model_config.vocab_size
     bits = np.full((B, -(-V // 32)), -1, np.int32)

@@ -278,12 +278,16 @@ def test_prompts_run_as_segments_and_pad_less(tiny_model):
   assert got[16] == got[None] == generate(tiny_model, prompts, params)
 
 
-@pytest.mark.parametrize("prompt_len, calls", [(40, [(4, 16)]), (32, [(2, 16), (1, 1)])])
+@pytest.mark.parametrize(
+  "prompt_len, calls",
+  [(40, [("step", (4, 16))]), (32, [("step", (2, 16)), ("burst", (1, 1))])],
+)
 def test_decode_rows_ride_in_the_segments_padding(tiny_model, prompt_len, calls):
   """A step that prefills a new prompt while a request decodes: 40 tokens are 3 segments,
   bucketed to 4, so the decoding row takes the fourth and the step is one call; 32 tokens are 2
-  segments, bucket 2, where a third would grow the bucket, so the decode row runs on its own.
-  Either way each request's tokens are `generate`'s."""
+  segments, bucket 2, where a third would grow the bucket, so the decode row runs on its own,
+  in the burst program for one iteration (`CPUModelRunner.decode`). Either way each request's
+  tokens are `generate`'s."""
   config = EngineConfig(
     runner="cpu",
     n_blocks=64,
@@ -294,13 +298,20 @@ def test_decode_rows_ride_in_the_segments_padding(tiny_model, prompt_len, calls)
   )
   engine = Engine(tiny_model, config)
   shapes = []
-  program = engine.programs.forward_sample
 
-  def spy(states, pools, x):
-    shapes.append(x.tokens_RT.shape)
-    return program(states, pools, x)
+  def spy(kind, program):
+    def call(states, pools, x, *static):
+      shapes.append((kind, x.tokens_RT.shape))
+      return program(states, pools, x, *static)
 
-  engine.programs = dataclasses.replace(engine.programs, forward_sample=spy)
+    return call
+
+  progs = engine.programs
+  engine.programs = dataclasses.replace(
+    progs,
+    forward_sample=spy("step", progs.forward_sample),
+    decode_burst=spy("burst", progs.decode_burst),
+  )
   prompts = {"a": [3, 1, 4, 1, 5], "b": [t % 37 for t in range(prompt_len)]}
   params = SamplingParams(max_new_tokens=6)
   got = {rid: [] for rid in prompts}
@@ -422,18 +433,21 @@ def test_warmup_levels_list_every_shape():
   # most, and every prefill, past a cached prefix too, is one of 3 shapes.
   assert engine.runner.segment == 16
   prefills = [Shape("prefill", B, 16, 34) for B in (1, 2, 4)]
-  decodes = [Shape("decode", B, 1, 34) for B in (1, 2)]
-  # One burst program per shape, 8 iterations at most (online bursts run 4 of them)
+  # One burst program per shape, 8 iterations at most (online bursts run 4 of them); a decode
+  # step is its burst run for one iteration, so no decode program of its own.
   bursts = [Shape("burst", B, 8, 34) for B in (1, 2)]
   # The first of each kind first (what the first requests run), then the rest in order.
-  firsts = [prefills[0], decodes[0], bursts[0]]
-  assert shapes == firsts + prefills[1:] + decodes[1:] + bursts[1:]
+  assert shapes == [prefills[0], bursts[0], *prefills[1:], *bursts[1:]]
   assert engine.warmup_shapes("all") == (shapes, deferred)
   engine.runner.segment = None  # prompt rows padded to their chunk, as with a drafter
   shapes, deferred = engine.warmup_shapes()
   prefills = [Shape("prefill", B, T, 34) for B in (1, 2) for T in (16, 32)]
-  assert shapes == [prefills[0], decodes[0], bursts[0], *prefills[1:], *decodes[1:], *bursts[1:]]
+  assert shapes == [prefills[0], bursts[0], *prefills[1:], *bursts[1:]]
   assert engine.warmup_shapes("all") == (shapes, deferred)
+  # With bursts off, decode steps are programs of their own.
+  unburst = Engine(model, dataclasses.replace(WARM, decode_burst=1))
+  decodes = [Shape("decode", B, 1, 34) for B in (1, 2)]
+  assert [s for s in unburst.warmup_shapes()[0] if s.kind != "prefill"] == decodes
   assert engine.warmup_shapes("none") == ([], ["every step shape", *deferred])
   allowed = "must be one of none, default, all"
   with pytest.raises(ValueError, match=f"serve.engine.warmup='some' is not allowed: {allowed}"):
@@ -470,8 +484,8 @@ def test_warmup_compiles_on_two_threads():
   model = build(ModelConfig(**{**TINY, "vocab_size": 51}, n_kv_heads=2), rngs=nnx.Rngs(5))
   engine = Engine(model, WARM)
   every, _ = engine.warmup_shapes()
-  shapes = [every[0], *(s for s in every if s.kind == "decode")][:3]
-  assert [s.kind for s in shapes] == ["prefill", "decode", "decode"]
+  shapes = [s for s in every if s.kind == "prefill"][:3]
+  assert [s.kind for s in shapes] == ["prefill"] * 3
   shapes.append(next(s for s in every if s.kind == "burst" and s.b == 2))
   warm_in_threads(engine, shapes)
   progs = engine.programs
@@ -484,8 +498,8 @@ def test_warmup_compiles_on_two_threads():
   [
     # (the shape lists themselves: test_warmup_levels_list_every_shape, in the default suite)
     pytest.param(1, (5, 0), marks=pytest.mark.slow),
-    # each burst twice: fed from the host, and chained on the device
-    pytest.param(4, (5, 4), marks=pytest.mark.slow),
+    # each burst twice: fed from the host, and chained on the device; decode steps run bursts
+    pytest.param(4, (3, 4), marks=pytest.mark.slow),
   ],
 )
 def test_after_warmup_nothing_compiles(burst, n_compiled):

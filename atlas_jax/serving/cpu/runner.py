@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from atlas_jax.config import CPUConfig
@@ -18,6 +19,7 @@ from atlas_jax.serving.cpu import compile as cpu_compile
 from atlas_jax.serving.cpu import probes
 from atlas_jax.serving.cpu.weights import layer_bytes, out_major_candidates, unstack_layers
 from atlas_jax.serving.runner import ModelRunner, Shape, first_of_each_kind
+from atlas_jax.serving.scheduler import burst_capacity
 
 log = logging.getLogger("atlas_jax.serving")
 
@@ -267,8 +269,9 @@ class CPUModelRunner(ModelRunner):
 
   def shapes(self, config, level: str, *, capacity: int) -> tuple[list[Shape], list[str]]:
     """(every shape of the CPU runner's calls at warm-up `level`, what is left to first use):
-    prefills (segments, or rows padded to their chunk), decode steps, bursts and rounds at
-    every batch bucket, over the one table width."""
+    prefills (segments, or rows padded to their chunk), bursts (which run decode steps too,
+    `decode`; decode steps of their own with bursts off) and rounds at every batch bucket,
+    over the one table width."""
     always = ["penalties, logit bias, guided masks, min_tokens, prompt logprobs, n > 1 copies"]
     if level == "none":
       return [], ["every step shape", *always]
@@ -278,7 +281,8 @@ class CPUModelRunner(ModelRunner):
       config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk, level
     )
     out = [Shape("prefill", b, T, M) for b, T, M in prefills]
-    out += [Shape("decode", b, 1, M) for M in widths for b in buckets]
+    if capacity < 2:  # no burst program to run a decode step (`decode`): one of its own
+      out += [Shape("decode", b, 1, M) for M in widths for b in buckets]
     return first_of_each_kind(out + self.decode_shapes(config, capacity)), always
 
   def _warmup_call(self, shape: Shape) -> tuple:
@@ -318,7 +322,7 @@ class CPUModelRunner(ModelRunner):
 
   def execute(self, rows: Sequence[Row]) -> dict:
     """A step as one call when the decode rows ride in the prompts' segments (`carries`), else
-    a prefill call and a decode call."""
+    a prefill call and a decode call (`decode`)."""
     prefill = [row for row in rows if row.n > 1]
     decode = [row for row in rows if row.n == 1]
     if self.carries(prefill, decode):
@@ -327,8 +331,26 @@ class CPUModelRunner(ModelRunner):
     if prefill:
       out.update(self.forward(prefill, None))
     if decode:
-      out.update(self.forward(decode, 1))
+      out.update(self.decode(decode))
     return out
+
+  def decode(self, rows: Sequence[Row]) -> dict:
+    """One decode iteration of `rows` (a pending token each), as `forward` returns it: the
+    burst program run for one iteration (its count is an input), so that a decode step and a
+    burst of the same batch bucket share one compiled program, where each program a CPU holds
+    costs tens of MB. A forward call instead where a row's sampling needs a mask (a guided row,
+    a row in its min_tokens: a burst carries none) or bursts are off."""
+    capacity = burst_capacity(self.limits)
+    if capacity < 2 or self.needs_masks(rows):
+      return self.forward(rows, 1)
+    drawn = self.burst(rows, 1, capacity)
+    tok, lp, top_ids, top_lp = (
+      np.asarray(a[0]) for a in (drawn.tok_IB, drawn.lp_IB, drawn.top_ids_IBk, drawn.top_lp_IBk)
+    )
+    return {
+      row.req.id: (int(tok[b]), float(lp[b]), top_ids[b], top_lp[b])
+      for row, b in zip(rows, drawn.slot)
+    }
 
   def forward(self, rows: Sequence[Row], T: int | None) -> dict:
     """One call over `rows` in rows form (T None: prompt rows, as `segments` where the runner
