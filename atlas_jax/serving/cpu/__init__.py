@@ -13,7 +13,8 @@ changes what differs through the base's hooks, chosen once when the engine start
 * how a step's rows become calls (`execute`, `shapes`): prompts cut into 16-token segments, one
   row each, in fine batch buckets (XLA's paged loop walks each row's own pages, so a segment
   costs its own tokens, where a ragged block would pad to the longest), decode rows carried in
-  the segments' padding, or a separate decode call;
+  the segments' padding, or run by the burst program for one iteration (one program per batch
+  bucket for both);
 * how programs compile (`compile`): YNNPACK's dots, XLA's own dots for a few rows, YNNPACK's
   reductions for the decode attention at a few rows, each chosen per row count (`ByRows`).
 
